@@ -1,0 +1,50 @@
+use super::dot;
+use crate::backend::AttentionShape;
+
+/// Causal grouped-query attention over a KV cache of rows `[position, n_kv_heads * head_dim]`.
+///
+/// Token `t` attends to positions `0..=positions[t]`; query head `h` reads KV head
+/// `h / (n_heads / n_kv_heads)`. Scores are scaled by `1/sqrt(head_dim)` and softmaxed in f32.
+pub fn attention(
+    q: &[f32],
+    k_cache: &[f32],
+    v_cache: &[f32],
+    positions: &[u32],
+    out: &mut [f32],
+    shape: AttentionShape,
+) {
+    let AttentionShape {
+        n_heads,
+        n_kv_heads,
+        head_dim,
+    } = shape;
+    let group = n_heads / n_kv_heads;
+    let kv_width = shape.kv_width();
+    let scale = 1.0 / (head_dim as f32).sqrt();
+    let mut scores = Vec::new();
+    for (t, &pos) in positions.iter().enumerate() {
+        let n_ctx = pos as usize + 1;
+        for h in 0..n_heads {
+            let qh = &q[(t * n_heads + h) * head_dim..][..head_dim];
+            let kv_off = (h / group) * head_dim;
+            scores.clear();
+            scores.extend(
+                (0..n_ctx).map(|p| dot(qh, &k_cache[p * kv_width + kv_off..][..head_dim]) * scale),
+            );
+            let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let mut sum = 0.0;
+            for s in scores.iter_mut() {
+                *s = (*s - max).exp();
+                sum += *s;
+            }
+            let oh = &mut out[(t * n_heads + h) * head_dim..][..head_dim];
+            oh.fill(0.0);
+            for (p, &w) in scores.iter().enumerate() {
+                let vrow = &v_cache[p * kv_width + kv_off..][..head_dim];
+                for (o, &v) in oh.iter_mut().zip(vrow) {
+                    *o += w / sum * v;
+                }
+            }
+        }
+    }
+}

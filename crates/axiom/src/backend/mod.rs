@@ -1,0 +1,157 @@
+//! The narrow interface every compute backend implements, and the backends themselves.
+//!
+//! A backend has the seed's four layers: a device (what it runs on), a context (the queue or
+//! stream work is submitted to), an allocator (one arena reserved up front, handing out
+//! [`BlockHandle`]s) and kernels (one per op). The model's layer loop is written once against
+//! [`Backend`]; activations and the KV cache live in arena blocks, weights in whatever form the
+//! backend keeps them (the CPU reads them straight from the memory-mapped file).
+//!
+//! Buffer conventions: activations are row-major f32 `[n_tokens, width]`; token ids and positions
+//! are u32; a weight matrix `[n_out, n_in]` is stored row by row in its GGUF type, so
+//! `matmul` computes `out[t, o] = sum_i x[t, i] * w[o, i]`.
+
+pub mod arena;
+pub mod cpu;
+
+pub use arena::{Arena, ArenaError, BlockHandle};
+
+use crate::format::quant::GgmlType;
+use crate::Result;
+
+/// How rotary embeddings pair up the dimensions of a head.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RopeLayout {
+    /// Adjacent pairs (x[2i], x[2i+1]): GGUF's "normal" layout (Llama Q/K are permuted into it).
+    Adjacent,
+    /// Rotate-half pairs (x[i], x[i + d/2]): Hugging Face's layout, GGUF's "NeoX".
+    Halves,
+}
+
+/// Rotary embedding settings.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Rope {
+    pub layout: RopeLayout,
+    pub theta: f32,
+    /// Number of leading dimensions of each head that are rotated (usually all of them).
+    pub dims: usize,
+}
+
+/// Head counts and sizes for the attention ops.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttentionShape {
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+}
+
+impl AttentionShape {
+    pub fn q_width(&self) -> usize {
+        self.n_heads * self.head_dim
+    }
+    pub fn kv_width(&self) -> usize {
+        self.n_kv_heads * self.head_dim
+    }
+}
+
+/// A weight tensor as read from a model file, before it is handed to a backend.
+pub struct HostTensor<'a> {
+    pub name: &'a str,
+    pub ty: GgmlType,
+    /// GGML order: `dims[0]` is the row length.
+    pub dims: &'a [usize],
+    pub bytes: &'a [u8],
+    /// The memory map the bytes live in, for backends that read weights in place.
+    pub region: Option<(std::sync::Arc<memmap2::Mmap>, std::ops::Range<usize>)>,
+}
+
+pub trait Backend {
+    /// A weight matrix resident on the backend, in its stored type.
+    type Weight;
+
+    /// What the backend runs on, for logs and `axiom bench`.
+    fn device_name(&self) -> String;
+
+    // --- allocator ---
+
+    /// Reserves the arena all later `alloc` calls carve from. Called once, at model load.
+    fn reserve(&mut self, bytes: usize) -> Result<()>;
+    /// A block of `bytes` bytes from the arena, 64-byte aligned. Contents are unspecified.
+    fn alloc(&mut self, bytes: usize) -> Result<BlockHandle>;
+    fn free(&mut self, block: BlockHandle) -> Result<()>;
+
+    /// Makes a weight matrix (2-D, any supported type) available to `matmul` and `embed`.
+    fn upload_weight(&mut self, tensor: &HostTensor) -> Result<Self::Weight>;
+
+    // --- context: host <-> device and ordering ---
+
+    fn write_f32(&self, dst: BlockHandle, src: &[f32]) -> Result<()>;
+    fn write_u32(&self, dst: BlockHandle, src: &[u32]) -> Result<()>;
+    fn read_f32(&self, src: BlockHandle, dst: &mut [f32]) -> Result<()>;
+    /// Waits until all submitted work has finished.
+    fn synchronize(&self) -> Result<()>;
+
+    // --- kernels ---
+
+    /// `out[t] = dequantize(table row ids[t])` for `n_tokens` ids.
+    fn embed(
+        &self,
+        table: &Self::Weight,
+        ids: BlockHandle,
+        out: BlockHandle,
+        n_tokens: usize,
+    ) -> Result<()>;
+    /// `out[t] = x[t] / rms(x[t]) * weight`, rows of `dim`.
+    fn rms_norm(
+        &self,
+        x: BlockHandle,
+        weight: BlockHandle,
+        out: BlockHandle,
+        n_tokens: usize,
+        dim: usize,
+        eps: f32,
+    ) -> Result<()>;
+    /// `out[t, o] = sum_i x[t, i] * w[o, i]`.
+    fn matmul(
+        &self,
+        x: BlockHandle,
+        w: &Self::Weight,
+        out: BlockHandle,
+        n_tokens: usize,
+    ) -> Result<()>;
+    /// Rotates, in place, each head of `x` (`[n_tokens, n_heads * head_dim]`) by its token's position.
+    fn rope(
+        &self,
+        x: BlockHandle,
+        positions: BlockHandle,
+        n_tokens: usize,
+        n_heads: usize,
+        head_dim: usize,
+        rope: Rope,
+    ) -> Result<()>;
+    /// Stores the K and V rows of `n_tokens` tokens in the caches (`[capacity, kv_width]`) at their positions.
+    fn kv_write(
+        &self,
+        k: BlockHandle,
+        v: BlockHandle,
+        k_cache: BlockHandle,
+        v_cache: BlockHandle,
+        positions: BlockHandle,
+        n_tokens: usize,
+        kv_width: usize,
+    ) -> Result<()>;
+    /// Causal grouped-query attention: token t attends to cache positions `0..=positions[t]`.
+    fn attention(
+        &self,
+        q: BlockHandle,
+        k_cache: BlockHandle,
+        v_cache: BlockHandle,
+        positions: BlockHandle,
+        out: BlockHandle,
+        n_tokens: usize,
+        shape: AttentionShape,
+    ) -> Result<()>;
+    /// `out = silu(gate) * up`, elementwise over `n` values.
+    fn swiglu(&self, gate: BlockHandle, up: BlockHandle, out: BlockHandle, n: usize) -> Result<()>;
+    /// `x += y`, elementwise over `n` values.
+    fn add(&self, x: BlockHandle, y: BlockHandle, n: usize) -> Result<()>;
+}

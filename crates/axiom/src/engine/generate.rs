@@ -1,0 +1,214 @@
+//! The generation loop: prefill the prompt in one batch, then one token per step until an
+//! end-of-generation token, the token limit, a stop string or a full context.
+
+use super::sampler::Sampler;
+use crate::backend::Backend;
+use crate::model::{KvCache, Llama};
+use crate::tokenizer::{TextStream, Tokenizer};
+use crate::{Error, Result};
+use std::time::{Duration, Instant};
+
+#[derive(Debug, Clone, Default)]
+pub struct GenerateOptions {
+    pub max_tokens: usize,
+    /// Generation stops before the first occurrence of any of these in the text.
+    pub stop: Vec<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StopReason {
+    EndOfGeneration,
+    MaxTokens,
+    StopString,
+    ContextFull,
+}
+
+#[derive(Debug, Clone)]
+pub struct Generation {
+    pub tokens: Vec<u32>,
+    pub text: String,
+    pub stop_reason: StopReason,
+    pub prompt_time: Duration,
+    pub generation_time: Duration,
+}
+
+/// Generates after `prompt` (appended to whatever `kv` already holds), calling `on_text` with
+/// each piece of text as soon as it is certain (never part of a stop string or a character).
+pub fn generate<B: Backend>(
+    model: &mut Llama<B>,
+    tokenizer: &Tokenizer,
+    kv: &mut KvCache,
+    prompt: &[u32],
+    sampler: &mut Sampler,
+    options: &GenerateOptions,
+    mut on_text: impl FnMut(&str),
+) -> Result<Generation> {
+    if prompt.is_empty() {
+        return Err(Error::InvalidArgument("the prompt has no tokens".into()));
+    }
+    if kv.len() + prompt.len() > kv.capacity() {
+        return Err(Error::ContextOverflow {
+            prompt: kv.len() + prompt.len(),
+            generate: options.max_tokens,
+            context: kv.capacity(),
+        });
+    }
+    let start = Instant::now();
+    let mut logits = model.forward_last(prompt, kv)?;
+    let prompt_time = start.elapsed();
+
+    let start = Instant::now();
+    let mut history = prompt.to_vec();
+    let mut tokens = Vec::new();
+    let mut stream = TextStream::new(tokenizer);
+    let mut stops = StopMatcher::new(&options.stop);
+    let mut stop_reason = StopReason::MaxTokens;
+    while tokens.len() < options.max_tokens {
+        let token = sampler.sample(&logits, &history);
+        if tokenizer.is_end_of_generation(token) {
+            stop_reason = StopReason::EndOfGeneration;
+            break;
+        }
+        tokens.push(token);
+        history.push(token);
+        if let Some(piece) = stream.push(token)? {
+            if stops.push(&piece, &mut on_text) {
+                stop_reason = StopReason::StopString;
+                break;
+            }
+        }
+        if tokens.len() == options.max_tokens {
+            break;
+        }
+        if kv.len() == kv.capacity() {
+            stop_reason = StopReason::ContextFull;
+            break;
+        }
+        logits = model.forward_last(&[token], kv)?;
+    }
+    if stop_reason != StopReason::StopString {
+        if let Some(rest) = stream.finish()? {
+            if stops.push(&rest, &mut on_text) {
+                stop_reason = StopReason::StopString;
+            }
+        }
+        stops.flush(&mut on_text);
+    }
+    Ok(Generation {
+        tokens,
+        text: stops.text,
+        stop_reason,
+        prompt_time,
+        generation_time: start.elapsed(),
+    })
+}
+
+/// Accumulates the generated text, emitting only what cannot be the start of a stop string.
+struct StopMatcher<'a> {
+    stops: &'a [String],
+    text: String,
+    emitted: usize,
+}
+
+impl<'a> StopMatcher<'a> {
+    fn new(stops: &'a [String]) -> Self {
+        StopMatcher {
+            stops,
+            text: String::new(),
+            emitted: 0,
+        }
+    }
+
+    /// Adds text; returns true when a stop string has appeared (the text is cut before it).
+    fn push(&mut self, piece: &str, on_text: &mut impl FnMut(&str)) -> bool {
+        self.text.push_str(piece);
+        let search_from = self
+            .emitted
+            .saturating_sub(self.stops.iter().map(|s| s.len()).max().unwrap_or(0));
+        let search_from = self.text.floor_char_boundary(search_from);
+        let hit = self
+            .stops
+            .iter()
+            .filter(|s| !s.is_empty())
+            .filter_map(|s| {
+                self.text[search_from..]
+                    .find(s.as_str())
+                    .map(|i| search_from + i)
+            })
+            .min();
+        if let Some(at) = hit {
+            self.text.truncate(at);
+            self.flush(on_text);
+            return true;
+        }
+        // Hold back the longest suffix that is a prefix of some stop string.
+        let held = self
+            .stops
+            .iter()
+            .flat_map(|s| {
+                (1..s.len())
+                    .filter(|&n| s.is_char_boundary(n))
+                    .map(move |n| &s[..n])
+            })
+            .filter(|prefix| self.text.ends_with(prefix))
+            .map(str::len)
+            .max()
+            .unwrap_or(0);
+        let ready = self.text.len() - held;
+        if ready > self.emitted {
+            on_text(&self.text[self.emitted..ready]);
+            self.emitted = ready;
+        }
+        false
+    }
+
+    fn flush(&mut self, on_text: &mut impl FnMut(&str)) {
+        if self.text.len() > self.emitted {
+            on_text(&self.text[self.emitted..]);
+            self.emitted = self.text.len();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::StopMatcher;
+
+    fn run(stops: &[&str], pieces: &[&str]) -> (String, bool, Vec<String>) {
+        let stops: Vec<String> = stops.iter().map(|s| s.to_string()).collect();
+        let mut m = StopMatcher::new(&stops);
+        let mut out = Vec::new();
+        let mut hit = false;
+        for p in pieces {
+            if m.push(p, &mut |s| out.push(s.to_string())) {
+                hit = true;
+                break;
+            }
+        }
+        if !hit {
+            m.flush(&mut |s| out.push(s.to_string()));
+        }
+        (m.text, hit, out)
+    }
+
+    #[test]
+    fn stop_string_split_across_pieces_is_never_emitted() {
+        let (text, hit, out) = run(
+            &["\n\nUser:"],
+            &["Hello", " there", "\n", "\nUs", "er:", " more"],
+        );
+        assert!(hit);
+        assert_eq!(text, "Hello there");
+        assert_eq!(out.concat(), "Hello there");
+    }
+
+    #[test]
+    fn held_back_prefix_is_released_when_it_does_not_complete() {
+        let (text, hit, out) = run(&["END"], &["a E", "N", "x b"]);
+        assert!(!hit);
+        assert_eq!(text, "a ENx b");
+        assert_eq!(out.concat(), "a ENx b");
+        assert_eq!(out[0], "a ");
+    }
+}

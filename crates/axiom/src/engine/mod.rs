@@ -1,0 +1,10 @@
+//! Turning logits into text: sampling, the generation loop, and perplexity.
+
+pub mod generate;
+pub mod perplexity;
+pub mod sampler;
+pub mod session;
+
+pub use generate::{generate, GenerateOptions, Generation, StopReason};
+pub use sampler::{Sampler, SamplerConfig};
+pub use session::Session;

@@ -1,0 +1,289 @@
+//! Token sampling: greedy, or penalties → top-k → top-p → min-p → temperature → a seeded draw
+//! (llama.cpp's default chain order).
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha20Rng;
+use std::collections::HashMap;
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplerConfig {
+    /// 0 (or less) samples greedily.
+    pub temperature: f32,
+    /// 0 keeps every token.
+    pub top_k: usize,
+    /// 1.0 keeps every token.
+    pub top_p: f32,
+    /// 0.0 keeps every token.
+    pub min_p: f32,
+    /// 1.0 disables; >1 divides positive logits (multiplies negative ones) of recent tokens.
+    pub repeat_penalty: f32,
+    /// Recent tokens the penalties look at.
+    pub penalty_last_n: usize,
+    pub presence_penalty: f32,
+    pub frequency_penalty: f32,
+    pub seed: u64,
+}
+
+impl Default for SamplerConfig {
+    fn default() -> Self {
+        SamplerConfig {
+            temperature: 0.8,
+            top_k: 40,
+            top_p: 0.95,
+            min_p: 0.05,
+            repeat_penalty: 1.0,
+            penalty_last_n: 64,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            seed: 0,
+        }
+    }
+}
+
+impl SamplerConfig {
+    pub fn greedy() -> SamplerConfig {
+        SamplerConfig {
+            temperature: 0.0,
+            ..SamplerConfig::default()
+        }
+    }
+}
+
+pub struct Sampler {
+    config: SamplerConfig,
+    rng: ChaCha20Rng,
+    /// Candidates (token, logit), reused between calls.
+    candidates: Vec<(u32, f32)>,
+}
+
+impl Sampler {
+    pub fn new(config: SamplerConfig) -> Sampler {
+        let rng = ChaCha20Rng::seed_from_u64(config.seed);
+        Sampler {
+            config,
+            rng,
+            candidates: Vec::new(),
+        }
+    }
+
+    pub fn config(&self) -> &SamplerConfig {
+        &self.config
+    }
+
+    /// Picks the next token from `logits`, given the tokens so far (for the penalties).
+    pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> u32 {
+        let c = &self.config;
+        let mut logits = std::borrow::Cow::Borrowed(logits);
+        if c.repeat_penalty != 1.0 || c.presence_penalty != 0.0 || c.frequency_penalty != 0.0 {
+            apply_penalties(
+                logits.to_mut(),
+                &history[history.len().saturating_sub(c.penalty_last_n)..],
+                c,
+            );
+        }
+        if c.temperature <= 0.0 {
+            return argmax(&logits);
+        }
+        self.candidates.clear();
+        self.candidates
+            .extend(logits.iter().enumerate().map(|(i, &l)| (i as u32, l)));
+        let cands = &mut self.candidates;
+        // Sorted by descending logit (ties: lower id first, so results do not depend on the sort).
+        let by_logit = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+        if c.top_k > 0 && c.top_k < cands.len() {
+            cands.select_nth_unstable_by(c.top_k - 1, by_logit);
+            cands.truncate(c.top_k);
+        }
+        cands.sort_unstable_by(by_logit);
+        top_p(cands, c.top_p);
+        min_p(cands, c.min_p);
+        let probs = softmax_with_temperature(cands, c.temperature);
+        let r: f32 = self.rng.random();
+        let mut acc = 0.0;
+        for (&(id, _), p) in cands.iter().zip(&probs) {
+            acc += p;
+            if r < acc {
+                return id;
+            }
+        }
+        cands.last().map_or(0, |c| c.0)
+    }
+}
+
+pub fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &l) in logits.iter().enumerate() {
+        if l > logits[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+fn apply_penalties(logits: &mut [f32], recent: &[u32], c: &SamplerConfig) {
+    let mut counts: HashMap<u32, usize> = HashMap::new();
+    for &t in recent {
+        *counts.entry(t).or_default() += 1;
+    }
+    for (&t, &n) in &counts {
+        let Some(l) = logits.get_mut(t as usize) else {
+            continue;
+        };
+        *l = if *l > 0.0 {
+            *l / c.repeat_penalty
+        } else {
+            *l * c.repeat_penalty
+        };
+        *l -= n as f32 * c.frequency_penalty + c.presence_penalty;
+    }
+}
+
+/// Keeps the smallest prefix (of tokens sorted by logit) whose probability reaches `p`.
+fn top_p(cands: &mut Vec<(u32, f32)>, p: f32) {
+    if p >= 1.0 || cands.is_empty() {
+        return;
+    }
+    let probs = softmax_with_temperature(cands, 1.0);
+    let mut acc = 0.0;
+    let keep = probs.iter().position(|&q| {
+        acc += q;
+        acc >= p
+    });
+    cands.truncate(keep.map_or(cands.len(), |i| i + 1));
+}
+
+/// Drops tokens whose probability is below `p` times the most likely token's.
+fn min_p(cands: &mut Vec<(u32, f32)>, p: f32) {
+    if p <= 0.0 || cands.is_empty() {
+        return;
+    }
+    // p_i / p_max = exp(l_i - l_max); sorted input, so the first logit is the max.
+    let threshold = cands[0].1 + p.ln();
+    let keep = cands.iter().take_while(|c| c.1 >= threshold).count().max(1);
+    cands.truncate(keep);
+}
+
+fn softmax_with_temperature(cands: &[(u32, f32)], temperature: f32) -> Vec<f32> {
+    let max = cands.iter().map(|c| c.1).fold(f32::NEG_INFINITY, f32::max);
+    let mut probs: Vec<f32> = cands
+        .iter()
+        .map(|c| ((c.1 - max) / temperature).exp())
+        .collect();
+    let sum: f32 = probs.iter().sum();
+    probs.iter_mut().for_each(|p| *p /= sum);
+    probs
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn logits() -> Vec<f32> {
+        // Token i has logit i/10: a clear order with a long tail.
+        (0..100).map(|i| i as f32 / 10.0).collect()
+    }
+
+    fn draws(config: SamplerConfig, n: usize) -> Vec<u32> {
+        let mut s = Sampler::new(config);
+        (0..n).map(|_| s.sample(&logits(), &[])).collect()
+    }
+
+    #[test]
+    fn greedy_takes_the_argmax() {
+        assert_eq!(draws(SamplerConfig::greedy(), 3), vec![99, 99, 99]);
+        assert_eq!(argmax(&[1.0, 3.0, 3.0, 2.0]), 1);
+    }
+
+    #[test]
+    fn same_seed_same_tokens_other_seed_differs() {
+        let config = SamplerConfig {
+            temperature: 1.5,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            seed: 7,
+            ..Default::default()
+        };
+        let a = draws(config.clone(), 50);
+        assert_eq!(a, draws(config.clone(), 50));
+        assert_ne!(a, draws(SamplerConfig { seed: 8, ..config }, 50));
+    }
+
+    #[test]
+    fn top_k_limits_the_candidates() {
+        let config = SamplerConfig {
+            temperature: 5.0,
+            top_k: 3,
+            top_p: 1.0,
+            min_p: 0.0,
+            seed: 1,
+            ..Default::default()
+        };
+        let d = draws(config, 300);
+        assert!(d.iter().all(|&t| t >= 97), "{d:?}");
+        assert!([97, 98, 99].iter().all(|t| d.contains(t)));
+    }
+
+    #[test]
+    fn top_p_keeps_the_smallest_sufficient_prefix() {
+        let mut cands = vec![(0, 2.0f32.ln()), (1, 1.0f32.ln()), (2, 1.0f32.ln())]; // probs .5 .25 .25
+        top_p(&mut cands, 0.5);
+        assert_eq!(cands.len(), 1);
+        let mut cands = vec![(0, 2.0f32.ln()), (1, 1.0f32.ln()), (2, 1.0f32.ln())];
+        top_p(&mut cands, 0.7);
+        assert_eq!(cands.len(), 2);
+    }
+
+    #[test]
+    fn min_p_drops_the_unlikely() {
+        let mut cands = vec![(0, 0.0), (1, -0.5), (2, -3.0)]; // relative probs 1, .61, .05
+        min_p(&mut cands, 0.1);
+        assert_eq!(cands.iter().map(|c| c.0).collect::<Vec<_>>(), vec![0, 1]);
+    }
+
+    #[test]
+    fn repetition_penalties_push_seen_tokens_down() {
+        let c = SamplerConfig {
+            repeat_penalty: 2.0,
+            presence_penalty: 0.5,
+            frequency_penalty: 0.25,
+            ..SamplerConfig::greedy()
+        };
+        let mut l = vec![4.0, -1.0, 4.0];
+        apply_penalties(&mut l, &[0, 0, 1], &c);
+        assert_eq!(l, vec![4.0 / 2.0 - 0.5 - 0.5, -2.0 - 0.25 - 0.5, 4.0]);
+        // Greedy with a penalty switches away from the repeated token.
+        let mut s = Sampler::new(SamplerConfig {
+            repeat_penalty: 1.5,
+            ..SamplerConfig::greedy()
+        });
+        assert_eq!(s.sample(&[3.0, 2.5], &[0]), 1);
+    }
+
+    #[test]
+    fn temperature_sharpens_and_flattens() {
+        let base = SamplerConfig {
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            seed: 3,
+            ..Default::default()
+        };
+        let cold = draws(
+            SamplerConfig {
+                temperature: 0.05,
+                ..base.clone()
+            },
+            100,
+        );
+        assert!(cold.iter().all(|&t| t == 99));
+        let hot = draws(
+            SamplerConfig {
+                temperature: 10.0,
+                ..base
+            },
+            100,
+        );
+        assert!(hot.iter().filter(|&&t| t < 90).count() > 30);
+    }
+}

@@ -1,0 +1,4 @@
+//! Model container formats and tensor element types.
+
+pub mod gguf;
+pub mod quant;

@@ -1,0 +1,17 @@
+//! axiom: an inference engine for Llama-family language models.
+//!
+//! The path of a request: chat template ([`chat`]) → tokenizer ([`tokenizer`]) → the model's
+//! forward pass ([`model`]) on a compute [`backend`] → sampler and generation loop ([`engine`]).
+//! The path of a model: a source ([`source`]) → a container reader ([`format`]) →
+//! [`model::config::ModelConfig`] → weights on the backend.
+
+pub mod backend;
+pub mod chat;
+pub mod engine;
+mod error;
+pub mod format;
+pub mod model;
+pub mod source;
+pub mod tokenizer;
+
+pub use error::{Error, Result};

@@ -1,0 +1,389 @@
+//! Tokenizers built from GGUF metadata on the `tokenizers` crate.
+//!
+//! The GGUF vocabulary is turned into the `tokenizer.json` description Hugging Face would use
+//! for the same model, and loaded by `tokenizers`: byte-level BPE (`gpt2`) with the
+//! pre-tokenizer that `tokenizer.ggml.pre` names, or SentencePiece-style BPE (`llama`) with
+//! merges derived from the token scores.
+
+use crate::format::gguf::{GgufFile, Value};
+use crate::{Error, Result};
+use serde_json::{json, Value as Json};
+use std::collections::HashSet;
+
+/// GGUF token types (`llama_token_type`).
+const TOKEN_TYPE_CONTROL: i64 = 3;
+const TOKEN_TYPE_USER_DEFINED: i64 = 4;
+
+/// Splitting regex of Llama 3 (`llama-bpe`).
+const LLAMA3_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// Splitting regex of Qwen2: as Llama 3 but single digits.
+const QWEN2_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// Texts of control tokens that end a turn, besides the declared EOS (as llama.cpp infers them).
+const END_OF_GENERATION_TEXTS: &[&str] = &[
+    "<|eot_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "<|end_of_text|>",
+    "<EOT>",
+    "<|eom_id|>",
+];
+
+pub struct Tokenizer {
+    /// Matches special-token text in the input to control tokens.
+    with_special: tokenizers::Tokenizer,
+    /// Treats special-token text as ordinary text.
+    plain: tokenizers::Tokenizer,
+    tokens: Vec<String>,
+    pub bos: Option<u32>,
+    pub eos: Option<u32>,
+    pub add_bos: bool,
+    end_of_generation: HashSet<u32>,
+}
+
+fn tok_err(e: impl std::fmt::Display) -> Error {
+    Error::Tokenizer(e.to_string())
+}
+
+impl Tokenizer {
+    pub fn from_gguf(file: &GgufFile) -> Result<Tokenizer> {
+        let model = file
+            .get("tokenizer.ggml.model")
+            .and_then(Value::as_str)
+            .unwrap_or("");
+        let tokens: Vec<String> = string_array(file, "tokenizer.ggml.tokens")?;
+        let n = tokens.len();
+        let token_types: Vec<i64> = match file
+            .get("tokenizer.ggml.token_type")
+            .and_then(Value::as_array)
+        {
+            Some(a) if a.len() == n => a.iter().map(|v| v.as_i64().unwrap_or(1)).collect(),
+            Some(a) => {
+                return Err(Error::Tokenizer(format!(
+                    "{} token types for {n} tokens",
+                    a.len()
+                )))
+            }
+            None => vec![1; n],
+        };
+        let id = |key: &str| -> Result<Option<u32>> {
+            match file.get(key).and_then(Value::as_u64) {
+                Some(i) if (i as usize) < n => Ok(Some(i as u32)),
+                Some(i) => Err(Error::Tokenizer(format!(
+                    "{key} {i} is outside the vocabulary of {n}"
+                ))),
+                None => Ok(None),
+            }
+        };
+        let bos = id("tokenizer.ggml.bos_token_id")?;
+        let eos = id("tokenizer.ggml.eos_token_id")?;
+        let flag = |key: &str| file.get(key).and_then(Value::as_bool);
+
+        let description = match model {
+            "gpt2" => {
+                let pre = file
+                    .get("tokenizer.ggml.pre")
+                    .and_then(Value::as_str)
+                    .unwrap_or("default");
+                let merges = string_array(file, "tokenizer.ggml.merges")?;
+                byte_level_bpe(&tokens, &merges, pre)?
+            }
+            "llama" => {
+                let scores: Vec<f32> =
+                    match file.get("tokenizer.ggml.scores").and_then(Value::as_array) {
+                        Some(a) if a.len() == n => {
+                            a.iter().map(|v| v.as_f64().unwrap_or(0.0) as f32).collect()
+                        }
+                        _ => {
+                            return Err(Error::Tokenizer(
+                                "SentencePiece vocabulary without one score per token".into(),
+                            ))
+                        }
+                    };
+                let unk = id("tokenizer.ggml.unknown_token_id")?.unwrap_or(0);
+                let space_prefix = flag("tokenizer.ggml.add_space_prefix").unwrap_or(true);
+                sentencepiece_bpe(&tokens, &scores, &token_types, unk, space_prefix)
+            }
+            other => {
+                return Err(Error::Tokenizer(format!(
+                    "tokenizer model {other:?} is not supported (gpt2, llama)"
+                )))
+            }
+        };
+        let added: Vec<Json> = tokens
+            .iter()
+            .zip(&token_types)
+            .enumerate()
+            .filter(|(_, (_, &ty))| ty == TOKEN_TYPE_CONTROL || ty == TOKEN_TYPE_USER_DEFINED)
+            .map(|(i, (text, &ty))| {
+                json!({"id": i, "content": text, "single_word": false, "lstrip": false, "rstrip": false,
+                       "normalized": false, "special": ty == TOKEN_TYPE_CONTROL})
+            })
+            .collect();
+        let mut description = description;
+        description["added_tokens"] = Json::Array(added);
+        let with_special: tokenizers::Tokenizer =
+            description.to_string().parse().map_err(tok_err)?;
+        let mut plain = with_special.clone();
+        plain.set_encode_special_tokens(true);
+
+        let mut end_of_generation: HashSet<u32> = eos.into_iter().collect();
+        for key in ["tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"] {
+            end_of_generation.extend(id(key)?);
+        }
+        for (i, (text, &ty)) in tokens.iter().zip(&token_types).enumerate() {
+            if ty == TOKEN_TYPE_CONTROL && END_OF_GENERATION_TEXTS.contains(&text.as_str()) {
+                end_of_generation.insert(i as u32);
+            }
+        }
+        let add_bos = flag("tokenizer.ggml.add_bos_token").unwrap_or(model == "llama");
+        Ok(Tokenizer {
+            with_special,
+            plain,
+            tokens,
+            bos,
+            eos,
+            add_bos,
+            end_of_generation,
+        })
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.tokens.len()
+    }
+
+    /// Token ids of `text`; `parse_special` matches control-token text such as `<|im_start|>`.
+    /// Adds BOS when the model asks for it and `add_bos` is set.
+    pub fn encode(&self, text: &str, parse_special: bool, add_bos: bool) -> Result<Vec<u32>> {
+        let tk = if parse_special {
+            &self.with_special
+        } else {
+            &self.plain
+        };
+        let encoding = tk.encode_fast(text, false).map_err(tok_err)?;
+        let mut ids = Vec::with_capacity(encoding.len() + 1);
+        if add_bos && self.add_bos {
+            ids.extend(self.bos);
+        }
+        ids.extend_from_slice(encoding.get_ids());
+        Ok(ids)
+    }
+
+    /// Text of `ids`; control tokens are left out when `skip_special`.
+    pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String> {
+        self.with_special.decode(ids, skip_special).map_err(tok_err)
+    }
+
+    /// The vocabulary entry of a token (e.g. "Ġworld").
+    pub fn token_text(&self, id: u32) -> Option<&str> {
+        self.tokens.get(id as usize).map(String::as_str)
+    }
+
+    pub fn is_end_of_generation(&self, id: u32) -> bool {
+        self.end_of_generation.contains(&id)
+    }
+
+    pub fn end_of_generation_ids(&self) -> impl Iterator<Item = u32> + '_ {
+        self.end_of_generation.iter().copied()
+    }
+
+    /// Name of the tokenizer model for `axiom info`.
+    pub fn describe(&self) -> String {
+        let model = self.with_special.get_model();
+        let kind = match model {
+            tokenizers::ModelWrapper::BPE(_) => "BPE",
+            _ => "other",
+        };
+        format!(
+            "{kind}, {} tokens, {} end-of-generation ids",
+            self.tokens.len(),
+            self.end_of_generation.len()
+        )
+    }
+}
+
+fn string_array(file: &GgufFile, key: &str) -> Result<Vec<String>> {
+    let array = file
+        .get(key)
+        .and_then(Value::as_array)
+        .ok_or_else(|| Error::Tokenizer(format!("missing {key}")))?;
+    array
+        .iter()
+        .map(|v| {
+            v.as_str()
+                .map(str::to_owned)
+                .ok_or_else(|| Error::Tokenizer(format!("{key} holds a non-string")))
+        })
+        .collect()
+}
+
+fn vocab_json(tokens: &[String]) -> Json {
+    // Later duplicates must not shadow earlier ids, as in llama.cpp's token-to-id map.
+    let mut vocab = serde_json::Map::with_capacity(tokens.len());
+    for (i, t) in tokens.iter().enumerate() {
+        vocab.entry(t.clone()).or_insert(json!(i));
+    }
+    Json::Object(vocab)
+}
+
+fn byte_level(use_regex: bool) -> Json {
+    json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": use_regex})
+}
+
+fn split(pattern: &str) -> Json {
+    json!({"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": false})
+}
+
+/// Byte-level BPE as GPT-2 and its descendants use it.
+fn byte_level_bpe(tokens: &[String], merges: &[String], pre: &str) -> Result<Json> {
+    let (pre_tokenizer, ignore_merges) = match pre {
+        "default" | "gpt2" | "gpt-2" | "phi-2" | "jina-es" | "roberta-bpe" => {
+            (byte_level(true), false)
+        }
+        "smollm" | "starcoder" | "refact" => (
+            json!({"type": "Sequence", "pretokenizers": [
+                {"type": "Digits", "individual_digits": true}, byte_level(true)]}),
+            false,
+        ),
+        "llama-bpe" | "llama3" | "smaug-bpe" | "falcon3" => (
+            json!({"type": "Sequence", "pretokenizers": [split(LLAMA3_PATTERN), byte_level(false)]}),
+            true,
+        ),
+        "qwen2" | "deepseek-r1-qwen" => (
+            json!({"type": "Sequence", "pretokenizers": [split(QWEN2_PATTERN), byte_level(false)]}),
+            false,
+        ),
+        other => {
+            return Err(Error::Tokenizer(format!(
+                "BPE pre-tokenizer {other:?} is not supported"
+            )))
+        }
+    };
+    let merges: Vec<Json> = merges
+        .iter()
+        .map(|m| {
+            m.split_once(' ')
+                .map(|(a, b)| json!([a, b]))
+                .ok_or_else(|| Error::Tokenizer(format!("merge {m:?} is not two tokens")))
+        })
+        .collect::<Result<_>>()?;
+    Ok(json!({
+        "version": "1.0",
+        "normalizer": null,
+        "pre_tokenizer": pre_tokenizer,
+        "post_processor": null,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
+        "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+                  "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false,
+                  "ignore_merges": ignore_merges, "vocab": vocab_json(tokens), "merges": merges},
+    }))
+}
+
+/// SentencePiece BPE (Llama 2, Mistral): merge the adjacent pair whose joined piece scores highest.
+/// That is BPE whose merges are every split of a vocabulary piece into two vocabulary pieces,
+/// ranked by the joined piece's score.
+fn sentencepiece_bpe(
+    tokens: &[String],
+    scores: &[f32],
+    types: &[i64],
+    unk: u32,
+    space_prefix: bool,
+) -> Json {
+    let index: std::collections::HashMap<&str, usize> = tokens
+        .iter()
+        .enumerate()
+        .rev()
+        .map(|(i, t)| (t.as_str(), i))
+        .collect();
+    let mut merges: Vec<(f32, usize, usize, &str, &str)> = Vec::new();
+    for (i, piece) in tokens.iter().enumerate() {
+        if types[i] != 1 {
+            continue;
+        }
+        for (split, _) in piece.char_indices().skip(1) {
+            let (left, right) = piece.split_at(split);
+            if let (Some(&l), Some(&r)) = (index.get(left), index.get(right)) {
+                merges.push((scores[i], l, r, left, right));
+            }
+        }
+    }
+    // Highest score first; ties broken by the pieces' ids, as the sentencepiece converter does.
+    merges.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
+    let merges: Vec<Json> = merges.iter().map(|m| json!([m.3, m.4])).collect();
+    let prepend = if space_prefix { "first" } else { "never" };
+    let mut decoders = vec![
+        json!({"type": "Replace", "pattern": {"String": "▁"}, "content": " "}),
+        json!({"type": "ByteFallback"}),
+        json!({"type": "Fuse"}),
+    ];
+    if space_prefix {
+        decoders.push(json!({"type": "Strip", "content": " ", "start": 1, "stop": 0}));
+    }
+    json!({
+        "version": "1.0",
+        "normalizer": null,
+        "pre_tokenizer": {"type": "Metaspace", "replacement": "▁", "prepend_scheme": prepend, "split": false},
+        "post_processor": null,
+        "decoder": {"type": "Sequence", "decoders": decoders},
+        "model": {"type": "BPE", "dropout": null, "unk_token": tokens.get(unk as usize), "continuing_subword_prefix": null,
+                  "end_of_word_suffix": null, "fuse_unk": true, "byte_fallback": true, "ignore_merges": false,
+                  "vocab": vocab_json(tokens), "merges": merges},
+    })
+}
+
+/// Turns a stream of token ids into text pieces that never split a UTF-8 character.
+///
+/// Decodes a short window of recent tokens and emits what it adds beyond the window's previous
+/// text, holding back while the text ends in an incomplete character.
+pub struct TextStream<'a> {
+    tokenizer: &'a Tokenizer,
+    ids: Vec<u32>,
+    prefix: usize,
+    read: usize,
+}
+
+impl<'a> TextStream<'a> {
+    pub fn new(tokenizer: &'a Tokenizer) -> TextStream<'a> {
+        TextStream {
+            tokenizer,
+            ids: Vec::new(),
+            prefix: 0,
+            read: 0,
+        }
+    }
+
+    /// Adds a token; returns the text that is now complete, if any.
+    pub fn push(&mut self, id: u32) -> Result<Option<String>> {
+        self.ids.push(id);
+        let before = self
+            .tokenizer
+            .decode(&self.ids[self.prefix..self.read], true)?;
+        let after = self.tokenizer.decode(&self.ids[self.prefix..], true)?;
+        if after.len() > before.len() && !after.ends_with('\u{FFFD}') {
+            let new = after
+                .get(before.len()..)
+                .map(str::to_owned)
+                .unwrap_or_default();
+            self.prefix = self.read;
+            self.read = self.ids.len();
+            return Ok(Some(new));
+        }
+        Ok(None)
+    }
+
+    /// What is still held back at the end of generation.
+    pub fn finish(&mut self) -> Result<Option<String>> {
+        let before = self
+            .tokenizer
+            .decode(&self.ids[self.prefix..self.read], true)?;
+        let after = self.tokenizer.decode(&self.ids[self.prefix..], true)?;
+        self.prefix = self.ids.len();
+        self.read = self.ids.len();
+        Ok(after
+            .get(before.len()..)
+            .filter(|s| !s.is_empty())
+            .map(str::to_owned))
+    }
+}
