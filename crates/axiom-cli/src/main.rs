@@ -146,16 +146,9 @@ struct InfoArgs {
 
 fn main() {
     let cli = Cli::parse();
-    let filter = if cli.verbose {
-        "axiom=debug,info"
-    } else {
-        "warn"
-    };
+    let filter = if cli.verbose { "axiom=debug,info" } else { "warn" };
     tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("AXIOM_LOG")
-                .unwrap_or_else(|_| filter.into()),
-        )
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("AXIOM_LOG").unwrap_or_else(|_| filter.into()))
         .with_writer(std::io::stderr)
         .init();
     let result = match cli.command {
@@ -185,8 +178,8 @@ fn cpu_backend(args: &ModelArgs) -> Result<CpuBackend> {
 
 fn load_session(args: &ModelArgs, options: LoadOptions) -> Result<(PathBuf, Session<CpuBackend>)> {
     let path = resolve_model(args.model.as_deref())?;
-    let session = Session::load(&path, cpu_backend(args)?, options)
-        .with_context(|| format!("loading {}", path.display()))?;
+    let session =
+        Session::load(&path, cpu_backend(args)?, options).with_context(|| format!("loading {}", path.display()))?;
     Ok((path, session))
 }
 
@@ -253,8 +246,7 @@ fn run(args: RunArgs) -> Result<()> {
         },
     )?;
     let prompt_tps = prompt.len() as f64 / generation.prompt_time.as_secs_f64();
-    let gen_tps =
-        generation.tokens.len() as f64 / generation.generation_time.as_secs_f64().max(1e-9);
+    let gen_tps = generation.tokens.len() as f64 / generation.generation_time.as_secs_f64().max(1e-9);
     if json_mode {
         let out = json!({
             "prompt_tokens": prompt,
@@ -296,8 +288,7 @@ fn tokenize(args: TokenizeArgs) -> Result<()> {
 }
 
 fn perplexity_cmd(args: PerplexityArgs) -> Result<()> {
-    let text = std::fs::read_to_string(&args.file)
-        .with_context(|| format!("reading {}", args.file.display()))?;
+    let text = std::fs::read_to_string(&args.file).with_context(|| format!("reading {}", args.file.display()))?;
     let options = LoadOptions {
         kv_tokens: args.ctx_size,
         max_batch: args.ctx_size.min(512),
@@ -317,17 +308,11 @@ fn perplexity_cmd(args: PerplexityArgs) -> Result<()> {
         None
     };
     let json_mode = args.json;
-    let result = perplexity(
-        &mut session.model,
-        &tokens,
-        args.ctx_size,
-        bos,
-        |done, total, ppl| {
-            if !json_mode {
-                eprintln!("[{done}/{total}] {ppl:.4}");
-            }
-        },
-    )?;
+    let result = perplexity(&mut session.model, &tokens, args.ctx_size, bos, |done, total, ppl| {
+        if !json_mode {
+            eprintln!("[{done}/{total}] {ppl:.4}");
+        }
+    })?;
     if json_mode {
         println!(
             "{}",
@@ -349,10 +334,7 @@ fn info(args: InfoArgs) -> Result<()> {
 }
 
 fn print_info(path: &Path, file: &GgufFile, all: bool) -> Result<()> {
-    let name = file
-        .get("general.name")
-        .and_then(|v| v.as_str())
-        .unwrap_or("(unnamed)");
+    let name = file.get("general.name").and_then(|v| v.as_str()).unwrap_or("(unnamed)");
     println!(
         "file:          {} (GGUF v{}, {:.1} MiB)",
         path.display(),

@@ -43,9 +43,7 @@ impl ChatTemplate {
                 Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
             },
         );
-        env.add_function("strftime_now", |format: String| -> String {
-            strftime_now(&format)
-        });
+        env.add_function("strftime_now", |format: String| -> String { strftime_now(&format) });
         env.add_template_owned("chat", source.to_owned())
             .map_err(template_error)?;
         Ok(ChatTemplate {

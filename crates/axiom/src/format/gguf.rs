@@ -21,10 +21,7 @@ const MAX_ARRAY_DEPTH: usize = 4;
 #[derive(Debug, thiserror::Error)]
 pub enum GgufError {
     #[error("cannot read {path}: {source}")]
-    Io {
-        path: String,
-        source: std::io::Error,
-    },
+    Io { path: String, source: std::io::Error },
     #[error("not a GGUF file: magic is {0:?}, expected \"GGUF\"")]
     BadMagic([u8; 4]),
     #[error("GGUF version {0} is not supported (only 2 and 3)")]
@@ -37,11 +34,7 @@ pub enum GgufError {
         len: u64,
     },
     #[error("{what} count {count} is impossible: the file has only {remaining} bytes left")]
-    ImpossibleCount {
-        what: String,
-        count: u64,
-        remaining: u64,
-    },
+    ImpossibleCount { what: String, count: u64, remaining: u64 },
     #[error("metadata key {key:?} has unknown value type {type_id}")]
     UnknownValueType { key: String, type_id: u32 },
     #[error("metadata key {0:?} nests arrays deeper than {MAX_ARRAY_DEPTH} levels")]
@@ -66,11 +59,7 @@ pub enum GgufError {
         block: usize,
     },
     #[error("tensor {name:?}: data offset {offset} is not aligned to {alignment}")]
-    MisalignedOffset {
-        name: String,
-        offset: u64,
-        alignment: u64,
-    },
+    MisalignedOffset { name: String, offset: u64, alignment: u64 },
     #[error("tensor {name:?}: data [{start}, {end}) lies outside the {len}-byte data section")]
     TensorOutOfBounds {
         name: String,
@@ -162,11 +151,7 @@ impl Value {
     /// A short description for `axiom info`: scalars in full, arrays by type and length.
     pub fn summary(&self) -> String {
         match self {
-            Value::String(s) if s.len() > 80 => format!(
-                "{:?}... ({} bytes)",
-                &s[..s.floor_char_boundary(60)],
-                s.len()
-            ),
+            Value::String(s) if s.len() > 80 => format!("{:?}... ({} bytes)", &s[..s.floor_char_boundary(60)], s.len()),
             Value::String(s) => format!("{s:?}"),
             Value::Array(a) => match a.first() {
                 Some(first) => format!("[{}; {}]", first.type_name(), a.len()),
@@ -268,10 +253,7 @@ impl GgufFile {
 
     fn parse(map: Arc<Mmap>) -> Result<GgufFile> {
         let len = map.len();
-        let mut r = Reader {
-            buf: &map[..],
-            pos: 0,
-        };
+        let mut r = Reader { buf: &map[..], pos: 0 };
         let magic: [u8; 4] = r.array("magic")?;
         if &magic != MAGIC {
             return Err(GgufError::BadMagic(magic));
@@ -405,11 +387,7 @@ fn tensor_info(
     let n_elements = dims
         .iter()
         .try_fold(1u64, |acc, &d| acc.checked_mul(d))
-        .filter(|&n| {
-            n > 0
-                && dims.iter().all(|&d| d > 0)
-                && n <= data_len.saturating_mul(ty.block_len() as u64)
-        })
+        .filter(|&n| n > 0 && dims.iter().all(|&d| d > 0) && n <= data_len.saturating_mul(ty.block_len() as u64))
         .ok_or_else(|| GgufError::BadDims {
             name: name.clone(),
             dims: dims.clone(),
@@ -424,7 +402,7 @@ fn tensor_info(
         });
     }
     let size_bytes = n_elements / ty.block_len() as u64 * ty.block_bytes() as u64;
-    if offset % alignment != 0 {
+    if !offset.is_multiple_of(alignment) {
         return Err(GgufError::MisalignedOffset {
             name,
             offset,
@@ -490,10 +468,7 @@ impl<'a> Reader<'a> {
     }
 
     fn array<const N: usize>(&mut self, what: &str) -> Result<[u8; N]> {
-        Ok(self
-            .take(N as u64, what)?
-            .try_into()
-            .expect("take returns N bytes"))
+        Ok(self.take(N as u64, what)?.try_into().expect("take returns N bytes"))
     }
 
     fn u32(&mut self, what: &str) -> Result<u32> {
@@ -519,9 +494,7 @@ impl<'a> Reader<'a> {
     fn string(&mut self, what: &str) -> Result<String> {
         let len = self.u64(what)?;
         let bytes = self.take(len, what)?;
-        String::from_utf8(bytes.to_vec()).map_err(|_| GgufError::InvalidUtf8 {
-            what: what.to_string(),
-        })
+        String::from_utf8(bytes.to_vec()).map_err(|_| GgufError::InvalidUtf8 { what: what.to_string() })
     }
 
     fn value(&mut self, key: &str, type_id: u32, depth: usize) -> Result<Value> {

@@ -85,9 +85,7 @@ impl GgmlType {
     pub fn block_len(self) -> usize {
         match self {
             GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => 1,
-            GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q8_0 => {
-                32
-            }
+            GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q8_0 => 32,
             GgmlType::Q2K | GgmlType::Q3K | GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K => QK_K,
         }
     }
@@ -112,7 +110,7 @@ impl GgmlType {
 
     /// Bytes taken by `n` elements, or `None` if `n` is not a whole number of blocks or overflows.
     pub fn bytes_for(self, n: usize) -> Option<usize> {
-        if n % self.block_len() != 0 {
+        if !n.is_multiple_of(self.block_len()) {
             return None;
         }
         (n / self.block_len()).checked_mul(self.block_bytes())
@@ -291,11 +289,7 @@ fn dequantize_q3k(b: &[u8], y: &mut [f32]) {
     // Unpack the 16 six-bit scales: low 4 bits from the first 8 bytes, high 2 bits from the last 4.
     let mut scales = [0i8; 16];
     for (i, s) in scales.iter_mut().enumerate() {
-        let low = if i < 8 {
-            packed[i] & 0x0f
-        } else {
-            packed[i - 8] >> 4
-        };
+        let low = if i < 8 { packed[i] & 0x0f } else { packed[i - 8] >> 4 };
         let high = (packed[8 + i % 4] >> (2 * (i / 4))) & 3;
         *s = ((low | (high << 4)) as i8) - 32;
     }

@@ -53,13 +53,10 @@ impl ModelConfig {
                     .as_u64()
                     .and_then(|x| usize::try_from(x).ok())
                     .map(Some)
-                    .ok_or_else(|| {
-                        Error::Model(format!("{} is not a non-negative integer", key(k)))
-                    }),
+                    .ok_or_else(|| Error::Model(format!("{} is not a non-negative integer", key(k)))),
             }
         };
-        let required =
-            |k: &str| usize_of(k)?.ok_or_else(|| Error::Model(format!("missing {}", key(k))));
+        let required = |k: &str| usize_of(k)?.ok_or_else(|| Error::Model(format!("missing {}", key(k))));
         let float_of = |k: &str| file.get(&key(k)).and_then(|v| v.as_f64());
 
         let dim = required("embedding_length")?;
@@ -96,9 +93,7 @@ impl ModelConfig {
         };
         if let Some(scaling) = file.get(&key("rope.scaling.type")).and_then(|v| v.as_str()) {
             if scaling != "none" {
-                return Err(Error::Model(format!(
-                    "rope scaling {scaling:?} is not supported yet"
-                )));
+                return Err(Error::Model(format!("rope scaling {scaling:?} is not supported yet")));
             }
         }
         config.validate()?;
@@ -122,19 +117,19 @@ impl ModelConfig {
                 return bad(format!("{name} {v} is out of range (1..={max})"));
             }
         }
-        if self.n_heads % self.n_kv_heads != 0 {
+        if !self.n_heads.is_multiple_of(self.n_kv_heads) {
             return bad(format!(
                 "{} heads cannot be grouped over {} KV heads",
                 self.n_heads, self.n_kv_heads
             ));
         }
-        if self.rope.dims % 2 != 0 || self.rope.dims > self.head_dim {
+        if !self.rope.dims.is_multiple_of(2) || self.rope.dims > self.head_dim {
             return bad(format!(
                 "rope dimension {} does not fit head dimension {}",
                 self.rope.dims, self.head_dim
             ));
         }
-        if !(self.rope.theta > 0.0) || !(self.rms_eps >= 0.0) {
+        if !(self.rope.theta.is_finite() && self.rope.theta > 0.0 && self.rms_eps.is_finite() && self.rms_eps >= 0.0) {
             return bad(format!(
                 "rope theta {} / rms epsilon {} are invalid",
                 self.rope.theta, self.rms_eps

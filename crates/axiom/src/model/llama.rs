@@ -93,10 +93,8 @@ impl<B: Backend> Llama<B> {
         let config = ModelConfig::from_gguf(file)?;
         let max_batch = options.max_batch.max(1);
         let kv_tokens = options.kv_tokens.min(config.context_length).max(1);
-        let arena = weights::norm_bytes(&config)
-            + scratch_bytes(&config, max_batch)
-            + kv_bytes(&config, kv_tokens)
-            + 64 * 64;
+        let arena =
+            weights::norm_bytes(&config) + scratch_bytes(&config, max_batch) + kv_bytes(&config, kv_tokens) + 64 * 64;
         backend.reserve(arena)?;
         let weights = weights::load_gguf(file, &config, &mut backend)?;
         let scratch = Scratch::new(&mut backend, &config, max_batch)?;
@@ -120,12 +118,7 @@ impl<B: Backend> Llama<B> {
             k.push(self.backend.alloc(bytes)?);
             v.push(self.backend.alloc(bytes)?);
         }
-        Ok(KvCache {
-            k,
-            v,
-            capacity,
-            len: 0,
-        })
+        Ok(KvCache { k, v, capacity, len: 0 })
     }
 
     pub fn free_kv_cache(&mut self, kv: KvCache) -> Result<()> {
@@ -191,15 +184,7 @@ impl<B: Backend> Llama<B> {
             b.matmul(s.normed, &layer.wv, s.v, n)?;
             b.rope(s.q, s.positions, n, c.n_heads, c.head_dim, c.rope)?;
             b.rope(s.k, s.positions, n, c.n_kv_heads, c.head_dim, c.rope)?;
-            b.kv_write(
-                s.k,
-                s.v,
-                *k_cache,
-                *v_cache,
-                s.positions,
-                n,
-                shape.kv_width(),
-            )?;
+            b.kv_write(s.k, s.v, *k_cache, *v_cache, s.positions, n, shape.kv_width())?;
             b.attention(s.q, *k_cache, *v_cache, s.positions, s.attn, n, shape)?;
             b.matmul(s.attn, &layer.wo, s.proj, n)?;
             b.add(s.x, s.proj, n * c.dim)?;
@@ -216,26 +201,14 @@ impl<B: Backend> Llama<B> {
     }
 
     /// Final norm and LM head for rows `from..n` of the last step, a few rows at a time.
-    fn logits_for(
-        &mut self,
-        n: usize,
-        from: usize,
-        mut sink: impl FnMut(usize, &[f32]),
-    ) -> Result<()> {
+    fn logits_for(&mut self, n: usize, from: usize, mut sink: impl FnMut(usize, &[f32])) -> Result<()> {
         let (dim, vocab) = (self.config.dim, self.config.vocab_size);
         let (b, s) = (&self.backend, &self.scratch);
         let mut row = from;
         while row < n {
             let rows = (n - row).min(LOGIT_ROWS_PER_STEP);
             let x = s.x.slice(row * dim * 4, rows * dim * 4);
-            b.rms_norm(
-                x,
-                self.weights.output_norm,
-                s.normed,
-                rows,
-                dim,
-                self.config.rms_eps,
-            )?;
+            b.rms_norm(x, self.weights.output_norm, s.normed, rows, dim, self.config.rms_eps)?;
             b.matmul(s.normed, self.weights.lm_head(), s.logits, rows)?;
             b.read_f32(s.logits, &mut self.logits[..rows * vocab])?;
             for (i, l) in self.logits[..rows * vocab].chunks_exact(vocab).enumerate() {
@@ -251,9 +224,7 @@ impl<B: Backend> Llama<B> {
 fn scratch_widths(c: &ModelConfig) -> [usize; 12] {
     let a = c.attention();
     let (q, kv) = (a.q_width(), a.kv_width());
-    [
-        1, 1, c.dim, c.dim, q, kv, kv, q, c.dim, c.ffn_dim, c.ffn_dim, c.ffn_dim,
-    ]
+    [1, 1, c.dim, c.dim, q, kv, kv, q, c.dim, c.ffn_dim, c.ffn_dim, c.ffn_dim]
 }
 
 fn scratch_bytes(c: &ModelConfig, max_batch: usize) -> usize {

@@ -85,11 +85,7 @@ impl<B: Backend> Loader<'_, B> {
     }
 }
 
-pub fn load_gguf<B: Backend>(
-    file: &GgufFile,
-    config: &ModelConfig,
-    backend: &mut B,
-) -> Result<Weights<B::Weight>> {
+pub fn load_gguf<B: Backend>(file: &GgufFile, config: &ModelConfig, backend: &mut B) -> Result<Weights<B::Weight>> {
     let (dim, ffn, vocab) = (config.dim, config.ffn_dim, config.vocab_size);
     let (qw, kvw) = (config.attention().q_width(), config.attention().kv_width());
     let mut l = Loader { file, backend };

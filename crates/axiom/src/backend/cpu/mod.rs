@@ -76,10 +76,7 @@ impl CpuBackend {
     }
 
     fn base(&self, block: BlockHandle) -> *mut u8 {
-        let memory = self
-            .memory
-            .as_ref()
-            .expect("alloc before reserve is rejected");
+        let memory = self.memory.as_ref().expect("alloc before reserve is rejected");
         assert!(
             block.end() <= self.arena.capacity(),
             "block {block:?} outside the arena"
@@ -90,10 +87,7 @@ impl CpuBackend {
 
     /// A read view of a block as `n` values of `T`.
     fn view<T>(&self, block: BlockHandle, n: usize) -> &[T] {
-        assert!(
-            n * size_of::<T>() <= block.len,
-            "{n} values do not fit {block:?}"
-        );
+        assert!(n * size_of::<T>() <= block.len, "{n} values do not fit {block:?}");
         // SAFETY: blocks are 64-byte aligned and in bounds; kernels never write a block they read
         // (see `view_mut`), and the arena memory is initialised (zeroed at reserve).
         unsafe { std::slice::from_raw_parts(self.base(block) as *const T, n) }
@@ -103,10 +97,7 @@ impl CpuBackend {
     /// at most one view of any block, with outputs checked disjoint from inputs.
     #[allow(clippy::mut_from_ref)]
     fn view_mut<T>(&self, block: BlockHandle, n: usize) -> &mut [T] {
-        assert!(
-            n * size_of::<T>() <= block.len,
-            "{n} values do not fit {block:?}"
-        );
+        assert!(n * size_of::<T>() <= block.len, "{n} values do not fit {block:?}");
         // SAFETY: as `view`; exclusivity is the caller's `disjoint` check.
         unsafe { std::slice::from_raw_parts_mut(self.base(block) as *mut T, n) }
     }
@@ -118,10 +109,7 @@ pub fn physical_cores() -> usize {
     let logical = std::thread::available_parallelism().map_or(1, |n| n.get());
     let cores: std::collections::HashSet<String> = (0..logical)
         .filter_map(|cpu| {
-            std::fs::read_to_string(format!(
-                "/sys/devices/system/cpu/cpu{cpu}/topology/core_cpus_list"
-            ))
-            .ok()
+            std::fs::read_to_string(format!("/sys/devices/system/cpu/cpu{cpu}/topology/core_cpus_list")).ok()
         })
         .collect();
     if cores.is_empty() {
@@ -134,14 +122,8 @@ pub fn physical_cores() -> usize {
 /// Kernels read inputs and write outputs through separate views: they must not overlap.
 fn disjoint(outputs: &[BlockHandle], inputs: &[BlockHandle]) -> Result<()> {
     for (i, o) in outputs.iter().enumerate() {
-        if inputs
-            .iter()
-            .chain(&outputs[i + 1..])
-            .any(|x| x.overlaps(o))
-        {
-            return Err(Error::Backend(format!(
-                "output block {o:?} overlaps another argument"
-            )));
+        if inputs.iter().chain(&outputs[i + 1..]).any(|x| x.overlaps(o)) {
+            return Err(Error::Backend(format!("output block {o:?} overlaps another argument")));
         }
     }
     Ok(())
@@ -221,13 +203,7 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn embed(
-        &self,
-        table: &CpuWeight,
-        ids: BlockHandle,
-        out: BlockHandle,
-        n_tokens: usize,
-    ) -> Result<()> {
+    fn embed(&self, table: &CpuWeight, ids: BlockHandle, out: BlockHandle, n_tokens: usize) -> Result<()> {
         disjoint(&[out], &[ids])?;
         let ids = self.view::<u32>(ids, n_tokens);
         if let Some(&bad) = ids.iter().find(|&&id| id as usize >= table.n_out) {
@@ -257,23 +233,11 @@ impl Backend for CpuBackend {
     ) -> Result<()> {
         disjoint(&[out], &[x, weight])?;
         let n = n_tokens * dim;
-        kernels::rms_norm::rms_norm(
-            self.view(x, n),
-            self.view(weight, dim),
-            self.view_mut(out, n),
-            dim,
-            eps,
-        );
+        kernels::rms_norm::rms_norm(self.view(x, n), self.view(weight, dim), self.view_mut(out, n), dim, eps);
         Ok(())
     }
 
-    fn matmul(
-        &self,
-        x: BlockHandle,
-        w: &CpuWeight,
-        out: BlockHandle,
-        n_tokens: usize,
-    ) -> Result<()> {
+    fn matmul(&self, x: BlockHandle, w: &CpuWeight, out: BlockHandle, n_tokens: usize) -> Result<()> {
         disjoint(&[out], &[x])?;
         let x = self.view::<f32>(x, n_tokens * w.n_in);
         let out = self.view_mut::<f32>(out, n_tokens * w.n_out);
@@ -286,14 +250,7 @@ impl Backend for CpuBackend {
                     let rows = start..(start + per_thread).min(w.n_out);
                     s.spawn(move || {
                         let mut slab = vec![0f32; n_tokens * rows.len()];
-                        kernels::matmul::matmul_rows(
-                            w.ty,
-                            w.bytes(),
-                            w.n_in,
-                            rows.clone(),
-                            x,
-                            &mut slab,
-                        );
+                        kernels::matmul::matmul_rows(w.ty, w.bytes(), w.n_in, rows.clone(), x, &mut slab);
                         (rows, slab)
                     })
                 })

@@ -28,9 +28,7 @@ pub fn attention(
             let qh = &q[(t * n_heads + h) * head_dim..][..head_dim];
             let kv_off = (h / group) * head_dim;
             scores.clear();
-            scores.extend(
-                (0..n_ctx).map(|p| dot(qh, &k_cache[p * kv_width + kv_off..][..head_dim]) * scale),
-            );
+            scores.extend((0..n_ctx).map(|p| dot(qh, &k_cache[p * kv_width + kv_off..][..head_dim]) * scale));
             let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
             let mut sum = 0.0;
             for s in scores.iter_mut() {

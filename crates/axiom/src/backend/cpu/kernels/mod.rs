@@ -15,12 +15,7 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     debug_assert_eq!(a.len(), b.len());
     let mut acc = [0f32; 16];
     let (a16, b16) = (a.chunks_exact(16), b.chunks_exact(16));
-    let tail: f32 = a16
-        .remainder()
-        .iter()
-        .zip(b16.remainder())
-        .map(|(x, y)| x * y)
-        .sum();
+    let tail: f32 = a16.remainder().iter().zip(b16.remainder()).map(|(x, y)| x * y).sum();
     for (x, y) in a16.zip(b16) {
         for i in 0..16 {
             acc[i] += x[i] * y[i];

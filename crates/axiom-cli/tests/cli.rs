@@ -1,0 +1,156 @@
+//! The `axiom` binary as a user runs it.
+
+use serde_json::Value;
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+fn model() -> PathBuf {
+    axiom::source::default_model().expect("the default model can be fetched")
+}
+
+fn refs(file: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../axiom/tests/refs/smollm2")
+        .join(file)
+}
+
+fn axiom(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_axiom"))
+        .args(args)
+        .output()
+        .expect("axiom runs")
+}
+
+fn ok(out: &Output) -> String {
+    assert!(
+        out.status.success(),
+        "axiom failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout.clone()).unwrap()
+}
+
+fn ids(v: &Value) -> Vec<u64> {
+    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect()
+}
+
+#[test]
+fn run_chat_json_gives_transformers_prompt_ids_and_first_token() {
+    let m = model();
+    let refs: Value = serde_json::from_str(&std::fs::read_to_string(refs("hf_greedy.json")).unwrap()).unwrap();
+    for case in refs["cases"].as_array().unwrap().iter().filter(|c| c["kind"] == "chat") {
+        let text = case["text"].as_str().unwrap();
+        let out = ok(&axiom(&[
+            "run",
+            "-m",
+            m.to_str().unwrap(),
+            "--chat",
+            "--json",
+            "--temp",
+            "0",
+            "-n",
+            "4",
+            text,
+        ]));
+        let json: Value = serde_json::from_str(out.trim()).unwrap();
+        assert_eq!(ids(&json["prompt_tokens"]), ids(&case["ids"]));
+        assert_eq!(json["tokens"][0], case["greedy64_ids"][0]);
+        assert!(json["timings"]["generation_tokens_per_second"].as_f64().unwrap() > 0.0);
+        assert!(case["greedy64_text"]
+            .as_str()
+            .unwrap()
+            .starts_with(json["text"].as_str().unwrap()));
+    }
+}
+
+#[test]
+fn run_streams_text_to_stdout() {
+    let m = model();
+    let out = ok(&axiom(&[
+        "run",
+        "-m",
+        m.to_str().unwrap(),
+        "--temp",
+        "0",
+        "-n",
+        "2",
+        "-q",
+        "The capital of France is",
+    ]));
+    assert_eq!(out, " Paris.\n");
+}
+
+#[test]
+fn tokenize_prints_ids() {
+    let m = model();
+    let out = ok(&axiom(&["tokenize", "-m", m.to_str().unwrap(), "Hello, world!"]));
+    assert_eq!(out.trim(), "[19556,28,905,17]");
+    let out = ok(&axiom(&[
+        "tokenize",
+        "-m",
+        m.to_str().unwrap(),
+        "--special",
+        "<|im_start|>",
+    ]));
+    assert_eq!(out.trim(), "[1]");
+}
+
+#[test]
+fn info_describes_the_model() {
+    let out = ok(&axiom(&["info", model().to_str().unwrap()]));
+    for needle in [
+        "architecture:  llama",
+        "layers:        30",
+        "9 query, 3 key/value",
+        "Q4_1 x210",
+        "Q8_0 x1",
+    ] {
+        assert!(out.contains(needle), "missing {needle:?} in\n{out}");
+    }
+}
+
+#[test]
+fn perplexity_cli_reports_the_llama_cpp_method_value() {
+    let m = model();
+    let file = refs("apache-2.0.txt");
+    let out = ok(&axiom(&[
+        "perplexity",
+        "-m",
+        m.to_str().unwrap(),
+        "-f",
+        file.to_str().unwrap(),
+        "-c",
+        "128",
+        "--json",
+    ]));
+    let json: Value = serde_json::from_str(out.trim()).unwrap();
+    let ppl = json["result"]["perplexity"].as_f64().unwrap();
+    // transformers fp32 at n_ctx 128: 16.4926.
+    assert!((ppl / 16.4926 - 1.0).abs() < 0.01, "{ppl}");
+    assert_eq!(json["tokens"], 2215);
+}
+
+#[test]
+fn bad_inputs_fail_with_a_message() {
+    let dir = std::env::temp_dir().join(format!("axiom-cli-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let bogus = dir.join("bogus.gguf");
+    std::fs::write(&bogus, b"not a model at all").unwrap();
+    let cases: [(&[&str], &str); 4] = [
+        (&["info", bogus.to_str().unwrap()], "not a GGUF file"),
+        (&["run", "-m", "/nonexistent.gguf", "hi"], "does not exist"),
+        (&["run", "-m", bogus.to_str().unwrap(), "hi"], "not a GGUF file"),
+        (
+            &["run", "--backend", "metal", "-m", bogus.to_str().unwrap(), "hi"],
+            "Metal",
+        ),
+    ];
+    for (args, needle) in cases {
+        let out = axiom(args);
+        assert!(!out.status.success(), "{args:?} succeeded");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("error:") && err.contains(needle), "{args:?}: {err}");
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+    }
+    std::fs::remove_dir_all(dir).unwrap();
+}

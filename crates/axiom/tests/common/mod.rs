@@ -1,0 +1,110 @@
+//! Helpers shared by the integration tests.
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+
+/// Reference outputs for SmolLM2 (copied from the project's shared refs).
+pub fn refs(file: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/refs/smollm2")
+        .join(file)
+}
+
+pub fn read_json(file: &str) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(refs(file)).unwrap()).unwrap()
+}
+
+/// The default model, fetched into the cache by the engine's own mechanism if it is missing.
+pub fn smollm2() -> PathBuf {
+    axiom::source::default_model().expect("the default model can be fetched")
+}
+
+/// Writes GGUF images field by field, so tests can build valid files and precise corruptions.
+pub struct GgufWriter {
+    pub buf: Vec<u8>,
+}
+
+impl GgufWriter {
+    pub fn header(version: u32, n_tensors: u64, n_kv: u64) -> GgufWriter {
+        let mut w = GgufWriter { buf: b"GGUF".to_vec() };
+        w.u32(version).u64(n_tensors).u64(n_kv);
+        w
+    }
+    pub fn u32(&mut self, v: u32) -> &mut Self {
+        self.buf.extend_from_slice(&v.to_le_bytes());
+        self
+    }
+    pub fn u64(&mut self, v: u64) -> &mut Self {
+        self.buf.extend_from_slice(&v.to_le_bytes());
+        self
+    }
+    pub fn string(&mut self, s: &str) -> &mut Self {
+        self.u64(s.len() as u64);
+        self.buf.extend_from_slice(s.as_bytes());
+        self
+    }
+    /// A u32 metadata pair.
+    pub fn kv_u32(&mut self, key: &str, v: u32) -> &mut Self {
+        self.string(key).u32(4).u32(v)
+    }
+    pub fn kv_string(&mut self, key: &str, v: &str) -> &mut Self {
+        self.string(key).u32(8).string(v)
+    }
+    pub fn kv_bool(&mut self, key: &str, v: bool) -> &mut Self {
+        self.string(key).u32(7);
+        self.buf.push(v as u8);
+        self
+    }
+    pub fn kv_strings(&mut self, key: &str, items: &[&str]) -> &mut Self {
+        self.string(key).u32(9).u32(8).u64(items.len() as u64);
+        for s in items {
+            self.string(s);
+        }
+        self
+    }
+    pub fn kv_f32s(&mut self, key: &str, items: &[f32]) -> &mut Self {
+        self.string(key).u32(9).u32(6).u64(items.len() as u64);
+        for v in items {
+            self.buf.extend_from_slice(&v.to_le_bytes());
+        }
+        self
+    }
+    pub fn kv_i32s(&mut self, key: &str, items: &[i32]) -> &mut Self {
+        self.string(key).u32(9).u32(5).u64(items.len() as u64);
+        for v in items {
+            self.buf.extend_from_slice(&v.to_le_bytes());
+        }
+        self
+    }
+    pub fn tensor_info(&mut self, name: &str, dims: &[u64], ty: u32, offset: u64) -> &mut Self {
+        self.string(name).u32(dims.len() as u32);
+        for &d in dims {
+            self.u64(d);
+        }
+        self.u32(ty).u64(offset)
+    }
+    /// Pads to the default 32-byte alignment where the data section starts.
+    pub fn align(&mut self) -> &mut Self {
+        while !self.buf.len().is_multiple_of(32) {
+            self.buf.push(0);
+        }
+        self
+    }
+    pub fn bytes(&mut self, b: &[u8]) -> &mut Self {
+        self.buf.extend_from_slice(b);
+        self
+    }
+}
+
+/// A valid two-tensor file: metadata, an F32 [8] and a Q8_0 [32, 2] tensor.
+pub fn valid_gguf() -> Vec<u8> {
+    let mut w = GgufWriter::header(3, 2, 2);
+    w.kv_string("general.architecture", "llama")
+        .kv_u32("general.alignment", 32);
+    w.tensor_info("a", &[8], 0, 0).tensor_info("b", &[32, 2], 8, 64);
+    w.align();
+    let mut data = vec![0u8; 64 + 68];
+    data[..32].copy_from_slice(&[0, 0, 128, 63].repeat(8)); // eight 1.0f32
+    w.bytes(&data);
+    w.buf
+}

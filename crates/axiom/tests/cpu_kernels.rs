@@ -1,0 +1,349 @@
+//! The CPU reference kernels through the `Backend` interface, against independent formulas at
+//! awkward sizes (head_dim 48, 35 positions, 9 heads over 3 KV heads, rows not a multiple of
+//! anything). GPU backends run the same shapes against these kernels.
+
+use axiom::backend::cpu::CpuBackend;
+use axiom::backend::{AttentionShape, Backend, BlockHandle, HostTensor, Rope, RopeLayout};
+use axiom::format::quant::{dequantize, GgmlType};
+use half::f16;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+fn rng() -> ChaCha8Rng {
+    ChaCha8Rng::seed_from_u64(1234)
+}
+
+fn randn(rng: &mut ChaCha8Rng, n: usize) -> Vec<f32> {
+    (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
+}
+
+fn backend() -> CpuBackend {
+    let mut b = CpuBackend::new(3);
+    b.reserve(64 << 20).unwrap();
+    b
+}
+
+/// Allocates a block holding `data`.
+fn upload(b: &mut CpuBackend, data: &[f32]) -> BlockHandle {
+    let h = b.alloc(data.len() * 4).unwrap();
+    b.write_f32(h, data).unwrap();
+    h
+}
+
+/// A block of `n` f32 poisoned with NaN, so an unwritten output fails.
+fn poisoned(b: &mut CpuBackend, n: usize) -> BlockHandle {
+    upload(b, &vec![f32::NAN; n])
+}
+
+fn upload_u32(b: &mut CpuBackend, data: &[u32]) -> BlockHandle {
+    let h = b.alloc(data.len() * 4).unwrap();
+    b.write_u32(h, data).unwrap();
+    h
+}
+
+fn read(b: &CpuBackend, h: BlockHandle, n: usize) -> Vec<f32> {
+    let mut out = vec![0f32; n];
+    b.read_f32(h, &mut out).unwrap();
+    out
+}
+
+fn assert_close(got: &[f32], want: &[f32], tol: f32, what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!((g - w).abs() <= tol * (1.0 + w.abs()), "{what}[{i}]: got {g}, want {w}");
+    }
+}
+
+/// Random blocks of `ty` with finite f16 scales (at the byte offsets of each layout).
+fn random_weight_bytes(rng: &mut ChaCha8Rng, ty: GgmlType, n_elements: usize) -> Vec<u8> {
+    let n_blocks = n_elements / ty.block_len();
+    let mut bytes: Vec<u8> = (0..n_blocks * ty.block_bytes()).map(|_| rng.random()).collect();
+    let f16_fields: &[usize] = match ty {
+        GgmlType::F32 => {
+            return randn(rng, n_elements).iter().flat_map(|v| v.to_le_bytes()).collect();
+        }
+        GgmlType::F16 | GgmlType::BF16 => &[0],
+        GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => &[0],
+        GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4K | GgmlType::Q5K => &[0, 2],
+        GgmlType::Q2K => &[80, 82],
+        GgmlType::Q3K => &[108],
+        GgmlType::Q6K => &[208],
+    };
+    for block in bytes.chunks_exact_mut(ty.block_bytes()) {
+        for &off in f16_fields {
+            let v = rng.random_range(-0.1f32..0.1);
+            let bits = match ty {
+                GgmlType::BF16 => half::bf16::from_f32(v).to_bits(),
+                _ => f16::from_f32(v).to_bits(),
+            };
+            block[off..off + 2].copy_from_slice(&bits.to_le_bytes());
+        }
+    }
+    bytes
+}
+
+#[test]
+fn matmul_every_type_matches_dequantize_then_multiply() {
+    let mut r = rng();
+    for ty in GgmlType::ALL {
+        let n_in = if ty.block_len() == 256 { 512 } else { 96 };
+        let n_out = 37;
+        let bytes = random_weight_bytes(&mut r, ty, n_in * n_out);
+        let mut dense = vec![0f32; n_in * n_out];
+        dequantize(ty, &bytes, &mut dense);
+        for n_tokens in [1, 35] {
+            let mut b = backend();
+            let w = b
+                .upload_weight(&HostTensor {
+                    name: "w",
+                    ty,
+                    dims: &[n_in, n_out],
+                    bytes: &bytes,
+                    region: None,
+                })
+                .unwrap();
+            let x = randn(&mut r, n_tokens * n_in);
+            let xh = upload(&mut b, &x);
+            let out = poisoned(&mut b, n_tokens * n_out);
+            b.matmul(xh, &w, out, n_tokens).unwrap();
+            let want: Vec<f32> = (0..n_tokens * n_out)
+                .map(|i| {
+                    let (t, o) = (i / n_out, i % n_out);
+                    (0..n_in)
+                        .map(|k| x[t * n_in + k] as f64 * dense[o * n_in + k] as f64)
+                        .sum::<f64>() as f32
+                })
+                .collect();
+            assert_close(
+                &read(&b, out, n_tokens * n_out),
+                &want,
+                1e-4,
+                &format!("{ty} x {n_tokens} tokens"),
+            );
+        }
+    }
+}
+
+#[test]
+fn embed_dequantizes_the_rows_asked_for() {
+    let mut r = rng();
+    for ty in [GgmlType::Q8_0, GgmlType::Q4_1, GgmlType::F16, GgmlType::Q6K] {
+        let (dim, vocab) = (256, 11);
+        let bytes = random_weight_bytes(&mut r, ty, dim * vocab);
+        let mut dense = vec![0f32; dim * vocab];
+        dequantize(ty, &bytes, &mut dense);
+        let mut b = backend();
+        let table = b
+            .upload_weight(&HostTensor {
+                name: "e",
+                ty,
+                dims: &[dim, vocab],
+                bytes: &bytes,
+                region: None,
+            })
+            .unwrap();
+        let ids = [3u32, 0, 10, 3];
+        let idh = upload_u32(&mut b, &ids);
+        let out = poisoned(&mut b, ids.len() * dim);
+        b.embed(&table, idh, out, ids.len()).unwrap();
+        let want: Vec<f32> = ids
+            .iter()
+            .flat_map(|&i| dense[i as usize * dim..][..dim].to_vec())
+            .collect();
+        assert_eq!(read(&b, out, want.len()), want, "{ty}");
+        // An id past the vocabulary is an error, not a read out of bounds.
+        let bad = upload_u32(&mut b, &[11]);
+        assert!(b.embed(&table, bad, out, 1).is_err());
+    }
+}
+
+#[test]
+fn rms_norm_matches_the_formula() {
+    let mut r = rng();
+    let (n, dim) = (5, 48);
+    let x = randn(&mut r, n * dim);
+    let w = randn(&mut r, dim);
+    let mut b = backend();
+    let (xh, wh, out) = (upload(&mut b, &x), upload(&mut b, &w), poisoned(&mut b, n * dim));
+    b.rms_norm(xh, wh, out, n, dim, 1e-5).unwrap();
+    let mut want = vec![0f32; n * dim];
+    for t in 0..n {
+        let row = &x[t * dim..][..dim];
+        let rms = (row.iter().map(|v| v * v).sum::<f32>() / dim as f32 + 1e-5).sqrt();
+        for i in 0..dim {
+            want[t * dim + i] = row[i] / rms * w[i];
+        }
+    }
+    assert_close(&read(&b, out, n * dim), &want, 1e-5, "rms_norm");
+}
+
+#[test]
+fn rope_rotates_pairs_by_position() {
+    let mut r = rng();
+    let (n_heads, head_dim, n) = (3, 48, 4);
+    let x = randn(&mut r, n * n_heads * head_dim);
+    let positions = [0u32, 1, 7, 34];
+    for layout in [RopeLayout::Adjacent, RopeLayout::Halves] {
+        let rope = Rope {
+            layout,
+            theta: 10000.0,
+            dims: head_dim,
+        };
+        let mut b = backend();
+        let (xh, ph) = (upload(&mut b, &x), upload_u32(&mut b, &positions));
+        b.rope(xh, ph, n, n_heads, head_dim, rope).unwrap();
+        let got = read(&b, xh, x.len());
+        for (t, &pos) in positions.iter().enumerate() {
+            for h in 0..n_heads {
+                let base = (t * n_heads + h) * head_dim;
+                for i in 0..head_dim / 2 {
+                    let (a, c) = match layout {
+                        RopeLayout::Adjacent => (2 * i, 2 * i + 1),
+                        RopeLayout::Halves => (i, i + head_dim / 2),
+                    };
+                    let angle = pos as f32 * 10000f32.powf(-((2 * i) as f32) / head_dim as f32);
+                    let (x0, x1) = (x[base + a], x[base + c]);
+                    let want0 = x0 * angle.cos() - x1 * angle.sin();
+                    let want1 = x0 * angle.sin() + x1 * angle.cos();
+                    assert!((got[base + a] - want0).abs() < 1e-4 && (got[base + c] - want1).abs() < 1e-4);
+                }
+            }
+        }
+        // Position 0 is the identity.
+        assert_eq!(&got[..n_heads * head_dim], &x[..n_heads * head_dim]);
+    }
+}
+
+/// Attention written the textbook way: a full score matrix with an explicit -inf mask.
+fn attention_by_matrix(q: &[f32], k: &[f32], v: &[f32], positions: &[u32], s: AttentionShape) -> Vec<f32> {
+    let seq = k.len() / s.kv_width();
+    let mut out = vec![0f32; positions.len() * s.q_width()];
+    for (t, &pos) in positions.iter().enumerate() {
+        for h in 0..s.n_heads {
+            let kvh = h * s.n_kv_heads / s.n_heads;
+            let scores: Vec<f32> = (0..seq)
+                .map(|p| {
+                    if p > pos as usize {
+                        return f32::NEG_INFINITY;
+                    }
+                    let dot: f32 = (0..s.head_dim)
+                        .map(|d| q[(t * s.n_heads + h) * s.head_dim + d] * k[p * s.kv_width() + kvh * s.head_dim + d])
+                        .sum();
+                    dot / (s.head_dim as f32).sqrt()
+                })
+                .collect();
+            let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let exps: Vec<f32> = scores.iter().map(|&x| (x - max).exp()).collect();
+            let sum: f32 = exps.iter().sum();
+            for d in 0..s.head_dim {
+                out[(t * s.n_heads + h) * s.head_dim + d] = (0..seq)
+                    .map(|p| exps[p] / sum * v[p * s.kv_width() + kvh * s.head_dim + d])
+                    .sum();
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn attention_is_causal_grouped_and_matches_the_matrix_form() {
+    let mut r = rng();
+    let shape = AttentionShape {
+        n_heads: 9,
+        n_kv_heads: 3,
+        head_dim: 48,
+    };
+    let seq = 35;
+    let kv_w = shape.kv_width();
+    let k = randn(&mut r, seq * kv_w);
+    let v = randn(&mut r, seq * kv_w);
+    // A prefill of all 35 positions, and a decode step at the last one.
+    for positions in [(0..seq as u32).collect::<Vec<_>>(), vec![34], vec![0, 17]] {
+        let n = positions.len();
+        let q = randn(&mut r, n * shape.q_width());
+        let mut b = backend();
+        let (qh, kh, vh) = (upload(&mut b, &q), upload(&mut b, &k), upload(&mut b, &v));
+        let ph = upload_u32(&mut b, &positions);
+        let out = poisoned(&mut b, n * shape.q_width());
+        b.attention(qh, kh, vh, ph, out, n, shape).unwrap();
+        let got = read(&b, out, n * shape.q_width());
+        assert_close(
+            &got,
+            &attention_by_matrix(&q, &k, &v, &positions, shape),
+            1e-5,
+            "attention",
+        );
+
+        // Changing the cache beyond every token's position changes nothing.
+        let max_pos = *positions.iter().max().unwrap() as usize;
+        if max_pos + 1 < seq {
+            let mut k2 = k.clone();
+            let mut v2 = v.clone();
+            for x in k2[(max_pos + 1) * kv_w..]
+                .iter_mut()
+                .chain(v2[(max_pos + 1) * kv_w..].iter_mut())
+            {
+                *x = 1e4;
+            }
+            b.write_f32(kh, &k2).unwrap();
+            b.write_f32(vh, &v2).unwrap();
+            b.attention(qh, kh, vh, ph, out, n, shape).unwrap();
+            assert_eq!(read(&b, out, got.len()), got);
+        }
+    }
+}
+
+#[test]
+fn kv_write_places_rows_at_their_positions() {
+    let mut r = rng();
+    let (kv_w, cap) = (144, 35);
+    let k = randn(&mut r, 2 * kv_w);
+    let v = randn(&mut r, 2 * kv_w);
+    let mut b = backend();
+    let (kh, vh) = (upload(&mut b, &k), upload(&mut b, &v));
+    let (kc, vc) = (
+        upload(&mut b, &vec![0.0; cap * kv_w]),
+        upload(&mut b, &vec![0.0; cap * kv_w]),
+    );
+    let ph = upload_u32(&mut b, &[5, 34]);
+    b.kv_write(kh, vh, kc, vc, ph, 2, kv_w).unwrap();
+    let kc = read(&b, kc, cap * kv_w);
+    assert_eq!(&kc[5 * kv_w..6 * kv_w], &k[..kv_w]);
+    assert_eq!(&kc[34 * kv_w..], &k[kv_w..]);
+    assert_eq!(read(&b, vc, cap * kv_w)[5 * kv_w..6 * kv_w], v[..kv_w]);
+    // A position past the cache is refused.
+    let bad = upload_u32(&mut b, &[35]);
+    let (kc2, vc2) = (b.alloc(cap * kv_w * 4).unwrap(), b.alloc(cap * kv_w * 4).unwrap());
+    assert!(b.kv_write(kh, vh, kc2, vc2, bad, 1, kv_w).is_err());
+}
+
+#[test]
+fn swiglu_and_add() {
+    let mut r = rng();
+    let n = 37;
+    let (g, u) = (randn(&mut r, n), randn(&mut r, n));
+    let mut b = backend();
+    let (gh, uh, out) = (upload(&mut b, &g), upload(&mut b, &u), poisoned(&mut b, n));
+    b.swiglu(gh, uh, out, n).unwrap();
+    let want: Vec<f32> = g.iter().zip(&u).map(|(g, u)| g / (1.0 + (-g).exp()) * u).collect();
+    assert_close(&read(&b, out, n), &want, 1e-6, "swiglu");
+    b.add(gh, uh, n).unwrap();
+    let want: Vec<f32> = g.iter().zip(&u).map(|(g, u)| g + u).collect();
+    assert_eq!(read(&b, gh, n), want);
+    // In-place use of one block as input and output is refused rather than aliased.
+    assert!(b.swiglu(gh, uh, gh, n).is_err());
+}
+
+#[test]
+fn arena_backed_memory() {
+    let mut b = CpuBackend::new(1);
+    assert!(b.alloc(16).is_err(), "alloc before reserve");
+    b.reserve(1 << 12).unwrap();
+    let x = b.alloc(100).unwrap();
+    assert_eq!(x.offset % 64, 0);
+    b.write_f32(x, &[1.0, 2.0, 3.0]).unwrap();
+    assert_eq!(read(&b, x, 3), vec![1.0, 2.0, 3.0]);
+    assert!(b.alloc(1 << 12).is_err(), "exhaustion is an error");
+    b.free(x).unwrap();
+    assert!(b.alloc(1 << 12).is_ok(), "freed space is reused");
+}

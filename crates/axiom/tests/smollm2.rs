@@ -1,0 +1,229 @@
+//! The real default model end to end, checked against Hugging Face transformers' float32 outputs
+//! (`refs/smollm2/hf_greedy.json`, `perplexity.json`), never against our own earlier output.
+
+mod common;
+
+use axiom::backend::cpu::CpuBackend;
+use axiom::chat::Message;
+use axiom::engine::perplexity::perplexity;
+use axiom::engine::{generate, GenerateOptions, Sampler, SamplerConfig, Session, StopReason};
+use axiom::model::llama::LoadOptions;
+use axiom::model::LogitRows;
+use common::{read_json, refs, smollm2};
+
+fn session() -> Session<CpuBackend> {
+    Session::load(
+        &smollm2(),
+        CpuBackend::new(2),
+        LoadOptions {
+            max_batch: 512,
+            kv_tokens: 512,
+        },
+    )
+    .unwrap()
+}
+
+fn ids(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
+
+fn argmax(l: &[f32]) -> u32 {
+    axiom::engine::sampler::argmax(l)
+}
+
+#[test]
+fn prompts_logits_and_greedy_text_match_transformers() {
+    let mut s = session();
+    let refs = read_json("hf_greedy.json");
+    for case in refs["cases"].as_array().unwrap() {
+        let name = case["name"].as_str().unwrap();
+        let text = case["text"].as_str().unwrap();
+        let prompt = match case["kind"].as_str().unwrap() {
+            "chat" => s.chat_prompt(&[Message::new("user", text)]).unwrap(),
+            _ => s.raw_prompt(text).unwrap(),
+        };
+        assert_eq!(prompt, ids(&case["ids"]), "{name}: prompt ids");
+
+        // Every position's argmax, and the last position's top-20 logits.
+        let mut kv = s.model.new_kv_cache(512).unwrap();
+        let mut argmaxes = Vec::new();
+        let mut last = Vec::new();
+        s.model
+            .forward(&prompt, &mut kv, LogitRows::From(0), |_, l| {
+                argmaxes.push(argmax(l));
+                last = l.to_vec();
+            })
+            .unwrap();
+        assert_eq!(
+            argmaxes,
+            ids(&case["argmax_per_position"]),
+            "{name}: argmax per position"
+        );
+        let (mut err, mut norm) = (0.0f64, 0.0f64);
+        for pair in case["top20_last"].as_array().unwrap() {
+            let (id, want) = (pair[0].as_u64().unwrap() as usize, pair[1].as_f64().unwrap());
+            err += (last[id] as f64 - want).powi(2);
+            norm += want * want;
+        }
+        let rel = (err / norm).sqrt();
+        assert!(rel < 1e-4, "{name}: top-20 logits relative L2 error {rel}");
+
+        // Greedy generation reproduces transformers' 64 tokens (which end at <|im_end|> if it came).
+        let want = ids(&case["greedy64_ids"]);
+        kv.truncate(0);
+        let mut sampler = Sampler::new(SamplerConfig::greedy());
+        let options = GenerateOptions {
+            max_tokens: 64,
+            stop: vec![],
+        };
+        let g = generate(
+            &mut s.model,
+            &s.tokenizer,
+            &mut kv,
+            &prompt,
+            &mut sampler,
+            &options,
+            |_| {},
+        )
+        .unwrap();
+        let mut got = g.tokens.clone();
+        if g.stop_reason == StopReason::EndOfGeneration {
+            got.push(*want.last().unwrap());
+        }
+        assert_eq!(got, want, "{name}: greedy tokens");
+        let want_text = case["greedy64_text"].as_str().unwrap();
+        assert!(want_text.starts_with(&g.text), "{name}: {:?} vs {want_text:?}", g.text);
+        s.model.free_kv_cache(kv).unwrap();
+    }
+}
+
+#[test]
+fn perplexity_matches_transformers_within_one_percent() {
+    let mut s = session();
+    let text = std::fs::read_to_string(refs("apache-2.0.txt")).unwrap();
+    let tokens = s.tokenizer.encode(&text, false, false).unwrap();
+    let want = read_json("perplexity.json")["hf_transformers_fp32"]["n_ctx_512"]
+        .as_f64()
+        .unwrap();
+    let got = perplexity(&mut s.model, &tokens, 512, None, |_, _, _| {}).unwrap();
+    assert_eq!((got.chunks, got.scored_tokens), (4, 4 * 255));
+    assert!(
+        (got.perplexity / want - 1.0).abs() < 0.01,
+        "perplexity {} vs {want}",
+        got.perplexity
+    );
+}
+
+#[test]
+fn stop_strings_and_token_limits() {
+    let mut s = session();
+    let prompt = s.raw_prompt("The capital of France is").unwrap();
+    let mut kv = s.model.new_kv_cache(512).unwrap();
+    let mut sampler = Sampler::new(SamplerConfig::greedy());
+    // Transformers continues " Paris.\n\nThe answer is: ...": stop at the blank line.
+    let options = GenerateOptions {
+        max_tokens: 64,
+        stop: vec!["\n\n".into()],
+    };
+    let mut streamed = String::new();
+    let g = generate(
+        &mut s.model,
+        &s.tokenizer,
+        &mut kv,
+        &prompt,
+        &mut sampler,
+        &options,
+        |t| streamed.push_str(t),
+    )
+    .unwrap();
+    assert_eq!(g.stop_reason, StopReason::StopString);
+    assert_eq!(g.text, " Paris.");
+    assert_eq!(streamed, g.text);
+
+    kv.truncate(0);
+    let options = GenerateOptions {
+        max_tokens: 3,
+        stop: vec![],
+    };
+    let g = generate(
+        &mut s.model,
+        &s.tokenizer,
+        &mut kv,
+        &prompt,
+        &mut sampler,
+        &options,
+        |_| {},
+    )
+    .unwrap();
+    assert_eq!((g.tokens.len(), g.stop_reason), (3, StopReason::MaxTokens));
+    assert_eq!(kv.len(), prompt.len() + 2, "the last token is sampled but not run");
+
+    // A context too small for the prompt is an error; one too small for the answer ends it early.
+    s.model.free_kv_cache(kv).unwrap();
+    let mut small = s.model.new_kv_cache(4).unwrap();
+    assert!(generate(
+        &mut s.model,
+        &s.tokenizer,
+        &mut small,
+        &prompt,
+        &mut sampler,
+        &options,
+        |_| {}
+    )
+    .is_err());
+    let mut tight = s.model.new_kv_cache(prompt.len() + 1).unwrap();
+    let options = GenerateOptions {
+        max_tokens: 10,
+        stop: vec![],
+    };
+    let g = generate(
+        &mut s.model,
+        &s.tokenizer,
+        &mut tight,
+        &prompt,
+        &mut sampler,
+        &options,
+        |_| {},
+    )
+    .unwrap();
+    assert_eq!(g.stop_reason, StopReason::ContextFull);
+}
+
+#[test]
+fn seeded_sampling_is_reproducible() {
+    let mut s = session();
+    let prompt = s
+        .chat_prompt(&[Message::new("user", "Write a haiku about rust.")])
+        .unwrap();
+    let mut run = |seed| {
+        let mut kv = s.model.new_kv_cache(256).unwrap();
+        let mut sampler = Sampler::new(SamplerConfig {
+            temperature: 1.0,
+            seed,
+            ..SamplerConfig::default()
+        });
+        let options = GenerateOptions {
+            max_tokens: 24,
+            stop: vec![],
+        };
+        let g = generate(
+            &mut s.model,
+            &s.tokenizer,
+            &mut kv,
+            &prompt,
+            &mut sampler,
+            &options,
+            |_| {},
+        )
+        .unwrap();
+        s.model.free_kv_cache(kv).unwrap();
+        g.tokens
+    };
+    let a = run(42);
+    assert_eq!(a, run(42));
+    assert_ne!(a, run(43));
+}

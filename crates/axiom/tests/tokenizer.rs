@@ -1,0 +1,238 @@
+//! The tokenizer against llama.cpp's reference ids, the chat template against transformers'
+//! rendering, and SentencePiece-style vocabularies on a synthetic model.
+
+mod common;
+
+use axiom::chat::{ChatTemplate, Message};
+use axiom::format::gguf::{GgufFile, Value};
+use axiom::tokenizer::{TextStream, Tokenizer};
+use common::{read_json, refs, smollm2, GgufWriter};
+
+fn smollm2_tokenizer() -> (GgufFile, Tokenizer) {
+    let file = GgufFile::open(&smollm2()).unwrap();
+    let tokenizer = Tokenizer::from_gguf(&file).unwrap();
+    (file, tokenizer)
+}
+
+fn ids(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
+
+#[test]
+fn matches_llama_cpp_on_every_reference_case() {
+    let (_, tok) = smollm2_tokenizer();
+    let refs = read_json("tokenization.json");
+    for case in refs["cases"].as_array().unwrap() {
+        let text = case["text"].as_str().unwrap();
+        for (mode, special) in [("parse_special", true), ("no_parse_special", false)] {
+            let want = ids(&case[mode]["ids"]);
+            assert_eq!(
+                tok.encode(text, special, true).unwrap(),
+                want,
+                "{} ({mode})",
+                case["name"]
+            );
+        }
+    }
+}
+
+#[test]
+fn whole_license_text_is_2215_tokens_and_round_trips() {
+    let (_, tok) = smollm2_tokenizer();
+    let text = std::fs::read_to_string(refs("apache-2.0.txt")).unwrap();
+    let ids = tok.encode(&text, false, true).unwrap();
+    assert_eq!(ids.len(), 2215);
+    assert_eq!(tok.decode(&ids, false).unwrap(), text);
+}
+
+#[test]
+fn special_tokens_are_parsed_only_when_asked() {
+    let (_, tok) = smollm2_tokenizer();
+    let text = "<|im_start|>user\nhi<|im_end|>";
+    let parsed = tok.encode(text, true, false).unwrap();
+    assert_eq!(parsed.first(), Some(&1));
+    assert_eq!(parsed.last(), Some(&2));
+    let plain = tok.encode(text, false, false).unwrap();
+    assert!(!plain.contains(&1) && !plain.contains(&2), "{plain:?}");
+    assert_eq!(tok.decode(&plain, false).unwrap(), text);
+    assert!(tok.is_end_of_generation(2) && tok.is_end_of_generation(0) && !tok.is_end_of_generation(1));
+}
+
+#[test]
+fn streaming_never_splits_a_character() {
+    let (_, tok) = smollm2_tokenizer();
+    for text in ["你好，世界！今天天气很好。", "emoji 🦀🚀 and ünïcödé", "plain ascii"] {
+        let ids = tok.encode(text, false, false).unwrap();
+        let mut stream = TextStream::new(&tok);
+        let mut out = String::new();
+        for &id in &ids {
+            if let Some(piece) = stream.push(id).unwrap() {
+                assert!(!piece.contains('\u{FFFD}'), "{text}: broken piece {piece:?}");
+                out.push_str(&piece);
+            }
+        }
+        out.push_str(&stream.finish().unwrap().unwrap_or_default());
+        assert_eq!(out, text);
+    }
+}
+
+#[test]
+fn chat_template_renders_like_transformers() {
+    let (file, tok) = smollm2_tokenizer();
+    let source = file.get("tokenizer.chat_template").and_then(Value::as_str).unwrap();
+    let template = ChatTemplate::new(source, tok.token_text(1).unwrap(), tok.token_text(2).unwrap()).unwrap();
+    let refs = read_json("hf_greedy.json");
+    let mut checked = 0;
+    for case in refs["cases"].as_array().unwrap().iter().filter(|c| c["kind"] == "chat") {
+        let messages = [Message::new("user", case["text"].as_str().unwrap())];
+        assert_eq!(
+            template.render(&messages, true).unwrap(),
+            case["rendered"].as_str().unwrap()
+        );
+        checked += 1;
+    }
+    assert!(checked > 0);
+    // An explicit system message replaces the default one; no generation prompt without asking.
+    let text = template
+        .render(
+            &[Message::new("system", "Be brief."), Message::new("user", "Hi")],
+            false,
+        )
+        .unwrap();
+    assert_eq!(
+        text,
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+    );
+}
+
+#[test]
+fn chat_template_features_and_errors() {
+    let t = ChatTemplate::new(
+        "{{ bos_token }}{% for m in messages %}{{ m.role | upper }}:{{ m.content.strip() }}\n{% endfor %}\
+         {% if add_generation_prompt %}A:{% endif %}",
+        "<s>",
+        "</s>",
+    )
+    .unwrap();
+    assert_eq!(
+        t.render(&[Message::new("user", "  hi  ")], true).unwrap(),
+        "<s>USER:hi\nA:"
+    );
+
+    let raising = ChatTemplate::new("{{ raise_exception('roles must alternate') }}", "", "").unwrap();
+    let err = raising.render(&[], true).unwrap_err().to_string();
+    assert!(err.contains("roles must alternate"), "{err}");
+
+    let err = ChatTemplate::new("{% for %}", "", "").err().unwrap().to_string();
+    assert!(err.starts_with("chat template:"), "{err}");
+
+    // A template that would loop for ever runs out of fuel instead.
+    let spinning = ChatTemplate::new(
+        "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}",
+        "",
+        "",
+    )
+    .unwrap();
+    assert!(spinning.render(&[], true).is_err());
+}
+
+/// A tiny SentencePiece vocabulary: control tokens, 256 byte tokens, and scored pieces.
+fn sentencepiece_file() -> Vec<u8> {
+    let mut tokens: Vec<String> = vec!["<unk>".into(), "<s>".into(), "</s>".into()];
+    let mut types = vec![2, 3, 3];
+    let mut scores = vec![0.0, 0.0, 0.0];
+    for b in 0..=255u8 {
+        tokens.push(format!("<0x{b:02X}>"));
+        types.push(6);
+        scores.push(0.0);
+    }
+    for (piece, score) in [
+        ("▁", -1.0),
+        ("h", -2.0),
+        ("e", -2.0),
+        ("l", -2.0),
+        ("o", -2.0),
+        ("w", -2.0),
+        ("r", -2.0),
+        ("d", -2.0),
+        ("ll", -3.0),
+        ("he", -4.0),
+        ("▁w", -5.0),
+        ("or", -5.5),
+        ("llo", -6.0),
+        ("hello", -7.0),
+        ("▁hello", -8.0),
+    ] {
+        tokens.push(piece.into());
+        types.push(1);
+        scores.push(score);
+    }
+    let refs: Vec<&str> = tokens.iter().map(String::as_str).collect();
+    let mut w = GgufWriter::header(3, 0, 7);
+    w.kv_string("tokenizer.ggml.model", "llama")
+        .kv_strings("tokenizer.ggml.tokens", &refs)
+        .kv_f32s("tokenizer.ggml.scores", &scores)
+        .kv_i32s("tokenizer.ggml.token_type", &types)
+        .kv_u32("tokenizer.ggml.bos_token_id", 1)
+        .kv_u32("tokenizer.ggml.eos_token_id", 2)
+        .kv_bool("tokenizer.ggml.add_bos_token", true);
+    w.buf
+}
+
+#[test]
+fn sentencepiece_merges_by_score_with_byte_fallback() {
+    let file = GgufFile::from_bytes(&sentencepiece_file()).unwrap();
+    let tok = Tokenizer::from_gguf(&file).unwrap();
+    let piece = |s: &str| {
+        (0..tok.vocab_size() as u32)
+            .find(|&i| tok.token_text(i) == Some(s))
+            .unwrap()
+    };
+
+    let got = tok.encode("hello world", false, true).unwrap();
+    let want = vec![1, piece("▁hello"), piece("▁w"), piece("or"), piece("l"), piece("d")];
+    assert_eq!(got, want);
+    assert_eq!(tok.decode(&got, true).unwrap(), "hello world");
+
+    // Characters outside the vocabulary fall back to their UTF-8 bytes.
+    let got = tok.encode("hé!", false, false).unwrap();
+    assert_eq!(
+        got,
+        vec![
+            piece("▁"),
+            piece("h"),
+            piece("<0xC3>"),
+            piece("<0xA9>"),
+            piece("<0x21>")
+        ]
+    );
+    assert_eq!(tok.decode(&got, true).unwrap(), "hé!");
+    assert!(tok.is_end_of_generation(2));
+}
+
+#[test]
+fn unsupported_tokenizers_are_named() {
+    let mut w = GgufWriter::header(3, 0, 2);
+    w.kv_string("tokenizer.ggml.model", "rwkv")
+        .kv_strings("tokenizer.ggml.tokens", &["a"]);
+    let err = Tokenizer::from_gguf(&GgufFile::from_bytes(&w.buf).unwrap())
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(err.contains("rwkv"), "{err}");
+
+    let mut w = GgufWriter::header(3, 0, 4);
+    w.kv_string("tokenizer.ggml.model", "gpt2")
+        .kv_string("tokenizer.ggml.pre", "mystery")
+        .kv_strings("tokenizer.ggml.tokens", &["a", "b"])
+        .kv_strings("tokenizer.ggml.merges", &["a b"]);
+    let err = Tokenizer::from_gguf(&GgufFile::from_bytes(&w.buf).unwrap())
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(err.contains("mystery"), "{err}");
+}
