@@ -268,7 +268,7 @@ mod tests {
         };
         let cold = draws(
             SamplerConfig {
-                temperature: 0.05,
+                temperature: 0.01,
                 ..base.clone()
             },
             100,
