@@ -2,6 +2,7 @@
 
 use anyhow::{bail, Context, Result};
 use axiom::backend::cpu::{physical_cores, CpuBackend};
+use axiom::backend::Backend;
 use axiom::chat::Message;
 use axiom::engine::perplexity::perplexity;
 use axiom::engine::{generate, GenerateOptions, Sampler, SamplerConfig, Session};
@@ -36,6 +37,8 @@ enum Command {
     Perplexity(PerplexityArgs),
     /// Describe a model file.
     Info(InfoArgs),
+    /// Measure prompt processing and generation speed, like llama-bench.
+    Bench(BenchArgs),
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -136,6 +139,24 @@ struct PerplexityArgs {
 }
 
 #[derive(Args)]
+struct BenchArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Prompt lengths to test (comma-separated; 0 skips).
+    #[arg(short = 'p', long = "n-prompt", value_delimiter = ',', default_value = "512")]
+    prompt: Vec<usize>,
+    /// Generation lengths to test (comma-separated; 0 skips).
+    #[arg(short = 'n', long = "n-gen", value_delimiter = ',', default_value = "128")]
+    generate: Vec<usize>,
+    /// Repetitions of each test.
+    #[arg(short = 'r', long, default_value_t = 3)]
+    repetitions: usize,
+    /// Print one JSON object per test instead of the table.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
 struct InfoArgs {
     /// GGUF model file (default: the default model).
     model: Option<PathBuf>,
@@ -156,6 +177,7 @@ fn main() {
         Command::Tokenize(args) => tokenize(args),
         Command::Perplexity(args) => perplexity_cmd(args),
         Command::Info(args) => info(args),
+        Command::Bench(args) => bench(args),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");
@@ -323,6 +345,66 @@ fn perplexity_cmd(args: PerplexityArgs) -> Result<()> {
             "perplexity: {:.4} ({} chunks of {}, {} tokens scored)",
             result.perplexity, result.chunks, result.n_ctx, result.scored_tokens
         );
+    }
+    Ok(())
+}
+
+fn bench(args: BenchArgs) -> Result<()> {
+    use axiom::engine::bench::{run_test, Test};
+    if args.repetitions == 0 {
+        bail!("--repetitions must be at least 1");
+    }
+    let tests: Vec<Test> = args
+        .prompt
+        .iter()
+        .filter(|&&n| n > 0)
+        .map(|&n| Test::Prompt(n))
+        .chain(args.generate.iter().filter(|&&n| n > 0).map(|&n| Test::Generation(n)))
+        .collect();
+    let longest = tests.iter().map(|t| t.tokens()).max().unwrap_or(1);
+    let options = LoadOptions {
+        max_batch: longest.min(512),
+        kv_tokens: longest,
+    };
+    let (_, mut session) = load_session(&args.model, options)?;
+    let threads = session.model.backend.threads();
+    let info = session.info.clone();
+    let backend = session.model.backend.device_name();
+    let size = format!("{:.2} MiB", info.file_bytes as f64 / (1 << 20) as f64);
+    let params = format!("{:.2} M", info.parameters as f64 / 1e6);
+    if !args.json {
+        println!("| model | size | params | backend | threads | test | t/s |");
+        println!("| --- | ---: | ---: | --- | ---: | ---: | ---: |");
+    }
+    let mut bandwidth = Vec::new();
+    for test in tests {
+        let r = run_test(&mut session.model, test, args.repetitions)?;
+        let gbps = matches!(test, Test::Generation(_)).then(|| r.mean * info.weight_bytes_per_token as f64 / 1e9);
+        if args.json {
+            let out = json!({
+                "model": info.description, "size_bytes": info.file_bytes, "params": info.parameters,
+                "backend": backend, "threads": threads, "test": r.test, "n_tokens": r.n_tokens,
+                "samples_ts": r.samples, "avg_ts": r.mean, "stddev_ts": r.stddev,
+                "weight_bandwidth_gbps": gbps,
+            });
+            println!("{out}");
+        } else {
+            println!(
+                "| {} | {size} | {params} | {backend} | {threads} | {} | {:.2} ± {:.2} |",
+                info.description, r.test, r.mean, r.stddev
+            );
+            if let Some(g) = gbps {
+                bandwidth.push(format!(
+                    "{}: {:.1} GB/s of weights ({:.1} MB per token)",
+                    r.test,
+                    g,
+                    info.weight_bytes_per_token as f64 / 1e6
+                ));
+            }
+        }
+    }
+    for line in bandwidth {
+        println!("\n{line}");
     }
     Ok(())
 }

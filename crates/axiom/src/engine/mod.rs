@@ -1,5 +1,6 @@
 //! Turning logits into text: sampling, the generation loop, and perplexity.
 
+pub mod bench;
 pub mod generate;
 pub mod perplexity;
 pub mod sampler;

@@ -14,6 +14,59 @@ pub struct Session<B: Backend> {
     pub model: Llama<B>,
     pub tokenizer: Tokenizer,
     pub chat_template: Option<ChatTemplate>,
+    pub info: ModelInfo,
+}
+
+/// Facts about the loaded file, for summaries and benchmarks.
+#[derive(Debug, Clone)]
+pub struct ModelInfo {
+    /// e.g. "llama 135M Q4_1".
+    pub description: String,
+    pub file_bytes: usize,
+    pub parameters: usize,
+    /// Weight bytes one decode step reads: every matrix, the LM head included.
+    pub weight_bytes_per_token: usize,
+}
+
+impl ModelInfo {
+    fn from_gguf(file: &GgufFile, architecture: &str) -> ModelInfo {
+        let parameters: usize = file.tensors.iter().map(|t| t.n_elements()).sum();
+        let tied = file.tensor("output.weight").is_none();
+        let weight_bytes_per_token = file
+            .tensors
+            .iter()
+            .filter(|t| t.dims.len() == 2 && (tied || t.name != "token_embd.weight"))
+            .map(|t| t.size_bytes)
+            .sum();
+        let size = file
+            .get("general.size_label")
+            .and_then(Value::as_str)
+            .map(str::to_owned)
+            .unwrap_or_else(|| {
+                let p = parameters as f64;
+                if p >= 1e9 {
+                    format!("{:.1}B", p / 1e9)
+                } else {
+                    format!("{:.0}M", p / 1e6)
+                }
+            });
+        // The type of most weight bytes names the quantization, as llama.cpp's file types do.
+        let mut by_type: std::collections::HashMap<String, usize> = std::collections::HashMap::new();
+        for t in file.tensors.iter().filter(|t| t.dims.len() == 2) {
+            *by_type.entry(t.ty.to_string()).or_default() += t.size_bytes;
+        }
+        let ty = by_type
+            .into_iter()
+            .max_by_key(|(_, bytes)| *bytes)
+            .map(|(t, _)| t)
+            .unwrap_or_default();
+        ModelInfo {
+            description: format!("{architecture} {size} {ty}"),
+            file_bytes: file.file_size(),
+            parameters,
+            weight_bytes_per_token,
+        }
+    }
 }
 
 impl<B: Backend> Session<B> {
@@ -41,10 +94,12 @@ impl<B: Backend> Session<B> {
             )?),
             None => None,
         };
+        let info = ModelInfo::from_gguf(file, &model.config.architecture);
         Ok(Session {
             model,
             tokenizer,
             chat_template,
+            info,
         })
     }
 

@@ -1,17 +1,24 @@
-//! The CPU backend: the reference every GPU kernel is tested against.
+//! The CPU backend: the reference every GPU kernel is tested against, and the fast default
+//! where there is no GPU.
 //!
-//! Its four layers mirror the GPU backends: the device is the host (a thread count), the
-//! context is trivially in order, the allocator is an [`Arena`] over one zeroed host allocation,
-//! and the kernels are the plain functions in [`kernels`]. Weights are read in place from the
-//! memory-mapped model file.
+//! Its four layers mirror the GPU backends: the device is the host (threads in a persistent
+//! [`pool::ThreadPool`], the instruction set found at startup), the context is trivially in
+//! order, the allocator is an [`Arena`] over one zeroed host allocation, and the kernels are the
+//! plain reference functions in [`kernels`] or, by default, the SIMD ones in [`fast`]. Weights
+//! are read in place from the memory-mapped model file.
 
+pub mod fast;
 pub mod kernels;
+pub mod pool;
 
 use super::{Arena, AttentionShape, Backend, BlockHandle, HostTensor, Rope};
 use crate::format::quant::GgmlType;
 use crate::{Error, Result};
+use fast::{Isa, OutPtr, Q8Activations, Stage, CHUNK, GROUPS_PER_CHUNK};
 use memmap2::Mmap;
+use pool::{split, ThreadPool};
 use std::alloc::{self, Layout};
+use std::cell::RefCell;
 use std::ops::Range;
 use std::ptr::NonNull;
 use std::sync::Arc;
@@ -53,26 +60,144 @@ impl Drop for HostMemory {
     }
 }
 
+/// Which kernels the backend runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CpuKernels {
+    /// The plain f32 reference kernels (dequantize, then multiply).
+    Reference,
+    /// Integer and SIMD kernels for the given instruction set.
+    Fast(Isa),
+}
+
 pub struct CpuBackend {
-    threads: usize,
+    pool: ThreadPool,
+    kernels: CpuKernels,
     memory: Option<HostMemory>,
     arena: Arena,
+    /// Quantized activations of the current matmul, reused between calls.
+    activations: RefCell<Q8Activations>,
+}
+
+thread_local! {
+    /// Each thread's staged weight rows and float row buffer, reused between calls.
+    static STAGE: RefCell<(Stage, Vec<f32>)> = RefCell::new((Stage::default(), Vec::new()));
 }
 
 // SAFETY: the raw arena pointer is owned by the backend and only reached through `&self`/`&mut self`.
 unsafe impl Send for CpuBackend {}
 
 impl CpuBackend {
+    /// The fast backend for this machine's instruction set.
     pub fn new(threads: usize) -> CpuBackend {
+        Self::with_kernels(threads, CpuKernels::Fast(Isa::detect()))
+    }
+
+    /// The reference backend: exact f32 arithmetic on dequantized weights.
+    pub fn reference(threads: usize) -> CpuBackend {
+        Self::with_kernels(threads, CpuKernels::Reference)
+    }
+
+    pub fn with_kernels(threads: usize, kernels: CpuKernels) -> CpuBackend {
         CpuBackend {
-            threads: threads.max(1),
+            pool: ThreadPool::new(threads.max(1)),
+            kernels,
             memory: None,
             arena: Arena::new(0),
+            activations: RefCell::new(Q8Activations::default()),
         }
     }
 
     pub fn threads(&self) -> usize {
-        self.threads
+        self.pool.threads()
+    }
+
+    pub fn kernels(&self) -> CpuKernels {
+        self.kernels
+    }
+
+    /// Dequantize-then-multiply, rows split across the threads.
+    fn matmul_reference(&self, x: &[f32], w: &CpuWeight, out: &mut [f32], n_tokens: usize) {
+        let out = OutPtr(out.as_mut_ptr());
+        let threads = self.threads();
+        self.pool.run(&|i| {
+            let rows = split(w.n_out, i, threads, 1);
+            if rows.is_empty() {
+                return;
+            }
+            let mut slab = vec![0f32; n_tokens * rows.len()];
+            kernels::matmul::matmul_rows(w.ty, w.bytes(), w.n_in, rows.clone(), x, &mut slab);
+            for (t, chunk) in slab.chunks_exact(rows.len()).enumerate() {
+                for (j, &v) in chunk.iter().enumerate() {
+                    // SAFETY: this thread owns output rows `rows`.
+                    unsafe { *out.get().add(t * w.n_out + rows.start + j) = v };
+                }
+            }
+        });
+    }
+
+    /// Float weights: each row converted to f32 once, then dotted with every token.
+    fn matmul_float(&self, isa: Isa, x: &[f32], w: &CpuWeight, out: &mut [f32], n_tokens: usize) {
+        let out = OutPtr(out.as_mut_ptr());
+        let threads = self.threads();
+        let (n_in, n_out) = (w.n_in, w.n_out);
+        self.pool.run(&|i| {
+            STAGE.with_borrow_mut(|(_, row)| {
+                row.resize(n_in, 0.0);
+                for o in split(n_out, i, threads, 1) {
+                    float_row(isa, w.ty, w.bytes(), n_in, o, row);
+                    for t in 0..n_tokens {
+                        let v = dot(isa, row, &x[t * n_in..(t + 1) * n_in]);
+                        // SAFETY: this thread owns output row `o`.
+                        unsafe { *out.get().add(t * n_out + o) = v };
+                    }
+                }
+            });
+        });
+    }
+
+    /// Quantized weights: activations to 8-bit blocks, then integer dot products.
+    fn matmul_int8(&self, isa: Isa, x: &[f32], w: &CpuWeight, out: &mut [f32], n_tokens: usize) {
+        let threads = self.threads();
+        let (n_in, n_out) = (w.n_in, w.n_out);
+        let mut act = self.activations.borrow_mut();
+        act.resize(n_tokens, n_in);
+        let n_chunks = act.n_chunks;
+        let groups = n_chunks * GROUPS_PER_CHUNK;
+        {
+            let q = OutPtr(act.q.as_mut_ptr() as *mut f32);
+            let (d, s) = (OutPtr(act.d.as_mut_ptr()), OutPtr(act.s.as_mut_ptr()));
+            self.pool.run(&|i| {
+                for t in split(n_tokens, i, threads, 1) {
+                    // SAFETY: thread `i` owns row `t` of the three buffers, sized by `resize`.
+                    let (q, d, s) = unsafe {
+                        (
+                            std::slice::from_raw_parts_mut(
+                                (q.get() as *mut i8).add(t * n_chunks * CHUNK),
+                                n_chunks * CHUNK,
+                            ),
+                            std::slice::from_raw_parts_mut(d.get().add(t * groups), groups),
+                            std::slice::from_raw_parts_mut(s.get().add(t * groups), groups),
+                        )
+                    };
+                    fast::quantize_row(&x[t * n_in..(t + 1) * n_in], q, d, s);
+                }
+            });
+        }
+        let act = &*act;
+        let out = OutPtr(out.as_mut_ptr());
+        self.pool.run(&|i| {
+            STAGE.with_borrow_mut(|(stage, _)| {
+                stage.resize(4, n_chunks);
+                let rows = split(n_out, i, threads, 4);
+                for row0 in rows.clone().step_by(4) {
+                    let n = (rows.end - row0).min(4);
+                    for slot in 0..n {
+                        unpack_row(isa, w.ty, w.bytes(), n_in, row0 + slot, stage, slot);
+                    }
+                    dot_rows(isa, stage, n, act, out, n_out, row0);
+                }
+            });
+        });
     }
 
     fn base(&self, block: BlockHandle) -> *mut u8 {
@@ -133,7 +258,11 @@ impl Backend for CpuBackend {
     type Weight = CpuWeight;
 
     fn device_name(&self) -> String {
-        format!("CPU ({} threads)", self.threads)
+        let kernels = match self.kernels {
+            CpuKernels::Reference => "reference".to_string(),
+            CpuKernels::Fast(isa) => format!("{isa:?}"),
+        };
+        format!("CPU ({} threads, {kernels})", self.threads())
     }
 
     fn reserve(&mut self, bytes: usize) -> Result<()> {
@@ -241,29 +370,10 @@ impl Backend for CpuBackend {
         disjoint(&[out], &[x])?;
         let x = self.view::<f32>(x, n_tokens * w.n_in);
         let out = self.view_mut::<f32>(out, n_tokens * w.n_out);
-        // Split the output rows across threads; each returns its [n_tokens, rows] slab.
-        let per_thread = w.n_out.div_ceil(self.threads);
-        let slabs: Vec<(Range<usize>, Vec<f32>)> = std::thread::scope(|s| {
-            let handles: Vec<_> = (0..w.n_out)
-                .step_by(per_thread)
-                .map(|start| {
-                    let rows = start..(start + per_thread).min(w.n_out);
-                    s.spawn(move || {
-                        let mut slab = vec![0f32; n_tokens * rows.len()];
-                        kernels::matmul::matmul_rows(w.ty, w.bytes(), w.n_in, rows.clone(), x, &mut slab);
-                        (rows, slab)
-                    })
-                })
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| h.join().expect("matmul worker panicked"))
-                .collect()
-        });
-        for (rows, slab) in slabs {
-            for (t, chunk) in slab.chunks_exact(rows.len()).enumerate() {
-                out[t * w.n_out + rows.start..t * w.n_out + rows.end].copy_from_slice(chunk);
-            }
+        match self.kernels {
+            CpuKernels::Fast(isa) if fast::has_int8_kernel(w.ty) => self.matmul_int8(isa, x, w, out, n_tokens),
+            CpuKernels::Fast(isa) if fast::has_float_kernel(w.ty) => self.matmul_float(isa, x, w, out, n_tokens),
+            _ => self.matmul_reference(x, w, out, n_tokens),
         }
         Ok(())
     }
@@ -348,5 +458,55 @@ impl Backend for CpuBackend {
         disjoint(&[x], &[y])?;
         kernels::add::add(self.view_mut(x, n), self.view(y, n));
         Ok(())
+    }
+}
+
+// Instruction-set dispatch for the fast kernels.
+
+fn unpack_row(isa: Isa, ty: GgmlType, w: &[u8], n_in: usize, row: usize, stage: &mut Stage, slot: usize) {
+    match isa {
+        // SAFETY: `Isa::Avx512Vnni` is only chosen when the CPU has those features.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512Vnni => unsafe { fast::avx512::unpack_row(ty, w, n_in, row, stage, slot) },
+        _ => fast::portable::unpack_row(ty, w, n_in, row, stage, slot),
+    }
+}
+
+fn dot_rows(isa: Isa, stage: &Stage, rows: usize, x: &Q8Activations, out: OutPtr, n_out: usize, row0: usize) {
+    match isa {
+        // SAFETY: as above; `out` has room for `[x.n_tokens, n_out]` and these rows are ours.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512Vnni => unsafe { fast::avx512::dot_rows(stage, rows, x, out.get(), n_out, row0) },
+        _ => {
+            let mut values = [0f32; 64];
+            for slot in 0..rows {
+                for t0 in (0..x.n_tokens).step_by(values.len()) {
+                    let n = (x.n_tokens - t0).min(values.len());
+                    fast::portable::dot_row(stage, slot, x, t0, &mut values[..n]);
+                    for (t, &v) in values[..n].iter().enumerate() {
+                        // SAFETY: as above.
+                        unsafe { *out.get().add((t0 + t) * n_out + row0 + slot) = v };
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn float_row(isa: Isa, ty: GgmlType, w: &[u8], n_in: usize, row: usize, out: &mut [f32]) {
+    match isa {
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512Vnni => unsafe { fast::avx512::float_row(ty, w, n_in, row, out) },
+        _ => fast::portable::float_row(ty, w, n_in, row, out),
+    }
+}
+
+fn dot(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
+    match isa {
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512Vnni => unsafe { fast::avx512::dot_f32(a, b) },
+        _ => kernels::dot(a, b),
     }
 }

@@ -1,0 +1,164 @@
+//! The fast CPU matmul: activations quantized to 8-bit blocks, weights unpacked block by block
+//! into 8-bit integers with a scale and an offset, and integer dot products (AVX-512 VNNI where
+//! the CPU has it, portable code elsewhere). Float weights take an f32 path.
+//!
+//! Every weight type is brought to one "staged" form, 64 values at a time (a chunk): 64 unsigned
+//! quants `u`, and for each group of four a scale `a` and offset `b`, so that the weight is
+//! `a * u + b`. The activations of a chunk are 64 signed quants `q` with, per group of four, the
+//! block scale `d` and `s = d * (sum of the four q)`. Then
+//! `sum(w * x) = sum over groups of (a * d * dot(u, q) + b * s)`, which is what the
+//! type-independent micro-kernels compute. Only the unpacking knows the block layouts.
+
+#[cfg(target_arch = "x86_64")]
+pub mod avx512;
+pub mod portable;
+
+use crate::format::quant::GgmlType;
+
+/// Values per staged chunk, and per group sharing a scale.
+pub const CHUNK: usize = 64;
+pub const GROUP: usize = 4;
+pub const GROUPS_PER_CHUNK: usize = CHUNK / GROUP;
+
+/// Weight types with an integer kernel; others use the float or reference path.
+pub fn has_int8_kernel(ty: GgmlType) -> bool {
+    matches!(
+        ty,
+        GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q4K | GgmlType::Q6K
+    )
+}
+
+pub fn has_float_kernel(ty: GgmlType) -> bool {
+    matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16)
+}
+
+/// The instruction set the kernels use, chosen once at startup.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Isa {
+    /// AVX-512 F/BW/VL/DQ with VNNI.
+    Avx512Vnni,
+    /// Plain Rust, correct on any architecture.
+    Portable,
+}
+
+impl Isa {
+    pub fn detect() -> Isa {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::env::var_os("AXIOM_CPU_PORTABLE").is_none()
+                && is_x86_feature_detected!("avx512f")
+                && is_x86_feature_detected!("avx512bw")
+                && is_x86_feature_detected!("avx512vl")
+                && is_x86_feature_detected!("avx512dq")
+                && is_x86_feature_detected!("avx512vnni")
+                && is_x86_feature_detected!("f16c")
+                && is_x86_feature_detected!("fma")
+            {
+                return Isa::Avx512Vnni;
+            }
+        }
+        Isa::Portable
+    }
+
+    /// Every instruction set this machine can run (for tests).
+    pub fn available() -> Vec<Isa> {
+        let mut v = vec![Isa::Portable];
+        if Isa::detect() == Isa::Avx512Vnni {
+            v.push(Isa::Avx512Vnni);
+        }
+        v
+    }
+}
+
+/// Activations of `n_tokens` rows of `n_in`, quantized for the integer kernels. Each row is
+/// padded with zeros to whole chunks.
+#[derive(Default)]
+pub struct Q8Activations {
+    pub n_tokens: usize,
+    pub n_chunks: usize,
+    /// `[n_tokens][n_chunks * CHUNK]` quants.
+    pub q: Vec<i8>,
+    /// `[n_tokens][n_chunks * GROUPS_PER_CHUNK]` block scale of each group.
+    pub d: Vec<f32>,
+    /// `[n_tokens][n_chunks * GROUPS_PER_CHUNK]` `d * sum(q)` of each group.
+    pub s: Vec<f32>,
+}
+
+impl Q8Activations {
+    /// Sizes the buffers for `n_tokens` rows of `n_in` (reusing the allocation).
+    pub fn resize(&mut self, n_tokens: usize, n_in: usize) {
+        self.n_tokens = n_tokens;
+        self.n_chunks = n_in.div_ceil(CHUNK);
+        self.q.resize(n_tokens * self.n_chunks * CHUNK, 0);
+        self.d.resize(n_tokens * self.n_chunks * GROUPS_PER_CHUNK, 0.0);
+        self.s.resize(n_tokens * self.n_chunks * GROUPS_PER_CHUNK, 0.0);
+    }
+
+    pub fn row_q(&self, t: usize) -> &[i8] {
+        &self.q[t * self.n_chunks * CHUNK..(t + 1) * self.n_chunks * CHUNK]
+    }
+    pub fn row_d(&self, t: usize) -> &[f32] {
+        &self.d[t * self.n_chunks * GROUPS_PER_CHUNK..(t + 1) * self.n_chunks * GROUPS_PER_CHUNK]
+    }
+    pub fn row_s(&self, t: usize) -> &[f32] {
+        &self.s[t * self.n_chunks * GROUPS_PER_CHUNK..(t + 1) * self.n_chunks * GROUPS_PER_CHUNK]
+    }
+}
+
+/// Quantizes one row `x` into 32-value blocks (`q = round(x / d)`, `d = max|x| / 127`), writing
+/// the padded quants, per-group scales and per-group scaled sums.
+pub fn quantize_row(x: &[f32], q: &mut [i8], d: &mut [f32], s: &mut [f32]) {
+    q.fill(0);
+    d.fill(0.0);
+    s.fill(0.0);
+    for (b, block) in x.chunks(32).enumerate() {
+        let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let scale = amax / 127.0;
+        let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
+        let qb = &mut q[b * 32..b * 32 + block.len()];
+        for (qv, &xv) in qb.iter_mut().zip(block) {
+            *qv = (xv * inv).round() as i8;
+        }
+        for g in 0..block.len().div_ceil(GROUP) {
+            let gi = b * 32 / GROUP + g;
+            let sum: i32 = qb[g * GROUP..((g + 1) * GROUP).min(qb.len())]
+                .iter()
+                .map(|&v| v as i32)
+                .sum();
+            d[gi] = scale;
+            s[gi] = scale * sum as f32;
+        }
+    }
+}
+
+/// Staged weights of a few rows: per row, `n_chunks` chunks of `u`, `a`, `b`.
+#[derive(Default)]
+pub struct Stage {
+    pub n_chunks: usize,
+    pub u: Vec<u8>,
+    pub a: Vec<f32>,
+    pub b: Vec<f32>,
+}
+
+impl Stage {
+    pub fn resize(&mut self, rows: usize, n_chunks: usize) {
+        self.n_chunks = n_chunks;
+        self.u.resize(rows * n_chunks * CHUNK, 0);
+        self.a.resize(rows * n_chunks * GROUPS_PER_CHUNK, 0.0);
+        self.b.resize(rows * n_chunks * GROUPS_PER_CHUNK, 0.0);
+    }
+}
+
+/// A raw output pointer shared by the threads of one matmul; each writes disjoint elements.
+#[derive(Clone, Copy)]
+pub struct OutPtr(pub *mut f32);
+// SAFETY: threads write disjoint indices (their own rows) and the caller waits for all of them.
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+
+impl OutPtr {
+    /// The pointer (a method, so closures capture the `Sync` wrapper rather than the field).
+    pub fn get(self) -> *mut f32 {
+        self.0
+    }
+}

@@ -1,0 +1,77 @@
+//! `axiom bench`: prompt processing and generation throughput, measured like llama-bench.
+//!
+//! `pp N`: N tokens in one batch from an empty cache, logits for the last only. `tg N`: N tokens
+//! one at a time from an empty cache. Each test runs once to warm up, then `repetitions` times.
+
+use crate::backend::Backend;
+use crate::model::{Llama, LogitRows};
+use crate::Result;
+use rand::{Rng, SeedableRng};
+use std::time::Instant;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Test {
+    Prompt(usize),
+    Generation(usize),
+}
+
+impl Test {
+    pub fn name(&self) -> String {
+        match self {
+            Test::Prompt(n) => format!("pp{n}"),
+            Test::Generation(n) => format!("tg{n}"),
+        }
+    }
+    pub fn tokens(&self) -> usize {
+        match *self {
+            Test::Prompt(n) | Test::Generation(n) => n,
+        }
+    }
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct BenchResult {
+    pub test: String,
+    pub n_tokens: usize,
+    /// Tokens per second of each repetition.
+    pub samples: Vec<f64>,
+    pub mean: f64,
+    pub stddev: f64,
+}
+
+pub fn run_test<B: Backend>(model: &mut Llama<B>, test: Test, repetitions: usize) -> Result<BenchResult> {
+    let n = test.tokens();
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(n as u64);
+    let vocab = model.config.vocab_size as u32;
+    let tokens: Vec<u32> = (0..n).map(|_| rng.random_range(0..vocab)).collect();
+    let mut kv = model.new_kv_cache(n.max(1))?;
+    let mut samples = Vec::with_capacity(repetitions);
+    for rep in 0..=repetitions {
+        kv.truncate(0);
+        let start = Instant::now();
+        match test {
+            Test::Prompt(_) => model.forward(&tokens, &mut kv, LogitRows::Last, |_, _| {})?,
+            Test::Generation(_) => {
+                for t in &tokens {
+                    model.forward(std::slice::from_ref(t), &mut kv, LogitRows::Last, |_, _| {})?;
+                }
+            }
+        }
+        model.backend.synchronize()?;
+        let seconds = start.elapsed().as_secs_f64();
+        if rep > 0 {
+            samples.push(n as f64 / seconds);
+        }
+    }
+    model.free_kv_cache(kv)?;
+    let mean = samples.iter().sum::<f64>() / samples.len() as f64;
+    let var = samples.iter().map(|s| (s - mean).powi(2)).sum::<f64>() / (samples.len().max(2) - 1) as f64;
+    Ok(BenchResult {
+        test: test.name(),
+        n_tokens: n,
+        samples,
+        mean,
+        stddev: var.sqrt(),
+    })
+}
