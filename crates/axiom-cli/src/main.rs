@@ -2,7 +2,7 @@
 
 use anyhow::{bail, Context, Result};
 use axiom::backend::cpu::{physical_cores, CpuBackend};
-use axiom::backend::Backend;
+use axiom::backend::{Backend, KvType};
 use axiom::chat::Message;
 use axiom::engine::perplexity::perplexity;
 use axiom::engine::{generate, GenerateOptions, Sampler, SamplerConfig, Session};
@@ -60,6 +60,9 @@ struct ModelArgs {
     threads: Option<usize>,
     #[arg(long, value_enum, default_value = "auto")]
     backend: BackendKind,
+    /// Keep the KV cache in f32 instead of f16.
+    #[arg(long)]
+    kv_f32: bool,
 }
 
 #[derive(Args)]
@@ -195,7 +198,8 @@ fn cpu_backend(args: &ModelArgs) -> Result<CpuBackend> {
     if threads == 0 {
         bail!("--threads must be at least 1");
     }
-    Ok(CpuBackend::new(threads))
+    let kv_type = if args.kv_f32 { KvType::F32 } else { KvType::F16 };
+    Ok(CpuBackend::new(threads).with_kv_type(kv_type))
 }
 
 fn load_session(args: &ModelArgs, options: LoadOptions) -> Result<(PathBuf, Session<CpuBackend>)> {

@@ -2,8 +2,9 @@
 //! awkward sizes (head_dim 48, 35 positions, 9 heads over 3 KV heads, rows not a multiple of
 //! anything). GPU backends run the same shapes against these kernels.
 
-use axiom::backend::cpu::CpuBackend;
-use axiom::backend::{AttentionShape, Backend, BlockHandle, HostTensor, Rope, RopeLayout};
+use axiom::backend::cpu::fast::{has_int8_kernel, quantize_row, Isa, Q8Activations, CHUNK, GROUPS_PER_CHUNK};
+use axiom::backend::cpu::{CpuBackend, CpuKernels};
+use axiom::backend::{AttentionShape, Backend, BlockHandle, HostTensor, KvType, Rope, RopeLayout};
 use axiom::format::quant::{dequantize, GgmlType};
 use half::f16;
 use rand::{Rng, SeedableRng};
@@ -18,7 +19,7 @@ fn randn(rng: &mut ChaCha8Rng, n: usize) -> Vec<f32> {
 }
 
 fn backend() -> CpuBackend {
-    let mut b = CpuBackend::new(3);
+    let mut b = CpuBackend::reference(3);
     b.reserve(64 << 20).unwrap();
     b
 }
@@ -346,4 +347,134 @@ fn arena_backed_memory() {
     assert!(b.alloc(1 << 12).is_err(), "exhaustion is an error");
     b.free(x).unwrap();
     assert!(b.alloc(1 << 12).is_ok(), "freed space is reused");
+}
+
+/// What the integer kernels compute exactly: the dequantized weights times activations that went
+/// through 8-bit block quantization.
+fn quantized_activations(x: &[f32], n_in: usize) -> Vec<f32> {
+    let mut act = Q8Activations::default();
+    act.resize(1, n_in);
+    x.chunks_exact(n_in)
+        .flat_map(|row| {
+            let (q, d, s) = (&mut act.q, &mut act.d, &mut act.s);
+            quantize_row(row, q, d, s);
+            (0..n_in).map(|i| q[i] as f32 * d[i / 4]).collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+#[test]
+fn fast_matmul_every_type_and_instruction_set_matches_the_reference() {
+    let mut r = rng();
+    for isa in Isa::available() {
+        for ty in GgmlType::ALL {
+            // Half-chunk rows for the 32-blocks; rows not a multiple of the four-row tile; token
+            // counts that leave every remainder of the three-token tile.
+            let n_in = if ty.block_len() == 256 { 512 } else { 96 };
+            let n_out = 37;
+            let bytes = random_weight_bytes(&mut r, ty, n_in * n_out);
+            let mut dense = vec![0f32; n_in * n_out];
+            dequantize(ty, &bytes, &mut dense);
+            for n_tokens in [1, 2, 5, 35] {
+                let mut b = CpuBackend::with_kernels(3, CpuKernels::Fast(isa));
+                b.reserve(16 << 20).unwrap();
+                let w = b
+                    .upload_weight(&HostTensor {
+                        name: "w",
+                        ty,
+                        dims: &[n_in, n_out],
+                        bytes: &bytes,
+                        region: None,
+                    })
+                    .unwrap();
+                let x = randn(&mut r, n_tokens * n_in);
+                let (xh, out) = (upload(&mut b, &x), poisoned(&mut b, n_tokens * n_out));
+                b.matmul(xh, &w, out, n_tokens).unwrap();
+                let xs = if has_int8_kernel(ty) {
+                    quantized_activations(&x, n_in)
+                } else {
+                    x.clone()
+                };
+                let want: Vec<f32> = (0..n_tokens * n_out)
+                    .map(|i| {
+                        let (t, o) = (i / n_out, i % n_out);
+                        (0..n_in)
+                            .map(|k| xs[t * n_in + k] as f64 * dense[o * n_in + k] as f64)
+                            .sum::<f64>() as f32
+                    })
+                    .collect();
+                let what = format!("{isa:?} {ty} x {n_tokens} tokens");
+                assert_close(&read(&b, out, n_tokens * n_out), &want, 2e-4, &what);
+            }
+        }
+    }
+}
+
+#[test]
+fn activation_quantization_is_blockwise_and_padded() {
+    let x: Vec<f32> = (0..96).map(|i| (i as f32 - 40.0) / 7.0).collect();
+    let mut act = Q8Activations::default();
+    act.resize(1, 96);
+    assert_eq!(act.n_chunks, 2);
+    assert_eq!(act.q.len(), 2 * CHUNK);
+    let (q, d, s) = (&mut act.q, &mut act.d, &mut act.s);
+    quantize_row(&x, q, d, s);
+    for block in 0..3 {
+        let amax = x[block * 32..block * 32 + 32].iter().fold(0f32, |m, v| m.max(v.abs()));
+        assert_eq!(d[block * 8], amax / 127.0);
+        assert_eq!(
+            q[block * 32..block * 32 + 32].iter().map(|v| v.unsigned_abs()).max(),
+            Some(127)
+        );
+    }
+    for g in 0..2 * GROUPS_PER_CHUNK {
+        let sum: i32 = q[g * 4..g * 4 + 4].iter().map(|&v| v as i32).sum();
+        assert_eq!(s[g], d[g] * sum as f32);
+    }
+    // The padding past 96 values is zero.
+    assert!(q[96..].iter().all(|&v| v == 0) && d[24..].iter().all(|&v| v == 0.0));
+}
+
+#[test]
+fn fast_attention_over_f32_and_f16_caches_matches_the_matrix_form() {
+    let mut r = rng();
+    let shape = AttentionShape {
+        n_heads: 9,
+        n_kv_heads: 3,
+        head_dim: 48,
+    };
+    let (seq, kv_w) = (35, shape.kv_width());
+    let k = randn(&mut r, seq * kv_w);
+    let v = randn(&mut r, seq * kv_w);
+    let all: Vec<u32> = (0..seq as u32).collect();
+    for isa in Isa::available() {
+        for kv_type in [KvType::F32, KvType::F16] {
+            for positions in [all.clone(), vec![34], vec![0, 17]] {
+                let n = positions.len();
+                let q = randn(&mut r, n * shape.q_width());
+                let mut b = CpuBackend::with_kernels(2, CpuKernels::Fast(isa)).with_kv_type(kv_type);
+                b.reserve(16 << 20).unwrap();
+                assert_eq!(b.kv_type(), kv_type);
+                // Fill the cache through kv_write, as the model does.
+                let (kh, vh) = (upload(&mut b, &k), upload(&mut b, &v));
+                let bytes = seq * kv_w * kv_type.bytes();
+                let (kc, vc) = (b.alloc(bytes).unwrap(), b.alloc(bytes).unwrap());
+                let ph_all = upload_u32(&mut b, &all);
+                b.kv_write(kh, vh, kc, vc, ph_all, seq, kv_w).unwrap();
+                let (qh, ph) = (upload(&mut b, &q), upload_u32(&mut b, &positions));
+                let out = poisoned(&mut b, n * shape.q_width());
+                b.attention(qh, kc, vc, ph, out, n, shape).unwrap();
+                // The f16 cache holds K and V rounded to f16; the formula sees the same values.
+                let round = |x: &[f32]| -> Vec<f32> {
+                    match kv_type {
+                        KvType::F32 => x.to_vec(),
+                        KvType::F16 => x.iter().map(|&v| f16::from_f32(v).to_f32()).collect(),
+                    }
+                };
+                let want = attention_by_matrix(&q, &round(&k), &round(&v), &positions, shape);
+                let what = format!("{isa:?} {kv_type:?} attention at {} positions", positions.len());
+                assert_close(&read(&b, out, n * shape.q_width()), &want, 1e-5, &what);
+            }
+        }
+    }
 }

@@ -36,6 +36,22 @@ pub struct Rope {
     pub dims: usize,
 }
 
+/// The element type of the KV cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvType {
+    F32,
+    F16,
+}
+
+impl KvType {
+    pub fn bytes(self) -> usize {
+        match self {
+            KvType::F32 => 4,
+            KvType::F16 => 2,
+        }
+    }
+}
+
 /// Head counts and sizes for the attention ops.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct AttentionShape {
@@ -70,6 +86,9 @@ pub trait Backend {
 
     /// What the backend runs on, for logs and `axiom bench`.
     fn device_name(&self) -> String;
+
+    /// The element type `kv_write` stores and `attention` reads.
+    fn kv_type(&self) -> KvType;
 
     // --- allocator ---
 
@@ -116,7 +135,8 @@ pub trait Backend {
         head_dim: usize,
         rope: Rope,
     ) -> Result<()>;
-    /// Stores the K and V rows of `n_tokens` tokens in the caches (`[capacity, kv_width]`) at their positions.
+    /// Stores the K and V rows of `n_tokens` tokens in the caches (`[capacity, kv_width]` of
+    /// `kv_type()`) at their positions.
     fn kv_write(
         &self,
         k: BlockHandle,

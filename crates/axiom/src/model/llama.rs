@@ -93,8 +93,8 @@ impl<B: Backend> Llama<B> {
         let config = ModelConfig::from_gguf(file)?;
         let max_batch = options.max_batch.max(1);
         let kv_tokens = options.kv_tokens.min(config.context_length).max(1);
-        let arena =
-            weights::norm_bytes(&config) + scratch_bytes(&config, max_batch) + kv_bytes(&config, kv_tokens) + 64 * 64;
+        let kv = kv_bytes(&config, kv_tokens, backend.kv_type().bytes());
+        let arena = weights::norm_bytes(&config) + scratch_bytes(&config, max_batch) + kv + 64 * 64;
         backend.reserve(arena)?;
         let weights = weights::load_gguf(file, &config, &mut backend)?;
         let scratch = Scratch::new(&mut backend, &config, max_batch)?;
@@ -111,7 +111,7 @@ impl<B: Backend> Llama<B> {
 
     /// A KV cache for one sequence of up to `capacity` tokens.
     pub fn new_kv_cache(&mut self, capacity: usize) -> Result<KvCache> {
-        let bytes = capacity * self.config.attention().kv_width() * 4;
+        let bytes = capacity * self.config.attention().kv_width() * self.backend.kv_type().bytes();
         let mut k = Vec::with_capacity(self.config.n_layers);
         let mut v = Vec::with_capacity(self.config.n_layers);
         for _ in 0..self.config.n_layers {
@@ -235,8 +235,8 @@ fn scratch_bytes(c: &ModelConfig, max_batch: usize) -> usize {
     activations + (LOGIT_ROWS_PER_STEP * c.vocab_size * 4).next_multiple_of(64)
 }
 
-fn kv_bytes(c: &ModelConfig, tokens: usize) -> usize {
-    2 * c.n_layers * (tokens * c.attention().kv_width() * 4).next_multiple_of(64)
+fn kv_bytes(c: &ModelConfig, tokens: usize, element_bytes: usize) -> usize {
+    2 * c.n_layers * (tokens * c.attention().kv_width() * element_bytes).next_multiple_of(64)
 }
 
 impl Scratch {

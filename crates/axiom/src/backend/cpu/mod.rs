@@ -11,10 +11,11 @@ pub mod fast;
 pub mod kernels;
 pub mod pool;
 
-use super::{Arena, AttentionShape, Backend, BlockHandle, HostTensor, Rope};
+use super::{Arena, AttentionShape, Backend, BlockHandle, HostTensor, KvType, Rope};
 use crate::format::quant::GgmlType;
 use crate::{Error, Result};
 use fast::{Isa, OutPtr, Q8Activations, Stage, CHUNK, GROUPS_PER_CHUNK};
+use half::f16;
 use memmap2::Mmap;
 use pool::{split, ThreadPool};
 use std::alloc::{self, Layout};
@@ -72,6 +73,7 @@ pub enum CpuKernels {
 pub struct CpuBackend {
     pool: ThreadPool,
     kernels: CpuKernels,
+    kv_type: KvType,
     memory: Option<HostMemory>,
     arena: Arena,
     /// Quantized activations of the current matmul, reused between calls.
@@ -81,6 +83,7 @@ pub struct CpuBackend {
 thread_local! {
     /// Each thread's staged weight rows and float row buffer, reused between calls.
     static STAGE: RefCell<(Stage, Vec<f32>)> = RefCell::new((Stage::default(), Vec::new()));
+    static ATTENTION: RefCell<fast::attention::Scratch> = RefCell::new(Default::default());
 }
 
 // SAFETY: the raw arena pointer is owned by the backend and only reached through `&self`/`&mut self`.
@@ -98,9 +101,15 @@ impl CpuBackend {
     }
 
     pub fn with_kernels(threads: usize, kernels: CpuKernels) -> CpuBackend {
+        let kv_type = if kernels == CpuKernels::Reference {
+            KvType::F32
+        } else {
+            KvType::F16
+        };
         CpuBackend {
             pool: ThreadPool::new(threads.max(1)),
             kernels,
+            kv_type,
             memory: None,
             arena: Arena::new(0),
             activations: RefCell::new(Q8Activations::default()),
@@ -113,6 +122,52 @@ impl CpuBackend {
 
     pub fn kernels(&self) -> CpuKernels {
         self.kernels
+    }
+
+    /// Chooses the KV cache's element type (the reference kernels only read f32).
+    pub fn with_kv_type(mut self, kv_type: KvType) -> CpuBackend {
+        if self.kernels != CpuKernels::Reference {
+            self.kv_type = kv_type;
+        }
+        self
+    }
+
+    /// Fast attention over a cache of `T`, work split by (token, KV head).
+    #[allow(clippy::too_many_arguments)]
+    fn attention_fast<T: fast::attention::KvElem>(
+        &self,
+        isa: Isa,
+        q: &[f32],
+        k: &[T],
+        v: &[T],
+        positions: &[u32],
+        out: &mut [f32],
+        shape: AttentionShape,
+    ) {
+        let (hd, group) = (shape.head_dim, shape.n_heads / shape.n_kv_heads);
+        let units = positions.len() * shape.n_kv_heads;
+        let threads = self.threads();
+        let out = OutPtr(out.as_mut_ptr());
+        self.pool.run(&|i| {
+            ATTENTION.with_borrow_mut(|scratch| {
+                for unit in split(units, i, threads, 1) {
+                    let (t, kv_head) = (unit / shape.n_kv_heads, unit % shape.n_kv_heads);
+                    let at = t * shape.q_width() + kv_head * group * hd;
+                    // SAFETY: each unit writes its own heads of its own token.
+                    let o = unsafe { std::slice::from_raw_parts_mut(out.get().add(at), group * hd) };
+                    let qg = &q[at..at + group * hd];
+                    let n_ctx = positions[t] as usize + 1;
+                    match isa {
+                        // SAFETY: chosen only when the CPU has AVX-512.
+                        #[cfg(target_arch = "x86_64")]
+                        Isa::Avx512Vnni => unsafe {
+                            fast::attention::attend_group_avx512(qg, k, v, kv_head, n_ctx, shape, o, scratch)
+                        },
+                        _ => fast::attention::attend_group_portable(qg, k, v, kv_head, n_ctx, shape, o, scratch),
+                    }
+                }
+            });
+        });
     }
 
     /// Dequantize-then-multiply, rows split across the threads.
@@ -244,6 +299,16 @@ pub fn physical_cores() -> usize {
     }
 }
 
+/// Positions index the cache: each must be below its capacity.
+fn check_positions(positions: &[u32], capacity: usize) -> Result<()> {
+    match positions.iter().find(|&&p| p as usize >= capacity) {
+        Some(bad) => Err(Error::Backend(format!(
+            "position {bad} is beyond the KV cache capacity {capacity}"
+        ))),
+        None => Ok(()),
+    }
+}
+
 /// Kernels read inputs and write outputs through separate views: they must not overlap.
 fn disjoint(outputs: &[BlockHandle], inputs: &[BlockHandle]) -> Result<()> {
     for (i, o) in outputs.iter().enumerate() {
@@ -256,6 +321,10 @@ fn disjoint(outputs: &[BlockHandle], inputs: &[BlockHandle]) -> Result<()> {
 
 impl Backend for CpuBackend {
     type Weight = CpuWeight;
+
+    fn kv_type(&self) -> KvType {
+        self.kv_type
+    }
 
     fn device_name(&self) -> String {
         let kernels = match self.kernels {
@@ -405,22 +474,33 @@ impl Backend for CpuBackend {
     ) -> Result<()> {
         disjoint(&[k_cache, v_cache], &[k, v, positions])?;
         let positions = self.view::<u32>(positions, n_tokens);
-        let capacity = k_cache.len / (kv_width * 4);
-        if let Some(&bad) = positions.iter().find(|&&p| p as usize >= capacity) {
-            return Err(Error::Backend(format!(
-                "position {bad} is beyond the KV cache capacity {capacity}"
-            )));
-        }
+        let capacity = k_cache.len / (kv_width * self.kv_type.bytes());
+        check_positions(positions, capacity)?;
         let n = n_tokens * kv_width;
+        let (k, v) = (self.view::<f32>(k, n), self.view::<f32>(v, n));
         let cache_len = capacity * kv_width;
-        kernels::kv_write::kv_write(
-            self.view(k, n),
-            self.view(v, n),
-            self.view_mut(k_cache, cache_len),
-            self.view_mut(v_cache, cache_len),
-            positions,
-            kv_width,
-        );
+        match self.kv_type {
+            KvType::F32 => kernels::kv_write::kv_write(
+                k,
+                v,
+                self.view_mut(k_cache, cache_len),
+                self.view_mut(v_cache, cache_len),
+                positions,
+                kv_width,
+            ),
+            KvType::F16 => {
+                use fast::attention::KvElem;
+                let (kc, vc) = (
+                    self.view_mut::<f16>(k_cache, cache_len),
+                    self.view_mut::<f16>(v_cache, cache_len),
+                );
+                for (t, &pos) in positions.iter().enumerate() {
+                    let (src, dst) = (t * kv_width..(t + 1) * kv_width, pos as usize * kv_width);
+                    f16::store(&k[src.clone()], &mut kc[dst..dst + kv_width]);
+                    f16::store(&v[src], &mut vc[dst..dst + kv_width]);
+                }
+            }
+        }
         Ok(())
     }
 
@@ -435,16 +515,40 @@ impl Backend for CpuBackend {
         shape: AttentionShape,
     ) -> Result<()> {
         disjoint(&[out], &[q, k_cache, v_cache, positions])?;
-        let cache_len = k_cache.len / 4;
+        let capacity = k_cache.len / (shape.kv_width() * self.kv_type.bytes());
+        let cache_len = capacity * shape.kv_width();
+        let positions = self.view::<u32>(positions, n_tokens);
+        check_positions(positions, capacity)?;
         let n = n_tokens * shape.q_width();
-        kernels::attention::attention(
-            self.view(q, n),
-            self.view(k_cache, cache_len),
-            self.view(v_cache, cache_len),
-            self.view(positions, n_tokens),
-            self.view_mut(out, n),
-            shape,
-        );
+        let (q, out) = (self.view::<f32>(q, n), self.view_mut::<f32>(out, n));
+        match (self.kernels, self.kv_type) {
+            (CpuKernels::Reference, _) => kernels::attention::attention(
+                q,
+                self.view(k_cache, cache_len),
+                self.view(v_cache, cache_len),
+                positions,
+                out,
+                shape,
+            ),
+            (CpuKernels::Fast(isa), KvType::F32) => self.attention_fast::<f32>(
+                isa,
+                q,
+                self.view(k_cache, cache_len),
+                self.view(v_cache, cache_len),
+                positions,
+                out,
+                shape,
+            ),
+            (CpuKernels::Fast(isa), KvType::F16) => self.attention_fast::<f16>(
+                isa,
+                q,
+                self.view(k_cache, cache_len),
+                self.view(v_cache, cache_len),
+                positions,
+                out,
+                shape,
+            ),
+        }
         Ok(())
     }
 

@@ -9,6 +9,7 @@
 //! `sum(w * x) = sum over groups of (a * d * dot(u, q) + b * s)`, which is what the
 //! type-independent micro-kernels compute. Only the unpacking knows the block layouts.
 
+pub mod attention;
 #[cfg(target_arch = "x86_64")]
 pub mod avx512;
 pub mod portable;

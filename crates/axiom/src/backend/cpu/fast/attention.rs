@@ -1,0 +1,142 @@
+//! Attention over an f32 or f16 KV cache, split across threads by (token, KV head).
+//!
+//! Each work unit takes one token and one KV head and serves all the query heads that share it,
+//! so a cached K or V row is loaded (and converted from f16) once per group, not once per head.
+//! The loops are plain Rust; `attention_avx512` compiles the same code with AVX-512 enabled.
+
+use crate::backend::AttentionShape;
+use half::f16;
+use half::slice::HalfFloatSliceExt;
+
+/// An element type the KV cache can hold.
+pub trait KvElem: Copy + Send + Sync {
+    fn load(src: &[Self], dst: &mut [f32]);
+    fn store(src: &[f32], dst: &mut [Self]);
+}
+
+impl KvElem for f32 {
+    #[inline(always)]
+    fn load(src: &[f32], dst: &mut [f32]) {
+        dst.copy_from_slice(src);
+    }
+    #[inline(always)]
+    fn store(src: &[f32], dst: &mut [f32]) {
+        dst.copy_from_slice(src);
+    }
+}
+
+impl KvElem for f16 {
+    #[inline(always)]
+    fn load(src: &[f16], dst: &mut [f32]) {
+        src.convert_to_f32_slice(dst);
+    }
+    #[inline(always)]
+    fn store(src: &[f32], dst: &mut [f16]) {
+        dst.convert_from_f32_slice(src);
+    }
+}
+
+/// Per-thread buffers: scores of the group's heads and one converted cache row.
+#[derive(Default)]
+pub struct Scratch {
+    scores: Vec<f32>,
+    row: Vec<f32>,
+}
+
+/// Attention for one (token, KV head) unit: `q` and `out` hold the group's query heads.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub fn attend_group<T: KvElem>(
+    q: &[f32],
+    k_cache: &[T],
+    v_cache: &[T],
+    kv_head: usize,
+    n_ctx: usize,
+    shape: AttentionShape,
+    out: &mut [f32],
+    scratch: &mut Scratch,
+) {
+    let hd = shape.head_dim;
+    let group = shape.n_heads / shape.n_kv_heads;
+    let kv_width = shape.kv_width();
+    let scale = 1.0 / (hd as f32).sqrt();
+    scratch.scores.resize(group * n_ctx, 0.0);
+    scratch.row.resize(hd, 0.0);
+    let Scratch { scores, row } = scratch;
+    for p in 0..n_ctx {
+        T::load(&k_cache[p * kv_width + kv_head * hd..][..hd], row);
+        for h in 0..group {
+            let qh = &q[h * hd..(h + 1) * hd];
+            let mut acc = [0f32; 16];
+            for (qc, kc) in qh.chunks_exact(16).zip(row.chunks_exact(16)) {
+                for i in 0..16 {
+                    acc[i] += qc[i] * kc[i];
+                }
+            }
+            let tail: f32 = qh
+                .chunks_exact(16)
+                .remainder()
+                .iter()
+                .zip(row.chunks_exact(16).remainder())
+                .map(|(a, b)| a * b)
+                .sum();
+            scores[h * n_ctx + p] = (acc.iter().sum::<f32>() + tail) * scale;
+        }
+    }
+    for h in 0..group {
+        let s = &mut scores[h * n_ctx..(h + 1) * n_ctx];
+        let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut sum = 0.0;
+        for v in s.iter_mut() {
+            *v = (*v - max).exp();
+            sum += *v;
+        }
+        let inv = 1.0 / sum;
+        s.iter_mut().for_each(|v| *v *= inv);
+    }
+    out[..group * hd].fill(0.0);
+    for p in 0..n_ctx {
+        T::load(&v_cache[p * kv_width + kv_head * hd..][..hd], row);
+        for h in 0..group {
+            let w = scores[h * n_ctx + p];
+            for (o, &v) in out[h * hd..(h + 1) * hd].iter_mut().zip(row.iter()) {
+                *o += w * v;
+            }
+        }
+    }
+}
+
+/// Plain build of [`attend_group`].
+#[allow(clippy::too_many_arguments)]
+pub fn attend_group_portable<T: KvElem>(
+    q: &[f32],
+    k: &[T],
+    v: &[T],
+    kv_head: usize,
+    n_ctx: usize,
+    shape: AttentionShape,
+    out: &mut [f32],
+    scratch: &mut Scratch,
+) {
+    attend_group(q, k, v, kv_head, n_ctx, shape, out, scratch)
+}
+
+/// [`attend_group`] compiled for AVX-512.
+///
+/// # Safety
+/// The CPU must support AVX-512F and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn attend_group_avx512<T: KvElem>(
+    q: &[f32],
+    k: &[T],
+    v: &[T],
+    kv_head: usize,
+    n_ctx: usize,
+    shape: AttentionShape,
+    out: &mut [f32],
+    scratch: &mut Scratch,
+) {
+    attend_group(q, k, v, kv_head, n_ctx, shape, out, scratch)
+}
