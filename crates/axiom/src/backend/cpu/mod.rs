@@ -150,7 +150,8 @@ impl CpuBackend {
         let out = OutPtr(out.as_mut_ptr());
         self.pool.run(&|i| {
             ATTENTION.with_borrow_mut(|scratch| {
-                for unit in split(units, i, threads, 1) {
+                // Interleaved, not in ranges: later tokens attend to more positions.
+                for unit in (i..units).step_by(threads) {
                     let (t, kv_head) = (unit / shape.n_kv_heads, unit % shape.n_kv_heads);
                     let at = t * shape.q_width() + kv_head * group * hd;
                     // SAFETY: each unit writes its own heads of its own token.
@@ -234,7 +235,7 @@ impl CpuBackend {
                             std::slice::from_raw_parts_mut(s.get().add(t * groups), groups),
                         )
                     };
-                    fast::quantize_row(&x[t * n_in..(t + 1) * n_in], q, d, s);
+                    quantize_row(isa, &x[t * n_in..(t + 1) * n_in], q, d, s);
                 }
             });
         }
@@ -594,6 +595,15 @@ fn dot_rows(isa: Isa, stage: &Stage, rows: usize, x: &Q8Activations, out: OutPtr
                 }
             }
         }
+    }
+}
+
+fn quantize_row(isa: Isa, x: &[f32], q: &mut [i8], d: &mut [f32], s: &mut [f32]) {
+    match isa {
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512Vnni => unsafe { fast::avx512::quantize_row(x, q, d, s) },
+        _ => fast::quantize_row(x, q, d, s),
     }
 }
 

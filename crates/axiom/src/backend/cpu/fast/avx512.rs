@@ -266,3 +266,9 @@ pub unsafe fn float_row(ty: GgmlType, w: &[u8], n_in: usize, row: usize, out: &m
     let tail = &w[(row * n_in + i) * width..(row + 1) * n_in * width];
     super::portable::float_row(ty, tail, n_in - i, 0, &mut out[i..n_in]);
 }
+
+/// [`super::quantize_row`] compiled for AVX-512.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq")]
+pub unsafe fn quantize_row(x: &[f32], q: &mut [i8], d: &mut [f32], s: &mut [f32]) {
+    super::quantize_row(x, q, d, s)
+}

@@ -108,6 +108,7 @@ impl Q8Activations {
 
 /// Quantizes one row `x` into 32-value blocks (`q = round(x / d)`, `d = max|x| / 127`), writing
 /// the padded quants, per-group scales and per-group scaled sums.
+#[inline(always)]
 pub fn quantize_row(x: &[f32], q: &mut [i8], d: &mut [f32], s: &mut [f32]) {
     q.fill(0);
     d.fill(0.0);
@@ -118,7 +119,7 @@ pub fn quantize_row(x: &[f32], q: &mut [i8], d: &mut [f32], s: &mut [f32]) {
         let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
         let qb = &mut q[b * 32..b * 32 + block.len()];
         for (qv, &xv) in qb.iter_mut().zip(block) {
-            *qv = (xv * inv).round() as i8;
+            *qv = (xv * inv).round_ties_even() as i8;
         }
         for g in 0..block.len().div_ceil(GROUP) {
             let gi = b * 32 / GROUP + g;
