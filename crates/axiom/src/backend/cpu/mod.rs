@@ -32,6 +32,8 @@ pub struct CpuWeight {
     pub n_out: usize,
     pub n_in: usize,
     data: WeightData,
+    /// The same weight interleaved for the AVX-512 integer kernels, when they run.
+    repacked: Option<fast::repack::Repacked>,
 }
 
 enum WeightData {
@@ -239,8 +241,26 @@ impl CpuBackend {
                 }
             });
         }
+        for t in 0..n_tokens {
+            act.sum_runs_of_16(t);
+        }
         let act = &*act;
         let out = OutPtr(out.as_mut_ptr());
+        if let Some(repacked) = &w.repacked {
+            let panels = repacked.panels();
+            self.pool.run(&|i| {
+                let mine = split(panels, i, threads, 1);
+                // SAFETY: `repacked` exists only when the AVX-512 kernels were chosen; `out`
+                // holds `[n_tokens, n_out]` and this thread's panels are its own rows.
+                #[cfg(target_arch = "x86_64")]
+                unsafe {
+                    fast::avx512::matmul_repacked(repacked, act, mine, out.get(), n_out)
+                };
+                #[cfg(not(target_arch = "x86_64"))]
+                let _ = mine;
+            });
+            return;
+        }
         self.pool.run(&|i| {
             STAGE.with_borrow_mut(|(stage, _)| {
                 stage.resize(4, n_chunks);
@@ -248,9 +268,9 @@ impl CpuBackend {
                 for row0 in rows.clone().step_by(4) {
                     let n = (rows.end - row0).min(4);
                     for slot in 0..n {
-                        unpack_row(isa, w.ty, w.bytes(), n_in, row0 + slot, stage, slot);
+                        fast::portable::unpack_row(w.ty, w.bytes(), n_in, row0 + slot, stage, slot);
                     }
-                    dot_rows(isa, stage, n, act, out, n_out, row0);
+                    dot_rows(stage, n, act, out, n_out, row0);
                 }
             });
         });
@@ -297,6 +317,18 @@ pub fn physical_cores() -> usize {
         logical
     } else {
         cores.len()
+    }
+}
+
+/// Advises the kernel that a read-only mapped range is not needed for now.
+fn release_pages(map: &Mmap, range: Range<usize>) {
+    const PAGE: usize = 4096;
+    let start = range.start.next_multiple_of(PAGE);
+    let end = range.end / PAGE * PAGE;
+    if end > start {
+        // SAFETY: the map is a read-only file mapping, so dropped pages are re-read from the
+        // file on the next access; nothing is lost.
+        let _ = unsafe { map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, end - start) };
     }
 }
 
@@ -375,11 +407,22 @@ impl Backend for CpuBackend {
             Some((map, range)) => WeightData::Mapped(map.clone(), range.clone()),
             None => WeightData::Owned(t.bytes.to_vec()),
         };
+        let repack = self.kernels == CpuKernels::Fast(Isa::Avx512Vnni)
+            && fast::repack::Layout::for_type(t.ty).is_some()
+            && n_in.is_multiple_of(32);
+        let repacked = repack.then(|| fast::repack::Repacked::new(t.ty, t.bytes, n_in, n_out));
+        if let (Some(_), Some((map, range))) = (&repacked, &t.region) {
+            // The file's pages are not read again by the matmul: let the kernel drop them from
+            // this process's resident set (they stay in the page cache). Embedding lookups
+            // fault back in only the rows they touch.
+            release_pages(map, range.clone());
+        }
         Ok(CpuWeight {
             ty: t.ty,
             n_out,
             n_in,
             data,
+            repacked,
         })
     }
 
@@ -568,31 +611,16 @@ impl Backend for CpuBackend {
 
 // Instruction-set dispatch for the fast kernels.
 
-fn unpack_row(isa: Isa, ty: GgmlType, w: &[u8], n_in: usize, row: usize, stage: &mut Stage, slot: usize) {
-    match isa {
-        // SAFETY: `Isa::Avx512Vnni` is only chosen when the CPU has those features.
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx512Vnni => unsafe { fast::avx512::unpack_row(ty, w, n_in, row, stage, slot) },
-        _ => fast::portable::unpack_row(ty, w, n_in, row, stage, slot),
-    }
-}
-
-fn dot_rows(isa: Isa, stage: &Stage, rows: usize, x: &Q8Activations, out: OutPtr, n_out: usize, row0: usize) {
-    match isa {
-        // SAFETY: as above; `out` has room for `[x.n_tokens, n_out]` and these rows are ours.
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx512Vnni => unsafe { fast::avx512::dot_rows(stage, rows, x, out.get(), n_out, row0) },
-        _ => {
-            let mut values = [0f32; 64];
-            for slot in 0..rows {
-                for t0 in (0..x.n_tokens).step_by(values.len()) {
-                    let n = (x.n_tokens - t0).min(values.len());
-                    fast::portable::dot_row(stage, slot, x, t0, &mut values[..n]);
-                    for (t, &v) in values[..n].iter().enumerate() {
-                        // SAFETY: as above.
-                        unsafe { *out.get().add((t0 + t) * n_out + row0 + slot) = v };
-                    }
-                }
+/// The staged (portable) path: `out[t * n_out + row0 + slot]` for the staged rows.
+fn dot_rows(stage: &Stage, rows: usize, x: &Q8Activations, out: OutPtr, n_out: usize, row0: usize) {
+    let mut values = [0f32; 64];
+    for slot in 0..rows {
+        for t0 in (0..x.n_tokens).step_by(values.len()) {
+            let n = (x.n_tokens - t0).min(values.len());
+            fast::portable::dot_row(stage, slot, x, t0, &mut values[..n]);
+            for (t, &v) in values[..n].iter().enumerate() {
+                // SAFETY: `out` holds `[x.n_tokens, n_out]` and these rows belong to the caller.
+                unsafe { *out.get().add((t0 + t) * n_out + row0 + slot) = v };
             }
         }
     }

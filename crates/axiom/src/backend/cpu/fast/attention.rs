@@ -162,7 +162,11 @@ mod tests {
         f16::load(&halves, &mut wide);
         for (h, w) in halves.iter().zip(&wide) {
             let want = h.to_f32();
-            assert!(want.to_bits() == w.to_bits() || (want.is_nan() && w.is_nan()), "{:#06x}", h.to_bits());
+            assert!(
+                want.to_bits() == w.to_bits() || (want.is_nan() && w.is_nan()),
+                "{:#06x}",
+                h.to_bits()
+            );
         }
     }
 }

@@ -13,6 +13,7 @@ pub mod attention;
 #[cfg(target_arch = "x86_64")]
 pub mod avx512;
 pub mod portable;
+pub mod repack;
 
 use crate::format::quant::GgmlType;
 
@@ -83,6 +84,8 @@ pub struct Q8Activations {
     pub d: Vec<f32>,
     /// `[n_tokens][n_chunks * GROUPS_PER_CHUNK]` `d * sum(q)` of each group.
     pub s: Vec<f32>,
+    /// `[n_tokens][n_chunks * 4]` `d * sum(q)` of each run of 16 (for the repacked kernels).
+    pub s16: Vec<f32>,
 }
 
 impl Q8Activations {
@@ -93,6 +96,25 @@ impl Q8Activations {
         self.q.resize(n_tokens * self.n_chunks * CHUNK, 0);
         self.d.resize(n_tokens * self.n_chunks * GROUPS_PER_CHUNK, 0.0);
         self.s.resize(n_tokens * self.n_chunks * GROUPS_PER_CHUNK, 0.0);
+        self.s16.resize(n_tokens * self.n_chunks * 4, 0.0);
+    }
+
+    /// Sums each token's group sums into runs of 16.
+    pub fn sum_runs_of_16(&mut self, t: usize) {
+        let per_token = self.n_chunks * 4;
+        for i in 0..per_token {
+            let g = t * self.n_chunks * GROUPS_PER_CHUNK + 4 * i;
+            self.s16[t * per_token + i] = self.s[g] + self.s[g + 1] + self.s[g + 2] + self.s[g + 3];
+        }
+    }
+
+    /// Block scale and `d * sum(q)` of the `block_len` (16 or 32) values of token `t` from `elem`.
+    #[inline(always)]
+    pub fn block_scales(&self, t: usize, elem: usize, block_len: usize) -> (f32, f32) {
+        let d = self.d[(t * self.n_chunks * CHUNK + elem) / GROUP];
+        let runs = &self.s16[(t * self.n_chunks * CHUNK + elem) / 16..];
+        let s = if block_len == 32 { runs[0] + runs[1] } else { runs[0] };
+        (d, s)
     }
 
     pub fn row_q(&self, t: usize) -> &[i8] {
