@@ -33,10 +33,9 @@ const END_OF_GENERATION_TEXTS: &[&str] = &[
 ];
 
 pub struct Tokenizer {
-    /// Matches special-token text in the input to control tokens.
-    with_special: tokenizers::Tokenizer,
-    /// Treats special-token text as ordinary text.
-    plain: tokenizers::Tokenizer,
+    /// The pipeline. Its flag for treating special-token text as ordinary text is set per call,
+    /// under the lock (one copy of the vocabulary rather than two).
+    inner: std::sync::Mutex<tokenizers::Tokenizer>,
     tokens: Vec<String>,
     pub bos: Option<u32>,
     pub eos: Option<u32>,
@@ -109,9 +108,8 @@ impl Tokenizer {
             .collect();
         let mut description = description;
         description["added_tokens"] = Json::Array(added);
-        let with_special: tokenizers::Tokenizer = description.to_string().parse().map_err(tok_err)?;
-        let mut plain = with_special.clone();
-        plain.set_encode_special_tokens(true);
+        let inner: tokenizers::Tokenizer = description.to_string().parse().map_err(tok_err)?;
+        drop(description);
 
         let mut end_of_generation: HashSet<u32> = eos.into_iter().collect();
         for key in ["tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"] {
@@ -124,8 +122,7 @@ impl Tokenizer {
         }
         let add_bos = flag("tokenizer.ggml.add_bos_token").unwrap_or(model == "llama");
         Ok(Tokenizer {
-            with_special,
-            plain,
+            inner: std::sync::Mutex::new(inner),
             tokens,
             bos,
             eos,
@@ -141,8 +138,10 @@ impl Tokenizer {
     /// Token ids of `text`; `parse_special` matches control-token text such as `<|im_start|>`.
     /// Adds BOS when the model asks for it and `add_bos` is set.
     pub fn encode(&self, text: &str, parse_special: bool, add_bos: bool) -> Result<Vec<u32>> {
-        let tk = if parse_special { &self.with_special } else { &self.plain };
+        let mut tk = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        tk.set_encode_special_tokens(!parse_special);
         let encoding = tk.encode_fast(text, false).map_err(tok_err)?;
+        drop(tk);
         let mut ids = Vec::with_capacity(encoding.len() + 1);
         if add_bos && self.add_bos {
             ids.extend(self.bos);
@@ -153,7 +152,11 @@ impl Tokenizer {
 
     /// Text of `ids`; control tokens are left out when `skip_special`.
     pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String> {
-        self.with_special.decode(ids, skip_special).map_err(tok_err)
+        self.inner
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .decode(ids, skip_special)
+            .map_err(tok_err)
     }
 
     /// The vocabulary entry of a token (e.g. "Ġworld").
@@ -171,8 +174,7 @@ impl Tokenizer {
 
     /// Name of the tokenizer model for `axiom info`.
     pub fn describe(&self) -> String {
-        let model = self.with_special.get_model();
-        let kind = match model {
+        let kind = match self.inner.lock().unwrap_or_else(|p| p.into_inner()).get_model() {
             tokenizers::ModelWrapper::BPE(_) => "BPE",
             _ => "other",
         };

@@ -18,10 +18,10 @@ use fast::{Isa, OutPtr, Q8Activations, Stage, CHUNK, GROUPS_PER_CHUNK};
 use half::f16;
 use memmap2::Mmap;
 use pool::{split, ThreadPool};
-use std::alloc::{self, Layout};
 use std::cell::RefCell;
 use std::ops::Range;
 use std::ptr::NonNull;
+
 use std::sync::Arc;
 
 const ALIGN: usize = 64;
@@ -50,17 +50,12 @@ impl CpuWeight {
     }
 }
 
-/// The host memory the arena hands out.
+/// The host memory the arena hands out: an anonymous mapping, page-aligned, whose zero pages
+/// the OS commits only when first touched (so an unused KV cache costs no resident memory).
 struct HostMemory {
+    /// Owns the mapping `ptr` points into.
+    _map: memmap2::MmapMut,
     ptr: NonNull<u8>,
-    layout: Layout,
-}
-
-impl Drop for HostMemory {
-    fn drop(&mut self) {
-        // SAFETY: allocated in `reserve` with this layout.
-        unsafe { alloc::dealloc(self.ptr.as_ptr(), self.layout) }
-    }
 }
 
 /// Which kernels the backend runs.
@@ -371,12 +366,10 @@ impl Backend for CpuBackend {
         if self.memory.is_some() {
             return Err(Error::Backend("the arena is already reserved".into()));
         }
-        let layout = Layout::from_size_align(bytes.max(ALIGN), ALIGN)
-            .map_err(|_| Error::Backend(format!("cannot reserve {bytes} bytes")))?;
-        // SAFETY: the layout has non-zero size. Zeroed memory is committed lazily by the OS.
-        let ptr = NonNull::new(unsafe { alloc::alloc_zeroed(layout) })
-            .ok_or_else(|| Error::OutOfMemory(format!("reserving a {bytes}-byte arena")))?;
-        self.memory = Some(HostMemory { ptr, layout });
+        let mut map = memmap2::MmapMut::map_anon(bytes.max(ALIGN))
+            .map_err(|e| Error::OutOfMemory(format!("reserving a {bytes}-byte arena: {e}")))?;
+        let ptr = NonNull::new(map.as_mut_ptr()).expect("a mapping is never null");
+        self.memory = Some(HostMemory { _map: map, ptr });
         self.arena = Arena::new(bytes);
         Ok(())
     }
