@@ -161,6 +161,11 @@ impl CpuBackend {
                         Isa::Avx512Vnni => unsafe {
                             fast::attention::attend_group_avx512(qg, k, v, kv_head, n_ctx, shape, o, scratch)
                         },
+                        // SAFETY: chosen only when the CPU has AVX2.
+                        #[cfg(target_arch = "x86_64")]
+                        Isa::Avx2 => unsafe {
+                            fast::attention::attend_group_avx2(qg, k, v, kv_head, n_ctx, shape, o, scratch)
+                        },
                         _ => fast::attention::attend_group_portable(qg, k, v, kv_head, n_ctx, shape, o, scratch),
                     }
                 }
@@ -245,14 +250,15 @@ impl CpuBackend {
             let panels = repacked.panels();
             self.pool.run(&|i| {
                 let mine = split(panels, i, threads, 1);
-                // SAFETY: `repacked` exists only when the AVX-512 kernels were chosen; `out`
-                // holds `[n_tokens, n_out]` and this thread's panels are its own rows.
-                #[cfg(target_arch = "x86_64")]
-                unsafe {
-                    fast::avx512::matmul_repacked(repacked, act, mine, out.get(), n_out)
-                };
-                #[cfg(not(target_arch = "x86_64"))]
-                let _ = mine;
+                // SAFETY: weights are repacked only for these instruction sets, which the CPU
+                // has; `out` holds `[n_tokens, n_out]` and this thread's panels are its own rows.
+                match isa {
+                    #[cfg(target_arch = "x86_64")]
+                    Isa::Avx512Vnni => unsafe { fast::avx512::matmul_repacked(repacked, act, mine, out.get(), n_out) },
+                    #[cfg(target_arch = "x86_64")]
+                    Isa::Avx2 => unsafe { fast::avx2::matmul_repacked(repacked, act, mine, out.get(), n_out) },
+                    _ => unreachable!("weights are not repacked for {isa:?}"),
+                }
             });
             return;
         }
@@ -400,7 +406,7 @@ impl Backend for CpuBackend {
             Some((map, range)) => WeightData::Mapped(map.clone(), range.clone()),
             None => WeightData::Owned(t.bytes.to_vec()),
         };
-        let repack = self.kernels == CpuKernels::Fast(Isa::Avx512Vnni)
+        let repack = matches!(self.kernels, CpuKernels::Fast(Isa::Avx512Vnni | Isa::Avx2))
             && fast::repack::Layout::for_type(t.ty).is_some()
             && n_in.is_multiple_of(32);
         let repacked = repack.then(|| fast::repack::Repacked::new(t.ty, t.bytes, n_in, n_out));
@@ -624,6 +630,8 @@ fn quantize_row(isa: Isa, x: &[f32], q: &mut [i8], d: &mut [f32], s: &mut [f32])
         // SAFETY: as above.
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512Vnni => unsafe { fast::avx512::quantize_row(x, q, d, s) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { fast::avx2::quantize_row(x, q, d, s) },
         _ => fast::quantize_row(x, q, d, s),
     }
 }
@@ -633,6 +641,8 @@ fn float_row(isa: Isa, ty: GgmlType, w: &[u8], n_in: usize, row: usize, out: &mu
         // SAFETY: as above.
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512Vnni => unsafe { fast::avx512::float_row(ty, w, n_in, row, out) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { fast::avx2::float_row(ty, w, n_in, row, out) },
         _ => fast::portable::float_row(ty, w, n_in, row, out),
     }
 }
@@ -642,6 +652,8 @@ fn dot(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
         // SAFETY: as above.
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512Vnni => unsafe { fast::avx512::dot_f32(a, b) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { fast::avx2::dot_f32(a, b) },
         _ => kernels::dot(a, b),
     }
 }

@@ -151,6 +151,26 @@ pub unsafe fn attend_group_avx512<T: KvElem>(
     attend_group(q, k, v, kv_head, n_ctx, shape, out, scratch)
 }
 
+/// [`attend_group`] compiled for AVX2.
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn attend_group_avx2<T: KvElem>(
+    q: &[f32],
+    k: &[T],
+    v: &[T],
+    kv_head: usize,
+    n_ctx: usize,
+    shape: AttentionShape,
+    out: &mut [f32],
+    scratch: &mut Scratch,
+) {
+    attend_group(q, k, v, kv_head, n_ctx, shape, out, scratch)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

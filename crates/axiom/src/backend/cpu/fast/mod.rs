@@ -11,6 +11,8 @@
 
 pub mod attention;
 #[cfg(target_arch = "x86_64")]
+pub mod avx2;
+#[cfg(target_arch = "x86_64")]
 pub mod avx512;
 pub mod portable;
 pub mod repack;
@@ -39,36 +41,54 @@ pub fn has_float_kernel(ty: GgmlType) -> bool {
 pub enum Isa {
     /// AVX-512 F/BW/VL/DQ with VNNI.
     Avx512Vnni,
+    /// AVX2 with FMA and F16C.
+    Avx2,
     /// Plain Rust, correct on any architecture.
     Portable,
 }
 
 impl Isa {
+    /// The best instruction set this CPU has, or the one `AXIOM_CPU_ISA` (portable, avx2,
+    /// avx512) names if the CPU has it.
     pub fn detect() -> Isa {
-        #[cfg(target_arch = "x86_64")]
-        {
-            if std::env::var_os("AXIOM_CPU_PORTABLE").is_none()
-                && is_x86_feature_detected!("avx512f")
-                && is_x86_feature_detected!("avx512bw")
-                && is_x86_feature_detected!("avx512vl")
-                && is_x86_feature_detected!("avx512dq")
-                && is_x86_feature_detected!("avx512vnni")
-                && is_x86_feature_detected!("f16c")
-                && is_x86_feature_detected!("fma")
-            {
-                return Isa::Avx512Vnni;
-            }
+        let available = Isa::available();
+        let wanted = match std::env::var("AXIOM_CPU_ISA").as_deref() {
+            Ok("portable") => Some(Isa::Portable),
+            Ok("avx2") => Some(Isa::Avx2),
+            Ok("avx512") => Some(Isa::Avx512Vnni),
+            _ => None,
+        };
+        match wanted {
+            Some(isa) if available.contains(&isa) => isa,
+            _ => *available.last().expect("portable is always available"),
         }
-        Isa::Portable
     }
 
-    /// Every instruction set this machine can run (for tests).
+    /// Every instruction set this CPU can run, from the most portable to the best.
     pub fn available() -> Vec<Isa> {
-        let mut v = vec![Isa::Portable];
-        if Isa::detect() == Isa::Avx512Vnni {
-            v.push(Isa::Avx512Vnni);
+        #[allow(unused_mut)]
+        let mut isas = vec![Isa::Portable];
+        #[cfg(target_arch = "x86_64")]
+        {
+            let has = |f: &[bool]| f.iter().all(|&b| b);
+            if has(&[
+                is_x86_feature_detected!("avx2"),
+                is_x86_feature_detected!("fma"),
+                is_x86_feature_detected!("f16c"),
+            ]) {
+                isas.push(Isa::Avx2);
+                if has(&[
+                    is_x86_feature_detected!("avx512f"),
+                    is_x86_feature_detected!("avx512bw"),
+                    is_x86_feature_detected!("avx512vl"),
+                    is_x86_feature_detected!("avx512dq"),
+                    is_x86_feature_detected!("avx512vnni"),
+                ]) {
+                    isas.push(Isa::Avx512Vnni);
+                }
+            }
         }
-        v
+        isas
     }
 }
 
