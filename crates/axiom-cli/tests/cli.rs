@@ -154,3 +154,34 @@ fn bad_inputs_fail_with_a_message() {
     }
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+#[test]
+fn bench_prints_a_llama_bench_style_table_and_json() {
+    let m = model();
+    let m = m.to_str().unwrap();
+    let out = ok(&axiom(&["bench", "-m", m, "-p", "16", "-n", "4", "-r", "1", "-t", "1"]));
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines[0], "| model | size | params | backend | threads | test | t/s |");
+    assert!(lines[1].starts_with("| --- |"));
+    for (line, test) in lines[2..4].iter().zip(["pp16", "tg4"]) {
+        let cells: Vec<&str> = line.split('|').map(str::trim).collect();
+        assert_eq!(cells[1], "llama 135M Q4_1", "{line}");
+        assert_eq!(cells[2], "93.81 MiB");
+        assert_eq!(cells[3], "134.52 M");
+        assert!(cells[4].starts_with("CPU"));
+        assert_eq!(cells[5], "1");
+        assert_eq!(cells[6], test);
+        let (mean, sd) = cells[7].split_once(" ± ").expect("mean ± stddev");
+        assert!(mean.parse::<f64>().unwrap() > 0.0 && sd.parse::<f64>().unwrap() >= 0.0);
+    }
+    assert!(out.contains("tg4: ") && out.contains("GB/s of weights"), "{out}");
+
+    let out = ok(&axiom(&["bench", "-m", m, "-p", "8", "-n", "2", "-r", "2", "--json"]));
+    let objects: Vec<Value> = out.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(objects.len(), 2);
+    assert_eq!(objects[0]["test"], "pp8");
+    assert_eq!(objects[1]["test"], "tg2");
+    assert_eq!(objects[1]["samples_ts"].as_array().unwrap().len(), 2);
+    assert!(objects[1]["weight_bandwidth_gbps"].as_f64().unwrap() > 0.0);
+    assert!(objects[0]["weight_bandwidth_gbps"].is_null());
+}

@@ -39,7 +39,7 @@ fn fast_session() -> Session<CpuBackend> {
 
 fn last_logits(s: &mut Session<CpuBackend>, prompt: &[u32]) -> Vec<f32> {
     let mut kv = s.model.new_kv_cache(512).unwrap();
-    let logits = s.model.forward_last(prompt, &mut kv).unwrap();
+    let logits = s.model.forward_last(prompt, &mut kv).unwrap().to_vec();
     s.model.free_kv_cache(kv).unwrap();
     logits
 }

@@ -125,6 +125,14 @@ pub trait Backend {
     ) -> Result<()>;
     /// `out[t, o] = sum_i x[t, i] * w[o, i]`.
     fn matmul(&self, x: BlockHandle, w: &Self::Weight, out: BlockHandle, n_tokens: usize) -> Result<()>;
+    /// `matmul` of one input by several weights (Q/K/V, gate/up): a backend can prepare the input
+    /// once. The default runs them one by one.
+    fn matmul_many(&self, x: BlockHandle, ws: &[&Self::Weight], outs: &[BlockHandle], n_tokens: usize) -> Result<()> {
+        for (w, &out) in ws.iter().zip(outs) {
+            self.matmul(x, w, out, n_tokens)?;
+        }
+        Ok(())
+    }
     /// Rotates, in place, each head of `x` (`[n_tokens, n_heads * head_dim]`) by its token's position.
     fn rope(
         &self,

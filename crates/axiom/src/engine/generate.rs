@@ -55,7 +55,7 @@ pub fn generate<B: Backend>(
         });
     }
     let start = Instant::now();
-    let mut logits = model.forward_last(prompt, kv)?;
+    model.forward_last(prompt, kv)?;
     let prompt_time = start.elapsed();
 
     let start = Instant::now();
@@ -65,7 +65,7 @@ pub fn generate<B: Backend>(
     let mut stops = StopMatcher::new(&options.stop);
     let mut stop_reason = StopReason::MaxTokens;
     while tokens.len() < options.max_tokens {
-        let token = sampler.sample(&logits, &history);
+        let token = sampler.sample(model.last_logits(), &history);
         if tokenizer.is_end_of_generation(token) {
             stop_reason = StopReason::EndOfGeneration;
             break;
@@ -85,7 +85,7 @@ pub fn generate<B: Backend>(
             stop_reason = StopReason::ContextFull;
             break;
         }
-        logits = model.forward_last(&[token], kv)?;
+        model.forward_last(&[token], kv)?;
     }
     if stop_reason != StopReason::StopString {
         if let Some(rest) = stream.finish()? {

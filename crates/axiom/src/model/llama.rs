@@ -85,7 +85,10 @@ pub struct Llama<B: Backend> {
     weights: Weights<B::Weight>,
     scratch: Scratch,
     max_batch: usize,
+    /// Host copies of a few rows of logits; after `forward_last`, the first row is the last token's.
     logits: Vec<f32>,
+    /// Positions of the current step (reused: the decode loop allocates nothing).
+    positions: Vec<u32>,
 }
 
 impl<B: Backend> Llama<B> {
@@ -99,6 +102,7 @@ impl<B: Backend> Llama<B> {
         let weights = weights::load_gguf(file, &config, &mut backend)?;
         let scratch = Scratch::new(&mut backend, &config, max_batch)?;
         let logits = vec![0f32; config.vocab_size * LOGIT_ROWS_PER_STEP];
+        let positions = Vec::with_capacity(max_batch);
         Ok(Llama {
             config,
             backend,
@@ -106,6 +110,7 @@ impl<B: Backend> Llama<B> {
             scratch,
             max_batch,
             logits,
+            positions,
         })
     }
 
@@ -158,11 +163,18 @@ impl<B: Backend> Llama<B> {
         Ok(())
     }
 
-    /// Convenience for generation: the logits of the last of `tokens`.
-    pub fn forward_last(&mut self, tokens: &[u32], kv: &mut KvCache) -> Result<Vec<f32>> {
-        let mut out = Vec::new();
-        self.forward(tokens, kv, LogitRows::Last, |_, l| out = l.to_vec())?;
-        Ok(out)
+    /// For generation: runs `tokens` and returns the logits of the last one (also kept for
+    /// [`Llama::last_logits`] until the next forward call).
+    pub fn forward_last(&mut self, tokens: &[u32], kv: &mut KvCache) -> Result<&[f32]> {
+        if tokens.is_empty() {
+            return Err(Error::InvalidArgument("no tokens to run".into()));
+        }
+        self.forward(tokens, kv, LogitRows::Last, |_, _| {})?;
+        Ok(self.last_logits())
+    }
+
+    pub fn last_logits(&self) -> &[f32] {
+        &self.logits[..self.config.vocab_size]
     }
 
     /// One batch through every layer; leaves the final hidden states in `scratch.x`.
@@ -171,17 +183,16 @@ impl<B: Backend> Llama<B> {
         let c = &self.config;
         let shape = c.attention();
         let (b, s) = (&self.backend, &self.scratch);
-        let positions: Vec<u32> = (kv.len..kv.len + n).map(|p| p as u32).collect();
+        self.positions.clear();
+        self.positions.extend((kv.len..kv.len + n).map(|p| p as u32));
         b.write_u32(s.ids, tokens)?;
-        b.write_u32(s.positions, &positions)?;
+        b.write_u32(s.positions, &self.positions)?;
 
         b.embed(&self.weights.token_embd, s.ids, s.x, n)?;
         for (layer, (k_cache, v_cache)) in self.weights.layers.iter().zip(kv.k.iter().zip(&kv.v)) {
             // Attention block.
             b.rms_norm(s.x, layer.attn_norm, s.normed, n, c.dim, c.rms_eps)?;
-            b.matmul(s.normed, &layer.wq, s.q, n)?;
-            b.matmul(s.normed, &layer.wk, s.k, n)?;
-            b.matmul(s.normed, &layer.wv, s.v, n)?;
+            b.matmul_many(s.normed, &[&layer.wq, &layer.wk, &layer.wv], &[s.q, s.k, s.v], n)?;
             b.rope(s.q, s.positions, n, c.n_heads, c.head_dim, c.rope)?;
             b.rope(s.k, s.positions, n, c.n_kv_heads, c.head_dim, c.rope)?;
             b.kv_write(s.k, s.v, *k_cache, *v_cache, s.positions, n, shape.kv_width())?;
@@ -190,8 +201,7 @@ impl<B: Backend> Llama<B> {
             b.add(s.x, s.proj, n * c.dim)?;
             // Feed-forward block.
             b.rms_norm(s.x, layer.ffn_norm, s.normed, n, c.dim, c.rms_eps)?;
-            b.matmul(s.normed, &layer.w_gate, s.gate, n)?;
-            b.matmul(s.normed, &layer.w_up, s.up, n)?;
+            b.matmul_many(s.normed, &[&layer.w_gate, &layer.w_up], &[s.gate, s.up], n)?;
             b.swiglu(s.gate, s.up, s.hidden, n * c.ffn_dim)?;
             b.matmul(s.hidden, &layer.w_down, s.proj, n)?;
             b.add(s.x, s.proj, n * c.dim)?;

@@ -215,8 +215,13 @@ impl CpuBackend {
 
     /// Quantized weights: activations to 8-bit blocks, then integer dot products.
     fn matmul_int8(&self, isa: Isa, x: &[f32], w: &CpuWeight, out: &mut [f32], n_tokens: usize) {
+        self.quantize_activations(isa, x, w.n_in, n_tokens);
+        self.matmul_quantized(isa, w, out, n_tokens);
+    }
+
+    /// Quantizes `n_tokens` rows of `n_in` into `self.activations`.
+    fn quantize_activations(&self, isa: Isa, x: &[f32], n_in: usize, n_tokens: usize) {
         let threads = self.threads();
-        let (n_in, n_out) = (w.n_in, w.n_out);
         let mut act = self.activations.borrow_mut();
         act.resize(n_tokens, n_in);
         let n_chunks = act.n_chunks;
@@ -244,7 +249,15 @@ impl CpuBackend {
         for t in 0..n_tokens {
             act.sum_runs_of_16(t);
         }
-        let act = &*act;
+    }
+
+    /// The integer matmul of `w` with the activations quantized last.
+    fn matmul_quantized(&self, isa: Isa, w: &CpuWeight, out: &mut [f32], n_tokens: usize) {
+        let threads = self.threads();
+        let (n_in, n_out) = (w.n_in, w.n_out);
+        let act = &*self.activations.borrow();
+        debug_assert_eq!(act.n_tokens, n_tokens);
+        let n_chunks = act.n_chunks;
         let out = OutPtr(out.as_mut_ptr());
         if let Some(repacked) = &w.repacked {
             let panels = repacked.panels();
@@ -486,6 +499,27 @@ impl Backend for CpuBackend {
             CpuKernels::Fast(isa) if fast::has_int8_kernel(w.ty) => self.matmul_int8(isa, x, w, out, n_tokens),
             CpuKernels::Fast(isa) if fast::has_float_kernel(w.ty) => self.matmul_float(isa, x, w, out, n_tokens),
             _ => self.matmul_reference(x, w, out, n_tokens),
+        }
+        Ok(())
+    }
+
+    fn matmul_many(&self, x: BlockHandle, ws: &[&CpuWeight], outs: &[BlockHandle], n_tokens: usize) -> Result<()> {
+        let n_in = ws.first().map_or(0, |w| w.n_in);
+        let shared = ws.iter().all(|w| w.n_in == n_in && fast::has_int8_kernel(w.ty));
+        let isa = match self.kernels {
+            CpuKernels::Fast(isa) if shared => isa,
+            _ => {
+                return ws
+                    .iter()
+                    .zip(outs)
+                    .try_for_each(|(w, &out)| self.matmul(x, w, out, n_tokens))
+            }
+        };
+        disjoint(outs, &[x])?;
+        // One quantization of the shared input for all the weights.
+        self.quantize_activations(isa, self.view::<f32>(x, n_tokens * n_in), n_in, n_tokens);
+        for (w, &out) in ws.iter().zip(outs) {
+            self.matmul_quantized(isa, w, self.view_mut::<f32>(out, n_tokens * w.n_out), n_tokens);
         }
         Ok(())
     }
