@@ -109,6 +109,7 @@ fn reference_backend_matches_transformers_prompts_logits_and_greedy_text() {
         let options = GenerateOptions {
             max_tokens: 64,
             stop: vec![],
+            ..Default::default()
         };
         let g = generate(
             &mut s.model,
@@ -179,6 +180,7 @@ fn stop_strings_and_token_limits() {
     let options = GenerateOptions {
         max_tokens: 64,
         stop: vec!["\n\n".into()],
+        ..Default::default()
     };
     let mut streamed = String::new();
     let g = generate(
@@ -199,6 +201,7 @@ fn stop_strings_and_token_limits() {
     let options = GenerateOptions {
         max_tokens: 3,
         stop: vec![],
+        ..Default::default()
     };
     let g = generate(
         &mut s.model,
@@ -230,6 +233,7 @@ fn stop_strings_and_token_limits() {
     let options = GenerateOptions {
         max_tokens: 10,
         stop: vec![],
+        ..Default::default()
     };
     let g = generate(
         &mut s.model,
@@ -260,6 +264,7 @@ fn seeded_sampling_is_reproducible() {
         let options = GenerateOptions {
             max_tokens: 24,
             stop: vec![],
+            ..Default::default()
         };
         let g = generate(
             &mut s.model,

@@ -13,6 +13,8 @@ pub struct GenerateOptions {
     pub max_tokens: usize,
     /// Generation stops before the first occurrence of any of these in the text.
     pub stop: Vec<String>,
+    /// Set from elsewhere (a Ctrl-C handler, a disconnected client) to stop after the current token.
+    pub cancel: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -22,6 +24,7 @@ pub enum StopReason {
     MaxTokens,
     StopString,
     ContextFull,
+    Cancelled,
 }
 
 #[derive(Debug, Clone)]
@@ -83,6 +86,14 @@ pub fn generate<B: Backend>(
         }
         if kv.len() == kv.capacity() {
             stop_reason = StopReason::ContextFull;
+            break;
+        }
+        if options
+            .cancel
+            .as_ref()
+            .is_some_and(|c| c.load(std::sync::atomic::Ordering::Relaxed))
+        {
+            stop_reason = StopReason::Cancelled;
             break;
         }
         model.forward_last(&[token], kv)?;

@@ -1,6 +1,7 @@
 //! Turning logits into text: sampling, the generation loop, and perplexity.
 
 pub mod bench;
+pub mod conversation;
 pub mod generate;
 pub mod perplexity;
 pub mod sampler;

@@ -1,0 +1,371 @@
+//! The one-shot commands: run, tokenize, perplexity, info, bench.
+
+use crate::{load_session, ModelArgs, Output, SamplingArgs};
+use anyhow::{bail, Context, Result};
+use axiom::backend::Backend;
+use axiom::chat::Message;
+use axiom::engine::bench::{run_test, Test};
+use axiom::engine::{generate, Sampler};
+use axiom::format::gguf::GgufFile;
+use axiom::model::llama::LoadOptions;
+use axiom::model::ModelConfig;
+use axiom::source::resolve_model;
+use axiom::tokenizer::Tokenizer;
+use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
+use serde_json::json;
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+#[derive(Args)]
+pub struct RunArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    #[command(flatten)]
+    sampling: SamplingArgs,
+    /// The prompt (or give it as the positional argument).
+    #[arg(short, long)]
+    prompt: Option<String>,
+    #[arg(conflicts_with = "prompt")]
+    prompt_text: Option<String>,
+    /// Wrap the prompt as one user message in the model's chat template.
+    #[arg(long)]
+    chat: bool,
+    /// System message (implies --chat).
+    #[arg(long)]
+    system: Option<String>,
+    /// Context size in tokens (default: the model's, at most 4096).
+    #[arg(short = 'c', long)]
+    ctx_size: Option<usize>,
+    /// Print one JSON object at the end instead of streaming text.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
+pub struct TokenizeArgs {
+    #[arg(short, long)]
+    model: Option<PathBuf>,
+    /// Match special-token text (e.g. <|im_start|>) to its token.
+    #[arg(long)]
+    special: bool,
+    text: String,
+}
+
+#[derive(Args)]
+pub struct PerplexityArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Text file to score.
+    #[arg(short, long)]
+    file: PathBuf,
+    /// Tokens per chunk.
+    #[arg(short = 'c', long, default_value_t = 512)]
+    ctx_size: usize,
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
+pub struct InfoArgs {
+    /// GGUF model file (default: the default model).
+    model: Option<PathBuf>,
+    /// Also list every metadata key and tensor.
+    #[arg(long)]
+    all: bool,
+}
+
+#[derive(Args)]
+pub struct BenchArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Prompt lengths to test (comma-separated; 0 skips).
+    #[arg(short = 'p', long = "n-prompt", value_delimiter = ',', default_value = "512")]
+    prompt: Vec<usize>,
+    /// Generation lengths to test (comma-separated; 0 skips).
+    #[arg(short = 'n', long = "n-gen", value_delimiter = ',', default_value = "128")]
+    generate: Vec<usize>,
+    /// Repetitions of each test.
+    #[arg(short = 'r', long, default_value_t = 3)]
+    repetitions: usize,
+    /// Print one JSON object per test instead of the table.
+    #[arg(long)]
+    json: bool,
+}
+
+/// A progress bar on stderr; indicatif draws nothing when stderr is not a terminal.
+fn progress(len: u64, what: &str, out: Output) -> ProgressBar {
+    if out.quiet {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::new(len);
+    bar.set_style(ProgressStyle::with_template("{msg} {wide_bar} {pos}/{len} {elapsed}").expect("valid template"));
+    bar.set_message(what.to_string());
+    bar
+}
+
+pub fn run(args: RunArgs, out: Output) -> Result<()> {
+    let text = args
+        .prompt
+        .or(args.prompt_text)
+        .context("no prompt: give one as an argument or with -p")?;
+    let ctx = args.ctx_size.unwrap_or(4096);
+    let mut session = load_session(
+        &args.model,
+        LoadOptions {
+            kv_tokens: ctx,
+            ..LoadOptions::default()
+        },
+        out,
+    )?;
+    let ctx = ctx.min(session.model.config.context_length);
+    let prompt = if args.chat || args.system.is_some() {
+        let mut messages = Vec::new();
+        if let Some(system) = &args.system {
+            messages.push(Message::new("system", system));
+        }
+        messages.push(Message::new("user", &text));
+        session.chat_prompt(&messages)?
+    } else {
+        session.raw_prompt(&text)?
+    };
+    let config = args.sampling.sampler();
+    let seed = config.seed;
+    let mut sampler = Sampler::new(config);
+    let options = args.sampling.generate_options();
+    let mut kv = session.model.new_kv_cache(ctx)?;
+    let mut stdout = std::io::stdout().lock();
+    let json_mode = args.json;
+    let generation = generate(
+        &mut session.model,
+        &session.tokenizer,
+        &mut kv,
+        &prompt,
+        &mut sampler,
+        &options,
+        |piece| {
+            if !json_mode {
+                let _ = stdout.write_all(piece.as_bytes());
+                let _ = stdout.flush();
+            }
+        },
+    )?;
+    let prompt_tps = prompt.len() as f64 / generation.prompt_time.as_secs_f64();
+    let gen_tps = generation.tokens.len() as f64 / generation.generation_time.as_secs_f64().max(1e-9);
+    if json_mode {
+        let out = json!({
+            "prompt_tokens": prompt,
+            "tokens": generation.tokens,
+            "text": generation.text,
+            "stop_reason": generation.stop_reason,
+            "seed": seed,
+            "timings": {
+                "prompt_n": prompt.len(),
+                "prompt_ms": generation.prompt_time.as_secs_f64() * 1e3,
+                "prompt_tokens_per_second": prompt_tps,
+                "generated_n": generation.tokens.len(),
+                "generation_ms": generation.generation_time.as_secs_f64() * 1e3,
+                "generation_tokens_per_second": gen_tps,
+            },
+        });
+        writeln!(stdout, "{out}")?;
+    } else {
+        writeln!(stdout)?;
+        if !out.quiet {
+            eprintln!(
+                "prompt: {} tokens, {prompt_tps:.1} tok/s | generation: {} tokens, {gen_tps:.1} tok/s | stop: {:?}",
+                prompt.len(),
+                generation.tokens.len(),
+                generation.stop_reason
+            );
+        }
+    }
+    Ok(())
+}
+
+pub fn tokenize(args: TokenizeArgs) -> Result<()> {
+    let path = resolve_model(args.model.as_deref())?;
+    let file = GgufFile::open(&path)?;
+    let tokenizer = Tokenizer::from_gguf(&file)?;
+    let ids = tokenizer.encode(&args.text, args.special, true)?;
+    println!("{}", serde_json::to_string(&ids)?);
+    Ok(())
+}
+
+pub fn perplexity(args: PerplexityArgs, out: Output) -> Result<()> {
+    let text = std::fs::read_to_string(&args.file).with_context(|| format!("reading {}", args.file.display()))?;
+    let options = LoadOptions {
+        kv_tokens: args.ctx_size,
+        max_batch: args.ctx_size.min(512),
+    };
+    let mut session = load_session(&args.model, options, out)?;
+    if args.ctx_size > session.model.config.context_length {
+        bail!(
+            "context {} exceeds the model's {}",
+            args.ctx_size,
+            session.model.config.context_length
+        );
+    }
+    let tokens = session.tokenizer.encode(&text, false, false)?;
+    let bos = if session.tokenizer.add_bos {
+        session.tokenizer.bos
+    } else {
+        None
+    };
+    let bar = progress((tokens.len() / args.ctx_size.max(1)) as u64, "perplexity", out);
+    let result =
+        axiom::engine::perplexity::perplexity(&mut session.model, &tokens, args.ctx_size, bos, |done, _, ppl| {
+            bar.set_position(done as u64);
+            bar.set_message(format!("perplexity {ppl:.4}"));
+        })?;
+    bar.finish_and_clear();
+    if args.json {
+        println!(
+            "{}",
+            json!({"file": args.file, "tokens": tokens.len(), "result": result})
+        );
+    } else {
+        println!(
+            "perplexity: {:.4} ({} chunks of {}, {} tokens scored)",
+            result.perplexity, result.chunks, result.n_ctx, result.scored_tokens
+        );
+    }
+    Ok(())
+}
+
+pub fn bench(args: BenchArgs, out: Output) -> Result<()> {
+    if args.repetitions == 0 {
+        bail!("--repetitions must be at least 1");
+    }
+    let tests: Vec<Test> = args
+        .prompt
+        .iter()
+        .filter(|&&n| n > 0)
+        .map(|&n| Test::Prompt(n))
+        .chain(args.generate.iter().filter(|&&n| n > 0).map(|&n| Test::Generation(n)))
+        .collect();
+    let longest = tests.iter().map(|t| t.tokens()).max().unwrap_or(1);
+    let options = LoadOptions {
+        max_batch: longest.min(512),
+        kv_tokens: longest,
+    };
+    let mut session = load_session(&args.model, options, out)?;
+    let threads = session.model.backend.threads();
+    let info = session.info.clone();
+    let backend = session.model.backend.device_name();
+    let size = format!("{:.2} MiB", info.file_bytes as f64 / (1 << 20) as f64);
+    let params = format!("{:.2} M", info.parameters as f64 / 1e6);
+    let mut rows = Vec::new();
+    let bar = progress(tests.len() as u64, "bench", out);
+    for test in tests {
+        bar.set_message(format!("bench {}", test.name()));
+        let r = run_test(&mut session.model, test, args.repetitions)?;
+        bar.inc(1);
+        let gbps = matches!(test, Test::Generation(_)).then(|| r.mean * info.weight_bytes_per_token as f64 / 1e9);
+        rows.push((r, gbps));
+    }
+    bar.finish_and_clear();
+    if args.json {
+        for (r, gbps) in rows {
+            let out = json!({
+                "model": info.description, "size_bytes": info.file_bytes, "params": info.parameters,
+                "backend": backend, "threads": threads, "test": r.test, "n_tokens": r.n_tokens,
+                "samples_ts": r.samples, "avg_ts": r.mean, "stddev_ts": r.stddev,
+                "weight_bandwidth_gbps": gbps,
+            });
+            println!("{out}");
+        }
+        return Ok(());
+    }
+    println!("| model | size | params | backend | threads | test | t/s |");
+    println!("| --- | ---: | ---: | --- | ---: | ---: | ---: |");
+    for (r, _) in &rows {
+        println!(
+            "| {} | {size} | {params} | {backend} | {threads} | {} | {:.2} ± {:.2} |",
+            info.description, r.test, r.mean, r.stddev
+        );
+    }
+    for (r, gbps) in &rows {
+        if let Some(g) = gbps {
+            println!(
+                "\n{}: {:.1} GB/s of weights ({:.1} MB per token)",
+                r.test,
+                g,
+                info.weight_bytes_per_token as f64 / 1e6
+            );
+        }
+    }
+    Ok(())
+}
+
+pub fn info(args: InfoArgs) -> Result<()> {
+    let path = resolve_model(args.model.as_deref())?;
+    let file = GgufFile::open(&path)?;
+    print_info(&path, &file, args.all)
+}
+
+fn print_info(path: &Path, file: &GgufFile, all: bool) -> Result<()> {
+    let name = file.get("general.name").and_then(|v| v.as_str()).unwrap_or("(unnamed)");
+    println!(
+        "file:          {} (GGUF v{}, {:.1} MiB)",
+        path.display(),
+        file.version,
+        file.file_size() as f64 / (1 << 20) as f64
+    );
+    println!("name:          {name}");
+    match ModelConfig::from_gguf(file) {
+        Ok(c) => {
+            println!("architecture:  {}", c.architecture);
+            println!("layers:        {}", c.n_layers);
+            println!("hidden:        {} (FFN {})", c.dim, c.ffn_dim);
+            println!(
+                "heads:         {} query, {} key/value, head dim {}",
+                c.n_heads, c.n_kv_heads, c.head_dim
+            );
+            println!("context:       {}", c.context_length);
+            println!(
+                "rope:          {:?} layout, theta {}, {} dims",
+                c.rope.layout, c.rope.theta, c.rope.dims
+            );
+            println!("rms epsilon:   {:e}", c.rms_eps);
+            println!("vocabulary:    {}", c.vocab_size);
+        }
+        Err(e) => println!("config:        cannot run this model: {e}"),
+    }
+    match Tokenizer::from_gguf(file) {
+        Ok(t) => println!("tokenizer:     {}", t.describe()),
+        Err(e) => println!("tokenizer:     {e}"),
+    }
+    let params: usize = file.tensors.iter().map(|t| t.n_elements()).sum();
+    let mut types: BTreeMap<String, usize> = BTreeMap::new();
+    for t in &file.tensors {
+        *types.entry(t.ty.to_string()).or_default() += 1;
+    }
+    let types: Vec<String> = types.iter().map(|(t, n)| format!("{t} x{n}")).collect();
+    println!(
+        "parameters:    {:.2} M in {} tensors ({})",
+        params as f64 / 1e6,
+        file.tensors.len(),
+        types.join(", ")
+    );
+    println!(
+        "chat template: {}",
+        if file.get("tokenizer.chat_template").is_some() {
+            "yes"
+        } else {
+            "no"
+        }
+    );
+    if all {
+        println!("\nmetadata:");
+        for (k, v) in &file.metadata {
+            println!("  {k} = {}", v.summary());
+        }
+        println!("\ntensors:");
+        for t in &file.tensors {
+            println!("  {} {} {:?}", t.name, t.ty, t.dims);
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,84 @@
+//! Multi-turn conversations keep their KV cache between turns.
+
+mod common;
+
+use axiom::backend::cpu::CpuBackend;
+use axiom::chat::Message;
+use axiom::engine::conversation::{Conversation, Transcript};
+use axiom::engine::{GenerateOptions, Sampler, SamplerConfig, Session, StopReason};
+use axiom::model::llama::LoadOptions;
+
+fn session(context: usize) -> Session<CpuBackend> {
+    Session::load(
+        &common::smollm2(),
+        CpuBackend::new(2),
+        LoadOptions {
+            max_batch: 256,
+            kv_tokens: context,
+        },
+    )
+    .unwrap()
+}
+
+fn options(max_tokens: usize) -> GenerateOptions {
+    GenerateOptions {
+        max_tokens,
+        ..Default::default()
+    }
+}
+
+#[test]
+fn a_second_turn_runs_only_the_new_message_and_template_glue() {
+    let mut s = session(1024);
+    let mut c = Conversation::new(&mut s, 1024, None).unwrap();
+    let mut sampler = Sampler::new(SamplerConfig::greedy());
+    let first = c
+        .reply(&mut s, "What is 2+2?", &mut sampler, &options(64), |_| {})
+        .unwrap();
+    assert_eq!(first.generation.stop_reason, StopReason::EndOfGeneration);
+    let full_first = s.chat_prompt(&[Message::new("user", "What is 2+2?")]).unwrap();
+    assert_eq!(
+        first.prompt_tokens_run,
+        full_first.len(),
+        "the first turn runs the whole prompt"
+    );
+
+    let second = c.reply(&mut s, "And 3+3?", &mut sampler, &options(32), |_| {}).unwrap();
+    // What the template adds after the first reply: its end-of-turn, the new user turn, and the
+    // opening of the assistant's.
+    let glue = "<|im_end|>\n<|im_start|>user\nAnd 3+3?<|im_end|>\n<|im_start|>assistant\n";
+    let glue_tokens = s.tokenizer.encode(glue, true, false).unwrap();
+    assert_eq!(second.prompt_tokens_run, glue_tokens.len());
+
+    // The cached turn gives the same reply as a fresh run of the whole conversation.
+    let transcript = c.transcript.clone();
+    assert_eq!(transcript.messages.len(), 4);
+    c.replace(Transcript {
+        system: None,
+        messages: transcript.messages[..2].to_vec(),
+    });
+    let again = c.reply(&mut s, "And 3+3?", &mut sampler, &options(32), |_| {}).unwrap();
+    assert_eq!(again.generation.text, second.generation.text);
+    assert!(again.prompt_tokens_run > second.prompt_tokens_run);
+}
+
+#[test]
+fn the_oldest_turns_are_dropped_when_the_context_fills() {
+    let mut s = session(120);
+    let mut c = Conversation::new(&mut s, 120, Some("Answer briefly.".into())).unwrap();
+    let mut sampler = Sampler::new(SamplerConfig::greedy());
+    let mut dropped = 0;
+    for question in ["Name a fruit.", "Name a colour.", "Name an animal.", "Name a city."] {
+        let turn = c.reply(&mut s, question, &mut sampler, &options(24), |_| {}).unwrap();
+        dropped += turn.dropped_turns;
+        let (used, capacity) = c.context_used();
+        assert!(used <= capacity);
+    }
+    assert!(dropped > 0, "a 120-token context cannot hold four turns");
+    // The system message is never dropped, and the last question is always there.
+    assert_eq!(c.transcript.system.as_deref(), Some("Answer briefly."));
+    assert_eq!(
+        c.transcript.messages[c.transcript.messages.len() - 2].content,
+        "Name a city."
+    );
+}
