@@ -1,7 +1,8 @@
 //! `axiom chat`: an interactive conversation in the terminal, or one reply to piped input.
 
-use crate::{load_session, ModelArgs, Output, SamplingArgs};
+use crate::{load_session, with_session, ModelArgs, Output, SamplingArgs};
 use anyhow::{Context, Result};
+use axiom::backend::Backend;
 use axiom::engine::conversation::{Conversation, Transcript, Turn};
 use axiom::engine::{Sampler, Session};
 use axiom::model::llama::LoadOptions;
@@ -37,7 +38,7 @@ End a line with \\ to continue on the next one. Ctrl-C stops a reply.";
 
 pub fn chat(args: ChatArgs, out: Output) -> Result<()> {
     let ctx = args.ctx_size.unwrap_or(4096);
-    let mut session = load_session(
+    let loaded = load_session(
         &args.model,
         LoadOptions {
             kv_tokens: ctx,
@@ -45,31 +46,33 @@ pub fn chat(args: ChatArgs, out: Output) -> Result<()> {
         },
         out,
     )?;
-    let ctx = ctx.min(session.model.config.context_length);
-    let mut conversation = Conversation::new(&mut session, ctx, args.system.clone())?;
-    let mut sampler = Sampler::new(args.sampling.sampler());
-    if !std::io::stdin().is_terminal() {
-        // Scripted use: the whole input is one message; only the reply is printed.
-        let mut message = String::new();
-        std::io::stdin()
-            .read_to_string(&mut message)
-            .context("reading standard input")?;
-        let turn = say(
-            &mut session,
-            &mut conversation,
-            message.trim_end_matches('\n'),
-            &mut sampler,
-            &args.sampling,
-            None,
-        )?;
-        report_dropped(&turn);
-        return Ok(());
-    }
-    interactive(&mut session, &mut conversation, &mut sampler, &args, out)
+    with_session!(loaded, session => {
+        let ctx = ctx.min(session.model.config.context_length);
+        let mut conversation = Conversation::new(&mut session, ctx, args.system.clone())?;
+        let mut sampler = Sampler::new(args.sampling.sampler());
+        if !std::io::stdin().is_terminal() {
+            // Scripted use: the whole input is one message; only the reply is printed.
+            let mut message = String::new();
+            std::io::stdin()
+                .read_to_string(&mut message)
+                .context("reading standard input")?;
+            let turn = say(
+                &mut session,
+                &mut conversation,
+                message.trim_end_matches('\n'),
+                &mut sampler,
+                &args.sampling,
+                None,
+            )?;
+            report_dropped(&turn);
+            return Ok(());
+        }
+        interactive(&mut session, &mut conversation, &mut sampler, &args, out)
+    })
 }
 
-fn interactive(
-    session: &mut Session<axiom::backend::cpu::CpuBackend>,
+fn interactive<B: Backend>(
+    session: &mut Session<B>,
     conversation: &mut Conversation,
     sampler: &mut Sampler,
     args: &ChatArgs,
@@ -198,8 +201,8 @@ fn read_message(editor: &mut rustyline::DefaultEditor) -> Result<Option<String>>
 }
 
 /// One turn, the reply streamed to stdout.
-fn say(
-    session: &mut Session<axiom::backend::cpu::CpuBackend>,
+fn say<B: Backend>(
+    session: &mut Session<B>,
     conversation: &mut Conversation,
     message: &str,
     sampler: &mut Sampler,

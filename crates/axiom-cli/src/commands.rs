@@ -1,6 +1,6 @@
 //! The one-shot commands: run, tokenize, perplexity, info, bench.
 
-use crate::{load_session, ModelArgs, Output, SamplingArgs};
+use crate::{load_session, with_session, ModelArgs, Output, SamplingArgs};
 use anyhow::{bail, Context, Result};
 use axiom::backend::Backend;
 use axiom::chat::Message;
@@ -111,7 +111,7 @@ pub fn run(args: RunArgs, out: Output) -> Result<()> {
         .or(args.prompt_text)
         .context("no prompt: give one as an argument or with -p")?;
     let ctx = args.ctx_size.unwrap_or(4096);
-    let mut session = load_session(
+    let loaded = load_session(
         &args.model,
         LoadOptions {
             kv_tokens: ctx,
@@ -119,69 +119,71 @@ pub fn run(args: RunArgs, out: Output) -> Result<()> {
         },
         out,
     )?;
-    let ctx = ctx.min(session.model.config.context_length);
-    let prompt = if args.chat || args.system.is_some() {
-        let mut messages = Vec::new();
-        if let Some(system) = &args.system {
-            messages.push(Message::new("system", system));
-        }
-        messages.push(Message::new("user", &text));
-        session.chat_prompt(&messages)?
-    } else {
-        session.raw_prompt(&text)?
-    };
-    let config = args.sampling.sampler();
-    let seed = config.seed;
-    let mut sampler = Sampler::new(config);
-    let options = args.sampling.generate_options();
-    let mut kv = session.model.new_kv_cache(ctx)?;
-    let mut stdout = std::io::stdout().lock();
-    let json_mode = args.json;
-    let generation = generate(
-        &mut session.model,
-        &session.tokenizer,
-        &mut kv,
-        &prompt,
-        &mut sampler,
-        &options,
-        |piece| {
-            if !json_mode {
-                let _ = stdout.write_all(piece.as_bytes());
-                let _ = stdout.flush();
+    with_session!(loaded, session => {
+        let ctx = ctx.min(session.model.config.context_length);
+        let prompt = if args.chat || args.system.is_some() {
+            let mut messages = Vec::new();
+            if let Some(system) = &args.system {
+                messages.push(Message::new("system", system));
             }
-        },
-    )?;
-    let prompt_tps = prompt.len() as f64 / generation.prompt_time.as_secs_f64();
-    let gen_tps = generation.tokens.len() as f64 / generation.generation_time.as_secs_f64().max(1e-9);
-    if json_mode {
-        let out = json!({
-            "prompt_tokens": prompt,
-            "tokens": generation.tokens,
-            "text": generation.text,
-            "stop_reason": generation.stop_reason,
-            "seed": seed,
-            "timings": {
-                "prompt_n": prompt.len(),
-                "prompt_ms": generation.prompt_time.as_secs_f64() * 1e3,
-                "prompt_tokens_per_second": prompt_tps,
-                "generated_n": generation.tokens.len(),
-                "generation_ms": generation.generation_time.as_secs_f64() * 1e3,
-                "generation_tokens_per_second": gen_tps,
+            messages.push(Message::new("user", &text));
+            session.chat_prompt(&messages)?
+        } else {
+            session.raw_prompt(&text)?
+        };
+        let config = args.sampling.sampler();
+        let seed = config.seed;
+        let mut sampler = Sampler::new(config);
+        let options = args.sampling.generate_options();
+        let mut kv = session.model.new_kv_cache(ctx)?;
+        let mut stdout = std::io::stdout().lock();
+        let json_mode = args.json;
+        let generation = generate(
+            &mut session.model,
+            &session.tokenizer,
+            &mut kv,
+            &prompt,
+            &mut sampler,
+            &options,
+            |piece| {
+                if !json_mode {
+                    let _ = stdout.write_all(piece.as_bytes());
+                    let _ = stdout.flush();
+                }
             },
-        });
-        writeln!(stdout, "{out}")?;
-    } else {
-        writeln!(stdout)?;
-        if !out.quiet {
-            eprintln!(
-                "prompt: {} tokens, {prompt_tps:.1} tok/s | generation: {} tokens, {gen_tps:.1} tok/s | stop: {:?}",
-                prompt.len(),
-                generation.tokens.len(),
-                generation.stop_reason
-            );
+        )?;
+        let prompt_tps = prompt.len() as f64 / generation.prompt_time.as_secs_f64();
+        let gen_tps = generation.tokens.len() as f64 / generation.generation_time.as_secs_f64().max(1e-9);
+        if json_mode {
+            let out = json!({
+                "prompt_tokens": prompt,
+                "tokens": generation.tokens,
+                "text": generation.text,
+                "stop_reason": generation.stop_reason,
+                "seed": seed,
+                "timings": {
+                    "prompt_n": prompt.len(),
+                    "prompt_ms": generation.prompt_time.as_secs_f64() * 1e3,
+                    "prompt_tokens_per_second": prompt_tps,
+                    "generated_n": generation.tokens.len(),
+                    "generation_ms": generation.generation_time.as_secs_f64() * 1e3,
+                    "generation_tokens_per_second": gen_tps,
+                },
+            });
+            writeln!(stdout, "{out}")?;
+        } else {
+            writeln!(stdout)?;
+            if !out.quiet {
+                eprintln!(
+                    "prompt: {} tokens, {prompt_tps:.1} tok/s | generation: {} tokens, {gen_tps:.1} tok/s | stop: {:?}",
+                    prompt.len(),
+                    generation.tokens.len(),
+                    generation.stop_reason
+                );
+            }
         }
-    }
-    Ok(())
+        Ok(())
+    })
 }
 
 pub fn tokenize(args: TokenizeArgs) -> Result<()> {
@@ -199,39 +201,41 @@ pub fn perplexity(args: PerplexityArgs, out: Output) -> Result<()> {
         kv_tokens: args.ctx_size,
         max_batch: args.ctx_size.min(512),
     };
-    let mut session = load_session(&args.model, options, out)?;
-    if args.ctx_size > session.model.config.context_length {
-        bail!(
-            "context {} exceeds the model's {}",
-            args.ctx_size,
-            session.model.config.context_length
-        );
-    }
-    let tokens = session.tokenizer.encode(&text, false, false)?;
-    let bos = if session.tokenizer.add_bos {
-        session.tokenizer.bos
-    } else {
-        None
-    };
-    let bar = progress((tokens.len() / args.ctx_size.max(1)) as u64, "perplexity", out);
-    let result =
-        axiom::engine::perplexity::perplexity(&mut session.model, &tokens, args.ctx_size, bos, |done, _, ppl| {
-            bar.set_position(done as u64);
-            bar.set_message(format!("perplexity {ppl:.4}"));
-        })?;
-    bar.finish_and_clear();
-    if args.json {
-        println!(
-            "{}",
-            json!({"file": args.file, "tokens": tokens.len(), "result": result})
-        );
-    } else {
-        println!(
-            "perplexity: {:.4} ({} chunks of {}, {} tokens scored)",
-            result.perplexity, result.chunks, result.n_ctx, result.scored_tokens
-        );
-    }
-    Ok(())
+    let loaded = load_session(&args.model, options, out)?;
+    with_session!(loaded, session => {
+        if args.ctx_size > session.model.config.context_length {
+            bail!(
+                "context {} exceeds the model's {}",
+                args.ctx_size,
+                session.model.config.context_length
+            );
+        }
+        let tokens = session.tokenizer.encode(&text, false, false)?;
+        let bos = if session.tokenizer.add_bos {
+            session.tokenizer.bos
+        } else {
+            None
+        };
+        let bar = progress((tokens.len() / args.ctx_size.max(1)) as u64, "perplexity", out);
+        let result =
+            axiom::engine::perplexity::perplexity(&mut session.model, &tokens, args.ctx_size, bos, |done, _, ppl| {
+                bar.set_position(done as u64);
+                bar.set_message(format!("perplexity {ppl:.4}"));
+            })?;
+        bar.finish_and_clear();
+        if args.json {
+            println!(
+                "{}",
+                json!({"file": args.file, "tokens": tokens.len(), "result": result})
+            );
+        } else {
+            println!(
+                "perplexity: {:.4} ({} chunks of {}, {} tokens scored)",
+                result.perplexity, result.chunks, result.n_ctx, result.scored_tokens
+            );
+        }
+        Ok(())
+    })
 }
 
 pub fn bench(args: BenchArgs, out: Output) -> Result<()> {
@@ -250,53 +254,55 @@ pub fn bench(args: BenchArgs, out: Output) -> Result<()> {
         max_batch: longest.min(512),
         kv_tokens: longest,
     };
-    let mut session = load_session(&args.model, options, out)?;
-    let threads = session.model.backend.threads();
-    let info = session.info.clone();
-    let backend = session.model.backend.device_name();
-    let size = format!("{:.2} MiB", info.file_bytes as f64 / (1 << 20) as f64);
-    let params = format!("{:.2} M", info.parameters as f64 / 1e6);
-    let mut rows = Vec::new();
-    let bar = progress(tests.len() as u64, "bench", out);
-    for test in tests {
-        bar.set_message(format!("bench {}", test.name()));
-        let r = run_test(&mut session.model, test, args.repetitions)?;
-        bar.inc(1);
-        let gbps = matches!(test, Test::Generation(_)).then(|| r.mean * info.weight_bytes_per_token as f64 / 1e9);
-        rows.push((r, gbps));
-    }
-    bar.finish_and_clear();
-    if args.json {
-        for (r, gbps) in rows {
-            let out = json!({
-                "model": info.description, "size_bytes": info.file_bytes, "params": info.parameters,
-                "backend": backend, "threads": threads, "test": r.test, "n_tokens": r.n_tokens,
-                "samples_ts": r.samples, "avg_ts": r.mean, "stddev_ts": r.stddev,
-                "weight_bandwidth_gbps": gbps,
-            });
-            println!("{out}");
+    let loaded = load_session(&args.model, options, out)?;
+    with_session!(loaded, session => {
+        let threads = session.model.backend.threads();
+        let info = session.info.clone();
+        let backend = session.model.backend.device_name();
+        let size = format!("{:.2} MiB", info.file_bytes as f64 / (1 << 20) as f64);
+        let params = format!("{:.2} M", info.parameters as f64 / 1e6);
+        let mut rows = Vec::new();
+        let bar = progress(tests.len() as u64, "bench", out);
+        for test in tests {
+            bar.set_message(format!("bench {}", test.name()));
+            let r = run_test(&mut session.model, test, args.repetitions)?;
+            bar.inc(1);
+            let gbps = matches!(test, Test::Generation(_)).then(|| r.mean * info.weight_bytes_per_token as f64 / 1e9);
+            rows.push((r, gbps));
         }
-        return Ok(());
-    }
-    println!("| model | size | params | backend | threads | test | t/s |");
-    println!("| --- | ---: | ---: | --- | ---: | ---: | ---: |");
-    for (r, _) in &rows {
-        println!(
-            "| {} | {size} | {params} | {backend} | {threads} | {} | {:.2} ± {:.2} |",
-            info.description, r.test, r.mean, r.stddev
-        );
-    }
-    for (r, gbps) in &rows {
-        if let Some(g) = gbps {
+        bar.finish_and_clear();
+        if args.json {
+            for (r, gbps) in rows {
+                let out = json!({
+                    "model": info.description, "size_bytes": info.file_bytes, "params": info.parameters,
+                    "backend": backend, "threads": threads, "test": r.test, "n_tokens": r.n_tokens,
+                    "samples_ts": r.samples, "avg_ts": r.mean, "stddev_ts": r.stddev,
+                    "weight_bandwidth_gbps": gbps,
+                });
+                println!("{out}");
+            }
+            return Ok(());
+        }
+        println!("| model | size | params | backend | threads | test | t/s |");
+        println!("| --- | ---: | ---: | --- | ---: | ---: | ---: |");
+        for (r, _) in &rows {
             println!(
-                "\n{}: {:.1} GB/s of weights ({:.1} MB per token)",
-                r.test,
-                g,
-                info.weight_bytes_per_token as f64 / 1e6
+                "| {} | {size} | {params} | {backend} | {threads} | {} | {:.2} ± {:.2} |",
+                info.description, r.test, r.mean, r.stddev
             );
         }
-    }
-    Ok(())
+        for (r, gbps) in &rows {
+            if let Some(g) = gbps {
+                println!(
+                    "\n{}: {:.1} GB/s of weights ({:.1} MB per token)",
+                    r.test,
+                    g,
+                    info.weight_bytes_per_token as f64 / 1e6
+                );
+            }
+        }
+        Ok(())
+    })
 }
 
 pub fn info(args: InfoArgs) -> Result<()> {

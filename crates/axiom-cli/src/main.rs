@@ -5,6 +5,7 @@ mod commands;
 
 use anyhow::{bail, Context, Result};
 use axiom::backend::cpu::{physical_cores, CpuBackend};
+use axiom::backend::cuda::CudaBackend;
 use axiom::backend::{Backend, KvType};
 use axiom::engine::{GenerateOptions, SamplerConfig, Session};
 use axiom::model::llama::LoadOptions;
@@ -166,12 +167,25 @@ fn main() {
     }
 }
 
+/// A loaded model on whichever backend was chosen.
+enum Loaded {
+    Cpu(Session<CpuBackend>),
+    Cuda(Session<CudaBackend>),
+}
+
+/// Runs `$body` with `$session` bound to the loaded session, whatever its backend: the body is
+/// written once and compiled for each.
+#[macro_export]
+macro_rules! with_session {
+    ($loaded:expr, $session:ident => $body:block) => {
+        match $loaded {
+            $crate::Loaded::Cpu(mut $session) => $body,
+            $crate::Loaded::Cuda(mut $session) => $body,
+        }
+    };
+}
+
 fn cpu_backend(args: &ModelArgs) -> Result<CpuBackend> {
-    match args.backend {
-        BackendKind::Auto | BackendKind::Cpu => {}
-        BackendKind::Cuda => bail!("the CUDA backend is not available in this build"),
-        BackendKind::Metal => bail!("the Metal backend is not available in this build"),
-    }
     let threads = args.threads.unwrap_or_else(physical_cores);
     if threads == 0 {
         bail!("--threads must be at least 1");
@@ -180,22 +194,45 @@ fn cpu_backend(args: &ModelArgs) -> Result<CpuBackend> {
     Ok(CpuBackend::new(threads).with_kv_type(kv_type))
 }
 
-/// Loads the model; prints a one-line summary on a terminal unless `--quiet`.
-fn load_session(args: &ModelArgs, options: LoadOptions, out: Output) -> Result<Session<CpuBackend>> {
+/// Loads the model on the chosen backend; prints a one-line summary on a terminal unless `--quiet`.
+fn load_session(args: &ModelArgs, options: LoadOptions, out: Output) -> Result<Loaded> {
     let path = resolve_model(args.model.as_deref())?;
     let start = Instant::now();
-    let session =
-        Session::load(&path, cpu_backend(args)?, options).with_context(|| format!("loading {}", path.display()))?;
-    if !out.quiet && std::io::stderr().is_terminal() {
-        let info = &session.info;
-        eprintln!(
-            "axiom: {} ({:.1} MiB) on {}, context {} tokens, loaded in {:.2} s",
-            info.description,
-            info.file_bytes as f64 / (1 << 20) as f64,
+    let use_cuda = match args.backend {
+        BackendKind::Cuda => true,
+        BackendKind::Auto => axiom::backend::cuda::device::available(),
+        BackendKind::Cpu => false,
+        BackendKind::Metal => bail!("the Metal backend is only built on macOS"),
+    };
+    let context = || format!("loading {}", path.display());
+    let summary = |name: String, info: &axiom::engine::session::ModelInfo, context_length: usize| {
+        if !out.quiet && std::io::stderr().is_terminal() {
+            eprintln!(
+                "axiom: {} ({:.1} MiB) on {name}, context {} tokens, loaded in {:.2} s",
+                info.description,
+                info.file_bytes as f64 / (1 << 20) as f64,
+                options.kv_tokens.min(context_length),
+                start.elapsed().as_secs_f64()
+            );
+        }
+    };
+    let loaded = if use_cuda {
+        let backend = CudaBackend::new(0).context("starting the CUDA backend")?;
+        let session = Session::load(&path, backend, options).with_context(context)?;
+        summary(
             session.model.backend.device_name(),
-            options.kv_tokens.min(session.model.config.context_length),
-            start.elapsed().as_secs_f64()
+            &session.info,
+            session.model.config.context_length,
         );
-    }
-    Ok(session)
+        Loaded::Cuda(session)
+    } else {
+        let session = Session::load(&path, cpu_backend(args)?, options).with_context(context)?;
+        summary(
+            session.model.backend.device_name(),
+            &session.info,
+            session.model.config.context_length,
+        );
+        Loaded::Cpu(session)
+    };
+    Ok(loaded)
 }

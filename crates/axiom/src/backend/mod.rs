@@ -12,6 +12,7 @@
 
 pub mod arena;
 pub mod cpu;
+pub mod cuda;
 
 pub use arena::{Arena, ArenaError, BlockHandle};
 
@@ -87,6 +88,11 @@ pub trait Backend {
     /// What the backend runs on, for logs and `axiom bench`.
     fn device_name(&self) -> String;
 
+    /// Host threads the backend computes with (1 for a GPU).
+    fn threads(&self) -> usize {
+        1
+    }
+
     /// The element type `kv_write` stores and `attention` reads.
     fn kv_type(&self) -> KvType;
 
@@ -108,6 +114,37 @@ pub trait Backend {
     fn read_f32(&self, src: BlockHandle, dst: &mut [f32]) -> Result<()>;
     /// Waits until all submitted work has finished.
     fn synchronize(&self) -> Result<()>;
+
+    /// Arena bytes the weights take, given each matrix's size (0 where weights live elsewhere,
+    /// as on the CPU, which reads them from the memory-mapped file).
+    fn weight_bytes(&self, _matrices: &[usize]) -> usize {
+        0
+    }
+    /// Arena bytes the backend wants for its own staging, given the largest weight (elements),
+    /// the most tokens per step and the widest matmul input. Counted in before `reserve`.
+    fn staging_bytes(&self, _largest_weight: usize, _max_tokens: usize, _max_n_in: usize) -> usize {
+        0
+    }
+    /// Called once the weights are uploaded, to carve that staging out of the arena.
+    fn prepare(&mut self, _max_tokens: usize, _max_n_in: usize) -> Result<()> {
+        Ok(())
+    }
+
+    // --- graphs: record a sequence of ops once, replay it per decode step ---
+
+    /// Starts recording the ops that follow instead of running them; false if the backend has
+    /// no graphs (then nothing is recorded and ops run as usual).
+    fn begin_capture(&self) -> Result<bool> {
+        Ok(false)
+    }
+    /// Ends a recording started by `begin_capture`, returning the graph's handle.
+    fn end_capture(&self) -> Result<usize> {
+        Err(crate::Error::Backend("this backend records no graphs".into()))
+    }
+    /// Runs a recorded graph.
+    fn replay(&self, _graph: usize) -> Result<()> {
+        Err(crate::Error::Backend("this backend records no graphs".into()))
+    }
 
     // --- kernels ---
 

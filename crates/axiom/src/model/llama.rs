@@ -89,6 +89,8 @@ pub struct Llama<B: Backend> {
     logits: Vec<f32>,
     /// Positions of the current step (reused: the decode loop allocates nothing).
     positions: Vec<u32>,
+    /// Recorded one-token steps (graph handles), by the KV cache they write (its first block).
+    decode_graphs: Vec<(usize, usize)>,
 }
 
 impl<B: Backend> Llama<B> {
@@ -97,10 +99,24 @@ impl<B: Backend> Llama<B> {
         let max_batch = options.max_batch.max(1);
         let kv_tokens = options.kv_tokens.min(config.context_length).max(1);
         let kv = kv_bytes(&config, kv_tokens, backend.kv_type().bytes());
-        let arena = weights::norm_bytes(&config) + scratch_bytes(&config, max_batch) + kv + 64 * 64;
+        let (largest_weight, max_n_in) = weights::largest(&config);
+        let steps = max_batch.max(LOGIT_ROWS_PER_STEP);
+        let matrices: Vec<usize> = file
+            .tensors
+            .iter()
+            .filter(|t| t.dims.len() == 2)
+            .map(|t| t.size_bytes)
+            .collect();
+        let arena = weights::norm_bytes(&config)
+            + scratch_bytes(&config, max_batch)
+            + kv
+            + backend.weight_bytes(&matrices)
+            + backend.staging_bytes(largest_weight, steps, max_n_in)
+            + 64 * 256;
         backend.reserve(arena)?;
         let weights = weights::load_gguf(file, &config, &mut backend)?;
         let scratch = Scratch::new(&mut backend, &config, max_batch)?;
+        backend.prepare(steps, max_n_in)?;
         let logits = vec![0f32; config.vocab_size * LOGIT_ROWS_PER_STEP];
         let positions = Vec::with_capacity(max_batch);
         Ok(Llama {
@@ -111,6 +127,7 @@ impl<B: Backend> Llama<B> {
             max_batch,
             logits,
             positions,
+            decode_graphs: Vec::new(),
         })
     }
 
@@ -127,6 +144,9 @@ impl<B: Backend> Llama<B> {
     }
 
     pub fn free_kv_cache(&mut self, kv: KvCache) -> Result<()> {
+        // Its recorded steps point into its blocks: a later cache must record its own.
+        let key = kv.k.first().map_or(0, |b| b.offset);
+        self.decode_graphs.retain(|(k, _)| *k != key);
         for block in kv.k.into_iter().chain(kv.v) {
             self.backend.free(block)?;
         }
@@ -177,17 +197,41 @@ impl<B: Backend> Llama<B> {
         &self.logits[..self.config.vocab_size]
     }
 
-    /// One batch through every layer; leaves the final hidden states in `scratch.x`.
+    /// One batch through every layer; leaves the final hidden states in `scratch.x`. A one-token
+    /// step is recorded as a graph the first time (where the backend has graphs) and replayed
+    /// after: it reads its token and position from device buffers, so one recording serves
+    /// every position of the same KV cache.
     fn step(&mut self, tokens: &[u32], kv: &mut KvCache) -> Result<()> {
         let n = tokens.len();
+        self.positions.clear();
+        self.positions.extend((kv.len..kv.len + n).map(|p| p as u32));
+        self.backend.write_u32(self.scratch.ids, tokens)?;
+        self.backend.write_u32(self.scratch.positions, &self.positions)?;
+        let key = kv.k.first().map_or(0, |b| b.offset);
+        if n == 1 {
+            if let Some(&(_, graph)) = self.decode_graphs.iter().find(|(k, _)| *k == key) {
+                self.backend.replay(graph)?;
+            } else if self.backend.begin_capture()? {
+                let recorded = self.layers(n, kv);
+                let graph = self.backend.end_capture()?;
+                recorded?;
+                self.decode_graphs.push((key, graph));
+                self.backend.replay(graph)?;
+            } else {
+                self.layers(n, kv)?;
+            }
+        } else {
+            self.layers(n, kv)?;
+        }
+        kv.len += n;
+        Ok(())
+    }
+
+    /// The layer loop, written once.
+    fn layers(&self, n: usize, kv: &KvCache) -> Result<()> {
         let c = &self.config;
         let shape = c.attention();
         let (b, s) = (&self.backend, &self.scratch);
-        self.positions.clear();
-        self.positions.extend((kv.len..kv.len + n).map(|p| p as u32));
-        b.write_u32(s.ids, tokens)?;
-        b.write_u32(s.positions, &self.positions)?;
-
         b.embed(&self.weights.token_embd, s.ids, s.x, n)?;
         for (layer, (k_cache, v_cache)) in self.weights.layers.iter().zip(kv.k.iter().zip(&kv.v)) {
             // Attention block.
@@ -206,7 +250,6 @@ impl<B: Backend> Llama<B> {
             b.matmul(s.hidden, &layer.w_down, s.proj, n)?;
             b.add(s.x, s.proj, n * c.dim)?;
         }
-        kv.len += n;
         Ok(())
     }
 

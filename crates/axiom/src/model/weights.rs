@@ -32,6 +32,21 @@ impl<W> Weights<W> {
     }
 }
 
+/// The largest matrix (elements) and the widest matmul input of the model.
+pub fn largest(config: &ModelConfig) -> (usize, usize) {
+    let a = config.attention();
+    let widest = config.dim.max(config.ffn_dim).max(a.q_width());
+    let largest = [
+        config.vocab_size * config.dim,
+        config.ffn_dim * config.dim,
+        a.q_width() * config.dim,
+    ]
+    .into_iter()
+    .max()
+    .unwrap_or(0);
+    (largest, widest)
+}
+
 /// Bytes of arena the norm vectors need (they are uploaded as f32 blocks).
 pub fn norm_bytes(config: &ModelConfig) -> usize {
     (2 * config.n_layers + 1) * config.dim.next_multiple_of(16) * 4

@@ -113,10 +113,6 @@ impl CpuBackend {
         }
     }
 
-    pub fn threads(&self) -> usize {
-        self.pool.threads()
-    }
-
     pub fn kernels(&self) -> CpuKernels {
         self.kernels
     }
@@ -371,6 +367,10 @@ impl Backend for CpuBackend {
 
     fn kv_type(&self) -> KvType {
         self.kv_type
+    }
+
+    fn threads(&self) -> usize {
+        self.pool.threads()
     }
 
     fn device_name(&self) -> String {

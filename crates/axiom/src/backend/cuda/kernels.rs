@@ -1,0 +1,192 @@
+//! Every kernel source, compiled exactly once at startup by NVRTC for the device's own
+//! architecture. The compiled module is cached on disk, keyed by the sources, the architecture
+//! and the NVRTC and driver versions, so a warm start does not compile.
+
+use crate::{Error, Result};
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
+use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys, Ptx};
+use sha2::{Digest, Sha256};
+use std::collections::HashMap;
+use std::ffi::CString;
+use std::sync::Arc;
+
+/// The sources: a header shared by all, then one file per op.
+pub const SOURCES: &[(&str, &str)] = &[
+    ("common.cuh", include_str!("kernels/common.cuh")),
+    ("dequant.cuh", include_str!("kernels/dequant.cuh")),
+    ("embed.cu", include_str!("kernels/embed.cu")),
+    ("rms_norm.cu", include_str!("kernels/rms_norm.cu")),
+    ("rope.cu", include_str!("kernels/rope.cu")),
+    ("matmul.cu", include_str!("kernels/matmul.cu")),
+    ("kv_write.cu", include_str!("kernels/kv_write.cu")),
+    ("attention.cu", include_str!("kernels/attention.cu")),
+    ("elementwise.cu", include_str!("kernels/elementwise.cu")),
+    ("argmax.cu", include_str!("kernels/argmax.cu")),
+];
+
+/// All sources as one translation unit (NVRTC compiles them together, once).
+fn program_source() -> String {
+    SOURCES
+        .iter()
+        .map(|(name, src)| format!("// ---- {name}\n{src}\n"))
+        .collect()
+}
+
+/// Compiles the kernels for `arch` (e.g. "sm_90") to a cubin. Needs only NVRTC, not a GPU.
+pub fn compile(arch: &str) -> Result<Vec<u8>> {
+    // SAFETY: only probes for the shared library.
+    if !unsafe { nvrtc_sys::is_culib_present() } {
+        return Err(Error::Backend("NVRTC (libnvrtc.so) is not installed".into()));
+    }
+    let err = |what: &str, e: &dyn std::fmt::Debug| Error::Backend(format!("NVRTC {what}: {e:?}"));
+    let src = CString::new(program_source()).map_err(|e| err("source", &e))?;
+    let name = CString::new("axiom_kernels.cu").expect("no NUL");
+    let prog = nvrtc::create_program(&src, Some(&name)).map_err(|e| err("create", &e))?;
+    let options = [
+        format!("--gpu-architecture={arch}"),
+        "--std=c++17".into(),
+        "-default-device".into(),
+    ];
+    // SAFETY: `prog` is a live program; the log and cubin buffers are sized by NVRTC's answers.
+    unsafe {
+        let compiled = nvrtc::compile_program(prog, &options);
+        if let Err(e) = compiled {
+            let log = nvrtc::get_program_log(prog).unwrap_or_default();
+            let log = std::ffi::CStr::from_ptr(log.as_ptr()).to_string_lossy().into_owned();
+            let _ = nvrtc::destroy_program(prog);
+            return Err(Error::Backend(format!("NVRTC compilation failed ({e:?}):\n{log}")));
+        }
+        let mut size = 0usize;
+        nvrtc_sys::nvrtcGetCUBINSize(prog, &mut size)
+            .result()
+            .map_err(|e| err("cubin size", &e))?;
+        let mut cubin = vec![0u8; size];
+        nvrtc_sys::nvrtcGetCUBIN(prog, cubin.as_mut_ptr() as *mut _)
+            .result()
+            .map_err(|e| err("cubin", &e))?;
+        let _ = nvrtc::destroy_program(prog);
+        Ok(cubin)
+    }
+}
+
+fn nvrtc_version() -> (i32, i32) {
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: plain query into locals.
+    unsafe { nvrtc_sys::nvrtcVersion(&mut major, &mut minor) };
+    (major, minor)
+}
+
+/// The compiled module and its functions, looked up by name once.
+pub struct Kernels {
+    _module: Arc<CudaModule>,
+    functions: HashMap<&'static str, CudaFunction>,
+    pub compiled_now: bool,
+}
+
+/// Every kernel the backend launches.
+const FUNCTIONS: &[&str] = &[
+    "embed_f32",
+    "embed_f16",
+    "embed_bf16",
+    "embed_q8_0",
+    "embed_q4_0",
+    "embed_q4_1",
+    "embed_q4_k",
+    "embed_q6_k",
+    "rms_norm",
+    "rope",
+    "kv_write",
+    "attention",
+    "swiglu",
+    "add",
+    "convert_f32",
+    "argmax",
+    "gemv_f32_1",
+    "gemv_f32_2",
+    "gemv_f32_4",
+    "gemv_f32_8",
+    "gemv_f16_1",
+    "gemv_f16_2",
+    "gemv_f16_4",
+    "gemv_f16_8",
+    "gemv_bf16_1",
+    "gemv_bf16_2",
+    "gemv_bf16_4",
+    "gemv_bf16_8",
+    "gemv_q8_0_1",
+    "gemv_q8_0_2",
+    "gemv_q8_0_4",
+    "gemv_q8_0_8",
+    "gemv_q4_0_1",
+    "gemv_q4_0_2",
+    "gemv_q4_0_4",
+    "gemv_q4_0_8",
+    "gemv_q4_1_1",
+    "gemv_q4_1_2",
+    "gemv_q4_1_4",
+    "gemv_q4_1_8",
+    "gemv_q4_k_1",
+    "gemv_q4_k_2",
+    "gemv_q4_k_4",
+    "gemv_q4_k_8",
+    "gemv_q6_k_1",
+    "gemv_q6_k_2",
+    "gemv_q6_k_4",
+    "gemv_q6_k_8",
+    "dequant_f16_q8_0",
+    "dequant_f16_q4_0",
+    "dequant_f16_q4_1",
+    "dequant_f16_q4_k",
+    "dequant_f16_q6_k",
+];
+
+impl Kernels {
+    pub fn load(ctx: &Arc<CudaContext>, arch: &str, driver_version: i32) -> Result<Kernels> {
+        let mut key = Sha256::new();
+        key.update(program_source());
+        key.update(format!("{arch} nvrtc {:?} driver {driver_version}", nvrtc_version()));
+        let key: String = key.finalize().iter().take(12).map(|b| format!("{b:02x}")).collect();
+        let cache = crate::source::cache_dir()
+            .ok()
+            .map(|d| d.join("cuda").join(format!("kernels-{arch}-{key}.cubin")));
+        let cached = cache.as_ref().and_then(|p| std::fs::read(p).ok());
+        let compiled_now = cached.is_none();
+        let cubin = match cached {
+            Some(c) => c,
+            None => {
+                let cubin = compile(arch)?;
+                if let Some(path) = &cache {
+                    // Best effort, and atomic: a partial file is never read back.
+                    let tmp = path.with_extension(format!("tmp.{}", std::process::id()));
+                    let written = path.parent().is_some_and(|dir| std::fs::create_dir_all(dir).is_ok())
+                        && std::fs::write(&tmp, &cubin).is_ok();
+                    if written {
+                        let _ = std::fs::rename(&tmp, path);
+                    }
+                }
+                cubin
+            }
+        };
+        let module = ctx
+            .load_module(Ptx::from_binary(cubin))
+            .map_err(|e| Error::Backend(format!("loading the CUDA kernels: {e}")))?;
+        let mut functions = HashMap::new();
+        for &name in FUNCTIONS {
+            let f = module
+                .load_function(name)
+                .map_err(|e| Error::Backend(format!("kernel {name}: {e}")))?;
+            functions.insert(name, f);
+        }
+        Ok(Kernels {
+            _module: module,
+            functions,
+            compiled_now,
+        })
+    }
+
+    pub fn get(&self, name: &str) -> Result<&CudaFunction> {
+        self.functions
+            .get(name)
+            .ok_or_else(|| Error::Backend(format!("no kernel named {name}")))
+    }
+}

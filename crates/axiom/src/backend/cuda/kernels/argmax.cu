@@ -1,0 +1,23 @@
+// The index of the largest of n values (the lowest index on ties), for greedy decoding on the
+// device. One block of 1024 threads.
+extern "C" __global__ void argmax(const float* x, int n, u32* out) {
+    __shared__ float best_v[32];
+    __shared__ int best_i[32];
+    float v = __int_as_float(0xff800000u);
+    int idx = 0x7fffffff;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        if (x[i] > v) { v = x[i]; idx = i; }
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        float ov = __shfl_xor_sync(0xffffffffu, v, o);
+        int oi = __shfl_xor_sync(0xffffffffu, idx, o);
+        if (ov > v || (ov == v && oi < idx)) { v = ov; idx = oi; }
+    }
+    if (threadIdx.x % 32 == 0) { best_v[threadIdx.x / 32] = v; best_i[threadIdx.x / 32] = idx; }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < blockDim.x / 32; w++)
+            if (best_v[w] > v || (best_v[w] == v && best_i[w] < idx)) { v = best_v[w]; idx = best_i[w]; }
+        *out = (u32)idx;
+    }
+}

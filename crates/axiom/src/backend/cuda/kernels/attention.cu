@@ -1,0 +1,59 @@
+// Causal grouped-query attention over the f16 KV cache, one pass with an online softmax.
+// Grid: (tokens, heads); 4 warps per block take the positions 0..=positions[t] in turn, each
+// lane holding head dimensions lane, lane + 32, ...; the warps' partial results are merged at
+// the end. Query head h reads KV head h / (n_heads / n_kv_heads).
+#define ATTN_WARPS 4
+#define MAX_PER_LANE 8  // head_dim up to 256
+
+extern "C" __global__ void attention(const float* q, const u16* k_cache, const u16* v_cache, const u32* positions,
+                                     float* out, int n_heads, int n_kv_heads, int head_dim) {
+    int t = blockIdx.x, h = blockIdx.y;
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    int kv_width = n_kv_heads * head_dim;
+    int kv_off = (h / (n_heads / n_kv_heads)) * head_dim;
+    const float* qh = q + ((u64)t * n_heads + h) * head_dim;
+    float scale = rsqrtf((float)head_dim);
+    float qv[MAX_PER_LANE], acc[MAX_PER_LANE];
+    for (int k = 0; k < MAX_PER_LANE; k++) {
+        int d = lane + 32 * k;
+        qv[k] = d < head_dim ? qh[d] * scale : 0.0f;
+        acc[k] = 0.0f;
+    }
+    float m = __int_as_float(0xff800000u), l = 0.0f;
+    int n_ctx = positions[t] + 1;
+    for (int p = warp; p < n_ctx; p += ATTN_WARPS) {
+        const u16* kr = k_cache + (u64)p * kv_width + kv_off;
+        float s = 0.0f;
+        for (int k = 0; k < MAX_PER_LANE; k++) {
+            int d = lane + 32 * k;
+            if (d < head_dim) s += qv[k] * f16_to_f32(kr[d]);
+        }
+        s = warp_sum(s);
+        float m_new = fmaxf(m, s);
+        float correction = expf(m - m_new), e = expf(s - m_new);
+        l = l * correction + e;
+        const u16* vr = v_cache + (u64)p * kv_width + kv_off;
+        for (int k = 0; k < MAX_PER_LANE; k++) {
+            int d = lane + 32 * k;
+            acc[k] = acc[k] * correction + (d < head_dim ? e * f16_to_f32(vr[d]) : 0.0f);
+        }
+        m = m_new;
+    }
+    // Merge the warps: rescale each to the common maximum.
+    __shared__ float wm[ATTN_WARPS], wl[ATTN_WARPS];
+    __shared__ float wacc[ATTN_WARPS][MAX_PER_LANE * 32];
+    if (lane == 0) { wm[warp] = m; wl[warp] = l; }
+    for (int k = 0; k < MAX_PER_LANE; k++) wacc[warp][lane + 32 * k] = acc[k];
+    __syncthreads();
+    float* oh = out + ((u64)t * n_heads + h) * head_dim;
+    float gm = wm[0];
+    for (int w = 1; w < ATTN_WARPS; w++) gm = fmaxf(gm, wm[w]);
+    float total = 0.0f;
+    for (int w = 0; w < ATTN_WARPS; w++) total += wl[w] == 0.0f ? 0.0f : wl[w] * expf(wm[w] - gm);
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        float o = 0.0f;
+        for (int w = 0; w < ATTN_WARPS; w++)
+            if (wl[w] != 0.0f) o += wacc[w][d] * expf(wm[w] - gm);
+        oh[d] = o / total;
+    }
+}

@@ -1,0 +1,49 @@
+// Shared by every kernel: fixed-width types and conversions written without CUDA headers, so
+// NVRTC compiles these sources anywhere (the CI machine has NVRTC but no CUDA toolkit).
+typedef unsigned char u8;
+typedef signed char i8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+__device__ __forceinline__ float f16_to_f32(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ u16 f32_to_f16(float f) {
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+__device__ __forceinline__ float bf16_to_f32(u16 h) { return __uint_as_float(((u32)h) << 16); }
+
+__device__ __forceinline__ u16 f32_to_bf16(float f) {
+    u32 bits = __float_as_uint(f);
+    bits += 0x7fff + ((bits >> 16) & 1);  // round to nearest even
+    return (u16)(bits >> 16);
+}
+
+__device__ __forceinline__ u16 load_u16(const u8* p) { return (u16)p[0] | ((u16)p[1] << 8); }
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// GGUF type ids, as in format/quant.rs.
+#define TY_F32 0
+#define TY_F16 1
+#define TY_Q4_0 2
+#define TY_Q4_1 3
+#define TY_Q8_0 8
+#define TY_Q4_K 12
+#define TY_Q6_K 14
+#define TY_BF16 30

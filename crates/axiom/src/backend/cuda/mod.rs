@@ -1,0 +1,549 @@
+//! The CUDA backend: the seed's four layers on an NVIDIA GPU.
+//!
+//! [`device`] finds the GPU through the driver (loaded at run time); the context is one stream
+//! for everything, with CUDA graphs recorded from it for the decode step; the allocator is the
+//! shared [`Arena`] over one device allocation reserved at load; [`kernels`] holds every kernel,
+//! compiled once by NVRTC. Decode matmuls read the stored weight types directly; prefill matmuls
+//! go through cuBLAS (quantized weights dequantized to f16 first).
+
+pub mod device;
+pub mod kernels;
+
+use super::{Arena, AttentionShape, Backend, BlockHandle, HostTensor, KvType, Rope, RopeLayout};
+use crate::format::quant::GgmlType;
+use crate::{Error, Result};
+use cudarc::cublas::{result as cublas, sys as cublas_sys};
+use cudarc::driver::{sys, CudaGraph, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use device::{driver_error, CudaDevice};
+use kernels::Kernels;
+use std::cell::RefCell;
+use std::sync::Arc;
+
+const ALIGN: usize = 256;
+/// Tokens up to which a matmul uses the matrix-vector kernels rather than cuBLAS.
+const GEMV_MAX_TOKENS: usize = 8;
+
+/// A weight matrix in device memory, in its stored type.
+pub struct CudaWeight {
+    pub ty: GgmlType,
+    pub n_out: usize,
+    pub n_in: usize,
+    block: BlockHandle,
+}
+
+pub struct CudaBackend {
+    pub device: CudaDevice,
+    stream: Arc<CudaStream>,
+    kernels: Kernels,
+    blas: cublas_sys::cublasHandle_t,
+    memory: Option<CudaSlice<u8>>,
+    base: sys::CUdeviceptr,
+    arena: Arena,
+    /// f16 staging for cuBLAS: a dequantized weight, and the converted activations.
+    staging: Option<(BlockHandle, BlockHandle)>,
+    largest_weight: usize,
+    graphs: RefCell<Vec<CudaGraph>>,
+}
+
+impl CudaBackend {
+    pub fn new(ordinal: usize) -> Result<CudaBackend> {
+        let device = CudaDevice::new(ordinal)?;
+        let stream = device.ctx.default_stream();
+        let kernels = Kernels::load(&device.ctx, device.arch, device.driver_version)?;
+        // SAFETY: only probes for the shared library.
+        if !unsafe { cublas_sys::is_culib_present() } {
+            return Err(Error::Backend("cuBLAS (libcublas.so) is not installed".into()));
+        }
+        let blas = cublas::create_handle().map_err(|e| Error::Backend(format!("cuBLAS: {e:?}")))?;
+        // SAFETY: both handles are live; all work goes to this one stream.
+        unsafe { cublas::set_stream(blas, stream.cu_stream() as _) }
+            .map_err(|e| Error::Backend(format!("cuBLAS: {e:?}")))?;
+        Ok(CudaBackend {
+            device,
+            stream,
+            kernels,
+            blas,
+            memory: None,
+            base: 0,
+            arena: Arena::new(0),
+            staging: None,
+            largest_weight: 0,
+            graphs: RefCell::new(Vec::new()),
+        })
+    }
+
+    /// Whether the kernels were compiled by this process (a cold start) or read from the cache.
+    pub fn compiled_kernels_now(&self) -> bool {
+        self.kernels.compiled_now
+    }
+
+    fn ptr(&self, block: BlockHandle) -> u64 {
+        self.base + block.offset as u64
+    }
+
+    fn launch(&self, name: &str, grid: (u32, u32, u32), block: u32, args: &[&dyn KernelArg]) -> Result<()> {
+        let f = self.kernels.get(name)?;
+        let mut builder = self.stream.launch_builder(f);
+        for a in args {
+            a.push(&mut builder);
+        }
+        let cfg = LaunchConfig {
+            grid_dim: grid,
+            block_dim: (block, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: every kernel's argument list matches its `extern "C"` signature (see kernels/),
+        // pointers are arena blocks sized by the caller's checked shapes.
+        unsafe { builder.launch(cfg) }.map_err(driver_error(name))?;
+        Ok(())
+    }
+
+    fn type_suffix(ty: GgmlType) -> Result<&'static str> {
+        Ok(match ty {
+            GgmlType::F32 => "f32",
+            GgmlType::F16 => "f16",
+            GgmlType::BF16 => "bf16",
+            GgmlType::Q8_0 => "q8_0",
+            GgmlType::Q4_0 => "q4_0",
+            GgmlType::Q4_1 => "q4_1",
+            GgmlType::Q4K => "q4_k",
+            GgmlType::Q6K => "q6_k",
+            other => {
+                return Err(Error::UnsupportedTensorType {
+                    name: String::new(),
+                    ty: other.to_string(),
+                    op: "the CUDA backend",
+                })
+            }
+        })
+    }
+
+    fn gemm(&self, x: BlockHandle, w: &CudaWeight, out: BlockHandle, n_tokens: usize) -> Result<()> {
+        let (n_in, n_out) = (w.n_in, w.n_out);
+        let (w_stage, x_stage) = self
+            .staging
+            .ok_or_else(|| Error::Backend("no cuBLAS staging reserved".into()))?;
+        let f16 = cublas_sys::cudaDataType_t::CUDA_R_16F;
+        let (a, a_type, b, b_type) = match w.ty {
+            GgmlType::F32 => (
+                self.ptr(w.block),
+                cublas_sys::cudaDataType_t::CUDA_R_32F,
+                self.ptr(x),
+                cublas_sys::cudaDataType_t::CUDA_R_32F,
+            ),
+            GgmlType::F16 | GgmlType::BF16 => {
+                let kind = w.ty.id() as i32;
+                let n = (n_tokens * n_in) as u64;
+                self.launch(
+                    "convert_f32",
+                    (blocks_for(n as usize, 256), 1, 1),
+                    256,
+                    &[&self.ptr(x), &self.ptr(x_stage), &n, &kind],
+                )?;
+                let ty = if w.ty == GgmlType::F16 {
+                    f16
+                } else {
+                    cublas_sys::cudaDataType_t::CUDA_R_16BF
+                };
+                (self.ptr(w.block), ty, self.ptr(x_stage), ty)
+            }
+            _ => {
+                let name = format!("dequant_f16_{}", Self::type_suffix(w.ty)?);
+                let pieces = n_out * n_in / 32;
+                let row_bytes = w.ty.bytes_for(n_in).unwrap_or(0) as u64;
+                let (n_in_i, n_out_i) = (n_in as i32, n_out as i32);
+                self.launch(
+                    &name,
+                    (blocks_for(pieces, 256), 1, 1),
+                    256,
+                    &[&self.ptr(w.block), &self.ptr(w_stage), &n_in_i, &n_out_i, &row_bytes],
+                )?;
+                let n = (n_tokens * n_in) as u64;
+                let kind = GgmlType::F16.id() as i32;
+                self.launch(
+                    "convert_f32",
+                    (blocks_for(n as usize, 256), 1, 1),
+                    256,
+                    &[&self.ptr(x), &self.ptr(x_stage), &n, &kind],
+                )?;
+                (self.ptr(w_stage), f16, self.ptr(x_stage), f16)
+            }
+        };
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        // Row-major out[t][o] = sum_i x[t][i] w[o][i] is, column-major, C(n_out x n_tokens) =
+        // W^T(n_out x n_in) X(n_in x n_tokens), with W stored as a column-major n_in x n_out.
+        // SAFETY: pointers are arena blocks holding these shapes; the handle is bound to our stream.
+        unsafe {
+            cublas::gemm_ex(
+                self.blas,
+                cublas_sys::cublasOperation_t::CUBLAS_OP_T,
+                cublas_sys::cublasOperation_t::CUBLAS_OP_N,
+                n_out as i32,
+                n_tokens as i32,
+                n_in as i32,
+                &alpha as *const f32 as *const _,
+                a as *const _,
+                a_type,
+                n_in as i32,
+                b as *const _,
+                b_type,
+                n_in as i32,
+                &beta as *const f32 as *const _,
+                self.ptr(out) as *mut _,
+                cublas_sys::cudaDataType_t::CUDA_R_32F,
+                n_out as i32,
+                cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(|e| Error::Backend(format!("cuBLAS GEMM: {e:?}")))
+    }
+}
+
+impl Drop for CudaBackend {
+    fn drop(&mut self) {
+        // SAFETY: created in `new`, used by no one after this.
+        let _ = unsafe { cublas::destroy_handle(self.blas) };
+    }
+}
+
+fn blocks_for(n: usize, per_block: usize) -> u32 {
+    n.div_ceil(per_block).clamp(1, 65535 * 16) as u32
+}
+
+/// A kernel argument: device pointers travel as u64, sizes as i32 or u64, scalars as f32.
+trait KernelArg {
+    fn push<'a>(&'a self, builder: &mut cudarc::driver::LaunchArgs<'a>);
+}
+
+macro_rules! kernel_arg {
+    ($($t:ty),*) => {$(
+        impl KernelArg for $t {
+            fn push<'a>(&'a self, builder: &mut cudarc::driver::LaunchArgs<'a>) {
+                builder.arg(self);
+            }
+        }
+    )*};
+}
+kernel_arg!(u64, i32, u32, f32);
+
+impl Backend for CudaBackend {
+    type Weight = CudaWeight;
+
+    fn device_name(&self) -> String {
+        format!("CUDA {} ({})", self.device.name, self.device.arch)
+    }
+
+    fn kv_type(&self) -> KvType {
+        KvType::F16
+    }
+
+    fn reserve(&mut self, bytes: usize) -> Result<()> {
+        if self.memory.is_some() {
+            return Err(Error::Backend("the arena is already reserved".into()));
+        }
+        let free = self.device.free_memory()?;
+        if bytes > free {
+            return Err(Error::OutOfMemory(format!(
+                "the model needs {bytes} bytes of GPU memory, {free} are free"
+            )));
+        }
+        // SAFETY: plain allocation on our stream.
+        let memory = unsafe { self.stream.alloc::<u8>(bytes.max(ALIGN)) }.map_err(driver_error("allocation"))?;
+        let (ptr, _sync) = cudarc::driver::DevicePtr::device_ptr(&memory, &self.stream);
+        self.base = ptr;
+        drop(_sync);
+        self.memory = Some(memory);
+        self.arena = Arena::new(bytes);
+        Ok(())
+    }
+
+    fn alloc(&mut self, bytes: usize) -> Result<BlockHandle> {
+        if self.memory.is_none() {
+            return Err(Error::Backend("alloc before reserve".into()));
+        }
+        Ok(self.arena.alloc(bytes, ALIGN)?)
+    }
+
+    fn free(&mut self, block: BlockHandle) -> Result<()> {
+        Ok(self.arena.free(block)?)
+    }
+
+    fn upload_weight(&mut self, t: &HostTensor) -> Result<CudaWeight> {
+        let (n_in, n_out) = match *t.dims {
+            [n_in, n_out] => (n_in, n_out),
+            [n_in] => (n_in, 1),
+            _ => {
+                return Err(Error::Model(format!(
+                    "tensor {} has shape {:?}, expected a matrix",
+                    t.name, t.dims
+                )))
+            }
+        };
+        Self::type_suffix(t.ty).map_err(|_| Error::UnsupportedTensorType {
+            name: t.name.to_string(),
+            ty: t.ty.to_string(),
+            op: "the CUDA backend",
+        })?;
+        if !n_in.is_multiple_of(32) {
+            return Err(Error::Model(format!(
+                "tensor {}: rows of {n_in} are not a multiple of 32",
+                t.name
+            )));
+        }
+        let block = self.alloc(t.bytes.len())?;
+        // SAFETY: the block holds `t.bytes.len()` bytes.
+        unsafe { cudarc::driver::result::memcpy_htod_async(self.ptr(block), t.bytes, self.stream.cu_stream()) }
+            .map_err(driver_error("weight upload"))?;
+        self.largest_weight = self.largest_weight.max(n_in * n_out);
+        Ok(CudaWeight {
+            ty: t.ty,
+            n_out,
+            n_in,
+            block,
+        })
+    }
+
+    fn write_f32(&self, dst: BlockHandle, src: &[f32]) -> Result<()> {
+        assert!(std::mem::size_of_val(src) <= dst.len);
+        // SAFETY: bounds checked above; the copy completes before the call returns (pageable memory).
+        unsafe { cudarc::driver::result::memcpy_htod_async(self.ptr(dst), src, self.stream.cu_stream()) }
+            .map_err(driver_error("copy to device"))
+    }
+
+    fn write_u32(&self, dst: BlockHandle, src: &[u32]) -> Result<()> {
+        assert!(std::mem::size_of_val(src) <= dst.len);
+        // SAFETY: as write_f32.
+        unsafe { cudarc::driver::result::memcpy_htod_async(self.ptr(dst), src, self.stream.cu_stream()) }
+            .map_err(driver_error("copy to device"))
+    }
+
+    fn read_f32(&self, src: BlockHandle, dst: &mut [f32]) -> Result<()> {
+        assert!(std::mem::size_of_val(dst) <= src.len);
+        // SAFETY: bounds checked above; synchronized before returning.
+        unsafe { cudarc::driver::result::memcpy_dtoh_async(dst, self.ptr(src), self.stream.cu_stream()) }
+            .map_err(driver_error("copy to host"))?;
+        self.synchronize()
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        self.stream.synchronize().map_err(driver_error("synchronize"))
+    }
+
+    fn begin_capture(&self) -> Result<bool> {
+        self.stream
+            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(driver_error("graph capture"))?;
+        Ok(true)
+    }
+
+    fn end_capture(&self) -> Result<usize> {
+        let graph = self
+            .stream
+            .end_capture(sys::CUgraphInstantiate_flags(0))
+            .map_err(driver_error("graph capture"))?
+            .ok_or_else(|| Error::Backend("graph capture recorded nothing".into()))?;
+        let mut graphs = self.graphs.borrow_mut();
+        graphs.push(graph);
+        Ok(graphs.len() - 1)
+    }
+
+    fn replay(&self, graph: usize) -> Result<()> {
+        let graphs = self.graphs.borrow();
+        let g = graphs
+            .get(graph)
+            .ok_or_else(|| Error::Backend(format!("no graph {graph}")))?;
+        g.launch().map_err(driver_error("graph launch"))
+    }
+
+    fn embed(&self, table: &CudaWeight, ids: BlockHandle, out: BlockHandle, n_tokens: usize) -> Result<()> {
+        let name = format!("embed_{}", Self::type_suffix(table.ty)?);
+        let (dim, row_bytes) = (table.n_in as i32, table.ty.bytes_for(table.n_in).unwrap_or(0) as u64);
+        self.launch(
+            &name,
+            (n_tokens as u32, 1, 1),
+            128,
+            &[&self.ptr(table.block), &self.ptr(ids), &self.ptr(out), &dim, &row_bytes],
+        )
+    }
+
+    fn rms_norm(
+        &self,
+        x: BlockHandle,
+        weight: BlockHandle,
+        out: BlockHandle,
+        n_tokens: usize,
+        dim: usize,
+        eps: f32,
+    ) -> Result<()> {
+        let dim = dim as i32;
+        self.launch(
+            "rms_norm",
+            (n_tokens as u32, 1, 1),
+            256,
+            &[&self.ptr(x), &self.ptr(weight), &self.ptr(out), &dim, &eps],
+        )
+    }
+
+    fn matmul(&self, x: BlockHandle, w: &CudaWeight, out: BlockHandle, n_tokens: usize) -> Result<()> {
+        if n_tokens > GEMV_MAX_TOKENS {
+            return self.gemm(x, w, out, n_tokens);
+        }
+        let suffix = Self::type_suffix(w.ty)?;
+        let (n_in, n_out) = (w.n_in as i32, w.n_out as i32);
+        let row_bytes = w.ty.bytes_for(w.n_in).unwrap_or(0) as u64;
+        let mut done = 0;
+        while done < n_tokens {
+            let t = [8, 4, 2, 1].into_iter().find(|&t| t <= n_tokens - done).unwrap_or(1);
+            let (xs, outs) = (
+                x.slice(done * w.n_in * 4, t * w.n_in * 4),
+                out.slice(done * w.n_out * 4, t * w.n_out * 4),
+            );
+            let name = format!("gemv_{suffix}_{t}");
+            // Eight warps per block, one row each.
+            self.launch(
+                &name,
+                (w.n_out.div_ceil(8) as u32, 1, 1),
+                256,
+                &[
+                    &self.ptr(w.block),
+                    &self.ptr(xs),
+                    &self.ptr(outs),
+                    &n_in,
+                    &n_out,
+                    &row_bytes,
+                ],
+            )?;
+            done += t;
+        }
+        Ok(())
+    }
+
+    fn rope(
+        &self,
+        x: BlockHandle,
+        positions: BlockHandle,
+        n_tokens: usize,
+        n_heads: usize,
+        head_dim: usize,
+        rope: Rope,
+    ) -> Result<()> {
+        let (nh, hd, dims) = (n_heads as i32, head_dim as i32, rope.dims as i32);
+        let halves = i32::from(rope.layout == RopeLayout::Halves);
+        self.launch(
+            "rope",
+            (n_tokens as u32, n_heads as u32, 1),
+            64,
+            &[
+                &self.ptr(x),
+                &self.ptr(positions),
+                &nh,
+                &hd,
+                &dims,
+                &rope.theta,
+                &halves,
+            ],
+        )
+    }
+
+    fn kv_write(
+        &self,
+        k: BlockHandle,
+        v: BlockHandle,
+        k_cache: BlockHandle,
+        v_cache: BlockHandle,
+        positions: BlockHandle,
+        n_tokens: usize,
+        kv_width: usize,
+    ) -> Result<()> {
+        let width = kv_width as i32;
+        self.launch(
+            "kv_write",
+            (n_tokens as u32, 1, 1),
+            256,
+            &[
+                &self.ptr(k),
+                &self.ptr(v),
+                &self.ptr(k_cache),
+                &self.ptr(v_cache),
+                &self.ptr(positions),
+                &width,
+            ],
+        )
+    }
+
+    fn attention(
+        &self,
+        q: BlockHandle,
+        k_cache: BlockHandle,
+        v_cache: BlockHandle,
+        positions: BlockHandle,
+        out: BlockHandle,
+        n_tokens: usize,
+        shape: AttentionShape,
+    ) -> Result<()> {
+        if shape.head_dim > 256 {
+            return Err(Error::Backend(format!(
+                "head dimension {} is above the CUDA attention kernel's 256",
+                shape.head_dim
+            )));
+        }
+        let (nh, nkv, hd) = (shape.n_heads as i32, shape.n_kv_heads as i32, shape.head_dim as i32);
+        self.launch(
+            "attention",
+            (n_tokens as u32, shape.n_heads as u32, 1),
+            128,
+            &[
+                &self.ptr(q),
+                &self.ptr(k_cache),
+                &self.ptr(v_cache),
+                &self.ptr(positions),
+                &self.ptr(out),
+                &nh,
+                &nkv,
+                &hd,
+            ],
+        )
+    }
+
+    fn swiglu(&self, gate: BlockHandle, up: BlockHandle, out: BlockHandle, n: usize) -> Result<()> {
+        let n64 = n as u64;
+        self.launch(
+            "swiglu",
+            (blocks_for(n, 256).min(4096), 1, 1),
+            256,
+            &[&self.ptr(gate), &self.ptr(up), &self.ptr(out), &n64],
+        )
+    }
+
+    fn add(&self, x: BlockHandle, y: BlockHandle, n: usize) -> Result<()> {
+        let n64 = n as u64;
+        self.launch(
+            "add",
+            (blocks_for(n, 256).min(4096), 1, 1),
+            256,
+            &[&self.ptr(x), &self.ptr(y), &n64],
+        )
+    }
+
+    fn weight_bytes(&self, matrices: &[usize]) -> usize {
+        matrices.iter().map(|b| b.next_multiple_of(ALIGN)).sum()
+    }
+
+    fn prepare(&mut self, max_tokens: usize, max_n_in: usize) -> Result<()> {
+        if self.staging.is_none() && max_tokens > GEMV_MAX_TOKENS {
+            let w = self.alloc(self.largest_weight * 2)?;
+            let x = self.alloc(max_tokens * max_n_in * 2)?;
+            self.staging = Some((w, x));
+        }
+        Ok(())
+    }
+
+    fn staging_bytes(&self, largest_weight: usize, max_tokens: usize, max_n_in: usize) -> usize {
+        if max_tokens > GEMV_MAX_TOKENS {
+            largest_weight * 2 + max_tokens * max_n_in * 2 + 2 * ALIGN
+        } else {
+            0
+        }
+    }
+}

@@ -1,0 +1,293 @@
+//! The CUDA backend against the CPU reference, op by op at awkward sizes, and the whole model
+//! against Hugging Face transformers' outputs. These need an NVIDIA GPU and are left out of the
+//! default run; on a GPU machine:
+//!
+//!     cargo test --release --test cuda -- --ignored
+//!
+//! (`scripts/cuda_device_tests.sh` does that on the device machine.) Without a GPU they fail.
+
+mod common;
+
+use axiom::backend::cpu::CpuBackend;
+use axiom::backend::cuda::CudaBackend;
+use axiom::backend::{AttentionShape, Backend, BlockHandle, HostTensor, Rope, RopeLayout};
+use axiom::format::quant::GgmlType;
+use half::f16;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+fn randn(rng: &mut ChaCha8Rng, n: usize) -> Vec<f32> {
+    (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
+}
+
+fn pair() -> (CudaBackend, CpuBackend) {
+    let mut gpu = CudaBackend::new(0).expect("a CUDA GPU");
+    gpu.reserve(256 << 20).unwrap();
+    let mut cpu = CpuBackend::reference(4);
+    cpu.reserve(256 << 20).unwrap();
+    (gpu, cpu)
+}
+
+fn put<B: Backend>(b: &mut B, data: &[f32]) -> BlockHandle {
+    let h = b.alloc(data.len() * 4).unwrap();
+    b.write_f32(h, data).unwrap();
+    h
+}
+
+fn put_u32<B: Backend>(b: &mut B, data: &[u32]) -> BlockHandle {
+    let h = b.alloc(data.len() * 4).unwrap();
+    b.write_u32(h, data).unwrap();
+    h
+}
+
+/// An output block poisoned with NaN, so an element the kernel never writes fails the check.
+fn poisoned<B: Backend>(b: &mut B, n: usize) -> BlockHandle {
+    put(b, &vec![f32::NAN; n])
+}
+
+fn get<B: Backend>(b: &B, h: BlockHandle, n: usize) -> Vec<f32> {
+    let mut out = vec![0f32; n];
+    b.read_f32(h, &mut out).unwrap();
+    out
+}
+
+fn rel_l2(got: &[f32], want: &[f32]) -> f64 {
+    assert!(
+        got.iter().all(|v| v.is_finite()),
+        "non-finite output (an element was not written?)"
+    );
+    let err: f64 = got.iter().zip(want).map(|(g, w)| ((g - w) as f64).powi(2)).sum();
+    let norm: f64 = want.iter().map(|w| (*w as f64).powi(2)).sum();
+    (err / norm.max(1e-30)).sqrt()
+}
+
+fn random_weight(rng: &mut ChaCha8Rng, ty: GgmlType, n: usize) -> Vec<u8> {
+    if ty == GgmlType::F32 {
+        return randn(rng, n).iter().flat_map(|v| v.to_le_bytes()).collect();
+    }
+    let mut bytes: Vec<u8> = (0..n / ty.block_len() * ty.block_bytes())
+        .map(|_| rng.random())
+        .collect();
+    let fields: &[usize] = match ty {
+        GgmlType::F16 | GgmlType::BF16 | GgmlType::Q4_0 | GgmlType::Q8_0 => &[0],
+        GgmlType::Q4_1 | GgmlType::Q4K => &[0, 2],
+        GgmlType::Q6K => &[208],
+        _ => unreachable!(),
+    };
+    for block in bytes.chunks_exact_mut(ty.block_bytes()) {
+        for &off in fields {
+            let v = rng.random_range(-0.1f32..0.1);
+            let bits = if ty == GgmlType::BF16 {
+                half::bf16::from_f32(v).to_bits()
+            } else {
+                f16::from_f32(v).to_bits()
+            };
+            block[off..off + 2].copy_from_slice(&bits.to_le_bytes());
+        }
+    }
+    bytes
+}
+
+const TYPES: [GgmlType; 8] = [
+    GgmlType::F32,
+    GgmlType::F16,
+    GgmlType::BF16,
+    GgmlType::Q8_0,
+    GgmlType::Q4_0,
+    GgmlType::Q4_1,
+    GgmlType::Q4K,
+    GgmlType::Q6K,
+];
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: cargo test --release --test cuda -- --ignored"]
+fn matmul_every_type_and_token_count_matches_the_cpu_reference() {
+    let mut rng = ChaCha8Rng::seed_from_u64(1);
+    for ty in TYPES {
+        let n_in = if ty.block_len() == 256 { 512 } else { 96 };
+        let n_out = 37;
+        let bytes = random_weight(&mut rng, ty, n_in * n_out);
+        let (mut gpu, mut cpu) = pair();
+        let tensor = HostTensor {
+            name: "w",
+            ty,
+            dims: &[n_in, n_out],
+            bytes: &bytes,
+            region: None,
+        };
+        let (wg, wc) = (gpu.upload_weight(&tensor).unwrap(), cpu.upload_weight(&tensor).unwrap());
+        gpu.prepare(64, n_in).unwrap_or(());
+        for n_tokens in [1, 3, 5, 8, 35] {
+            let x = randn(&mut rng, n_tokens * n_in);
+            let (xg, og) = (put(&mut gpu, &x), poisoned(&mut gpu, n_tokens * n_out));
+            let (xc, oc) = (put(&mut cpu, &x), poisoned(&mut cpu, n_tokens * n_out));
+            gpu.matmul(xg, &wg, og, n_tokens).unwrap();
+            cpu.matmul(xc, &wc, oc, n_tokens).unwrap();
+            let err = rel_l2(&get(&gpu, og, n_tokens * n_out), &get(&cpu, oc, n_tokens * n_out));
+            // Decode kernels compute in f32; prefill goes through cuBLAS in f16 (f32 weights: f32).
+            let tol = if n_tokens > 8 && ty != GgmlType::F32 {
+                2e-3
+            } else {
+                1e-5
+            };
+            assert!(err < tol, "{ty} x {n_tokens} tokens: relative error {err}");
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: cargo test --release --test cuda -- --ignored"]
+fn embed_rms_norm_rope_swiglu_add_match_the_cpu_reference() {
+    let mut rng = ChaCha8Rng::seed_from_u64(2);
+    for ty in TYPES {
+        let (dim, vocab) = (256, 11);
+        let bytes = random_weight(&mut rng, ty, dim * vocab);
+        let (mut gpu, mut cpu) = pair();
+        let tensor = HostTensor {
+            name: "e",
+            ty,
+            dims: &[dim, vocab],
+            bytes: &bytes,
+            region: None,
+        };
+        let (tg, tc) = (gpu.upload_weight(&tensor).unwrap(), cpu.upload_weight(&tensor).unwrap());
+        let ids = [3u32, 0, 10, 3, 7];
+        let (ig, og) = (put_u32(&mut gpu, &ids), poisoned(&mut gpu, ids.len() * dim));
+        let (ic, oc) = (put_u32(&mut cpu, &ids), poisoned(&mut cpu, ids.len() * dim));
+        gpu.embed(&tg, ig, og, ids.len()).unwrap();
+        cpu.embed(&tc, ic, oc, ids.len()).unwrap();
+        assert_eq!(
+            get(&gpu, og, ids.len() * dim),
+            get(&cpu, oc, ids.len() * dim),
+            "embed {ty}"
+        );
+    }
+
+    let (mut gpu, mut cpu) = pair();
+    let (n, dim) = (7, 48);
+    let x = randn(&mut rng, n * dim);
+    let w = randn(&mut rng, dim);
+    let (xg, wg, og) = (put(&mut gpu, &x), put(&mut gpu, &w), poisoned(&mut gpu, n * dim));
+    let (xc, wc, oc) = (put(&mut cpu, &x), put(&mut cpu, &w), poisoned(&mut cpu, n * dim));
+    gpu.rms_norm(xg, wg, og, n, dim, 1e-5).unwrap();
+    cpu.rms_norm(xc, wc, oc, n, dim, 1e-5).unwrap();
+    assert!(
+        rel_l2(&get(&gpu, og, n * dim), &get(&cpu, oc, n * dim)) < 1e-6,
+        "rms_norm"
+    );
+
+    for layout in [RopeLayout::Adjacent, RopeLayout::Halves] {
+        let (heads, hd) = (9, 48);
+        let positions = [0u32, 1, 17, 34, 1000];
+        let x = randn(&mut rng, positions.len() * heads * hd);
+        let rope = Rope {
+            layout,
+            theta: 10000.0,
+            dims: hd,
+        };
+        let (xg, pg) = (put(&mut gpu, &x), put_u32(&mut gpu, &positions));
+        let (xc, pc) = (put(&mut cpu, &x), put_u32(&mut cpu, &positions));
+        gpu.rope(xg, pg, positions.len(), heads, hd, rope).unwrap();
+        cpu.rope(xc, pc, positions.len(), heads, hd, rope).unwrap();
+        assert!(
+            rel_l2(&get(&gpu, xg, x.len()), &get(&cpu, xc, x.len())) < 1e-6,
+            "rope {layout:?}"
+        );
+    }
+
+    let n = 1001;
+    let (a, b) = (randn(&mut rng, n), randn(&mut rng, n));
+    let (ag, bg, og) = (put(&mut gpu, &a), put(&mut gpu, &b), poisoned(&mut gpu, n));
+    let (ac, bc, oc) = (put(&mut cpu, &a), put(&mut cpu, &b), poisoned(&mut cpu, n));
+    gpu.swiglu(ag, bg, og, n).unwrap();
+    cpu.swiglu(ac, bc, oc, n).unwrap();
+    assert!(rel_l2(&get(&gpu, og, n), &get(&cpu, oc, n)) < 1e-6, "swiglu");
+    gpu.add(ag, bg, n).unwrap();
+    cpu.add(ac, bc, n).unwrap();
+    assert!(rel_l2(&get(&gpu, ag, n), &get(&cpu, ac, n)) < 1e-7, "add");
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: cargo test --release --test cuda -- --ignored"]
+fn kv_write_and_attention_match_the_cpu_reference_on_f16_values() {
+    let mut rng = ChaCha8Rng::seed_from_u64(3);
+    let shape = AttentionShape {
+        n_heads: 9,
+        n_kv_heads: 3,
+        head_dim: 48,
+    };
+    let (seq, kv_w) = (35, shape.kv_width());
+    // The GPU cache is f16: give the reference the same rounded K and V.
+    let round = |v: Vec<f32>| -> Vec<f32> { v.iter().map(|&x| f16::from_f32(x).to_f32()).collect() };
+    let k = round(randn(&mut rng, seq * kv_w));
+    let v = round(randn(&mut rng, seq * kv_w));
+    let all: Vec<u32> = (0..seq as u32).collect();
+    for positions in [all.clone(), vec![34], vec![0, 17, 3]] {
+        let n = positions.len();
+        let q = randn(&mut rng, n * shape.q_width());
+        let (mut gpu, mut cpu) = pair();
+        let (kg, vg) = (put(&mut gpu, &k), put(&mut gpu, &v));
+        let (kcg, vcg) = (gpu.alloc(seq * kv_w * 2).unwrap(), gpu.alloc(seq * kv_w * 2).unwrap());
+        let pa = put_u32(&mut gpu, &all);
+        gpu.kv_write(kg, vg, kcg, vcg, pa, seq, kv_w).unwrap();
+        let (qg, pg, og) = (
+            put(&mut gpu, &q),
+            put_u32(&mut gpu, &positions),
+            poisoned(&mut gpu, q.len()),
+        );
+        gpu.attention(qg, kcg, vcg, pg, og, n, shape).unwrap();
+
+        let (kc, vc) = (put(&mut cpu, &k), put(&mut cpu, &v));
+        let (qc, pc, oc) = (
+            put(&mut cpu, &q),
+            put_u32(&mut cpu, &positions),
+            poisoned(&mut cpu, q.len()),
+        );
+        cpu.attention(qc, kc, vc, pc, oc, n, shape).unwrap();
+        let err = rel_l2(&get(&gpu, og, q.len()), &get(&cpu, oc, q.len()));
+        assert!(err < 1e-5, "attention at {n} positions: relative error {err}");
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU and the default model in the cache: see scripts/cuda_device_tests.sh"]
+fn smollm2_on_cuda_matches_transformers() {
+    use axiom::chat::Message;
+    use axiom::engine::perplexity::perplexity;
+    use axiom::engine::Session;
+    use axiom::model::llama::LoadOptions;
+    let mut s = Session::load(
+        &common::smollm2(),
+        CudaBackend::new(0).unwrap(),
+        LoadOptions {
+            max_batch: 512,
+            kv_tokens: 512,
+        },
+    )
+    .unwrap();
+    let refs = common::read_json("hf_greedy.json");
+    for case in refs["cases"].as_array().unwrap() {
+        let text = case["text"].as_str().unwrap();
+        let prompt = match case["kind"].as_str().unwrap() {
+            "chat" => s.chat_prompt(&[Message::new("user", text)]).unwrap(),
+            _ => s.raw_prompt(text).unwrap(),
+        };
+        let mut kv = s.model.new_kv_cache(512).unwrap();
+        let logits = s.model.forward_last(&prompt, &mut kv).unwrap().to_vec();
+        s.model.free_kv_cache(kv).unwrap();
+        let first = axiom::engine::sampler::argmax(&logits);
+        assert_eq!(
+            first as u64,
+            case["greedy64_ids"][0].as_u64().unwrap(),
+            "{}: first token",
+            case["name"]
+        );
+    }
+    let text = std::fs::read_to_string(common::refs("apache-2.0.txt")).unwrap();
+    let tokens = s.tokenizer.encode(&text, false, false).unwrap();
+    let ppl = perplexity(&mut s.model, &tokens, 512, None, |_, _, _| {})
+        .unwrap()
+        .perplexity;
+    println!("SmolLM2 perplexity on CUDA: {ppl:.4}");
+    assert!((ppl / 15.9167 - 1.0).abs() < 0.01, "perplexity {ppl}");
+}

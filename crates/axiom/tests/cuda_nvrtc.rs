@@ -1,0 +1,17 @@
+//! Every CUDA kernel compiles with NVRTC. Needs only libnvrtc (the `nvidia-cuda-nvrtc` PyPI
+//! package; `scripts/test.sh` puts it on the library path), not a GPU, so it runs in CI.
+
+#[test]
+fn nvrtc_compiles_every_kernel_for_hopper_and_ampere() {
+    for arch in ["sm_90", "sm_80"] {
+        let cubin = axiom::backend::cuda::kernels::compile(arch).unwrap_or_else(|e| panic!("{arch}: {e}"));
+        // An ELF image with our kernels in it.
+        assert_eq!(&cubin[..4], b"\x7fELF", "{arch}");
+        for name in ["gemv_q4_k_8", "attention", "embed_q6_k", "dequant_f16_q8_0", "argmax"] {
+            assert!(
+                cubin.windows(name.len()).any(|w| w == name.as_bytes()),
+                "{arch}: no {name}"
+            );
+        }
+    }
+}
