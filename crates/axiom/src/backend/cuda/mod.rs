@@ -48,7 +48,8 @@ pub struct CudaBackend {
 impl CudaBackend {
     pub fn new(ordinal: usize) -> Result<CudaBackend> {
         let device = CudaDevice::new(ordinal)?;
-        let stream = device.ctx.default_stream();
+        // A stream of our own: the legacy default stream cannot be captured into graphs.
+        let stream = device.ctx.new_stream().map_err(driver_error("stream"))?;
         let kernels = Kernels::load(&device.ctx, device.arch, device.driver_version)?;
         // SAFETY: only probes for the shared library.
         if !unsafe { cublas_sys::is_culib_present() } {

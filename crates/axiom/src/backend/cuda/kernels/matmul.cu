@@ -29,33 +29,58 @@ __device__ void gemv(const u8* w, const float* x, float* out, int n_in, int n_ou
     }
 }
 
-// Float weights: lane-interleaved 16-byte loads, so each warp load is 512 contiguous bytes.
+// Float weights: lane-interleaved 16-byte loads, so each warp load is 512 contiguous bytes, with
+// UNROLL loads in flight per lane before the first is used; activations read as float4.
+template <int TY>
+__device__ __forceinline__ void widen(uint4 raw, float* y) {
+    u32 words[4] = {raw.x, raw.y, raw.z, raw.w};
+    if (TY == TY_F32) {
+        for (int k = 0; k < 4; k++) y[k] = __uint_as_float(words[k]);
+    } else {
+        for (int k = 0; k < 4; k++) {
+            y[2 * k] = TY == TY_BF16 ? __uint_as_float(words[k] << 16) : f16_to_f32((u16)(words[k] & 0xffff));
+            y[2 * k + 1] = TY == TY_BF16 ? __uint_as_float(words[k] & 0xffff0000u) : f16_to_f32((u16)(words[k] >> 16));
+        }
+    }
+}
+
 template <int TY, int T>
 __device__ void gemv_float(const u8* w, const float* x, float* out, int n_in, int n_out, u64 row_bytes) {
+    constexpr int PER = TY == TY_F32 ? 4 : 8;  // values per 16-byte load
+    constexpr int UNROLL = 4;
     int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     int lane = threadIdx.x % 32;
     if (row >= n_out) return;
-    const u8* wrow = w + (u64)row * row_bytes;
+    const uint4* wrow = (const uint4*)(w + (u64)row * row_bytes);
+    int n_loads = n_in / PER;
     float acc[T];
     for (int t = 0; t < T; t++) acc[t] = 0.0f;
-    constexpr int PER = TY == TY_F32 ? 4 : 8;  // values per 16-byte load
-    for (int i = lane * PER; i < n_in; i += 32 * PER) {
-        uint4 raw = *(const uint4*)(wrow + (u64)i * (TY == TY_F32 ? 4 : 2));
-        float y[8];
-        u32 words[4] = {raw.x, raw.y, raw.z, raw.w};
-        if (TY == TY_F32) {
-            for (int k = 0; k < 4; k++) y[k] = __uint_as_float(words[k]);
-        } else {
-            for (int k = 0; k < 4; k++) {
-                y[2 * k] = TY == TY_BF16 ? __uint_as_float(words[k] << 16) : f16_to_f32((u16)(words[k] & 0xffff));
-                y[2 * k + 1] = TY == TY_BF16 ? __uint_as_float(words[k] & 0xffff0000u) : f16_to_f32((u16)(words[k] >> 16));
+    int i = lane;
+    for (; i + 32 * (UNROLL - 1) < n_loads; i += 32 * UNROLL) {
+        uint4 raw[UNROLL];
+        for (int u = 0; u < UNROLL; u++) raw[u] = __ldg(wrow + i + 32 * u);
+        for (int u = 0; u < UNROLL; u++) {
+            float y[8];
+            widen<TY>(raw[u], y);
+            int at = (i + 32 * u) * PER;
+            for (int t = 0; t < T; t++) {
+                const float4* xt = (const float4*)(x + (u64)t * n_in + at);
+                for (int k = 0; k < PER / 4; k++) {
+                    float4 v = __ldg(xt + k);
+                    acc[t] += y[4 * k] * v.x + y[4 * k + 1] * v.y + y[4 * k + 2] * v.z + y[4 * k + 3] * v.w;
+                }
             }
         }
+    }
+    for (; i < n_loads; i += 32) {
+        float y[8];
+        widen<TY>(__ldg(wrow + i), y);
         for (int t = 0; t < T; t++) {
-            const float* xt = x + (u64)t * n_in + i;
-            float s = 0.0f;
-            for (int k = 0; k < PER; k++) s += y[k] * xt[k];
-            acc[t] += s;
+            const float4* xt = (const float4*)(x + (u64)t * n_in + i * PER);
+            for (int k = 0; k < PER / 4; k++) {
+                float4 v = __ldg(xt + k);
+                acc[t] += y[4 * k] * v.x + y[4 * k + 1] * v.y + y[4 * k + 2] * v.z + y[4 * k + 3] * v.w;
+            }
         }
     }
     for (int t = 0; t < T; t++) {

@@ -1,0 +1,203 @@
+#!/usr/bin/env python3
+"""axiom on CUDA with a Llama-3-8B-shaped model of random weights, against the device's copy
+roofline and Hugging Face transformers, measured in the same run.
+
+Writes GGUF files (hidden 4096, 32 layers, 32 heads over 8 KV heads, FFN 14336, vocab 128256,
+untied output) of random weights in bf16, Q8_0 and Q4_K (random blocks with sane scales move
+the same bytes and do the same arithmetic as real ones), runs `axiom bench --backend cuda` on
+each, and reports decode tok/s against bytes-per-token / copy-bandwidth. Needs torch (and
+transformers for --hf) and an axiom binary built with the CUDA backend.
+
+    python3 scripts/bench_cuda_8b.py --axiom target/release/axiom [--types bf16,q8_0,q4_k] [--hf] [--dir /tmp]
+"""
+import argparse
+import json
+import os
+import struct
+import subprocess
+import time
+
+import numpy as np
+import torch
+
+HIDDEN, LAYERS, HEADS, KV_HEADS, FFN, VOCAB = 4096, 32, 32, 8, 14336, 128256
+TYPES = {"bf16": (30, 1, 2), "q8_0": (8, 32, 34), "q4_k": (12, 256, 144)}  # id, block elems, block bytes
+
+
+def kv_string(key, value):
+    k = key.encode()
+    v = value.encode()
+    return struct.pack("<Q", len(k)) + k + struct.pack("<IQ", 8, len(v)) + v
+
+
+def kv_u32(key, value):
+    k = key.encode()
+    return struct.pack("<Q", len(k)) + k + struct.pack("<II", 4, value)
+
+
+def kv_f32(key, value):
+    k = key.encode()
+    return struct.pack("<Q", len(k)) + k + struct.pack("<If", 6, value)
+
+
+def kv_strings(key, values):
+    k = key.encode()
+    out = [struct.pack("<Q", len(k)) + k + struct.pack("<IIQ", 9, 8, len(values))]
+    for v in values:
+        b = v.encode()
+        out.append(struct.pack("<Q", len(b)) + b)
+    return b"".join(out)
+
+
+def tensors(ty):
+    """(name, dims in GGUF order, type name) of every tensor."""
+    out = [("token_embd.weight", (HIDDEN, VOCAB), ty), ("output_norm.weight", (HIDDEN,), "f32"),
+           ("output.weight", (HIDDEN, VOCAB), ty)]
+    for i in range(LAYERS):
+        p = f"blk.{i}."
+        out += [(p + "attn_norm.weight", (HIDDEN,), "f32"), (p + "ffn_norm.weight", (HIDDEN,), "f32"),
+                (p + "attn_q.weight", (HIDDEN, HIDDEN), ty), (p + "attn_k.weight", (HIDDEN, 1024), ty),
+                (p + "attn_v.weight", (HIDDEN, 1024), ty), (p + "attn_output.weight", (HIDDEN, HIDDEN), ty),
+                (p + "ffn_gate.weight", (HIDDEN, FFN), ty), (p + "ffn_up.weight", (HIDDEN, FFN), ty),
+                (p + "ffn_down.weight", (FFN, HIDDEN), ty)]
+    return out
+
+
+def nbytes(dims, ty):
+    n = int(np.prod(dims))
+    if ty == "f32":
+        return 4 * n
+    _, elems, size = TYPES[ty]
+    return n // elems * size
+
+
+def random_bytes(dims, ty, gen):
+    """Random weights of the type, built on the GPU (fast) and brought back as bytes."""
+    n = int(np.prod(dims))
+    if ty == "f32":
+        return torch.ones(n, dtype=torch.float32).numpy().tobytes()
+    if ty == "bf16":
+        w = torch.randn(n, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.02
+        return w.view(torch.int16).cpu().numpy().tobytes()
+    _, elems, size = TYPES[ty]
+    blocks = torch.randint(0, 256, (n // elems, size), device="cuda", dtype=torch.uint8, generator=gen)
+    scale = (torch.rand(n // elems, device="cuda", generator=gen) * 0.002 + 0.0005).half().view(torch.uint8).view(-1, 2)
+    if ty == "q8_0":
+        blocks[:, 0:2] = scale
+    else:  # q4_k: d and dmin
+        blocks[:, 0:2] = scale
+        blocks[:, 2:4] = scale
+    return blocks.cpu().numpy().tobytes()
+
+
+def write_gguf(path, ty):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    meta = [kv_string("general.architecture", "llama"), kv_string("general.name", f"llama3-8b-shaped-random-{ty}"),
+            kv_u32("llama.block_count", LAYERS), kv_u32("llama.context_length", 8192),
+            kv_u32("llama.embedding_length", HIDDEN), kv_u32("llama.feed_forward_length", FFN),
+            kv_u32("llama.attention.head_count", HEADS), kv_u32("llama.attention.head_count_kv", KV_HEADS),
+            kv_f32("llama.rope.freq_base", 500000.0), kv_f32("llama.attention.layer_norm_rms_epsilon", 1e-5),
+            kv_u32("llama.vocab_size", VOCAB), kv_string("tokenizer.ggml.model", "gpt2"),
+            kv_string("tokenizer.ggml.pre", "default"), kv_strings("tokenizer.ggml.tokens", [f"t{i}" for i in range(VOCAB)]),
+            kv_strings("tokenizer.ggml.merges", []), kv_u32("tokenizer.ggml.eos_token_id", 0)]
+    infos, offset = [], 0
+    for name, dims, t in tensors(ty):
+        tid = 0 if t == "f32" else TYPES[t][0]
+        b = name.encode()
+        infos.append(struct.pack("<Q", len(b)) + b + struct.pack("<I", len(dims)) + struct.pack(f"<{len(dims)}Q", *dims)
+                     + struct.pack("<IQ", tid, offset))
+        offset += (nbytes(dims, t) + 31) // 32 * 32
+    with open(path, "wb") as f:
+        f.write(b"GGUF" + struct.pack("<IQQ", 3, len(infos), len(meta)))
+        f.write(b"".join(meta) + b"".join(infos))
+        f.write(b"\0" * ((32 - f.tell() % 32) % 32))
+        for name, dims, t in tensors(ty):
+            data = random_bytes(dims, t, gen)
+            f.write(data + b"\0" * ((32 - len(data) % 32) % 32))
+    weight_bytes = sum(nbytes(d, t) for n, d, t in tensors(ty) if len(d) == 2 and n != "token_embd.weight")
+    return weight_bytes
+
+
+def copy_bandwidth():
+    x = torch.empty(4 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(10):
+        start.record()
+        y.copy_(x)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del x, y
+    torch.cuda.empty_cache()
+    return 2 * (4 << 30) / sorted(times)[len(times) // 2]
+
+
+def hf_transformers():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                      num_key_value_heads=KV_HEADS, vocab_size=VOCAB, max_position_embeddings=8192, rope_theta=500000.0,
+                      tie_word_embeddings=False)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    out = {}
+    with torch.no_grad():
+        ids = torch.randint(0, VOCAB, (1, 2048), device="cuda")
+        for n in (512, 2048):
+            model(ids[:, :n])
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            model(ids[:, :n])
+            torch.cuda.synchronize()
+            out[f"pp{n}"] = n / (time.perf_counter() - t)
+        model.generate(ids[:, :8], max_new_tokens=8, min_new_tokens=8, do_sample=False)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        model.generate(ids[:, :8], max_new_tokens=128, min_new_tokens=128, do_sample=False)
+        torch.cuda.synchronize()
+        out["tg128"] = 128 / (time.perf_counter() - t)
+    del model
+    torch.cuda.empty_cache()
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--axiom", required=True)
+    ap.add_argument("--types", default="bf16,q8_0,q4_k")
+    ap.add_argument("--dir", default="/tmp")
+    ap.add_argument("--hf", action="store_true")
+    ap.add_argument("--prompt", default="512,2048")
+    args = ap.parse_args()
+    bandwidth = copy_bandwidth()
+    print(f"device-to-device copy: {bandwidth / 1e12:.2f} TB/s (read + write)", flush=True)
+    rows = []
+    for ty in args.types.split(","):
+        path = os.path.join(args.dir, f"llama3-8b-random-{ty}.gguf")
+        t = time.time()
+        weight_bytes = write_gguf(path, ty)
+        print(f"{ty}: wrote {os.path.getsize(path) / 1e9:.2f} GB in {time.time() - t:.0f} s", flush=True)
+        out = subprocess.run([args.axiom, "bench", "--backend", "cuda", "-m", path, "-p", args.prompt, "-n", "128", "-r", "3",
+                              "--json"], capture_output=True, text=True)
+        if out.returncode != 0:
+            print(out.stderr)
+            continue
+        roofline = bandwidth / weight_bytes
+        for line in out.stdout.splitlines():
+            r = json.loads(line)
+            extra = f"  {100 * r['avg_ts'] / roofline:.0f}% of the {roofline:.0f} tok/s roofline" if r["test"].startswith("tg") else ""
+            rows.append(f"{ty:5} {r['test']:7} {r['avg_ts']:9.1f} tok/s{extra}")
+            print(rows[-1], flush=True)
+        os.remove(path)
+    if args.hf:
+        for test, rate in hf_transformers().items():
+            rows.append(f"HF transformers bf16 {test}: {rate:.1f} tok/s")
+            print(rows[-1], flush=True)
+    print("\n".join(["", "summary:"] + rows))
+
+
+if __name__ == "__main__":
+    main()
