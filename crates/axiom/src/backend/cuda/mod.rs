@@ -23,12 +23,56 @@ const ALIGN: usize = 256;
 /// Tokens up to which a matmul uses the matrix-vector kernels rather than cuBLAS.
 const GEMV_MAX_TOKENS: usize = 8;
 
-/// A weight matrix in device memory, in its stored type.
+/// A weight matrix in device memory, in its stored type, split by field (see `split_weight`):
+/// quants in `q`, per-block scales or K-quant metadata in `s`, minimums or Q6_K high bits in `m`.
 pub struct CudaWeight {
     pub ty: GgmlType,
     pub n_out: usize,
     pub n_in: usize,
-    block: BlockHandle,
+    q: BlockHandle,
+    s: Option<BlockHandle>,
+    m: Option<BlockHandle>,
+}
+
+/// A weight's fields in the split layout the kernels read (kernels/dequant.cuh): every row's
+/// quants contiguous, so a lane loads 16 or 32 aligned bytes at once, and the small per-block
+/// fields in side arrays. Float weights stay as they are.
+struct SplitWeight {
+    q: Vec<u8>,
+    s: Vec<u8>,
+    m: Vec<u8>,
+}
+
+fn split_weight(ty: GgmlType, bytes: &[u8]) -> SplitWeight {
+    let (mut q, mut s, mut m) = (Vec::with_capacity(bytes.len()), Vec::new(), Vec::new());
+    let blocks = bytes.chunks_exact(ty.block_bytes());
+    match ty {
+        GgmlType::Q8_0 => blocks.for_each(|b| {
+            s.extend_from_slice(&b[0..2]);
+            q.extend_from_slice(&b[2..34]);
+        }),
+        GgmlType::Q4_0 => blocks.for_each(|b| {
+            s.extend_from_slice(&b[0..2]);
+            q.extend_from_slice(&b[2..18]);
+        }),
+        GgmlType::Q4_1 => blocks.for_each(|b| {
+            s.extend_from_slice(&b[0..2]);
+            m.extend_from_slice(&b[2..4]);
+            q.extend_from_slice(&b[4..20]);
+        }),
+        GgmlType::Q4K => blocks.for_each(|b| {
+            s.extend_from_slice(&b[0..16]);
+            q.extend_from_slice(&b[16..144]);
+        }),
+        GgmlType::Q6K => blocks.for_each(|b| {
+            q.extend_from_slice(&b[0..128]);
+            m.extend_from_slice(&b[128..192]);
+            s.extend_from_slice(&b[192..210]);
+            s.extend_from_slice(&[0, 0]);
+        }),
+        _ => q.extend_from_slice(bytes),
+    }
+    SplitWeight { q, s, m }
 }
 
 pub struct CudaBackend {
@@ -82,6 +126,12 @@ impl CudaBackend {
         self.base + block.offset as u64
     }
 
+    /// Device pointers of a weight's three fields (0 for a field it does not have).
+    fn weight_ptrs(&self, w: &CudaWeight) -> (u64, u64, u64) {
+        let field = |b: Option<BlockHandle>| b.map_or(0, |b| self.ptr(b));
+        (self.ptr(w.q), field(w.s), field(w.m))
+    }
+
     fn launch(&self, name: &str, grid: (u32, u32, u32), block: u32, args: &[&dyn KernelArg]) -> Result<()> {
         let f = self.kernels.get(name)?;
         let mut builder = self.stream.launch_builder(f);
@@ -127,7 +177,7 @@ impl CudaBackend {
         let f16 = cublas_sys::cudaDataType_t::CUDA_R_16F;
         let (a, a_type, b, b_type) = match w.ty {
             GgmlType::F32 => (
-                self.ptr(w.block),
+                self.ptr(w.q),
                 cublas_sys::cudaDataType_t::CUDA_R_32F,
                 self.ptr(x),
                 cublas_sys::cudaDataType_t::CUDA_R_32F,
@@ -146,18 +196,18 @@ impl CudaBackend {
                 } else {
                     cublas_sys::cudaDataType_t::CUDA_R_16BF
                 };
-                (self.ptr(w.block), ty, self.ptr(x_stage), ty)
+                (self.ptr(w.q), ty, self.ptr(x_stage), ty)
             }
             _ => {
                 let name = format!("dequant_f16_{}", Self::type_suffix(w.ty)?);
-                let pieces = n_out * n_in / 32;
-                let row_bytes = w.ty.bytes_for(n_in).unwrap_or(0) as u64;
+                let chunks = n_out * n_in / 32;
+                let (q, s, m) = self.weight_ptrs(w);
                 let (n_in_i, n_out_i) = (n_in as i32, n_out as i32);
                 self.launch(
                     &name,
-                    (blocks_for(pieces, 256), 1, 1),
+                    (blocks_for(chunks, 256), 1, 1),
                     256,
-                    &[&self.ptr(w.block), &self.ptr(w_stage), &n_in_i, &n_out_i, &row_bytes],
+                    &[&q, &s, &m, &n_in_i, &self.ptr(w_stage), &n_out_i],
                 )?;
                 let n = (n_tokens * n_in) as u64;
                 let kind = GgmlType::F16.id() as i32;
@@ -292,16 +342,29 @@ impl Backend for CudaBackend {
                 t.name
             )));
         }
-        let block = self.alloc(t.bytes.len())?;
-        // SAFETY: the block holds `t.bytes.len()` bytes.
-        unsafe { cudarc::driver::result::memcpy_htod_async(self.ptr(block), t.bytes, self.stream.cu_stream()) }
-            .map_err(driver_error("weight upload"))?;
+        let split = split_weight(t.ty, t.bytes);
+        let mut upload = |data: &[u8]| -> Result<Option<BlockHandle>> {
+            if data.is_empty() {
+                return Ok(None);
+            }
+            let block = self.alloc(data.len())?;
+            let dst = self.base + block.offset as u64;
+            // SAFETY: the block holds `data.len()` bytes; the copy from pageable host memory
+            // completes before the call returns.
+            unsafe { cudarc::driver::result::memcpy_htod_async(dst, data, self.stream.cu_stream()) }
+                .map_err(driver_error("weight upload"))?;
+            Ok(Some(block))
+        };
+        let q = upload(&split.q)?.ok_or_else(|| Error::Model(format!("tensor {} is empty", t.name)))?;
+        let (s, m) = (upload(&split.s)?, upload(&split.m)?);
         self.largest_weight = self.largest_weight.max(n_in * n_out);
         Ok(CudaWeight {
             ty: t.ty,
             n_out,
             n_in,
-            block,
+            q,
+            s,
+            m,
         })
     }
 
@@ -359,12 +422,13 @@ impl Backend for CudaBackend {
 
     fn embed(&self, table: &CudaWeight, ids: BlockHandle, out: BlockHandle, n_tokens: usize) -> Result<()> {
         let name = format!("embed_{}", Self::type_suffix(table.ty)?);
-        let (dim, row_bytes) = (table.n_in as i32, table.ty.bytes_for(table.n_in).unwrap_or(0) as u64);
+        let (q, s, m) = self.weight_ptrs(table);
+        let dim = table.n_in as i32;
         self.launch(
             &name,
             (n_tokens as u32, 1, 1),
             128,
-            &[&self.ptr(table.block), &self.ptr(ids), &self.ptr(out), &dim, &row_bytes],
+            &[&q, &s, &m, &dim, &self.ptr(ids), &self.ptr(out)],
         )
     }
 
@@ -392,7 +456,7 @@ impl Backend for CudaBackend {
         }
         let suffix = Self::type_suffix(w.ty)?;
         let (n_in, n_out) = (w.n_in as i32, w.n_out as i32);
-        let row_bytes = w.ty.bytes_for(w.n_in).unwrap_or(0) as u64;
+        let (q, s, m) = self.weight_ptrs(w);
         let mut done = 0;
         while done < n_tokens {
             let t = [8, 4, 2, 1].into_iter().find(|&t| t <= n_tokens - done).unwrap_or(1);
@@ -406,14 +470,7 @@ impl Backend for CudaBackend {
                 &name,
                 (w.n_out.div_ceil(8) as u32, 1, 1),
                 256,
-                &[
-                    &self.ptr(w.block),
-                    &self.ptr(xs),
-                    &self.ptr(outs),
-                    &n_in,
-                    &n_out,
-                    &row_bytes,
-                ],
+                &[&q, &s, &m, &n_in, &self.ptr(xs), &self.ptr(outs), &n_out],
             )?;
             done += t;
         }
@@ -528,7 +585,8 @@ impl Backend for CudaBackend {
     }
 
     fn weight_bytes(&self, matrices: &[usize]) -> usize {
-        matrices.iter().map(|b| b.next_multiple_of(ALIGN)).sum()
+        // Up to three fields per matrix, each aligned; Q6_K's metadata grows by 2 bytes a block.
+        matrices.iter().map(|b| b + b / 100 + 3 * ALIGN).sum()
     }
 
     fn prepare(&mut self, max_tokens: usize, max_n_in: usize) -> Result<()> {

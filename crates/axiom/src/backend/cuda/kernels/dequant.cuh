@@ -1,39 +1,25 @@
-// Reference-exact dequantization of one quantization block into 32 floats (K-quants: one
-// 32-value sub-block of a 256-value super-block). Layouts as in format/quant.rs.
+// Quantized weights on the GPU are stored split by field, so that every load is wide, aligned and
+// coalesced (see `SplitWeight` in cuda/mod.rs): the quants of a row are contiguous (`q`), and the
+// per-block scales, minimums or packed K-quant metadata sit in side arrays (`s`, `m`). A row of
+// n values is decoded as n/32 chunks; chunk c yields 32 values in two runs of 16, starting at
+// `at0` and `at1` within the row. Values are exactly the reference dequantization's.
 
-template <int TY> struct Block;
-
-template <> struct Block<TY_Q8_0> {
-    static constexpr int ELEMS = 32, BYTES = 34, SUB = 1;
-    __device__ static void load(const u8* b, int, float* y) {
-        float d = f16_to_f32(load_u16(b));
-        for (int j = 0; j < 32; j++) y[j] = d * (float)(i8)b[2 + j];
-    }
+struct Weight {
+    const u8* q;  // quants, row-major
+    const u8* s;  // per-block scales (f16), or K-quant metadata
+    const u8* m;  // per-block minimums (f16, Q4_1), or Q6_K's high bits
+    int n_in;
 };
 
-template <> struct Block<TY_Q4_0> {
-    static constexpr int ELEMS = 32, BYTES = 18, SUB = 1;
-    __device__ static void load(const u8* b, int, float* y) {
-        float d = f16_to_f32(load_u16(b));
-        for (int j = 0; j < 16; j++) {
-            u8 q = b[2 + j];
-            y[j] = d * (float)((int)(q & 15) - 8);
-            y[j + 16] = d * (float)((int)(q >> 4) - 8);
+__device__ __forceinline__ void nibbles(uint4 raw, float d, float offset, float* y) {
+    u32 w[4] = {raw.x, raw.y, raw.z, raw.w};
+    for (int k = 0; k < 4; k++)
+        for (int b = 0; b < 4; b++) {
+            u32 byte = (w[k] >> (8 * b)) & 0xff;
+            y[4 * k + b] = d * (float)(byte & 15) + offset;
+            y[16 + 4 * k + b] = d * (float)(byte >> 4) + offset;
         }
-    }
-};
-
-template <> struct Block<TY_Q4_1> {
-    static constexpr int ELEMS = 32, BYTES = 20, SUB = 1;
-    __device__ static void load(const u8* b, int, float* y) {
-        float d = f16_to_f32(load_u16(b)), m = f16_to_f32(load_u16(b + 2));
-        for (int j = 0; j < 16; j++) {
-            u8 q = b[4 + j];
-            y[j] = d * (float)(q & 15) + m;
-            y[j + 16] = d * (float)(q >> 4) + m;
-        }
-    }
-};
+}
 
 __device__ __forceinline__ void scale_min_k4(int j, const u8* q, int* sc, int* m) {
     if (j < 4) {
@@ -45,86 +31,106 @@ __device__ __forceinline__ void scale_min_k4(int j, const u8* q, int* sc, int* m
     }
 }
 
-template <> struct Block<TY_Q4_K> {
-    static constexpr int ELEMS = 256, BYTES = 144, SUB = 8;
-    // Sub-block s (0..8) of 32 values.
-    __device__ static void load(const u8* b, int s, float* y) {
-        float d = f16_to_f32(load_u16(b)), dmin = f16_to_f32(load_u16(b + 2));
-        int sc, m;
-        scale_min_k4(s, b + 4, &sc, &m);
-        const u8* q = b + 16 + (s / 2) * 32;
-        int shift = 4 * (s % 2);
-        float dl = d * sc, ml = dmin * m;
-        for (int l = 0; l < 32; l++) y[l] = dl * (float)((q[l] >> shift) & 15) - ml;
-    }
-};
+template <int TY> __device__ __forceinline__ void chunk(const Weight& w, u64 row, int c, float* y, int* at0, int* at1);
 
-template <> struct Block<TY_Q6_K> {
-    static constexpr int ELEMS = 256, BYTES = 210, SUB = 8;
-    // Sub-block s covers values 32s .. 32s+31: half s/4, quarter (s%4) of it.
-    __device__ static void load(const u8* b, int s, float* y) {
-        float d = f16_to_f32(load_u16(b + 208));
-        int half = s / 4, part = s % 4;
-        const u8* ql = b + 64 * half;
-        const u8* qh = b + 128 + 32 * half;
-        const i8* sc = (const i8*)(b + 192 + 8 * half);
-        for (int l = 0; l < 32; l++) {
-            int q;
-            switch (part) {
-                case 0: q = (ql[l] & 15) | (((qh[l] >> 0) & 3) << 4); break;
-                case 1: q = (ql[l + 32] & 15) | (((qh[l] >> 2) & 3) << 4); break;
-                case 2: q = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4); break;
-                default: q = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4); break;
-            }
-            y[l] = d * (float)sc[2 * part + l / 16] * (float)(q - 32);
-        }
+template <> __device__ __forceinline__ void chunk<TY_Q8_0>(const Weight& w, u64 row, int c, float* y, int* at0, int* at1) {
+    const uint4* q = (const uint4*)(w.q + row * w.n_in + 32 * c);
+    float d = f16_to_f32(((const u16*)w.s)[row * (w.n_in / 32) + c]);
+    uint4 raw[2] = {q[0], q[1]};
+    for (int h = 0; h < 2; h++) {
+        u32 words[4] = {raw[h].x, raw[h].y, raw[h].z, raw[h].w};
+        for (int k = 0; k < 4; k++)
+            for (int b = 0; b < 4; b++) y[16 * h + 4 * k + b] = d * (float)(i8)((words[k] >> (8 * b)) & 0xff);
     }
-};
-
-// Float types, 32 values at a time.
-template <> struct Block<TY_F32> {
-    static constexpr int ELEMS = 32, BYTES = 128, SUB = 1;
-    __device__ static void load(const u8* b, int, float* y) {
-        const float4* p = (const float4*)b;
-        for (int j = 0; j < 8; j++) {
-            float4 v = p[j];
-            y[4 * j] = v.x; y[4 * j + 1] = v.y; y[4 * j + 2] = v.z; y[4 * j + 3] = v.w;
-        }
-    }
-};
-
-template <> struct Block<TY_F16> {
-    static constexpr int ELEMS = 32, BYTES = 64, SUB = 1;
-    __device__ static void load(const u8* b, int, float* y) {
-        const uint4* p = (const uint4*)b;
-        for (int j = 0; j < 4; j++) {
-            uint4 v = p[j];
-            u32 w[4] = {v.x, v.y, v.z, v.w};
-            for (int k = 0; k < 4; k++) {
-                y[8 * j + 2 * k] = f16_to_f32((u16)(w[k] & 0xffff));
-                y[8 * j + 2 * k + 1] = f16_to_f32((u16)(w[k] >> 16));
-            }
-        }
-    }
-};
-
-template <> struct Block<TY_BF16> {
-    static constexpr int ELEMS = 32, BYTES = 64, SUB = 1;
-    __device__ static void load(const u8* b, int, float* y) {
-        const uint4* p = (const uint4*)b;
-        for (int j = 0; j < 4; j++) {
-            uint4 v = p[j];
-            u32 w[4] = {v.x, v.y, v.z, v.w};
-            for (int k = 0; k < 4; k++) {
-                y[8 * j + 2 * k] = __uint_as_float(w[k] << 16);
-                y[8 * j + 2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
-            }
-        }
-    }
-};
-
-// Value pieces of 32 in a row of n values, and where piece p starts.
-template <int TY> __device__ __forceinline__ const u8* piece(const u8* row, int p, int* sub) {
-    *sub = p % Block<TY>::SUB;
-    return row + (p / Block<TY>::SUB) * Block<TY>::BYTES;
+    *at0 = 32 * c;
+    *at1 = 32 * c + 16;
 }
+
+template <> __device__ __forceinline__ void chunk<TY_Q4_0>(const Weight& w, u64 row, int c, float* y, int* at0, int* at1) {
+    float d = f16_to_f32(((const u16*)w.s)[row * (w.n_in / 32) + c]);
+    nibbles(*(const uint4*)(w.q + row * (w.n_in / 2) + 16 * c), d, -8.0f * d, y);
+    *at0 = 32 * c;
+    *at1 = 32 * c + 16;
+}
+
+template <> __device__ __forceinline__ void chunk<TY_Q4_1>(const Weight& w, u64 row, int c, float* y, int* at0, int* at1) {
+    u64 b = row * (w.n_in / 32) + c;
+    float d = f16_to_f32(((const u16*)w.s)[b]), m = f16_to_f32(((const u16*)w.m)[b]);
+    nibbles(*(const uint4*)(w.q + row * (w.n_in / 2) + 16 * c), d, m, y);
+    *at0 = 32 * c;
+    *at1 = 32 * c + 16;
+}
+
+// Q4_K: chunk c is 16 bytes of a super-block's 128 quant bytes; the 32-byte group g = (c%8)/2
+// holds sub-blocks 2g (low nibbles) and 2g+1 (high), and this chunk is their half h = c%2.
+// Metadata per super-block: d, dmin (f16) and the 12 bytes of packed 6-bit scales and mins.
+template <> __device__ __forceinline__ void chunk<TY_Q4_K>(const Weight& w, u64 row, int c, float* y, int* at0, int* at1) {
+    int sb = c / 8, g = (c % 8) / 2, h = c % 2;
+    const u8* meta = w.s + (row * (w.n_in / 256) + sb) * 16;
+    float d = f16_to_f32(load_u16(meta)), dmin = f16_to_f32(load_u16(meta + 2));
+    int sc0, m0, sc1, m1;
+    scale_min_k4(2 * g, meta + 4, &sc0, &m0);
+    scale_min_k4(2 * g + 1, meta + 4, &sc1, &m1);
+    uint4 raw = *(const uint4*)(w.q + row * (w.n_in / 2) + 16 * c);
+    u32 words[4] = {raw.x, raw.y, raw.z, raw.w};
+    float d0 = d * sc0, o0 = -dmin * m0, d1 = d * sc1, o1 = -dmin * m1;
+    for (int k = 0; k < 4; k++)
+        for (int b = 0; b < 4; b++) {
+            u32 byte = (words[k] >> (8 * b)) & 0xff;
+            y[4 * k + b] = d0 * (float)(byte & 15) + o0;
+            y[16 + 4 * k + b] = d1 * (float)(byte >> 4) + o1;
+        }
+    *at0 = 256 * sb + 64 * g + 16 * h;
+    *at1 = *at0 + 32;
+}
+
+// Q6_K: chunk c is 16 bytes of a super-block's 128 low-bit bytes (`q`), with the 16 matching
+// bytes of its 64 high-bit bytes (`m`). In half `half` of the super-block, low-bit byte l < 32
+// holds values l (low nibble) and l+64 (high); byte 32+l holds l+32 and l+96; high-bit byte l
+// holds the top two bits of values l, l+32, l+64, l+96. Metadata: 16 signed scales, then d (f16).
+template <> __device__ __forceinline__ void chunk<TY_Q6_K>(const Weight& w, u64 row, int c, float* y, int* at0, int* at1) {
+    int sb = c / 8, half = (c % 8) / 4, k = c % 4;
+    const u8* meta = w.s + (row * (w.n_in / 256) + sb) * 20;
+    float d = f16_to_f32(load_u16(meta + 16));
+    int l0 = 16 * (k % 2);                 // first l of this chunk
+    int second = k / 2;                    // bytes 32+l: values +32
+    uint4 lraw = *(const uint4*)(w.q + row * (w.n_in / 2) + 128 * sb + 64 * half + 32 * second + l0);
+    uint4 hraw = *(const uint4*)(w.m + row * (w.n_in / 4) + 64 * sb + 32 * half + l0);
+    u32 lw[4] = {lraw.x, lraw.y, lraw.z, lraw.w}, hw[4] = {hraw.x, hraw.y, hraw.z, hraw.w};
+    int base = 32 * second + l0;           // value index (within the half) of the low nibbles
+    float s_lo = d * (float)(i8)meta[8 * half + base / 16];
+    float s_hi = d * (float)(i8)meta[8 * half + (base + 64) / 16];
+    int shift_lo = 2 * second, shift_hi = 2 * second + 4;
+    for (int j = 0; j < 4; j++)
+        for (int b = 0; b < 4; b++) {
+            u32 lo = (lw[j] >> (8 * b)) & 0xff, hi = (hw[j] >> (8 * b)) & 0xff;
+            int q0 = (int)((lo & 15) | (((hi >> shift_lo) & 3) << 4)) - 32;
+            int q1 = (int)((lo >> 4) | (((hi >> shift_hi) & 3) << 4)) - 32;
+            y[4 * j + b] = s_lo * (float)q0;
+            y[16 + 4 * j + b] = s_hi * (float)q1;
+        }
+    *at0 = 256 * sb + 128 * half + base;
+    *at1 = *at0 + 64;
+}
+
+// Float weights, 32 values per chunk, stored as they are.
+template <int TY> __device__ __forceinline__ void float_chunk(const Weight& w, u64 row, int c, float* y, int* at0, int* at1) {
+    const u8* p = w.q + (row * w.n_in + 32 * c) * (TY == TY_F32 ? 4 : 2);
+    for (int j = 0; j < (TY == TY_F32 ? 8 : 4); j++) {
+        uint4 raw = ((const uint4*)p)[j];
+        u32 words[4] = {raw.x, raw.y, raw.z, raw.w};
+        for (int k = 0; k < 4; k++) {
+            if (TY == TY_F32) {
+                y[4 * j + k] = __uint_as_float(words[k]);
+            } else {
+                y[8 * j + 2 * k] = TY == TY_BF16 ? __uint_as_float(words[k] << 16) : f16_to_f32((u16)(words[k] & 0xffff));
+                y[8 * j + 2 * k + 1] = TY == TY_BF16 ? __uint_as_float(words[k] & 0xffff0000u) : f16_to_f32((u16)(words[k] >> 16));
+            }
+        }
+    }
+    *at0 = 32 * c;
+    *at1 = 32 * c + 16;
+}
+template <> __device__ __forceinline__ void chunk<TY_F32>(const Weight& w, u64 r, int c, float* y, int* a, int* b) { float_chunk<TY_F32>(w, r, c, y, a, b); }
+template <> __device__ __forceinline__ void chunk<TY_F16>(const Weight& w, u64 r, int c, float* y, int* a, int* b) { float_chunk<TY_F16>(w, r, c, y, a, b); }
+template <> __device__ __forceinline__ void chunk<TY_BF16>(const Weight& w, u64 r, int c, float* y, int* a, int* b) { float_chunk<TY_BF16>(w, r, c, y, a, b); }

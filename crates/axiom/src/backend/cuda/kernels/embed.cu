@@ -1,20 +1,23 @@
-// out[t] = dequantize(table row ids[t]); one block per token.
+// out[t] = dequantize(table row ids[t]); one block per token, one thread per 32-value chunk.
 template <int TY>
-__device__ void embed(const u8* table, const u32* ids, float* out, int dim, u64 row_bytes) {
+__device__ void embed(Weight w, const u32* ids, float* out) {
     int t = blockIdx.x;
-    const u8* row = table + (u64)ids[t] * row_bytes;
+    u64 row = ids[t];
     float y[32];
-    for (int p = threadIdx.x; p < dim / 32; p += blockDim.x) {
-        int sub;
-        const u8* b = piece<TY>(row, p, &sub);
-        Block<TY>::load(b, sub, y);
-        for (int j = 0; j < 32; j++) out[(u64)t * dim + p * 32 + j] = y[j];
+    for (int c = threadIdx.x; c < w.n_in / 32; c += blockDim.x) {
+        int at0, at1;
+        chunk<TY>(w, row, c, y, &at0, &at1);
+        float* o = out + (u64)t * w.n_in;
+        for (int j = 0; j < 16; j++) {
+            o[at0 + j] = y[j];
+            o[at1 + j] = y[16 + j];
+        }
     }
 }
 
 #define EMBED(NAME, TY) \
-    extern "C" __global__ void embed_##NAME(const u8* table, const u32* ids, float* out, int dim, u64 row_bytes) { \
-        embed<TY>(table, ids, out, dim, row_bytes); \
+    extern "C" __global__ void embed_##NAME(const u8* q, const u8* s, const u8* m, int n_in, const u32* ids, float* out) { \
+        embed<TY>(Weight{q, s, m, n_in}, ids, out); \
     }
 EMBED(f32, TY_F32)
 EMBED(f16, TY_F16)

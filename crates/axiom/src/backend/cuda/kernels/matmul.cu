@@ -1,26 +1,31 @@
 // Matrix-vector products for decode, straight from the stored weight type: out[t, o] =
 // sum_i x[t, i] * w[o, i] for T tokens at once. One warp per output row; the lanes take the
-// row's 32-value pieces in turn, so a warp streams its row once for all T tokens.
+// row's 32-value chunks in turn (each one 16- or 32-byte aligned load of quants), so a warp
+// streams its row once for all T tokens.
+__device__ __forceinline__ float dot16(const float* y, const float* x) {
+    const float4* xv = (const float4*)x;
+    float s = 0.0f;
+    for (int k = 0; k < 4; k++) {
+        float4 v = __ldg(xv + k);
+        s += y[4 * k] * v.x + y[4 * k + 1] * v.y + y[4 * k + 2] * v.z + y[4 * k + 3] * v.w;
+    }
+    return s;
+}
+
 template <int TY, int T>
-__device__ void gemv(const u8* w, const float* x, float* out, int n_in, int n_out, u64 row_bytes) {
+__device__ void gemv(Weight w, const float* x, float* out, int n_out) {
     int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     int lane = threadIdx.x % 32;
     if (row >= n_out) return;
-    const u8* wrow = w + (u64)row * row_bytes;
     float acc[T];
     for (int t = 0; t < T; t++) acc[t] = 0.0f;
     float y[32];
-    for (int p = lane; p < n_in / 32; p += 32) {
-        int sub;
-        Block<TY>::load(piece<TY>(wrow, p, &sub), sub, y);
+    for (int c = lane; c < w.n_in / 32; c += 32) {
+        int at0, at1;
+        chunk<TY>(w, row, c, y, &at0, &at1);
         for (int t = 0; t < T; t++) {
-            const float4* xp = (const float4*)(x + (u64)t * n_in + p * 32);
-            float s = 0.0f;
-            for (int j = 0; j < 8; j++) {
-                float4 v = xp[j];
-                s += y[4 * j] * v.x + y[4 * j + 1] * v.y + y[4 * j + 2] * v.z + y[4 * j + 3] * v.w;
-            }
-            acc[t] += s;
+            const float* xt = x + (u64)t * w.n_in;
+            acc[t] += dot16(y, xt + at0) + dot16(y + 16, xt + at1);
         }
     }
     for (int t = 0; t < T; t++) {
@@ -45,7 +50,10 @@ __device__ __forceinline__ void widen(uint4 raw, float* y) {
 }
 
 template <int TY, int T>
-__device__ void gemv_float(const u8* w, const float* x, float* out, int n_in, int n_out, u64 row_bytes) {
+__device__ void gemv_float(Weight wt, const float* x, float* out, int n_out) {
+    const u8* w = wt.q;
+    int n_in = wt.n_in;
+    u64 row_bytes = (u64)n_in * (TY == TY_F32 ? 4 : 2);
     constexpr int PER = TY == TY_F32 ? 4 : 8;  // values per 16-byte load
     constexpr int UNROLL = 4;
     int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
@@ -90,9 +98,9 @@ __device__ void gemv_float(const u8* w, const float* x, float* out, int n_in, in
 }
 
 #define GEMV(NAME, TY, IMPL, T) \
-    extern "C" __global__ void gemv_##NAME##_##T(const u8* w, const float* x, float* out, int n_in, int n_out, \
-                                                  u64 row_bytes) { \
-        IMPL<TY, T>(w, x, out, n_in, n_out, row_bytes); \
+    extern "C" __global__ void gemv_##NAME##_##T(const u8* q, const u8* s, const u8* m, int n_in, const float* x, \
+                                                  float* out, int n_out) { \
+        IMPL<TY, T>(Weight{q, s, m, n_in}, x, out, n_out); \
     }
 #define GEMV_ALL_T(NAME, TY, IMPL) GEMV(NAME, TY, IMPL, 1) GEMV(NAME, TY, IMPL, 2) GEMV(NAME, TY, IMPL, 4) GEMV(NAME, TY, IMPL, 8)
 GEMV_ALL_T(f32, TY_F32, gemv_float)
@@ -104,22 +112,26 @@ GEMV_ALL_T(q4_1, TY_Q4_1, gemv)
 GEMV_ALL_T(q4_k, TY_Q4_K, gemv)
 GEMV_ALL_T(q6_k, TY_Q6_K, gemv)
 
-// Whole-matrix dequantization to f16, for prefill through cuBLAS: one thread per 32-value piece.
+// Whole-matrix dequantization to f16, for prefill through cuBLAS: one thread per 32-value chunk.
 template <int TY>
-__device__ void dequant_f16(const u8* w, u16* out, int n_in, int n_out, u64 row_bytes) {
-    u64 pieces = (u64)n_out * (n_in / 32);
-    for (u64 g = blockIdx.x * (u64)blockDim.x + threadIdx.x; g < pieces; g += (u64)gridDim.x * blockDim.x) {
-        u64 row = g / (n_in / 32);
-        int p = (int)(g % (n_in / 32)), sub;
+__device__ void dequant_f16(Weight w, u16* out, int n_out) {
+    u64 chunks = (u64)n_out * (w.n_in / 32);
+    for (u64 g = blockIdx.x * (u64)blockDim.x + threadIdx.x; g < chunks; g += (u64)gridDim.x * blockDim.x) {
+        u64 row = g / (w.n_in / 32);
+        int at0, at1;
         float y[32];
-        Block<TY>::load(piece<TY>(w + row * row_bytes, p, &sub), sub, y);
-        for (int j = 0; j < 32; j++) out[row * n_in + p * 32 + j] = f32_to_f16(y[j]);
+        chunk<TY>(w, row, (int)(g % (w.n_in / 32)), y, &at0, &at1);
+        u16* o = out + row * w.n_in;
+        for (int j = 0; j < 16; j++) {
+            o[at0 + j] = f32_to_f16(y[j]);
+            o[at1 + j] = f32_to_f16(y[16 + j]);
+        }
     }
 }
 
 #define DEQUANT(NAME, TY) \
-    extern "C" __global__ void dequant_f16_##NAME(const u8* w, u16* out, int n_in, int n_out, u64 row_bytes) { \
-        dequant_f16<TY>(w, out, n_in, n_out, row_bytes); \
+    extern "C" __global__ void dequant_f16_##NAME(const u8* q, const u8* s, const u8* m, int n_in, u16* out, int n_out) { \
+        dequant_f16<TY>(Weight{q, s, m, n_in}, out, n_out); \
     }
 DEQUANT(q8_0, TY_Q8_0)
 DEQUANT(q4_0, TY_Q4_0)
