@@ -96,6 +96,11 @@ fn interactive<B: Backend>(
         eprintln!("Chatting. /help for commands, Ctrl-D to leave.");
     }
     let mut editor = rustyline::DefaultEditor::new().context("starting the line editor")?;
+    // History survives between sessions, beside the model cache.
+    let history = axiom::source::cache_dir().ok().map(|d| d.join("chat_history.txt"));
+    if let Some(path) = &history {
+        let _ = editor.load_history(path);
+    }
     let mut last: Option<Turn> = None;
     loop {
         let line = match read_message(&mut editor) {
@@ -166,6 +171,10 @@ fn interactive<B: Backend>(
             }
             Err(e) => eprintln!("error: {e:#}"),
         }
+    }
+    if let Some(path) = &history {
+        let _ = path.parent().map(std::fs::create_dir_all);
+        let _ = editor.save_history(path);
     }
     Ok(())
 }

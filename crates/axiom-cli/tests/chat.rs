@@ -56,10 +56,11 @@ fn two_turns_stats_save_reset_load_and_exit() {
 
 #[test]
 fn ctrl_c_stops_a_reply_and_ctrl_d_exits() {
-    let mut p = chat(&["-n", "2000"]);
+    // Long enough a reply to interrupt, short enough that an uninterrupted one ends in time.
+    let mut p = chat(&["-n", "400"]);
     p.send_line("Write a very long story about a dragon who learns to cook.")
         .unwrap();
-    std::thread::sleep(Duration::from_millis(1500));
+    std::thread::sleep(Duration::from_millis(500));
     p.send(ControlCode::EndOfText).unwrap();
     p.expect("(stopped)").unwrap();
     p.expect(">>> ").unwrap();
