@@ -7,6 +7,9 @@ use axiom::backend::cpu::{CpuBackend, CpuKernels};
 use axiom::backend::{AttentionShape, Backend, BlockHandle, HostTensor, KvType, Rope, RopeLayout};
 use axiom::format::quant::{dequantize, GgmlType};
 use half::f16;
+mod common;
+
+use common::random_weight_bytes;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -53,34 +56,6 @@ fn assert_close(got: &[f32], want: &[f32], tol: f32, what: &str) {
     for (i, (g, w)) in got.iter().zip(want).enumerate() {
         assert!((g - w).abs() <= tol * (1.0 + w.abs()), "{what}[{i}]: got {g}, want {w}");
     }
-}
-
-/// Random blocks of `ty` with finite f16 scales (at the byte offsets of each layout).
-fn random_weight_bytes(rng: &mut ChaCha8Rng, ty: GgmlType, n_elements: usize) -> Vec<u8> {
-    let n_blocks = n_elements / ty.block_len();
-    let mut bytes: Vec<u8> = (0..n_blocks * ty.block_bytes()).map(|_| rng.random()).collect();
-    let f16_fields: &[usize] = match ty {
-        GgmlType::F32 => {
-            return randn(rng, n_elements).iter().flat_map(|v| v.to_le_bytes()).collect();
-        }
-        GgmlType::F16 | GgmlType::BF16 => &[0],
-        GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => &[0],
-        GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4K | GgmlType::Q5K => &[0, 2],
-        GgmlType::Q2K => &[80, 82],
-        GgmlType::Q3K => &[108],
-        GgmlType::Q6K => &[208],
-    };
-    for block in bytes.chunks_exact_mut(ty.block_bytes()) {
-        for &off in f16_fields {
-            let v = rng.random_range(-0.1f32..0.1);
-            let bits = match ty {
-                GgmlType::BF16 => half::bf16::from_f32(v).to_bits(),
-                _ => f16::from_f32(v).to_bits(),
-            };
-            block[off..off + 2].copy_from_slice(&bits.to_le_bytes());
-        }
-    }
-    bytes
 }
 
 #[test]

@@ -8,6 +8,8 @@
 
 mod common;
 
+use common::random_weight_bytes;
+
 use axiom::backend::cpu::CpuBackend;
 use axiom::backend::cuda::CudaBackend;
 use axiom::backend::{AttentionShape, Backend, BlockHandle, HostTensor, Rope, RopeLayout};
@@ -61,33 +63,6 @@ fn rel_l2(got: &[f32], want: &[f32]) -> f64 {
     (err / norm.max(1e-30)).sqrt()
 }
 
-fn random_weight(rng: &mut ChaCha8Rng, ty: GgmlType, n: usize) -> Vec<u8> {
-    if ty == GgmlType::F32 {
-        return randn(rng, n).iter().flat_map(|v| v.to_le_bytes()).collect();
-    }
-    let mut bytes: Vec<u8> = (0..n / ty.block_len() * ty.block_bytes())
-        .map(|_| rng.random())
-        .collect();
-    let fields: &[usize] = match ty {
-        GgmlType::F16 | GgmlType::BF16 | GgmlType::Q4_0 | GgmlType::Q8_0 => &[0],
-        GgmlType::Q4_1 | GgmlType::Q4K => &[0, 2],
-        GgmlType::Q6K => &[208],
-        _ => unreachable!(),
-    };
-    for block in bytes.chunks_exact_mut(ty.block_bytes()) {
-        for &off in fields {
-            let v = rng.random_range(-0.1f32..0.1);
-            let bits = if ty == GgmlType::BF16 {
-                half::bf16::from_f32(v).to_bits()
-            } else {
-                f16::from_f32(v).to_bits()
-            };
-            block[off..off + 2].copy_from_slice(&bits.to_le_bytes());
-        }
-    }
-    bytes
-}
-
 const TYPES: [GgmlType; 8] = [
     GgmlType::F32,
     GgmlType::F16,
@@ -106,7 +81,7 @@ fn matmul_every_type_and_token_count_matches_the_cpu_reference() {
     for ty in TYPES {
         let n_in = if ty.block_len() == 256 { 512 } else { 96 };
         let n_out = 37;
-        let bytes = random_weight(&mut rng, ty, n_in * n_out);
+        let bytes = random_weight_bytes(&mut rng, ty, n_in * n_out);
         let (mut gpu, mut cpu) = pair();
         let tensor = HostTensor {
             name: "w",
@@ -141,7 +116,7 @@ fn embed_rms_norm_rope_swiglu_add_match_the_cpu_reference() {
     let mut rng = ChaCha8Rng::seed_from_u64(2);
     for ty in TYPES {
         let (dim, vocab) = (256, 11);
-        let bytes = random_weight(&mut rng, ty, dim * vocab);
+        let bytes = random_weight_bytes(&mut rng, ty, dim * vocab);
         let (mut gpu, mut cpu) = pair();
         let tensor = HostTensor {
             name: "e",

@@ -81,6 +81,20 @@ pub struct HostTensor<'a> {
     pub region: Option<(std::sync::Arc<memmap2::Mmap>, std::ops::Range<usize>)>,
 }
 
+impl HostTensor<'_> {
+    /// `(n_in, n_out)` of a matrix (a vector counts as one row).
+    pub fn matrix_shape(&self) -> Result<(usize, usize)> {
+        match *self.dims {
+            [n_in, n_out] => Ok((n_in, n_out)),
+            [n_in] => Ok((n_in, 1)),
+            _ => Err(crate::Error::Model(format!(
+                "tensor {} has shape {:?}, expected a matrix",
+                self.name, self.dims
+            ))),
+        }
+    }
+}
+
 pub trait Backend {
     /// A weight matrix resident on the backend, in its stored type.
     type Weight;

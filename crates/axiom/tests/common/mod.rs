@@ -1,6 +1,10 @@
 //! Helpers shared by the integration tests.
 #![allow(dead_code)]
 
+use axiom::format::quant::GgmlType;
+use half::f16;
+use rand::Rng;
+use rand_chacha::ChaCha8Rng;
 use std::path::PathBuf;
 
 /// Reference outputs for SmolLM2 (copied from the project's shared refs).
@@ -107,4 +111,37 @@ pub fn valid_gguf() -> Vec<u8> {
     data[..32].copy_from_slice(&[0, 0, 128, 63].repeat(8)); // eight 1.0f32
     w.bytes(&data);
     w.buf
+}
+
+/// Random blocks of `ty` with finite f16 scales (at the byte offsets of each layout).
+pub fn random_weight_bytes(rng: &mut ChaCha8Rng, ty: GgmlType, n_elements: usize) -> Vec<u8> {
+    let n_blocks = n_elements / ty.block_len();
+    let mut bytes: Vec<u8> = (0..n_blocks * ty.block_bytes()).map(|_| rng.random()).collect();
+    let f16_fields: &[usize] = match ty {
+        GgmlType::F32 => {
+            return (0..n_elements)
+                .map(|_| rng.random_range(-1.0f32..1.0))
+                .collect::<Vec<_>>()
+                .iter()
+                .flat_map(|v| v.to_le_bytes())
+                .collect();
+        }
+        GgmlType::F16 | GgmlType::BF16 => &[0],
+        GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => &[0],
+        GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4K | GgmlType::Q5K => &[0, 2],
+        GgmlType::Q2K => &[80, 82],
+        GgmlType::Q3K => &[108],
+        GgmlType::Q6K => &[208],
+    };
+    for block in bytes.chunks_exact_mut(ty.block_bytes()) {
+        for &off in f16_fields {
+            let v = rng.random_range(-0.1f32..0.1);
+            let bits = match ty {
+                GgmlType::BF16 => half::bf16::from_f32(v).to_bits(),
+                _ => f16::from_f32(v).to_bits(),
+            };
+            block[off..off + 2].copy_from_slice(&bits.to_le_bytes());
+        }
+    }
+    bytes
 }

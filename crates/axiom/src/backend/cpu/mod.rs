@@ -405,16 +405,7 @@ impl Backend for CpuBackend {
     }
 
     fn upload_weight(&mut self, t: &HostTensor) -> Result<CpuWeight> {
-        let (n_in, n_out) = match *t.dims {
-            [n_in, n_out] => (n_in, n_out),
-            [n_in] => (n_in, 1),
-            _ => {
-                return Err(Error::Model(format!(
-                    "tensor {} has shape {:?}, expected a matrix",
-                    t.name, t.dims
-                )))
-            }
-        };
+        let (n_in, n_out) = t.matrix_shape()?;
         let data = match &t.region {
             Some((map, range)) => WeightData::Mapped(map.clone(), range.clone()),
             None => WeightData::Owned(t.bytes.to_vec()),

@@ -321,16 +321,7 @@ impl Backend for CudaBackend {
     }
 
     fn upload_weight(&mut self, t: &HostTensor) -> Result<CudaWeight> {
-        let (n_in, n_out) = match *t.dims {
-            [n_in, n_out] => (n_in, n_out),
-            [n_in] => (n_in, 1),
-            _ => {
-                return Err(Error::Model(format!(
-                    "tensor {} has shape {:?}, expected a matrix",
-                    t.name, t.dims
-                )))
-            }
-        };
+        let (n_in, n_out) = t.matrix_shape()?;
         Self::type_suffix(t.ty).map_err(|_| Error::UnsupportedTensorType {
             name: t.name.to_string(),
             ty: t.ty.to_string(),
