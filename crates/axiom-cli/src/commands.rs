@@ -16,7 +16,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 use std::collections::BTreeMap;
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 #[derive(Args)]
 pub struct RunArgs {
@@ -306,12 +306,20 @@ pub fn bench(args: BenchArgs, out: Output) -> Result<()> {
 }
 
 pub fn info(args: InfoArgs) -> Result<()> {
+    use axiom::format::safetensors::SafetensorsModel;
+    use axiom::model::weights::TensorSource;
     let path = resolve_model(args.model.as_deref())?;
+    if path.is_dir() {
+        let json = std::fs::read_to_string(path.join("config.json")).context("reading config.json")?;
+        let json: serde_json::Value = serde_json::from_str(&json).context("parsing config.json")?;
+        let checkpoint = SafetensorsModel::open_dir(&path)?;
+        println!("directory:     {} (Hugging Face, safetensors)", path.display());
+        print_config(ModelConfig::from_hf(&json));
+        print_tokenizer(Tokenizer::from_hf_dir(&path));
+        print_tensors(&checkpoint.all());
+        return Ok(());
+    }
     let file = GgufFile::open(&path)?;
-    print_info(&path, &file, args.all)
-}
-
-fn print_info(path: &Path, file: &GgufFile, all: bool) -> Result<()> {
     let name = file.get("general.name").and_then(|v| v.as_str()).unwrap_or("(unnamed)");
     println!(
         "file:          {} (GGUF v{}, {:.1} MiB)",
@@ -320,41 +328,9 @@ fn print_info(path: &Path, file: &GgufFile, all: bool) -> Result<()> {
         file.file_size() as f64 / (1 << 20) as f64
     );
     println!("name:          {name}");
-    match ModelConfig::from_gguf(file) {
-        Ok(c) => {
-            println!("architecture:  {}", c.architecture);
-            println!("layers:        {}", c.n_layers);
-            println!("hidden:        {} (FFN {})", c.dim, c.ffn_dim);
-            println!(
-                "heads:         {} query, {} key/value, head dim {}",
-                c.n_heads, c.n_kv_heads, c.head_dim
-            );
-            println!("context:       {}", c.context_length);
-            println!(
-                "rope:          {:?} layout, theta {}, {} dims",
-                c.rope.layout, c.rope.theta, c.rope.dims
-            );
-            println!("rms epsilon:   {:e}", c.rms_eps);
-            println!("vocabulary:    {}", c.vocab_size);
-        }
-        Err(e) => println!("config:        cannot run this model: {e}"),
-    }
-    match Tokenizer::from_gguf(file) {
-        Ok(t) => println!("tokenizer:     {}", t.describe()),
-        Err(e) => println!("tokenizer:     {e}"),
-    }
-    let params: usize = file.tensors.iter().map(|t| t.n_elements()).sum();
-    let mut types: BTreeMap<String, usize> = BTreeMap::new();
-    for t in &file.tensors {
-        *types.entry(t.ty.to_string()).or_default() += 1;
-    }
-    let types: Vec<String> = types.iter().map(|(t, n)| format!("{t} x{n}")).collect();
-    println!(
-        "parameters:    {:.2} M in {} tensors ({})",
-        params as f64 / 1e6,
-        file.tensors.len(),
-        types.join(", ")
-    );
+    print_config(ModelConfig::from_gguf(&file));
+    print_tokenizer(Tokenizer::from_gguf(&file));
+    print_tensors(&TensorSource::all(&file));
     println!(
         "chat template: {}",
         if file.get("tokenizer.chat_template").is_some() {
@@ -363,7 +339,7 @@ fn print_info(path: &Path, file: &GgufFile, all: bool) -> Result<()> {
             "no"
         }
     );
-    if all {
+    if args.all {
         println!("\nmetadata:");
         for (k, v) in &file.metadata {
             println!("  {k} = {}", v.summary());
@@ -374,4 +350,55 @@ fn print_info(path: &Path, file: &GgufFile, all: bool) -> Result<()> {
         }
     }
     Ok(())
+}
+
+fn print_config(config: axiom::Result<ModelConfig>) {
+    match config {
+        Ok(c) => {
+            println!("architecture:  {}", c.architecture);
+            println!("layers:        {}", c.n_layers);
+            println!("hidden:        {} (FFN {})", c.dim, c.ffn_dim);
+            println!(
+                "heads:         {} query, {} key/value, head dim {}",
+                c.n_heads, c.n_kv_heads, c.head_dim
+            );
+            println!("context:       {}", c.context_length);
+            println!(
+                "rope:          {:?} layout, theta {}, {} dims, scaling {:?}",
+                c.rope.layout, c.rope.theta, c.rope.dims, c.rope.scaling
+            );
+            println!("rms epsilon:   {:e}", c.rms_eps);
+            println!("vocabulary:    {}", c.vocab_size);
+            if c.qkv_bias || c.qk_norm {
+                println!(
+                    "extras:        {}{}",
+                    if c.qkv_bias { "Q/K/V biases " } else { "" },
+                    if c.qk_norm { "Q/K norms" } else { "" }
+                );
+            }
+        }
+        Err(e) => println!("config:        cannot run this model: {e}"),
+    }
+}
+
+fn print_tokenizer(tokenizer: axiom::Result<Tokenizer>) {
+    match tokenizer {
+        Ok(t) => println!("tokenizer:     {}", t.describe()),
+        Err(e) => println!("tokenizer:     {e}"),
+    }
+}
+
+fn print_tensors(tensors: &[(axiom::format::quant::GgmlType, Vec<usize>, usize)]) {
+    let params: usize = tensors.iter().map(|(_, dims, _)| dims.iter().product::<usize>()).sum();
+    let mut types: BTreeMap<String, usize> = BTreeMap::new();
+    for (ty, _, _) in tensors {
+        *types.entry(ty.to_string()).or_default() += 1;
+    }
+    let types: Vec<String> = types.iter().map(|(t, n)| format!("{t} x{n}")).collect();
+    println!(
+        "parameters:    {:.2} M in {} tensors ({})",
+        params as f64 / 1e6,
+        tensors.len(),
+        types.join(", ")
+    );
 }

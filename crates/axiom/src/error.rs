@@ -8,7 +8,7 @@ pub enum Error {
     Gguf(#[from] GgufError),
     #[error("model: {0}")]
     Model(String),
-    #[error("unsupported architecture {0:?} (supported: llama, mistral)")]
+    #[error("unsupported architecture {0:?} (supported: llama, mistral, qwen2, qwen3)")]
     UnsupportedArchitecture(String),
     #[error("tensor {name:?} has type {ty}, which {op} does not support")]
     UnsupportedTensorType { name: String, ty: String, op: &'static str },

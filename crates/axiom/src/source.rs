@@ -36,7 +36,7 @@ pub fn resolve_model(model: Option<&Path>) -> Result<PathBuf> {
             "{}: hub sources are not supported yet",
             path.display()
         ))),
-        Some(path) if path.is_file() => Ok(path.to_path_buf()),
+        Some(path) if path.is_file() || path.join("config.json").is_file() => Ok(path.to_path_buf()),
         Some(path) => Err(Error::InvalidArgument(format!(
             "model file {} does not exist",
             path.display()

@@ -131,6 +131,62 @@ impl Tokenizer {
         })
     }
 
+    /// From a Hugging Face model directory: `tokenizer.json`, with BOS/EOS from
+    /// `tokenizer_config.json` and the end-of-generation ids of `generation_config.json`.
+    pub fn from_hf_dir(dir: &std::path::Path) -> Result<Tokenizer> {
+        let path = dir.join("tokenizer.json");
+        let inner = tokenizers::Tokenizer::from_file(&path)
+            .map_err(|e| Error::Tokenizer(format!("{}: {e}", path.display())))?;
+        let read_json = |name: &str| -> serde_json::Value {
+            std::fs::read_to_string(dir.join(name))
+                .ok()
+                .and_then(|t| serde_json::from_str(&t).ok())
+                .unwrap_or_default()
+        };
+        let config = read_json("tokenizer_config.json");
+        let generation = read_json("generation_config.json");
+        let vocab = inner.get_vocab(true);
+        let n = vocab.values().max().map_or(0, |&m| m as usize + 1);
+        let mut tokens = vec![String::new(); n];
+        for (text, &id) in &vocab {
+            tokens[id as usize] = text.clone();
+        }
+        // A token given as a string or as {"content": ...}.
+        let token_id = |v: &serde_json::Value| {
+            let text = v.as_str().or_else(|| v["content"].as_str())?;
+            inner.token_to_id(text)
+        };
+        let bos = token_id(&config["bos_token"]);
+        let eos = token_id(&config["eos_token"]);
+        // BOS is added when the tokenizer's own post-processor would add it.
+        let with = inner.encode_fast("a", true).map_err(tok_err)?;
+        let without = inner.encode_fast("a", false).map_err(tok_err)?;
+        let added_bos = (with.len() > without.len()).then(|| with.get_ids()[0]);
+        let add_bos = config["add_bos_token"].as_bool().unwrap_or(added_bos.is_some());
+        let bos = added_bos.or(bos);
+        let mut end_of_generation: HashSet<u32> = eos.into_iter().collect();
+        match &generation["eos_token_id"] {
+            serde_json::Value::Array(ids) => {
+                end_of_generation.extend(ids.iter().filter_map(|v| v.as_u64()).map(|v| v as u32))
+            }
+            v => end_of_generation.extend(v.as_u64().map(|v| v as u32)),
+        }
+        for added in inner.get_added_tokens_decoder().values().filter(|t| t.special) {
+            if END_OF_GENERATION_TEXTS.contains(&added.content.as_str()) {
+                end_of_generation.extend(inner.token_to_id(&added.content));
+            }
+        }
+        end_of_generation.retain(|&id| (id as usize) < n);
+        Ok(Tokenizer {
+            inner: std::sync::Mutex::new(inner),
+            tokens,
+            bos,
+            eos,
+            add_bos,
+            end_of_generation,
+        })
+    }
+
     pub fn vocab_size(&self) -> usize {
         self.tokens.len()
     }

@@ -68,17 +68,29 @@ fn the_oldest_turns_are_dropped_when_the_context_fills() {
     let mut c = Conversation::new(&mut s, 120, Some("Answer briefly.".into())).unwrap();
     let mut sampler = Sampler::new(SamplerConfig::greedy());
     let mut dropped = 0;
-    for question in ["Name a fruit.", "Name a colour.", "Name an animal.", "Name a city."] {
+    // Each turn costs at least its ~12 tokens of template and question plus room for 24 of
+    // reply, so eight cannot fit in 120.
+    let questions = [
+        "Name a fruit.",
+        "Name a colour.",
+        "Name an animal.",
+        "Name a city.",
+        "Name a tree.",
+        "Name a river.",
+        "Name a song.",
+        "Name a star.",
+    ];
+    for question in questions {
         let turn = c.reply(&mut s, question, &mut sampler, &options(24), |_| {}).unwrap();
         dropped += turn.dropped_turns;
         let (used, capacity) = c.context_used();
         assert!(used <= capacity);
     }
-    assert!(dropped > 0, "a 120-token context cannot hold four turns");
+    assert!(dropped > 0, "a 120-token context cannot hold eight turns");
     // The system message is never dropped, and the last question is always there.
     assert_eq!(c.transcript.system.as_deref(), Some("Answer briefly."));
     assert_eq!(
         c.transcript.messages[c.transcript.messages.len() - 2].content,
-        "Name a city."
+        "Name a star."
     );
 }

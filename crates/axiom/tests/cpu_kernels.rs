@@ -4,7 +4,7 @@
 
 use axiom::backend::cpu::fast::{has_int8_kernel, quantize_row, Isa, Q8Activations, CHUNK, GROUPS_PER_CHUNK};
 use axiom::backend::cpu::{CpuBackend, CpuKernels};
-use axiom::backend::{AttentionShape, Backend, BlockHandle, HostTensor, KvType, Rope, RopeLayout};
+use axiom::backend::{AttentionShape, Backend, BlockHandle, HostTensor, KvType, Rope, RopeLayout, RopeScaling};
 use axiom::format::quant::{dequantize, GgmlType};
 use half::f16;
 mod common;
@@ -164,10 +164,12 @@ fn rope_rotates_pairs_by_position() {
             layout,
             theta: 10000.0,
             dims: head_dim,
+            scaling: RopeScaling::None,
         };
         let mut b = backend();
         let (xh, ph) = (upload(&mut b, &x), upload_u32(&mut b, &positions));
-        b.rope(xh, ph, n, n_heads, head_dim, rope).unwrap();
+        let fh = upload(&mut b, &rope.inverse_frequencies());
+        b.rope(xh, ph, fh, n, n_heads, head_dim, rope).unwrap();
         let got = read(&b, xh, x.len());
         for (t, &pos) in positions.iter().enumerate() {
             for h in 0..n_heads {
@@ -450,6 +452,39 @@ fn fast_attention_over_f32_and_f16_caches_matches_the_matrix_form() {
                 let what = format!("{isa:?} {kv_type:?} attention at {} positions", positions.len());
                 assert_close(&read(&b, out, n * shape.q_width()), &want, 1e-5, &what);
             }
+        }
+    }
+}
+
+#[test]
+fn rope_frequency_scaling_follows_transformers() {
+    let rope = |scaling| Rope {
+        layout: RopeLayout::Halves,
+        theta: 500000.0,
+        dims: 128,
+        scaling,
+    };
+    let base = rope(RopeScaling::None).inverse_frequencies();
+    assert_eq!(base.len(), 64);
+    assert_eq!(base[0], 1.0);
+    let linear = rope(RopeScaling::Linear { factor: 4.0 }).inverse_frequencies();
+    assert!(linear.iter().zip(&base).all(|(l, b)| (l * 4.0 - b).abs() <= 1e-6 * b));
+    // Llama 3.1's: short wavelengths kept, long ones divided by the factor, a blend between.
+    let llama3 = rope(RopeScaling::Llama3 {
+        factor: 8.0,
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_context: 8192,
+    })
+    .inverse_frequencies();
+    let wavelen = |f: f32| 2.0 * std::f32::consts::PI / f;
+    for (s, b) in llama3.iter().zip(&base) {
+        if wavelen(*b) < 8192.0 / 4.0 {
+            assert_eq!(s, b);
+        } else if wavelen(*b) > 8192.0 {
+            assert!((s * 8.0 - b).abs() <= 1e-6 * b);
+        } else {
+            assert!(s < b && *s > b / 8.0);
         }
     }
 }

@@ -12,7 +12,7 @@ use common::random_weight_bytes;
 
 use axiom::backend::cpu::CpuBackend;
 use axiom::backend::cuda::CudaBackend;
-use axiom::backend::{AttentionShape, Backend, BlockHandle, HostTensor, Rope, RopeLayout};
+use axiom::backend::{AttentionShape, Backend, BlockHandle, HostTensor, Rope, RopeLayout, RopeScaling};
 use axiom::format::quant::GgmlType;
 use half::f16;
 use rand::{Rng, SeedableRng};
@@ -159,11 +159,16 @@ fn embed_rms_norm_rope_swiglu_add_match_the_cpu_reference() {
             layout,
             theta: 10000.0,
             dims: hd,
+            scaling: RopeScaling::None,
         };
         let (xg, pg) = (put(&mut gpu, &x), put_u32(&mut gpu, &positions));
         let (xc, pc) = (put(&mut cpu, &x), put_u32(&mut cpu, &positions));
-        gpu.rope(xg, pg, positions.len(), heads, hd, rope).unwrap();
-        cpu.rope(xc, pc, positions.len(), heads, hd, rope).unwrap();
+        let (fg, fc) = (
+            put(&mut gpu, &rope.inverse_frequencies()),
+            put(&mut cpu, &rope.inverse_frequencies()),
+        );
+        gpu.rope(xg, pg, fg, positions.len(), heads, hd, rope).unwrap();
+        cpu.rope(xc, pc, fc, positions.len(), heads, hd, rope).unwrap();
         assert!(
             rel_l2(&get(&gpu, xg, x.len()), &get(&cpu, xc, x.len())) < 1e-6,
             "rope {layout:?}"

@@ -35,6 +35,60 @@ pub struct Rope {
     pub theta: f32,
     /// Number of leading dimensions of each head that are rotated (usually all of them).
     pub dims: usize,
+    pub scaling: RopeScaling,
+}
+
+/// How a model stretches its rotary frequencies beyond the context it was trained on.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum RopeScaling {
+    None,
+    /// Every frequency divided by `factor`.
+    Linear {
+        factor: f32,
+    },
+    /// Llama 3.1's: low frequencies divided by `factor`, high ones kept, a smooth blend between.
+    Llama3 {
+        factor: f32,
+        low_freq_factor: f32,
+        high_freq_factor: f32,
+        original_context: usize,
+    },
+}
+
+impl Rope {
+    /// The angle per position of each rotated pair, `theta^(-2i/dims)` after scaling, as
+    /// transformers computes it. The rope kernels read this table.
+    pub fn inverse_frequencies(&self) -> Vec<f32> {
+        (0..self.dims / 2)
+            .map(|i| {
+                let base = (self.theta as f64).powf(-2.0 * i as f64 / self.dims as f64);
+                let f = match self.scaling {
+                    RopeScaling::None => base,
+                    RopeScaling::Linear { factor } => base / factor as f64,
+                    RopeScaling::Llama3 {
+                        factor,
+                        low_freq_factor,
+                        high_freq_factor,
+                        original_context,
+                    } => {
+                        let (factor, low, high) = (factor as f64, low_freq_factor as f64, high_freq_factor as f64);
+                        let wavelen = 2.0 * std::f64::consts::PI / base;
+                        let (low_wavelen, high_wavelen) =
+                            (original_context as f64 / low, original_context as f64 / high);
+                        if wavelen < high_wavelen {
+                            base
+                        } else if wavelen > low_wavelen {
+                            base / factor
+                        } else {
+                            let smooth = (original_context as f64 / wavelen - low) / (high - low);
+                            (1.0 - smooth) * base / factor + smooth * base
+                        }
+                    }
+                };
+                f as f32
+            })
+            .collect()
+    }
 }
 
 /// The element type of the KV cache.
@@ -184,11 +238,13 @@ pub trait Backend {
         }
         Ok(())
     }
-    /// Rotates, in place, each head of `x` (`[n_tokens, n_heads * head_dim]`) by its token's position.
+    /// Rotates, in place, each head of `x` (`[n_tokens, n_heads * head_dim]`) by its token's
+    /// position: pair i by `position * freqs[i]` (f32, `rope.dims / 2` of them).
     fn rope(
         &self,
         x: BlockHandle,
         positions: BlockHandle,
+        freqs: BlockHandle,
         n_tokens: usize,
         n_heads: usize,
         head_dim: usize,
@@ -217,6 +273,8 @@ pub trait Backend {
         n_tokens: usize,
         shape: AttentionShape,
     ) -> Result<()>;
+    /// `x[t] += bias` for `n_tokens` rows of `width`.
+    fn add_bias(&self, x: BlockHandle, bias: BlockHandle, n_tokens: usize, width: usize) -> Result<()>;
     /// `out = silu(gate) * up`, elementwise over `n` values.
     fn swiglu(&self, gate: BlockHandle, up: BlockHandle, out: BlockHandle, n: usize) -> Result<()>;
     /// `x += y`, elementwise over `n` values.

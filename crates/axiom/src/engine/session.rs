@@ -1,11 +1,13 @@
 //! Everything needed to turn text into text with one model: the network on a backend, its
-//! tokenizer and its chat template, loaded together from one file.
+//! tokenizer and its chat template, loaded together from a GGUF file or a model directory.
 
 use crate::backend::Backend;
 use crate::chat::{ChatTemplate, Message};
 use crate::format::gguf::{GgufFile, Value};
+use crate::format::safetensors::SafetensorsModel;
 use crate::model::llama::LoadOptions;
-use crate::model::Llama;
+use crate::model::weights::TensorSource;
+use crate::model::{Llama, ModelConfig};
 use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
 use std::path::Path;
@@ -29,31 +31,28 @@ pub struct ModelInfo {
 }
 
 impl ModelInfo {
-    fn from_gguf(file: &GgufFile, architecture: &str) -> ModelInfo {
-        let parameters: usize = file.tensors.iter().map(|t| t.n_elements()).sum();
-        let tied = file.tensor("output.weight").is_none();
-        let weight_bytes_per_token = file
-            .tensors
-            .iter()
-            .filter(|t| t.dims.len() == 2 && (tied || t.name != "token_embd.weight"))
-            .map(|t| t.size_bytes)
-            .sum();
-        let size = file
-            .get("general.size_label")
-            .and_then(Value::as_str)
-            .map(str::to_owned)
-            .unwrap_or_else(|| {
-                let p = parameters as f64;
-                if p >= 1e9 {
-                    format!("{:.1}B", p / 1e9)
-                } else {
-                    format!("{:.0}M", p / 1e6)
-                }
-            });
+    fn new(source: &dyn TensorSource, architecture: &str, size_label: Option<&str>, file_bytes: usize) -> ModelInfo {
+        let tensors = source.all();
+        let parameters: usize = tensors.iter().map(|(_, dims, _)| dims.iter().product::<usize>()).sum();
+        let matrices = || tensors.iter().filter(|(_, dims, _)| dims.len() == 2);
+        // A decode step reads every matrix once, except an embedding that is not also the LM head.
+        let untied_embedding = match (source.tensor("output.weight"), source.tensor("token_embd.weight")) {
+            (Some(_), Some(e)) => e.bytes.len(),
+            _ => 0,
+        };
+        let weight_bytes_per_token = matrices().map(|(_, _, b)| b).sum::<usize>() - untied_embedding;
+        let size = size_label.map(str::to_owned).unwrap_or_else(|| {
+            let p = parameters as f64;
+            match p {
+                p if p >= 1e9 => format!("{:.1}B", p / 1e9),
+                p if p >= 1e6 => format!("{:.0}M", p / 1e6),
+                p => format!("{:.0}K", p / 1e3),
+            }
+        });
         // The type of most weight bytes names the quantization, as llama.cpp's file types do.
         let mut by_type: std::collections::HashMap<String, usize> = std::collections::HashMap::new();
-        for t in file.tensors.iter().filter(|t| t.dims.len() == 2) {
-            *by_type.entry(t.ty.to_string()).or_default() += t.size_bytes;
+        for (ty, _, bytes) in matrices() {
+            *by_type.entry(ty.to_string()).or_default() += bytes;
         }
         let ty = by_type
             .into_iter()
@@ -62,7 +61,7 @@ impl ModelInfo {
             .unwrap_or_default();
         ModelInfo {
             description: format!("{architecture} {size} {ty}"),
-            file_bytes: file.file_size(),
+            file_bytes,
             parameters,
             weight_bytes_per_token,
         }
@@ -70,7 +69,12 @@ impl ModelInfo {
 }
 
 impl<B: Backend> Session<B> {
+    /// Loads a GGUF file, or a Hugging Face model directory (config.json, safetensors,
+    /// tokenizer.json).
     pub fn load(path: &Path, backend: B, options: LoadOptions) -> Result<Session<B>> {
+        if path.is_dir() {
+            return Self::from_hf_dir(path, backend, options);
+        }
         let file = GgufFile::open(path)?;
         Self::from_gguf(&file, backend, options)
     }
@@ -78,6 +82,49 @@ impl<B: Backend> Session<B> {
     pub fn from_gguf(file: &GgufFile, backend: B, options: LoadOptions) -> Result<Session<B>> {
         let tokenizer = Tokenizer::from_gguf(file)?;
         let model = Llama::from_gguf(file, backend, options)?;
+        let template = file
+            .get("tokenizer.chat_template")
+            .and_then(Value::as_str)
+            .map(str::to_owned);
+        let size_label = file.get("general.size_label").and_then(Value::as_str);
+        let info = ModelInfo::new(file, &model.config.architecture, size_label, file.file_size());
+        Self::assemble(model, tokenizer, template, info)
+    }
+
+    pub fn from_hf_dir(dir: &Path, backend: B, options: LoadOptions) -> Result<Session<B>> {
+        let read = |name: &str| {
+            std::fs::read_to_string(dir.join(name)).map_err(Error::io(format!("reading {}", dir.join(name).display())))
+        };
+        let config: serde_json::Value =
+            serde_json::from_str(&read("config.json")?).map_err(|e| Error::Model(format!("config.json: {e}")))?;
+        let config = ModelConfig::from_hf(&config)?;
+        let checkpoint = SafetensorsModel::open_dir(dir)?;
+        let tokenizer = Tokenizer::from_hf_dir(dir)?;
+        // transformers 5 keeps the template in its own file; earlier versions in the tokenizer config.
+        let template = read("chat_template.jinja").ok().or_else(|| {
+            let tc: serde_json::Value = serde_json::from_str(&read("tokenizer_config.json").ok()?).ok()?;
+            match &tc["chat_template"] {
+                serde_json::Value::String(t) => Some(t.clone()),
+                serde_json::Value::Array(named) => named
+                    .iter()
+                    .find(|t| t["name"] == "default")
+                    .and_then(|t| t["template"].as_str())
+                    .map(str::to_owned),
+                _ => None,
+            }
+        });
+        let bytes = checkpoint.all().iter().map(|(_, _, b)| b).sum();
+        let info = ModelInfo::new(&checkpoint, &config.architecture, None, bytes);
+        let model = Llama::load(&checkpoint, config, backend, options)?;
+        Self::assemble(model, tokenizer, template, info)
+    }
+
+    fn assemble(
+        model: Llama<B>,
+        tokenizer: Tokenizer,
+        template: Option<String>,
+        info: ModelInfo,
+    ) -> Result<Session<B>> {
         if tokenizer.vocab_size() > model.config.vocab_size {
             return Err(Error::Model(format!(
                 "the tokenizer has {} tokens but the model only {} embeddings",
@@ -86,15 +133,14 @@ impl<B: Backend> Session<B> {
             )));
         }
         let token_string = |id: Option<u32>| id.and_then(|i| tokenizer.token_text(i)).unwrap_or("").to_string();
-        let chat_template = match file.get("tokenizer.chat_template").and_then(Value::as_str) {
+        let chat_template = match template {
             Some(source) => Some(ChatTemplate::new(
-                source,
+                &source,
                 &token_string(tokenizer.bos),
                 &token_string(tokenizer.eos),
             )?),
             None => None,
         };
-        let info = ModelInfo::from_gguf(file, &model.config.architecture);
         Ok(Session {
             model,
             tokenizer,

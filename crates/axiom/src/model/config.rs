@@ -1,8 +1,11 @@
-//! One normalized set of hyperparameters, whatever the file format.
+//! One normalized set of hyperparameters, whatever the file format: GGUF metadata or a Hugging
+//! Face `config.json`. Anything that would change the math and is not understood is an error,
+//! never a silently different model.
 
-use crate::backend::{AttentionShape, Rope, RopeLayout};
+use crate::backend::{AttentionShape, Rope, RopeLayout, RopeScaling};
 use crate::format::gguf::GgufFile;
 use crate::{Error, Result};
+use serde_json::Value as Json;
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct ModelConfig {
@@ -17,12 +20,19 @@ pub struct ModelConfig {
     pub context_length: usize,
     pub rms_eps: f32,
     pub rope: Rope,
+    /// Q, K and V projections have biases (Qwen2).
+    pub qkv_bias: bool,
+    /// Each head of Q and K is RMS-normalized before RoPE (Qwen3).
+    pub qk_norm: bool,
 }
 
 /// Upper bounds that keep a corrupt header from sizing huge buffers.
 const MAX_DIM: usize = 1 << 17;
 const MAX_LAYERS: usize = 1024;
 const MAX_CONTEXT: usize = 1 << 24;
+
+/// The architectures axiom runs, by their Hugging Face `model_type` / GGUF architecture name.
+const ARCHITECTURES: &[&str] = &["llama", "mistral", "qwen2", "qwen3"];
 
 impl ModelConfig {
     pub fn attention(&self) -> AttentionShape {
@@ -39,10 +49,11 @@ impl ModelConfig {
             .and_then(|v| v.as_str())
             .ok_or_else(|| Error::Model("missing general.architecture".into()))?
             .to_string();
-        // GGUF stores Llama and Mistral as "llama"; Q/K were permuted by the converter so that
-        // rotary pairs are adjacent.
+        // GGUF's llama converter permutes Q/K so that rotary pairs are adjacent; the Qwen
+        // converters keep Hugging Face's rotate-half order (GGUF's "NeoX" rope).
         let layout = match arch.as_str() {
             "llama" | "mistral" => RopeLayout::Adjacent,
+            "qwen2" | "qwen3" => RopeLayout::Halves,
             _ => return Err(Error::UnsupportedArchitecture(arch)),
         };
         let key = |k: &str| format!("{arch}.{k}");
@@ -61,7 +72,6 @@ impl ModelConfig {
 
         let dim = required("embedding_length")?;
         let n_heads = required("attention.head_count")?;
-        let n_kv_heads = usize_of("attention.head_count_kv")?.unwrap_or(n_heads);
         let head_dim = match usize_of("attention.key_length")? {
             Some(d) => d,
             None if n_heads > 0 => dim / n_heads,
@@ -74,12 +84,24 @@ impl ModelConfig {
                 .and_then(|t| t.dims.get(1).copied())
                 .ok_or_else(|| Error::Model("cannot tell the vocabulary size".into()))?,
         };
+        let scaling = match file.get(&key("rope.scaling.type")).and_then(|v| v.as_str()) {
+            None | Some("none") => RopeScaling::None,
+            Some("linear") => RopeScaling::Linear {
+                factor: float_of("rope.scaling.factor").unwrap_or(1.0) as f32,
+            },
+            Some(other) => return Err(Error::Model(format!("rope scaling {other:?} is not supported"))),
+        };
+        if file.tensor("rope_freqs.weight").is_some() {
+            return Err(Error::Model(
+                "per-dimension rope frequency factors (rope_freqs) are not supported yet".into(),
+            ));
+        }
         let config = ModelConfig {
             n_layers: required("block_count")?,
             dim,
             ffn_dim: required("feed_forward_length")?,
             n_heads,
-            n_kv_heads,
+            n_kv_heads: usize_of("attention.head_count_kv")?.unwrap_or(n_heads),
             head_dim,
             vocab_size,
             context_length: usize_of("context_length")?.unwrap_or(4096),
@@ -88,19 +110,112 @@ impl ModelConfig {
                 layout,
                 theta: float_of("rope.freq_base").unwrap_or(10000.0) as f32,
                 dims: usize_of("rope.dimension_count")?.unwrap_or(head_dim),
+                scaling,
             },
-            architecture: arch.clone(),
+            qkv_bias: file.tensor("blk.0.attn_q.bias").is_some(),
+            qk_norm: file.tensor("blk.0.attn_q_norm.weight").is_some(),
+            architecture: arch,
         };
-        if let Some(scaling) = file.get(&key("rope.scaling.type")).and_then(|v| v.as_str()) {
-            if scaling != "none" {
-                return Err(Error::Model(format!("rope scaling {scaling:?} is not supported yet")));
-            }
-        }
         config.validate()?;
         Ok(config)
     }
 
-    /// Rejects shapes the forward pass cannot run, before anything is sized from them.
+    /// From a Hugging Face `config.json`.
+    pub fn from_hf(config: &Json) -> Result<ModelConfig> {
+        let model_type = config["model_type"].as_str().unwrap_or_default().to_string();
+        if !ARCHITECTURES.contains(&model_type.as_str()) {
+            let named = config["architectures"]
+                .get(0)
+                .and_then(Json::as_str)
+                .unwrap_or("none given");
+            return Err(Error::UnsupportedArchitecture(format!("{model_type} ({named})")));
+        }
+        let bad = |what: String| Error::Model(format!("config.json: {what}"));
+        let usize_of = |k: &str| -> Result<Option<usize>> {
+            match &config[k] {
+                Json::Null => Ok(None),
+                v => v
+                    .as_u64()
+                    .map(|x| Some(x as usize))
+                    .ok_or_else(|| bad(format!("{k} is not a non-negative integer"))),
+            }
+        };
+        let required = |k: &str| usize_of(k)?.ok_or_else(|| bad(format!("missing {k}")));
+        let float_of = |v: &Json| v.as_f64();
+
+        // Settings that would change the math are either understood or refused.
+        if let Some(act) = config["hidden_act"].as_str().or(config["hidden_activation"].as_str()) {
+            if act != "silu" {
+                return Err(bad(format!("activation {act:?} is not supported (silu only)")));
+            }
+        }
+        if config["mlp_bias"].as_bool() == Some(true) {
+            return Err(bad("MLP biases are not supported".into()));
+        }
+        let n_heads = required("num_attention_heads")?;
+        let dim = required("hidden_size")?;
+        let context_length = usize_of("max_position_embeddings")?.unwrap_or(4096);
+        let window = usize_of("sliding_window")?;
+        let window_used = config["use_sliding_window"]
+            .as_bool()
+            .unwrap_or(model_type == "mistral");
+        if let (Some(w), true) = (window, window_used) {
+            if w < context_length {
+                return Err(bad(format!(
+                    "a sliding window of {w} tokens (below the context of {context_length}) is not supported"
+                )));
+            }
+        }
+        // transformers 5 writes `rope_parameters`; earlier versions `rope_theta` + `rope_scaling`.
+        let params = if config["rope_parameters"].is_object() {
+            &config["rope_parameters"]
+        } else {
+            &config["rope_scaling"]
+        };
+        let theta = float_of(&params["rope_theta"])
+            .or(float_of(&config["rope_theta"]))
+            .unwrap_or(10000.0) as f32;
+        let rope_type = params["rope_type"]
+            .as_str()
+            .or(params["type"].as_str())
+            .unwrap_or("default");
+        let factor = || float_of(&params["factor"]).unwrap_or(1.0) as f32;
+        let scaling = match rope_type {
+            "default" => RopeScaling::None,
+            "linear" => RopeScaling::Linear { factor: factor() },
+            "llama3" => RopeScaling::Llama3 {
+                factor: factor(),
+                low_freq_factor: float_of(&params["low_freq_factor"]).unwrap_or(1.0) as f32,
+                high_freq_factor: float_of(&params["high_freq_factor"]).unwrap_or(4.0) as f32,
+                original_context: params["original_max_position_embeddings"].as_u64().unwrap_or(8192) as usize,
+            },
+            other => return Err(bad(format!("rope type {other:?} is not supported"))),
+        };
+        let head_dim = usize_of("head_dim")?.unwrap_or(dim.checked_div(n_heads).unwrap_or(0));
+        let config_out = ModelConfig {
+            n_layers: required("num_hidden_layers")?,
+            dim,
+            ffn_dim: required("intermediate_size")?,
+            n_heads,
+            n_kv_heads: usize_of("num_key_value_heads")?.unwrap_or(n_heads),
+            head_dim,
+            vocab_size: required("vocab_size")?,
+            context_length,
+            rms_eps: float_of(&config["rms_norm_eps"]).unwrap_or(1e-6) as f32,
+            rope: Rope {
+                layout: RopeLayout::Halves,
+                theta,
+                dims: head_dim,
+                scaling,
+            },
+            qkv_bias: model_type == "qwen2" || config["attention_bias"].as_bool() == Some(true),
+            qk_norm: model_type == "qwen3",
+            architecture: model_type,
+        };
+        config_out.validate()?;
+        Ok(config_out)
+    }
+
     pub fn validate(&self) -> Result<()> {
         let bad = |what: String| Err(Error::Model(what));
         for (name, v, max) in [

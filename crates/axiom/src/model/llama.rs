@@ -1,7 +1,7 @@
 //! The Llama forward pass, written once against the [`Backend`] ops.
 
 use super::config::ModelConfig;
-use super::weights::{self, Weights};
+use super::weights::{self, TensorSource, Weights};
 use crate::backend::{Backend, BlockHandle};
 use crate::format::gguf::GgufFile;
 use crate::{Error, Result};
@@ -76,6 +76,8 @@ struct Scratch {
     gate: BlockHandle,
     up: BlockHandle,
     hidden: BlockHandle,
+    q_normed: BlockHandle,
+    k_normed: BlockHandle,
     logits: BlockHandle,
 }
 
@@ -83,6 +85,8 @@ pub struct Llama<B: Backend> {
     pub config: ModelConfig,
     pub backend: B,
     weights: Weights<B::Weight>,
+    /// The rope kernels' table of per-pair frequencies.
+    freqs: BlockHandle,
     scratch: Scratch,
     max_batch: usize,
     /// Host copies of a few rows of logits; after `forward_last`, the first row is the last token's.
@@ -94,27 +98,37 @@ pub struct Llama<B: Backend> {
 }
 
 impl<B: Backend> Llama<B> {
-    pub fn from_gguf(file: &GgufFile, mut backend: B, options: LoadOptions) -> Result<Llama<B>> {
-        let config = ModelConfig::from_gguf(file)?;
+    pub fn from_gguf(file: &GgufFile, backend: B, options: LoadOptions) -> Result<Llama<B>> {
+        Self::load(file, ModelConfig::from_gguf(file)?, backend, options)
+    }
+
+    /// Loads the weights `config` calls for from `source` onto `backend`, reserving the arena
+    /// for them, the activations of `options.max_batch` tokens and `options.kv_tokens` of cache.
+    pub fn load<S: TensorSource + ?Sized>(
+        source: &S,
+        config: ModelConfig,
+        mut backend: B,
+        options: LoadOptions,
+    ) -> Result<Llama<B>> {
         let max_batch = options.max_batch.max(1);
         let kv_tokens = options.kv_tokens.min(config.context_length).max(1);
         let kv = kv_bytes(&config, kv_tokens, backend.kv_type().bytes());
         let (largest_weight, max_n_in) = weights::largest(&config);
         let steps = max_batch.max(LOGIT_ROWS_PER_STEP);
-        let matrices: Vec<usize> = file
-            .tensors
-            .iter()
-            .filter(|t| t.dims.len() == 2)
-            .map(|t| t.size_bytes)
+        let matrices: Vec<usize> = source
+            .all()
+            .into_iter()
+            .filter(|(_, dims, _)| dims.len() == 2)
+            .map(|(_, _, b)| b)
             .collect();
-        let arena = weights::norm_bytes(&config)
+        let arena = weights::vector_bytes(&config)
             + scratch_bytes(&config, max_batch)
             + kv
             + backend.weight_bytes(&matrices)
             + backend.staging_bytes(largest_weight, steps, max_n_in)
             + 64 * 256;
         backend.reserve(arena)?;
-        let weights = weights::load_gguf(file, &config, &mut backend)?;
+        let (weights, freqs) = weights::load(source, &config, &mut backend)?;
         let scratch = Scratch::new(&mut backend, &config, max_batch)?;
         backend.prepare(steps, max_n_in)?;
         let logits = vec![0f32; config.vocab_size * LOGIT_ROWS_PER_STEP];
@@ -123,6 +137,7 @@ impl<B: Backend> Llama<B> {
             config,
             backend,
             weights,
+            freqs,
             scratch,
             max_batch,
             logits,
@@ -237,10 +252,24 @@ impl<B: Backend> Llama<B> {
             // Attention block.
             b.rms_norm(s.x, layer.attn_norm, s.normed, n, c.dim, c.rms_eps)?;
             b.matmul_many(s.normed, &[&layer.wq, &layer.wk, &layer.wv], &[s.q, s.k, s.v], n)?;
-            b.rope(s.q, s.positions, n, c.n_heads, c.head_dim, c.rope)?;
-            b.rope(s.k, s.positions, n, c.n_kv_heads, c.head_dim, c.rope)?;
-            b.kv_write(s.k, s.v, *k_cache, *v_cache, s.positions, n, shape.kv_width())?;
-            b.attention(s.q, *k_cache, *v_cache, s.positions, s.attn, n, shape)?;
+            if let Some([bq, bk, bv]) = layer.qkv_bias {
+                b.add_bias(s.q, bq, n, shape.q_width())?;
+                b.add_bias(s.k, bk, n, shape.kv_width())?;
+                b.add_bias(s.v, bv, n, shape.kv_width())?;
+            }
+            // Qwen3 normalizes each head of Q and K (rows of head_dim) before the rotation.
+            let (q, k) = match layer.qk_norm {
+                Some([qn, kn]) => {
+                    b.rms_norm(s.q, qn, s.q_normed, n * c.n_heads, c.head_dim, c.rms_eps)?;
+                    b.rms_norm(s.k, kn, s.k_normed, n * c.n_kv_heads, c.head_dim, c.rms_eps)?;
+                    (s.q_normed, s.k_normed)
+                }
+                None => (s.q, s.k),
+            };
+            b.rope(q, s.positions, self.freqs, n, c.n_heads, c.head_dim, c.rope)?;
+            b.rope(k, s.positions, self.freqs, n, c.n_kv_heads, c.head_dim, c.rope)?;
+            b.kv_write(k, s.v, *k_cache, *v_cache, s.positions, n, shape.kv_width())?;
+            b.attention(q, *k_cache, *v_cache, s.positions, s.attn, n, shape)?;
             b.matmul(s.attn, &layer.wo, s.proj, n)?;
             b.add(s.x, s.proj, n * c.dim)?;
             // Feed-forward block.
@@ -273,11 +302,14 @@ impl<B: Backend> Llama<B> {
     }
 }
 
-/// Widths (values per token) of the scratch buffers, in `Scratch` field order up to `hidden`.
-fn scratch_widths(c: &ModelConfig) -> [usize; 12] {
+/// Widths (values per token) of the scratch buffers, in `Scratch` field order up to `k_normed`.
+fn scratch_widths(c: &ModelConfig) -> [usize; 14] {
     let a = c.attention();
     let (q, kv) = (a.q_width(), a.kv_width());
-    [1, 1, c.dim, c.dim, q, kv, kv, q, c.dim, c.ffn_dim, c.ffn_dim, c.ffn_dim]
+    let (qn, kn) = if c.qk_norm { (q, kv) } else { (0, 0) };
+    [
+        1, 1, c.dim, c.dim, q, kv, kv, q, c.dim, c.ffn_dim, c.ffn_dim, c.ffn_dim, qn, kn,
+    ]
 }
 
 fn scratch_bytes(c: &ModelConfig, max_batch: usize) -> usize {
@@ -294,7 +326,7 @@ fn kv_bytes(c: &ModelConfig, tokens: usize, element_bytes: usize) -> usize {
 
 impl Scratch {
     fn new<B: Backend>(b: &mut B, c: &ModelConfig, max_batch: usize) -> Result<Scratch> {
-        let [ids, positions, x, normed, q, k, v, attn, proj, gate, up, hidden] = scratch_widths(c);
+        let [ids, positions, x, normed, q, k, v, attn, proj, gate, up, hidden, q_normed, k_normed] = scratch_widths(c);
         let mut alloc = |width: usize| b.alloc(width * max_batch * 4);
         Ok(Scratch {
             ids: alloc(ids)?,
@@ -309,6 +341,8 @@ impl Scratch {
             gate: alloc(gate)?,
             up: alloc(up)?,
             hidden: alloc(hidden)?,
+            q_normed: alloc(q_normed)?,
+            k_normed: alloc(k_normed)?,
             logits: b.alloc(LOGIT_ROWS_PER_STEP * c.vocab_size * 4)?,
         })
     }

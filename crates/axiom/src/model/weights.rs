@@ -1,9 +1,11 @@
-//! Loading a model's tensors onto a backend, checking each against the config.
+//! Loading a model's tensors onto a backend, checking each against the config. Tensors are asked
+//! for by their GGUF names; a Hugging Face checkpoint maps those to its own.
 
 use super::config::ModelConfig;
 use crate::backend::{Backend, BlockHandle, HostTensor};
-use crate::format::gguf::{GgufFile, TensorInfo};
-use crate::format::quant::dequantize;
+use crate::format::gguf::GgufFile;
+use crate::format::quant::{dequantize, GgmlType};
+use crate::format::safetensors::SafetensorsModel;
 use crate::{Error, Result};
 
 pub struct LayerWeights<W> {
@@ -12,6 +14,10 @@ pub struct LayerWeights<W> {
     pub wk: W,
     pub wv: W,
     pub wo: W,
+    /// Q, K, V biases (Qwen2).
+    pub qkv_bias: Option<[BlockHandle; 3]>,
+    /// Per-head Q and K norms (Qwen3).
+    pub qk_norm: Option<[BlockHandle; 2]>,
     pub ffn_norm: BlockHandle,
     pub w_gate: W,
     pub w_up: W,
@@ -32,6 +38,83 @@ impl<W> Weights<W> {
     }
 }
 
+/// Where tensors come from: a GGUF file or a Hugging Face checkpoint.
+pub trait TensorSource {
+    /// The tensor stored under GGUF name `name` ("blk.0.attn_q.weight"), if there is one.
+    fn tensor(&self, name: &str) -> Option<HostTensor<'_>>;
+    /// Every tensor: (type, dimensions, bytes), for sizing and summaries.
+    fn all(&self) -> Vec<(GgmlType, Vec<usize>, usize)>;
+}
+
+impl TensorSource for GgufFile {
+    fn tensor(&self, name: &str) -> Option<HostTensor<'_>> {
+        let info = GgufFile::tensor(self, name)?;
+        Some(HostTensor {
+            name: &info.name,
+            ty: info.ty,
+            dims: &info.dims,
+            bytes: self.tensor_bytes(info),
+            region: Some(self.tensor_region(info)),
+        })
+    }
+
+    fn all(&self) -> Vec<(GgmlType, Vec<usize>, usize)> {
+        self.tensors
+            .iter()
+            .map(|t| (t.ty, t.dims.clone(), t.size_bytes))
+            .collect()
+    }
+}
+
+/// The Hugging Face name of a GGUF tensor name.
+fn hf_name(gguf: &str) -> Option<String> {
+    Some(match gguf {
+        "token_embd.weight" => "model.embed_tokens.weight".into(),
+        "output_norm.weight" => "model.norm.weight".into(),
+        "output.weight" => "lm_head.weight".into(),
+        _ => {
+            let rest = gguf.strip_prefix("blk.")?;
+            let (layer, field) = rest.split_once('.')?;
+            let (field, kind) = field.rsplit_once('.')?;
+            let hf = match field {
+                "attn_norm" => "input_layernorm",
+                "ffn_norm" => "post_attention_layernorm",
+                "attn_q" => "self_attn.q_proj",
+                "attn_k" => "self_attn.k_proj",
+                "attn_v" => "self_attn.v_proj",
+                "attn_output" => "self_attn.o_proj",
+                "attn_q_norm" => "self_attn.q_norm",
+                "attn_k_norm" => "self_attn.k_norm",
+                "ffn_gate" => "mlp.gate_proj",
+                "ffn_up" => "mlp.up_proj",
+                "ffn_down" => "mlp.down_proj",
+                _ => return None,
+            };
+            format!("model.layers.{layer}.{hf}.{kind}")
+        }
+    })
+}
+
+impl TensorSource for SafetensorsModel {
+    fn tensor(&self, name: &str) -> Option<HostTensor<'_>> {
+        let hf = hf_name(name)?;
+        let entry = self.get(&hf)?;
+        Some(HostTensor {
+            name: &entry.name,
+            ty: entry.ty,
+            dims: &entry.dims,
+            bytes: self.bytes(entry),
+            region: Some(self.region(entry)),
+        })
+    }
+
+    fn all(&self) -> Vec<(GgmlType, Vec<usize>, usize)> {
+        self.names()
+            .map(|(_, e)| (e.ty, e.dims.clone(), self.bytes(e).len()))
+            .collect()
+    }
+}
+
 /// The largest matrix (elements) and the widest matmul input of the model.
 pub fn largest(config: &ModelConfig) -> (usize, usize) {
     let a = config.attention();
@@ -47,88 +130,114 @@ pub fn largest(config: &ModelConfig) -> (usize, usize) {
     (largest, widest)
 }
 
-/// Bytes of arena the norm vectors need (they are uploaded as f32 blocks).
-pub fn norm_bytes(config: &ModelConfig) -> usize {
-    (2 * config.n_layers + 1) * config.dim.next_multiple_of(16) * 4
+/// Bytes of arena the vectors (norms, biases, rope frequencies) need as f32 blocks.
+pub fn vector_bytes(config: &ModelConfig) -> usize {
+    let a = config.attention();
+    let per_layer = 2 * config.dim + a.q_width() + 2 * a.kv_width() + 2 * config.head_dim;
+    ((config.n_layers * per_layer + config.dim + config.head_dim) * 4).next_multiple_of(64)
+        + (config.n_layers * 8 + 2) * 256
 }
 
-struct Loader<'a, B: Backend> {
-    file: &'a GgufFile,
+struct Loader<'a, B: Backend, S: TensorSource + ?Sized> {
+    source: &'a S,
     backend: &'a mut B,
 }
 
-impl<B: Backend> Loader<'_, B> {
-    fn info(&self, name: &str) -> Result<&TensorInfo> {
-        self.file
-            .tensor(name)
-            .ok_or_else(|| Error::Model(format!("missing tensor {name}")))
+/// The tensor `name`, checked to have the dimensions `expected`.
+fn checked<'s, S: TensorSource + ?Sized>(source: &'s S, name: &str, expected: &[usize]) -> Result<HostTensor<'s>> {
+    let t = source
+        .tensor(name)
+        .ok_or_else(|| Error::Model(format!("missing tensor {name}")))?;
+    if t.dims != expected {
+        return Err(Error::Model(format!(
+            "tensor {name} has shape {:?}, expected {:?}",
+            t.dims, expected
+        )));
     }
+    Ok(t)
+}
 
-    fn check_dims(info: &TensorInfo, expected: &[usize]) -> Result<()> {
-        if info.dims != expected {
-            return Err(Error::Model(format!(
-                "tensor {} has shape {:?}, expected {:?}",
-                info.name, info.dims, expected
-            )));
-        }
-        Ok(())
-    }
-
+impl<B: Backend, S: TensorSource + ?Sized> Loader<'_, B, S> {
     /// A matrix with `n_out` rows of `n_in`, kept in its stored type.
     fn matrix(&mut self, name: &str, n_in: usize, n_out: usize) -> Result<B::Weight> {
-        let info = self.info(name)?.clone();
-        Self::check_dims(&info, &[n_in, n_out])?;
-        let tensor = HostTensor {
-            name,
-            ty: info.ty,
-            dims: &info.dims,
-            bytes: self.file.tensor_bytes(&info),
-            region: Some(self.file.tensor_region(&info)),
-        };
+        let tensor = checked(self.source, name, &[n_in, n_out])?;
         self.backend.upload_weight(&tensor)
     }
 
     /// A vector, converted to f32 and copied into the arena.
     fn vector(&mut self, name: &str, len: usize) -> Result<BlockHandle> {
-        let info = self.info(name)?.clone();
-        Self::check_dims(&info, &[len])?;
+        let t = checked(self.source, name, &[len])?;
         let mut values = vec![0f32; len];
-        dequantize(info.ty, self.file.tensor_bytes(&info), &mut values);
-        let block = self.backend.alloc(len * 4)?;
-        self.backend.write_f32(block, &values)?;
+        dequantize(t.ty, t.bytes, &mut values);
+        self.upload(&values)
+    }
+
+    fn upload(&mut self, values: &[f32]) -> Result<BlockHandle> {
+        let block = self.backend.alloc(values.len() * 4)?;
+        self.backend.write_f32(block, values)?;
         Ok(block)
     }
 }
 
-pub fn load_gguf<B: Backend>(file: &GgufFile, config: &ModelConfig, backend: &mut B) -> Result<Weights<B::Weight>> {
+/// Uploads every weight the config calls for; also the rope frequency table.
+pub fn load<B: Backend, S: TensorSource + ?Sized>(
+    source: &S,
+    config: &ModelConfig,
+    backend: &mut B,
+) -> Result<(Weights<B::Weight>, BlockHandle)> {
     let (dim, ffn, vocab) = (config.dim, config.ffn_dim, config.vocab_size);
-    let (qw, kvw) = (config.attention().q_width(), config.attention().kv_width());
-    let mut l = Loader { file, backend };
+    let (qw, kvw, hd) = (
+        config.attention().q_width(),
+        config.attention().kv_width(),
+        config.head_dim,
+    );
+    let mut l = Loader { source, backend };
     let token_embd = l.matrix("token_embd.weight", dim, vocab)?;
     let output_norm = l.vector("output_norm.weight", dim)?;
-    let output = match file.tensor("output.weight") {
+    let output = match source.tensor("output.weight") {
         Some(_) => Some(l.matrix("output.weight", dim, vocab)?),
         None => None,
     };
     let mut layers = Vec::with_capacity(config.n_layers);
     for i in 0..config.n_layers {
-        let p = |s: &str| format!("blk.{i}.{s}.weight");
+        let p = |s: &str| format!("blk.{i}.{s}");
+        let qkv_bias = match config.qkv_bias {
+            true => Some([
+                l.vector(&p("attn_q.bias"), qw)?,
+                l.vector(&p("attn_k.bias"), kvw)?,
+                l.vector(&p("attn_v.bias"), kvw)?,
+            ]),
+            false => None,
+        };
+        let qk_norm = match config.qk_norm {
+            true => Some([
+                l.vector(&p("attn_q_norm.weight"), hd)?,
+                l.vector(&p("attn_k_norm.weight"), hd)?,
+            ]),
+            false => None,
+        };
         layers.push(LayerWeights {
-            attn_norm: l.vector(&p("attn_norm"), dim)?,
-            wq: l.matrix(&p("attn_q"), dim, qw)?,
-            wk: l.matrix(&p("attn_k"), dim, kvw)?,
-            wv: l.matrix(&p("attn_v"), dim, kvw)?,
-            wo: l.matrix(&p("attn_output"), qw, dim)?,
-            ffn_norm: l.vector(&p("ffn_norm"), dim)?,
-            w_gate: l.matrix(&p("ffn_gate"), dim, ffn)?,
-            w_up: l.matrix(&p("ffn_up"), dim, ffn)?,
-            w_down: l.matrix(&p("ffn_down"), ffn, dim)?,
+            attn_norm: l.vector(&p("attn_norm.weight"), dim)?,
+            wq: l.matrix(&p("attn_q.weight"), dim, qw)?,
+            wk: l.matrix(&p("attn_k.weight"), dim, kvw)?,
+            wv: l.matrix(&p("attn_v.weight"), dim, kvw)?,
+            wo: l.matrix(&p("attn_output.weight"), qw, dim)?,
+            qkv_bias,
+            qk_norm,
+            ffn_norm: l.vector(&p("ffn_norm.weight"), dim)?,
+            w_gate: l.matrix(&p("ffn_gate.weight"), dim, ffn)?,
+            w_up: l.matrix(&p("ffn_up.weight"), dim, ffn)?,
+            w_down: l.matrix(&p("ffn_down.weight"), ffn, dim)?,
         });
     }
-    Ok(Weights {
-        token_embd,
-        output_norm,
-        output,
-        layers,
-    })
+    let freqs = l.upload(&config.rope.inverse_frequencies())?;
+    Ok((
+        Weights {
+            token_embd,
+            output_norm,
+            output,
+            layers,
+        },
+        freqs,
+    ))
 }

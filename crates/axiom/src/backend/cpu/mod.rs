@@ -519,14 +519,22 @@ impl Backend for CpuBackend {
         &self,
         x: BlockHandle,
         positions: BlockHandle,
+        freqs: BlockHandle,
         n_tokens: usize,
         n_heads: usize,
         head_dim: usize,
         rope: Rope,
     ) -> Result<()> {
-        disjoint(&[x], &[positions])?;
+        disjoint(&[x], &[positions, freqs])?;
         let x = self.view_mut(x, n_tokens * n_heads * head_dim);
-        kernels::rope::rope(x, self.view(positions, n_tokens), n_heads, head_dim, rope);
+        let freqs = self.view(freqs, rope.dims / 2);
+        kernels::rope::rope(x, self.view(positions, n_tokens), freqs, n_heads, head_dim, rope.layout);
+        Ok(())
+    }
+
+    fn add_bias(&self, x: BlockHandle, bias: BlockHandle, n_tokens: usize, width: usize) -> Result<()> {
+        disjoint(&[x], &[bias])?;
+        kernels::add::add_bias(self.view_mut(x, n_tokens * width), self.view(bias, width));
         Ok(())
     }
 

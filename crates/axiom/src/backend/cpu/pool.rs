@@ -10,7 +10,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 
 /// Spins before sleeping: long enough to cover the gap between two ops of one forward pass.
-const SPIN_ITERATIONS: usize = 1 << 16;
+const SPIN_ITERATIONS: usize = 1 << 12;
 
 type Job = dyn Fn(usize) + Sync;
 

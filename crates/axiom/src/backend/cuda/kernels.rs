@@ -99,6 +99,7 @@ const FUNCTIONS: &[&str] = &[
     "attention",
     "swiglu",
     "add",
+    "add_bias",
     "convert_f32",
     "argmax",
     "gemv_f32_1",

@@ -472,6 +472,7 @@ impl Backend for CudaBackend {
         &self,
         x: BlockHandle,
         positions: BlockHandle,
+        freqs: BlockHandle,
         n_tokens: usize,
         n_heads: usize,
         head_dim: usize,
@@ -486,12 +487,22 @@ impl Backend for CudaBackend {
             &[
                 &self.ptr(x),
                 &self.ptr(positions),
+                &self.ptr(freqs),
                 &nh,
                 &hd,
                 &dims,
-                &rope.theta,
                 &halves,
             ],
+        )
+    }
+
+    fn add_bias(&self, x: BlockHandle, bias: BlockHandle, n_tokens: usize, width: usize) -> Result<()> {
+        let (n, w) = ((n_tokens * width) as u64, width as u64);
+        self.launch(
+            "add_bias",
+            (blocks_for(n as usize, 256).min(4096), 1, 1),
+            256,
+            &[&self.ptr(x), &self.ptr(bias), &n, &w],
         )
     }
 

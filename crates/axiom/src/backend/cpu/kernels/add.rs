@@ -4,3 +4,10 @@ pub fn add(x: &mut [f32], y: &[f32]) {
         *a += b;
     }
 }
+
+/// `x[t] += bias` for every row of `bias.len()`.
+pub fn add_bias(x: &mut [f32], bias: &[f32]) {
+    for row in x.chunks_exact_mut(bias.len()) {
+        add(row, bias);
+    }
+}

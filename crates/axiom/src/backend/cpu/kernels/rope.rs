@@ -1,17 +1,17 @@
-use crate::backend::{Rope, RopeLayout};
+use crate::backend::RopeLayout;
 
-/// Rotates each head of each token's row in place by angles `pos * theta^(-2i/dims)`.
-pub fn rope(x: &mut [f32], positions: &[u32], n_heads: usize, head_dim: usize, rope: Rope) {
-    let half = rope.dims / 2;
+/// Rotates each head of each token's row in place: pair i by the angle `pos * freqs[i]`
+/// (computed in f64).
+pub fn rope(x: &mut [f32], positions: &[u32], freqs: &[f32], n_heads: usize, head_dim: usize, layout: RopeLayout) {
+    let half = freqs.len();
     let mut table = vec![(0f64, 0f64); half];
     for (row, &pos) in x.chunks_exact_mut(n_heads * head_dim).zip(positions) {
-        for (i, entry) in table.iter_mut().enumerate() {
-            let freq = (rope.theta as f64).powf(-2.0 * i as f64 / rope.dims as f64);
-            *entry = (pos as f64 * freq).sin_cos();
+        for (entry, &freq) in table.iter_mut().zip(freqs) {
+            *entry = (pos as f64 * freq as f64).sin_cos();
         }
         for head in row.chunks_exact_mut(head_dim) {
             for (i, &(sin, cos)) in table.iter().enumerate() {
-                let (a, b) = match rope.layout {
+                let (a, b) = match layout {
                     RopeLayout::Adjacent => (2 * i, 2 * i + 1),
                     RopeLayout::Halves => (i, i + half),
                 };

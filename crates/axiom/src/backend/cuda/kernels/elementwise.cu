@@ -11,6 +11,11 @@ extern "C" __global__ void add(float* x, const float* y, u64 n) {
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) x[i] += y[i];
 }
 
+// x[t] += bias for rows of `width`
+extern "C" __global__ void add_bias(float* x, const float* bias, u64 n, u64 width) {
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) x[i] += bias[i % width];
+}
+
 // f32 to f16 (kind 1) or bf16 (kind 30), for the cuBLAS inputs.
 extern "C" __global__ void convert_f32(const float* x, u16* out, u64 n, int kind) {
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)

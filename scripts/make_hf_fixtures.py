@@ -1,0 +1,89 @@
+#!/usr/bin/env python3
+"""Writes crates/axiom/tests/fixtures/hf/<arch>/: tiny randomly initialised models of each
+architecture axiom runs from Hugging Face directories, saved with `save_pretrained` (safetensors,
+config.json, tokenizer.json with a real BPE trained on the Apache license text, tokenizer_config.json
+with a ChatML template, generation_config.json), and transformers' float32 logits for a few token
+sequences (`logits.json`: ids and shapes; `logits.bin`: little-endian f32).
+
+Run where torch and transformers are (the device machine has them):
+
+    python3 scripts/make_hf_fixtures.py
+"""
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, PreTrainedTokenizerFast,
+                          Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "crates/axiom/tests/fixtures/hf"
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+TEXTS = ["The license applies to every contribution.", "Copyright 2004, all rights reserved: 1 2 3 4 5.",
+         "<|im_start|>user\nWhat is a derivative work?<|im_end|>\n<|im_start|>assistant\n"]
+SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             vocab_size=1000, max_position_embeddings=256)
+
+
+def tokenizer():
+    text = (ROOT / "crates/axiom/tests/refs/smollm2/apache-2.0.txt").read_text()
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=1000, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([text], trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|im_end|>",
+                                   unk_token=None, chat_template=CHATML)
+
+
+def models_to_make():
+    return {
+        "llama": (LlamaForCausalLM, LlamaConfig(**SHAPE, rope_theta=10000.0, tie_word_embeddings=False)),
+        "llama3": (LlamaForCausalLM, LlamaConfig(**SHAPE, rope_theta=500000.0, tie_word_embeddings=True, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64})),
+        "mistral": (MistralForCausalLM, MistralConfig(**SHAPE, rope_theta=1000000.0, sliding_window=None,
+                                                      tie_word_embeddings=False)),
+        "qwen2": (Qwen2ForCausalLM, Qwen2Config(**SHAPE, rope_theta=1000000.0, tie_word_embeddings=True)),
+        "qwen3": (Qwen3ForCausalLM, Qwen3Config(**SHAPE, head_dim=32, rope_theta=1000000.0, tie_word_embeddings=True)),
+    }
+
+
+def main():
+    tok = tokenizer()
+    for name, (cls, config) in models_to_make().items():
+        torch.manual_seed(0)
+        config.initializer_range = 0.2  # larger weights than the default 0.02, so logits differ clearly
+        model = cls(config).float().eval()
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if n.endswith("norm.weight"):
+                    p.copy_(1.0 + 0.1 * torch.randn_like(p))  # norms not all ones
+                if n.endswith(".bias"):
+                    p.copy_(0.1 * torch.randn_like(p))
+        d = OUT / name
+        d.mkdir(parents=True, exist_ok=True)
+        # The llama fixture is sharded, to test sharded checkpoints.
+        model.save_pretrained(d, safe_serialization=True, max_shard_size="200KB" if name == "llama" else "100MB")
+        tok.save_pretrained(d)
+        model.generation_config.eos_token_id = [tok.eos_token_id, tok.convert_tokens_to_ids("<|endoftext|>")]
+        model.generation_config.save_pretrained(d)
+        ids = [tok(t, add_special_tokens=False)["input_ids"] for t in TEXTS]
+        chunks = []
+        with torch.no_grad():
+            for seq in ids:
+                chunks.append(model(torch.tensor([seq])).logits[0].float().numpy())
+        (d / "logits.bin").write_bytes(np.concatenate([c.reshape(-1) for c in chunks]).astype("<f4").tobytes())
+        (d / "logits.json").write_text(json.dumps({"texts": TEXTS, "ids": ids, "vocab": config.vocab_size,
+                                                   "source": "transformers float32, CPU"}, indent=1))
+        print(name, sum(p.numel() for p in model.parameters()), "params", [len(s) for s in ids])
+    os.system(f"du -sh {OUT}")
+
+
+if __name__ == "__main__":
+    main()
