@@ -217,7 +217,10 @@ fn load_session(args: &ModelArgs, options: LoadOptions, out: Output) -> Result<L
         }
     };
     let loaded = if use_cuda {
-        let backend = CudaBackend::new(0).context("starting the CUDA backend")?;
+        let kv_type = if args.kv_f32 { KvType::F32 } else { KvType::F16 };
+        let backend = CudaBackend::new(0)
+            .context("starting the CUDA backend")?
+            .with_kv_type(kv_type);
         let session = Session::load(&path, backend, options).with_context(context)?;
         summary(
             session.model.backend.device_name(),

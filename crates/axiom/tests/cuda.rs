@@ -189,7 +189,8 @@ fn embed_rms_norm_rope_swiglu_add_match_the_cpu_reference() {
 
 #[test]
 #[ignore = "needs an NVIDIA GPU: cargo test --release --test cuda -- --ignored"]
-fn kv_write_and_attention_match_the_cpu_reference_on_f16_values() {
+fn kv_write_and_attention_match_the_cpu_reference() {
+    use axiom::backend::KvType;
     let mut rng = ChaCha8Rng::seed_from_u64(3);
     let shape = AttentionShape {
         n_heads: 9,
@@ -197,35 +198,47 @@ fn kv_write_and_attention_match_the_cpu_reference_on_f16_values() {
         head_dim: 48,
     };
     let (seq, kv_w) = (35, shape.kv_width());
-    // The GPU cache is f16: give the reference the same rounded K and V.
-    let round = |v: Vec<f32>| -> Vec<f32> { v.iter().map(|&x| f16::from_f32(x).to_f32()).collect() };
-    let k = round(randn(&mut rng, seq * kv_w));
-    let v = round(randn(&mut rng, seq * kv_w));
     let all: Vec<u32> = (0..seq as u32).collect();
-    for positions in [all.clone(), vec![34], vec![0, 17, 3]] {
-        let n = positions.len();
-        let q = randn(&mut rng, n * shape.q_width());
-        let (mut gpu, mut cpu) = pair();
-        let (kg, vg) = (put(&mut gpu, &k), put(&mut gpu, &v));
-        let (kcg, vcg) = (gpu.alloc(seq * kv_w * 2).unwrap(), gpu.alloc(seq * kv_w * 2).unwrap());
-        let pa = put_u32(&mut gpu, &all);
-        gpu.kv_write(kg, vg, kcg, vcg, pa, seq, kv_w).unwrap();
-        let (qg, pg, og) = (
-            put(&mut gpu, &q),
-            put_u32(&mut gpu, &positions),
-            poisoned(&mut gpu, q.len()),
-        );
-        gpu.attention(qg, kcg, vcg, pg, og, n, shape).unwrap();
+    for kv_type in [KvType::F16, KvType::F32] {
+        // An f16 cache holds rounded K and V: give the reference the same values.
+        let round = |v: Vec<f32>| -> Vec<f32> {
+            match kv_type {
+                KvType::F16 => v.iter().map(|&x| f16::from_f32(x).to_f32()).collect(),
+                KvType::F32 => v,
+            }
+        };
+        let k = round(randn(&mut rng, seq * kv_w));
+        let v = round(randn(&mut rng, seq * kv_w));
+        for positions in [all.clone(), vec![34], vec![0, 17, 3]] {
+            let n = positions.len();
+            let q = randn(&mut rng, n * shape.q_width());
+            let (gpu, mut cpu) = pair();
+            let mut gpu = gpu.with_kv_type(kv_type);
+            let (kg, vg) = (put(&mut gpu, &k), put(&mut gpu, &v));
+            let bytes = seq * kv_w * kv_type.bytes();
+            let (kcg, vcg) = (gpu.alloc(bytes).unwrap(), gpu.alloc(bytes).unwrap());
+            let pa = put_u32(&mut gpu, &all);
+            gpu.kv_write(kg, vg, kcg, vcg, pa, seq, kv_w).unwrap();
+            let (qg, pg, og) = (
+                put(&mut gpu, &q),
+                put_u32(&mut gpu, &positions),
+                poisoned(&mut gpu, q.len()),
+            );
+            gpu.attention(qg, kcg, vcg, pg, og, n, shape).unwrap();
 
-        let (kc, vc) = (put(&mut cpu, &k), put(&mut cpu, &v));
-        let (qc, pc, oc) = (
-            put(&mut cpu, &q),
-            put_u32(&mut cpu, &positions),
-            poisoned(&mut cpu, q.len()),
-        );
-        cpu.attention(qc, kc, vc, pc, oc, n, shape).unwrap();
-        let err = rel_l2(&get(&gpu, og, q.len()), &get(&cpu, oc, q.len()));
-        assert!(err < 1e-5, "attention at {n} positions: relative error {err}");
+            let (kc, vc) = (put(&mut cpu, &k), put(&mut cpu, &v));
+            let (qc, pc, oc) = (
+                put(&mut cpu, &q),
+                put_u32(&mut cpu, &positions),
+                poisoned(&mut cpu, q.len()),
+            );
+            cpu.attention(qc, kc, vc, pc, oc, n, shape).unwrap();
+            let err = rel_l2(&get(&gpu, og, q.len()), &get(&cpu, oc, q.len()));
+            assert!(
+                err < 1e-5,
+                "{kv_type:?} attention at {n} positions: relative error {err}"
+            );
+        }
     }
 }
 
@@ -270,4 +283,58 @@ fn smollm2_on_cuda_matches_transformers() {
         .perplexity;
     println!("SmolLM2 perplexity on CUDA: {ppl:.4}");
     assert!((ppl / 15.9167 - 1.0).abs() < 0.01, "perplexity {ppl}");
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: cargo test --release --test cuda -- --ignored"]
+fn every_architecture_on_cuda_matches_transformers() {
+    use axiom::backend::KvType;
+    use axiom::engine::Session;
+    use axiom::model::llama::LoadOptions;
+    use axiom::model::LogitRows;
+    for name in ["llama", "llama3", "mistral", "qwen2", "qwen3"] {
+        let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures/hf")
+            .join(name);
+        let refs: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("logits.json")).unwrap()).unwrap();
+        let want: Vec<f32> = std::fs::read(dir.join("logits.bin"))
+            .unwrap()
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+            .collect();
+        // f32 weights and arithmetic: with an f32 KV cache the f32 bound, with f16 K and V a looser one.
+        for (kv_type, bound) in [(KvType::F32, 1e-4), (KvType::F16, 2e-3)] {
+            let backend = CudaBackend::new(0).unwrap().with_kv_type(kv_type);
+            let mut s = Session::load(
+                &dir,
+                backend,
+                LoadOptions {
+                    max_batch: 64,
+                    kv_tokens: 64,
+                },
+            )
+            .unwrap();
+            let mut got = Vec::new();
+            for ids in refs["ids"].as_array().unwrap() {
+                let ids: Vec<u32> = ids
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|v| v.as_u64().unwrap() as u32)
+                    .collect();
+                // One token at a time, as decoding runs (the matrix-vector kernels and the graphs).
+                let mut kv = s.model.new_kv_cache(64).unwrap();
+                for &id in &ids {
+                    s.model
+                        .forward(&[id], &mut kv, LogitRows::Last, |_, l| got.extend_from_slice(l))
+                        .unwrap();
+                }
+                s.model.free_kv_cache(kv).unwrap();
+            }
+            let err = rel_l2(&got, &want);
+            println!("{name} on CUDA, {kv_type:?} KV cache: relative L2 error {err:.2e}");
+            assert!(err < bound, "{name} {kv_type:?}: {err}");
+        }
+    }
 }

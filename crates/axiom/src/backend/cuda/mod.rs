@@ -87,6 +87,7 @@ pub struct CudaBackend {
     staging: Option<(BlockHandle, BlockHandle)>,
     largest_weight: usize,
     graphs: RefCell<Vec<CudaGraph>>,
+    kv_type: KvType,
 }
 
 impl CudaBackend {
@@ -114,7 +115,21 @@ impl CudaBackend {
             staging: None,
             largest_weight: 0,
             graphs: RefCell::new(Vec::new()),
+            kv_type: KvType::F16,
         })
+    }
+
+    /// Chooses the KV cache's element type (f16 by default).
+    pub fn with_kv_type(mut self, kv_type: KvType) -> CudaBackend {
+        self.kv_type = kv_type;
+        self
+    }
+
+    fn kv_suffix(&self) -> &'static str {
+        match self.kv_type {
+            KvType::F16 => "f16",
+            KvType::F32 => "f32",
+        }
     }
 
     /// Whether the kernels were compiled by this process (a cold start) or read from the cache.
@@ -286,7 +301,7 @@ impl Backend for CudaBackend {
     }
 
     fn kv_type(&self) -> KvType {
-        KvType::F16
+        self.kv_type
     }
 
     fn reserve(&mut self, bytes: usize) -> Result<()> {
@@ -518,7 +533,7 @@ impl Backend for CudaBackend {
     ) -> Result<()> {
         let width = kv_width as i32;
         self.launch(
-            "kv_write",
+            &format!("kv_write_{}", self.kv_suffix()),
             (n_tokens as u32, 1, 1),
             256,
             &[
@@ -550,7 +565,7 @@ impl Backend for CudaBackend {
         }
         let (nh, nkv, hd) = (shape.n_heads as i32, shape.n_kv_heads as i32, shape.head_dim as i32);
         self.launch(
-            "attention",
+            &format!("attention_{}", self.kv_suffix()),
             (n_tokens as u32, shape.n_heads as u32, 1),
             128,
             &[

@@ -1,12 +1,16 @@
-// Causal grouped-query attention over the f16 KV cache, one pass with an online softmax.
+// Causal grouped-query attention over the KV cache (f16 or f32), one pass with an online softmax.
 // Grid: (tokens, heads); 4 warps per block take the positions 0..=positions[t] in turn, each
 // lane holding head dimensions lane, lane + 32, ...; the warps' partial results are merged at
 // the end. Query head h reads KV head h / (n_heads / n_kv_heads).
 #define ATTN_WARPS 4
 #define MAX_PER_LANE 8  // head_dim up to 256
 
-extern "C" __global__ void attention(const float* q, const u16* k_cache, const u16* v_cache, const u32* positions,
-                                     float* out, int n_heads, int n_kv_heads, int head_dim) {
+__device__ __forceinline__ float get(const u16* p) { return f16_to_f32(*p); }
+__device__ __forceinline__ float get(const float* p) { return *p; }
+
+template <typename T>
+__device__ void attention(const float* q, const T* k_cache, const T* v_cache, const u32* positions, float* out,
+                          int n_heads, int n_kv_heads, int head_dim) {
     int t = blockIdx.x, h = blockIdx.y;
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     int kv_width = n_kv_heads * head_dim;
@@ -22,20 +26,20 @@ extern "C" __global__ void attention(const float* q, const u16* k_cache, const u
     float m = __int_as_float(0xff800000u), l = 0.0f;
     int n_ctx = positions[t] + 1;
     for (int p = warp; p < n_ctx; p += ATTN_WARPS) {
-        const u16* kr = k_cache + (u64)p * kv_width + kv_off;
+        const T* kr = k_cache + (u64)p * kv_width + kv_off;
         float s = 0.0f;
         for (int k = 0; k < MAX_PER_LANE; k++) {
             int d = lane + 32 * k;
-            if (d < head_dim) s += qv[k] * f16_to_f32(kr[d]);
+            if (d < head_dim) s += qv[k] * get(kr + d);
         }
         s = warp_sum(s);
         float m_new = fmaxf(m, s);
         float correction = expf(m - m_new), e = expf(s - m_new);
         l = l * correction + e;
-        const u16* vr = v_cache + (u64)p * kv_width + kv_off;
+        const T* vr = v_cache + (u64)p * kv_width + kv_off;
         for (int k = 0; k < MAX_PER_LANE; k++) {
             int d = lane + 32 * k;
-            acc[k] = acc[k] * correction + (d < head_dim ? e * f16_to_f32(vr[d]) : 0.0f);
+            acc[k] = acc[k] * correction + (d < head_dim ? e * get(vr + d) : 0.0f);
         }
         m = m_new;
     }
@@ -56,4 +60,13 @@ extern "C" __global__ void attention(const float* q, const u16* k_cache, const u
             if (wl[w] != 0.0f) o += wacc[w][d] * expf(wm[w] - gm);
         oh[d] = o / total;
     }
+}
+
+extern "C" __global__ void attention_f16(const float* q, const u16* k, const u16* v, const u32* pos, float* out, int n_heads,
+                                         int n_kv_heads, int head_dim) {
+    attention(q, k, v, pos, out, n_heads, n_kv_heads, head_dim);
+}
+extern "C" __global__ void attention_f32(const float* q, const float* k, const float* v, const u32* pos, float* out,
+                                         int n_heads, int n_kv_heads, int head_dim) {
+    attention(q, k, v, pos, out, n_heads, n_kv_heads, head_dim);
 }
