@@ -77,6 +77,18 @@ pub struct InfoArgs {
 }
 
 #[derive(Args)]
+pub struct ConvertArgs {
+    /// A Hugging Face model directory (config.json, safetensors, tokenizer.json).
+    model: PathBuf,
+    /// The GGUF file to write.
+    #[arg(short, long)]
+    output: PathBuf,
+    /// Type of the weight matrices: f32, f16, bf16, q8_0, q4_0 or q4_k.
+    #[arg(long = "type", default_value = "f16")]
+    ty: String,
+}
+
+#[derive(Args)]
 pub struct BenchArgs {
     #[command(flatten)]
     model: ModelArgs,
@@ -303,6 +315,30 @@ pub fn bench(args: BenchArgs, out: Output) -> Result<()> {
         }
         Ok(())
     })
+}
+
+pub fn convert(args: ConvertArgs, out: Output) -> Result<()> {
+    use axiom::format::quant::GgmlType;
+    let ty = GgmlType::ALL
+        .into_iter()
+        .find(|t| t.name().eq_ignore_ascii_case(&args.ty))
+        .with_context(|| format!("unknown type {:?}", args.ty))?;
+    let bar = progress(1, "convert", out);
+    axiom::convert::convert_hf_dir(&args.model, &args.output, ty, |done, total, name| {
+        bar.set_length(total as u64);
+        bar.set_position(done as u64);
+        bar.set_message(name.to_string());
+    })?;
+    bar.finish_and_clear();
+    if !out.quiet {
+        let size = std::fs::metadata(&args.output).map_or(0, |m| m.len());
+        eprintln!(
+            "wrote {} ({:.1} MiB, {ty})",
+            args.output.display(),
+            size as f64 / (1 << 20) as f64
+        );
+    }
+    Ok(())
 }
 
 pub fn info(args: InfoArgs) -> Result<()> {

@@ -44,6 +44,8 @@ enum Command {
     Info(commands::InfoArgs),
     /// Measure prompt processing and generation speed, like llama-bench.
     Bench(commands::BenchArgs),
+    /// Write a Hugging Face model directory as a GGUF file, optionally quantized.
+    Convert(commands::ConvertArgs),
     /// Print a shell completion script.
     Completions {
         #[arg(value_enum)]
@@ -156,6 +158,7 @@ fn main() {
         Command::Perplexity(args) => commands::perplexity(args, out),
         Command::Info(args) => commands::info(args),
         Command::Bench(args) => commands::bench(args, out),
+        Command::Convert(args) => commands::convert(args, out),
         Command::Completions { shell } => {
             clap_complete::generate(shell, &mut Cli::command(), "axiom", &mut std::io::stdout());
             Ok(())

@@ -7,6 +7,7 @@
 
 pub mod backend;
 pub mod chat;
+pub mod convert;
 pub mod engine;
 mod error;
 pub mod format;

@@ -1,85 +1,27 @@
 //! Hugging Face model directories of every supported architecture (tiny random models written by
 //! scripts/make_hf_fixtures.py with transformers 5.17) against transformers' float32 logits.
 
+mod common;
+
 use axiom::backend::cpu::CpuBackend;
-use axiom::backend::Backend;
 use axiom::engine::Session;
 use axiom::model::llama::LoadOptions;
-use axiom::model::LogitRows;
-use std::path::PathBuf;
-
-fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures/hf")
-        .join(name)
-}
-
-/// The relative L2 error of our logits for every position of every reference sequence.
-fn worst_error<B: Backend>(name: &str, backend: B) -> f64 {
-    let dir = fixture(name);
-    let refs: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("logits.json")).unwrap()).unwrap();
-    let want: Vec<f32> = std::fs::read(dir.join("logits.bin"))
-        .unwrap()
-        .chunks_exact(4)
-        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
-        .collect();
-    let mut s = Session::load(
-        &dir,
-        backend,
-        LoadOptions {
-            max_batch: 64,
-            kv_tokens: 64,
-        },
-    )
-    .unwrap();
-    let vocab = refs["vocab"].as_u64().unwrap() as usize;
-    let mut offset = 0;
-    let mut worst = 0f64;
-    for (text, ids) in refs["texts"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .zip(refs["ids"].as_array().unwrap())
-    {
-        let ids: Vec<u32> = ids
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|v| v.as_u64().unwrap() as u32)
-            .collect();
-        // Our tokenizer gives transformers' ids (special tokens parsed, none added).
-        assert_eq!(
-            s.tokenizer.encode(text.as_str().unwrap(), true, false).unwrap(),
-            ids,
-            "{name}: {text}"
-        );
-        let mut kv = s.model.new_kv_cache(64).unwrap();
-        let mut got = Vec::new();
-        s.model
-            .forward(&ids, &mut kv, LogitRows::From(0), |_, l| got.extend_from_slice(l))
-            .unwrap();
-        s.model.free_kv_cache(kv).unwrap();
-        let reference = &want[offset..offset + ids.len() * vocab];
-        offset += ids.len() * vocab;
-        let err: f64 = got.iter().zip(reference).map(|(g, w)| ((g - w) as f64).powi(2)).sum();
-        let norm: f64 = reference.iter().map(|w| (*w as f64).powi(2)).sum();
-        worst = worst.max((err / norm).sqrt());
-    }
-    assert_eq!(offset, want.len(), "{name}: every reference logit compared");
-    worst
-}
+use common::{hf_fixture as fixture, worst_error};
 
 #[test]
 fn every_architecture_matches_transformers_in_f32() {
     for name in ["llama", "llama3", "mistral", "qwen2", "qwen3"] {
-        let reference = worst_error(name, CpuBackend::reference(2));
+        let reference = worst_error(&fixture(name), &fixture(name), CpuBackend::reference(2));
         assert!(
             reference < 1e-4,
             "{name}, reference backend: relative L2 error {reference}"
         );
         // F32 weights take the fast backend's float kernels: the same arithmetic, other order.
-        let fast = worst_error(name, CpuBackend::new(2).with_kv_type(axiom::backend::KvType::F32));
+        let fast = worst_error(
+            &fixture(name),
+            &fixture(name),
+            CpuBackend::new(2).with_kv_type(axiom::backend::KvType::F32),
+        );
         assert!(fast < 1e-4, "{name}, fast backend: relative L2 error {fast}");
     }
 }

@@ -5,7 +5,7 @@ use axiom::format::safetensors::SafetensorsModel;
 /// A safetensors image: the header JSON (padded to 8 bytes) and the data.
 fn image(header: &str, data_len: usize) -> Vec<u8> {
     let mut h = header.as_bytes().to_vec();
-    while h.len() % 8 != 0 {
+    while !h.len().is_multiple_of(8) {
         h.push(b' ');
     }
     let mut out = (h.len() as u64).to_le_bytes().to_vec();

@@ -1,5 +1,7 @@
 //! Model container formats and tensor element types.
 
 pub mod gguf;
+pub mod gguf_writer;
 pub mod quant;
+pub mod quantize;
 pub mod safetensors;

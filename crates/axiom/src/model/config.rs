@@ -24,6 +24,8 @@ pub struct ModelConfig {
     pub qkv_bias: bool,
     /// Each head of Q and K is RMS-normalized before RoPE (Qwen3).
     pub qk_norm: bool,
+    /// Per-pair divisors of the rope frequencies (GGUF's `rope_freqs` tensor, Llama 3.1).
+    pub rope_factors: Option<Vec<f32>>,
 }
 
 /// Upper bounds that keep a corrupt header from sizing huge buffers.
@@ -91,11 +93,21 @@ impl ModelConfig {
             },
             Some(other) => return Err(Error::Model(format!("rope scaling {other:?} is not supported"))),
         };
-        if file.tensor("rope_freqs.weight").is_some() {
-            return Err(Error::Model(
-                "per-dimension rope frequency factors (rope_freqs) are not supported yet".into(),
-            ));
-        }
+        let rope_factors = match file.tensor("rope_freqs.weight") {
+            Some(t) if t.ty == crate::format::quant::GgmlType::F32 && t.dims.len() == 1 => Some(
+                file.tensor_bytes(t)
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                    .collect(),
+            ),
+            Some(t) => {
+                return Err(Error::Model(format!(
+                    "rope_freqs has type {} and shape {:?}, expected an F32 vector",
+                    t.ty, t.dims
+                )))
+            }
+            None => None,
+        };
         let config = ModelConfig {
             n_layers: required("block_count")?,
             dim,
@@ -114,6 +126,7 @@ impl ModelConfig {
             },
             qkv_bias: file.tensor("blk.0.attn_q.bias").is_some(),
             qk_norm: file.tensor("blk.0.attn_q_norm.weight").is_some(),
+            rope_factors,
             architecture: arch,
         };
         config.validate()?;
@@ -210,6 +223,7 @@ impl ModelConfig {
             },
             qkv_bias: model_type == "qwen2" || config["attention_bias"].as_bool() == Some(true),
             qk_norm: model_type == "qwen3",
+            rope_factors: None,
             architecture: model_type,
         };
         config_out.validate()?;
@@ -250,6 +264,24 @@ impl ModelConfig {
                 self.rope.theta, self.rms_eps
             ));
         }
+        if let Some(f) = &self.rope_factors {
+            if f.len() != self.rope.dims / 2 || f.iter().any(|v| !(v.is_finite() && *v > 0.0)) {
+                return bad(format!(
+                    "rope_freqs has {} factors for {} rotated pairs, or one not positive",
+                    f.len(),
+                    self.rope.dims / 2
+                ));
+            }
+        }
         Ok(())
+    }
+
+    /// The rope kernels' frequency table: the scaled frequencies, divided by any per-pair factors.
+    pub fn rope_frequencies(&self) -> Vec<f32> {
+        let mut freqs = self.rope.inverse_frequencies();
+        if let Some(factors) = &self.rope_factors {
+            freqs.iter_mut().zip(factors).for_each(|(f, d)| *f /= d);
+        }
+        freqs
     }
 }

@@ -230,7 +230,7 @@ pub fn load<B: Backend, S: TensorSource + ?Sized>(
             w_down: l.matrix(&p("ffn_down.weight"), ffn, dim)?,
         });
     }
-    let freqs = l.upload(&config.rope.inverse_frequencies())?;
+    let freqs = l.upload(&config.rope_frequencies())?;
     Ok((
         Weights {
             token_embd,

@@ -1,11 +1,15 @@
 //! Helpers shared by the integration tests.
 #![allow(dead_code)]
 
+use axiom::backend::Backend;
+use axiom::engine::Session;
 use axiom::format::quant::GgmlType;
+use axiom::model::llama::LoadOptions;
+use axiom::model::LogitRows;
 use half::f16;
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// Reference outputs for SmolLM2 (copied from the project's shared refs).
 pub fn refs(file: &str) -> PathBuf {
@@ -144,4 +148,70 @@ pub fn random_weight_bytes(rng: &mut ChaCha8Rng, ty: GgmlType, n_elements: usize
         }
     }
     bytes
+}
+
+/// A tiny Hugging Face model of `scripts/make_hf_fixtures.py`.
+pub fn hf_fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/hf")
+        .join(name)
+}
+
+/// The relative L2 error of our logits for every position of every reference sequence.
+/// `model` (a directory or a GGUF file) is loaded on `backend`; `reference` is the fixture
+/// directory holding transformers' logits.
+pub fn worst_error<B: Backend>(model: &Path, reference: &Path, backend: B) -> f64 {
+    let dir = reference;
+    let name = reference.file_name().unwrap().to_string_lossy();
+    let refs: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("logits.json")).unwrap()).unwrap();
+    let want: Vec<f32> = std::fs::read(dir.join("logits.bin"))
+        .unwrap()
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+        .collect();
+    let mut s = Session::load(
+        model,
+        backend,
+        LoadOptions {
+            max_batch: 64,
+            kv_tokens: 64,
+        },
+    )
+    .unwrap();
+    let vocab = refs["vocab"].as_u64().unwrap() as usize;
+    let mut offset = 0;
+    let mut worst = 0f64;
+    for (text, ids) in refs["texts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip(refs["ids"].as_array().unwrap())
+    {
+        let ids: Vec<u32> = ids
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect();
+        // Our tokenizer gives transformers' ids (special tokens parsed, none added).
+        assert_eq!(
+            s.tokenizer.encode(text.as_str().unwrap(), true, false).unwrap(),
+            ids,
+            "{name}: {text}"
+        );
+        let mut kv = s.model.new_kv_cache(64).unwrap();
+        let mut got = Vec::new();
+        s.model
+            .forward(&ids, &mut kv, LogitRows::From(0), |_, l| got.extend_from_slice(l))
+            .unwrap();
+        s.model.free_kv_cache(kv).unwrap();
+        let reference = &want[offset..offset + ids.len() * vocab];
+        offset += ids.len() * vocab;
+        let err: f64 = got.iter().zip(reference).map(|(g, w)| ((g - w) as f64).powi(2)).sum();
+        let norm: f64 = reference.iter().map(|w| (*w as f64).powi(2)).sum();
+        worst = worst.max((err / norm).sqrt());
+    }
+    assert_eq!(offset, want.len(), "{name}: every reference logit compared");
+    worst
 }

@@ -1,0 +1,290 @@
+//! `axiom convert`: a Hugging Face model directory written as one GGUF file, its weight matrices
+//! optionally quantized (llama-quantize's job). The result loads like any GGUF, in axiom or in
+//! llama.cpp: Llama and Mistral become GGUF `llama` (Q and K rows permuted to adjacent rotary
+//! pairs, as llama.cpp's converter does), Qwen2 and Qwen3 keep their own architecture names.
+
+use crate::backend::RopeScaling;
+use crate::format::gguf::Value;
+use crate::format::gguf_writer::GgufWriter;
+use crate::format::quant::{dequantize, GgmlType};
+use crate::format::quantize::{can_quantize, quantize};
+use crate::format::safetensors::SafetensorsModel;
+use crate::model::weights::TensorSource;
+use crate::model::ModelConfig;
+use crate::tokenizer::Tokenizer;
+use crate::{Error, Result};
+use serde_json::Value as Json;
+use std::path::Path;
+
+/// Converts `dir` to the GGUF file `out`, matrices in `ty` (where their rows fit its blocks;
+/// otherwise Q8_0, or F32 as the last resort). `progress(done, total, name)` follows the tensors.
+pub fn convert_hf_dir(
+    dir: &Path,
+    out: &Path,
+    ty: GgmlType,
+    mut progress: impl FnMut(usize, usize, &str),
+) -> Result<()> {
+    if !can_quantize(ty) {
+        return Err(Error::InvalidArgument(format!(
+            "cannot write {ty}: choose F32, F16, BF16, Q8_0, Q4_0 or Q4_K"
+        )));
+    }
+    let read = |name: &str| {
+        std::fs::read_to_string(dir.join(name)).map_err(Error::io(format!("reading {}", dir.join(name).display())))
+    };
+    let json: Json =
+        serde_json::from_str(&read("config.json")?).map_err(|e| Error::Model(format!("config.json: {e}")))?;
+    let config = ModelConfig::from_hf(&json)?;
+    let checkpoint = SafetensorsModel::open_dir(dir)?;
+    let arch = match config.architecture.as_str() {
+        "llama" | "mistral" => "llama",
+        other => other,
+    };
+    let permute = arch == "llama";
+    let mut w = GgufWriter::default();
+    let name = dir
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let u32v = |v: usize| Value::U32(v as u32);
+    w.set("general.architecture", Value::String(arch.into()));
+    w.set("general.name", Value::String(name));
+    w.set(&format!("{arch}.block_count"), u32v(config.n_layers));
+    w.set(&format!("{arch}.context_length"), u32v(config.context_length));
+    w.set(&format!("{arch}.embedding_length"), u32v(config.dim));
+    w.set(&format!("{arch}.feed_forward_length"), u32v(config.ffn_dim));
+    w.set(&format!("{arch}.attention.head_count"), u32v(config.n_heads));
+    w.set(&format!("{arch}.attention.head_count_kv"), u32v(config.n_kv_heads));
+    w.set(&format!("{arch}.attention.key_length"), u32v(config.head_dim));
+    w.set(&format!("{arch}.attention.value_length"), u32v(config.head_dim));
+    w.set(&format!("{arch}.rope.dimension_count"), u32v(config.rope.dims));
+    w.set(&format!("{arch}.rope.freq_base"), Value::F32(config.rope.theta));
+    w.set(
+        &format!("{arch}.attention.layer_norm_rms_epsilon"),
+        Value::F32(config.rms_eps),
+    );
+    w.set(&format!("{arch}.vocab_size"), u32v(config.vocab_size));
+    if let RopeScaling::Linear { factor } = config.rope.scaling {
+        w.set(&format!("{arch}.rope.scaling.type"), Value::String("linear".into()));
+        w.set(&format!("{arch}.rope.scaling.factor"), Value::F32(factor));
+    }
+    tokenizer_metadata(dir, &mut w)?;
+    if let Ok(template) = read("chat_template.jinja") {
+        w.set("tokenizer.chat_template", Value::String(template));
+    } else if let Some(t) = serde_json::from_str::<Json>(&read("tokenizer_config.json").unwrap_or_default())
+        .ok()
+        .and_then(|c| c["chat_template"].as_str().map(str::to_owned))
+    {
+        w.set("tokenizer.chat_template", Value::String(t));
+    }
+
+    // Llama 3.1's frequency scaling travels as per-pair divisors, llama.cpp's `rope_freqs`.
+    if let RopeScaling::Llama3 { .. } = config.rope.scaling {
+        let base = crate::backend::Rope {
+            scaling: RopeScaling::None,
+            ..config.rope
+        }
+        .inverse_frequencies();
+        let factors: Vec<u8> = base
+            .iter()
+            .zip(config.rope.inverse_frequencies())
+            .flat_map(|(b, s)| (b / s).to_le_bytes())
+            .collect();
+        w.tensor("rope_freqs.weight", GgmlType::F32, &[config.rope.dims / 2], factors)?;
+    }
+
+    let names = tensor_names(&config, checkpoint.tensor("output.weight").is_some());
+    for (i, gguf_name) in names.iter().enumerate() {
+        progress(i, names.len(), gguf_name);
+        let t = checkpoint
+            .tensor(gguf_name)
+            .ok_or_else(|| Error::Model(format!("missing tensor {gguf_name}")))?;
+        let n: usize = t.dims.iter().product();
+        let mut values = vec![0f32; n];
+        dequantize(t.ty, t.bytes, &mut values);
+        if permute {
+            let heads = match gguf_name.rsplit('.').nth(1) {
+                Some("attn_q") => Some(config.n_heads),
+                Some("attn_k") => Some(config.n_kv_heads),
+                _ => None,
+            };
+            if let Some(heads) = heads {
+                // A matrix's rows, or a bias vector's values.
+                let (rows, row_len) = match *t.dims {
+                    [row_len, rows] => (rows, row_len),
+                    _ => (n, 1),
+                };
+                values = permute_rows(&values, heads, rows, row_len);
+            }
+        }
+        let target = if t.dims.len() == 2 {
+            matrix_type(ty, t.dims[0])
+        } else {
+            GgmlType::F32
+        };
+        let mut bytes = Vec::with_capacity(target.bytes_for(n).unwrap_or(0));
+        quantize(target, &values, &mut bytes);
+        w.tensor(gguf_name, target, t.dims, bytes)?;
+    }
+    progress(names.len(), names.len(), "");
+    w.write(out)
+}
+
+/// The type a matrix with rows of `row` gets when `ty` is asked for.
+fn matrix_type(ty: GgmlType, row: usize) -> GgmlType {
+    [ty, GgmlType::Q8_0, GgmlType::F32]
+        .into_iter()
+        .find(|t| row.is_multiple_of(t.block_len()))
+        .unwrap_or(GgmlType::F32)
+}
+
+/// Every tensor the config calls for, by GGUF name.
+fn tensor_names(config: &ModelConfig, untied: bool) -> Vec<String> {
+    let mut names = vec!["token_embd.weight".to_string(), "output_norm.weight".to_string()];
+    if untied {
+        names.push("output.weight".into());
+    }
+    for i in 0..config.n_layers {
+        let mut fields = vec![
+            "attn_norm",
+            "attn_q",
+            "attn_k",
+            "attn_v",
+            "attn_output",
+            "ffn_norm",
+            "ffn_gate",
+            "ffn_up",
+            "ffn_down",
+        ];
+        if config.qk_norm {
+            fields.extend(["attn_q_norm", "attn_k_norm"]);
+        }
+        names.extend(fields.iter().map(|f| format!("blk.{i}.{f}.weight")));
+        if config.qkv_bias {
+            names.extend(
+                ["attn_q", "attn_k", "attn_v"]
+                    .iter()
+                    .map(|f| format!("blk.{i}.{f}.bias")),
+            );
+        }
+    }
+    names
+}
+
+/// Hugging Face orders each head's rotary pairs as halves (i, i + d/2); GGUF's llama as
+/// neighbours (2i, 2i+1). Row `h*d + 2j + k` of the result is row `h*d + k*d/2 + j` of `rows`.
+fn permute_rows(values: &[f32], heads: usize, n_rows: usize, row_len: usize) -> Vec<f32> {
+    let d = n_rows / heads;
+    let mut out = vec![0f32; values.len()];
+    for h in 0..heads {
+        for j in 0..d / 2 {
+            for k in 0..2 {
+                let (dst, src) = (h * d + 2 * j + k, h * d + k * (d / 2) + j);
+                out[dst * row_len..(dst + 1) * row_len].copy_from_slice(&values[src * row_len..(src + 1) * row_len]);
+            }
+        }
+    }
+    out
+}
+
+/// The GGUF tokenizer keys of a byte-level BPE `tokenizer.json`.
+fn tokenizer_metadata(dir: &Path, w: &mut GgufWriter) -> Result<()> {
+    let path = dir.join("tokenizer.json");
+    let text = std::fs::read_to_string(&path).map_err(Error::io(format!("reading {}", path.display())))?;
+    let json: Json = serde_json::from_str(&text).map_err(|e| Error::Tokenizer(format!("tokenizer.json: {e}")))?;
+    let model = &json["model"];
+    if model["type"] != "BPE" || model["byte_fallback"] == true {
+        return Err(Error::Tokenizer("convert writes byte-level BPE tokenizers only".into()));
+    }
+    let tokenizer = Tokenizer::from_hf_dir(dir)?;
+    let n = tokenizer.vocab_size();
+    let tokens: Vec<Value> = (0..n as u32)
+        .map(|i| Value::String(tokenizer.token_text(i).unwrap_or("").into()))
+        .collect();
+    let mut types = vec![1i32; n];
+    for added in json["added_tokens"].as_array().into_iter().flatten() {
+        if let Some(id) = added["id"].as_u64().filter(|&id| (id as usize) < n) {
+            types[id as usize] = if added["special"] == true { 3 } else { 4 };
+        }
+    }
+    let merges: Vec<Value> = model["merges"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|m| match m {
+            Json::String(s) => Some(s.clone()),
+            Json::Array(pair) => Some(format!("{} {}", pair.first()?.as_str()?, pair.get(1)?.as_str()?)),
+            _ => None,
+        })
+        .map(Value::String)
+        .collect();
+    w.set("tokenizer.ggml.model", Value::String("gpt2".into()));
+    w.set(
+        "tokenizer.ggml.pre",
+        Value::String(pre_tokenizer_name(&json["pre_tokenizer"])?.into()),
+    );
+    w.set("tokenizer.ggml.tokens", Value::Array(tokens));
+    w.set(
+        "tokenizer.ggml.token_type",
+        Value::Array(types.into_iter().map(Value::I32).collect()),
+    );
+    w.set("tokenizer.ggml.merges", Value::Array(merges));
+    if let Some(bos) = tokenizer.bos {
+        w.set("tokenizer.ggml.bos_token_id", Value::U32(bos));
+    }
+    if let Some(eos) = tokenizer.eos {
+        w.set("tokenizer.ggml.eos_token_id", Value::U32(eos));
+    }
+    if let Some(eot) = tokenizer
+        .end_of_generation_ids()
+        .filter(|&id| Some(id) != tokenizer.eos)
+        .min()
+    {
+        w.set("tokenizer.ggml.eot_token_id", Value::U32(eot));
+    }
+    w.set("tokenizer.ggml.add_bos_token", Value::Bool(tokenizer.add_bos));
+    Ok(())
+}
+
+/// The `tokenizer.ggml.pre` name of a `tokenizer.json` pre-tokenizer (see tokenizer.rs).
+fn pre_tokenizer_name(pre: &Json) -> Result<&'static str> {
+    let split_pattern = |p: &Json| p["pattern"]["Regex"].as_str().map(str::to_owned);
+    let steps: Vec<&Json> = match pre["type"].as_str() {
+        Some("Sequence") => pre["pretokenizers"]
+            .as_array()
+            .map(|a| a.iter().collect())
+            .unwrap_or_default(),
+        Some(_) => vec![pre],
+        None => vec![],
+    };
+    let kinds: Vec<&str> = steps.iter().filter_map(|s| s["type"].as_str()).collect();
+    match kinds.as_slice() {
+        ["ByteLevel"] if steps[0]["use_regex"] != false => Ok("default"),
+        ["Digits", "ByteLevel"] if steps[0]["individual_digits"] == true => Ok("smollm"),
+        ["Split", "ByteLevel"] => match split_pattern(steps[0]).as_deref() {
+            Some(p) if p == crate::tokenizer::LLAMA3_PATTERN => Ok("llama-bpe"),
+            Some(p) if p == crate::tokenizer::QWEN2_PATTERN => Ok("qwen2"),
+            _ => Err(Error::Tokenizer(
+                "the tokenizer's split pattern is not one axiom knows".into(),
+            )),
+        },
+        _ => Err(Error::Tokenizer(format!(
+            "pre-tokenizer {kinds:?} is not one axiom knows"
+        ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::permute_rows;
+
+    #[test]
+    fn permutation_interleaves_the_halves_of_each_head() {
+        // Two heads of dimension 4, rows of length 1: [a0 a1 b0 b1] per head becomes [a0 b0 a1 b1].
+        let rows = [0.0, 1.0, 10.0, 11.0, 20.0, 21.0, 30.0, 31.0];
+        assert_eq!(
+            permute_rows(&rows, 2, 8, 1),
+            vec![0.0, 10.0, 1.0, 11.0, 20.0, 30.0, 21.0, 31.0]
+        );
+    }
+}
