@@ -11,6 +11,7 @@ pub mod convert;
 pub mod engine;
 mod error;
 pub mod format;
+pub mod hub;
 pub mod model;
 pub mod source;
 pub mod tokenizer;

@@ -32,10 +32,10 @@ pub fn cache_dir() -> Result<PathBuf> {
 /// The path of the model to load: `model` if given, else the default model (fetched if needed).
 pub fn resolve_model(model: Option<&Path>) -> Result<PathBuf> {
     match model {
-        Some(path) if path.to_str().is_some_and(|s| s.starts_with("hf:")) => Err(Error::InvalidArgument(format!(
-            "{}: hub sources are not supported yet",
-            path.display()
-        ))),
+        Some(path) if path.to_str().is_some_and(|s| s.starts_with("hf:")) => {
+            let source = path.to_str().unwrap_or_default();
+            crate::hub::Hub::from_env()?.fetch(&crate::hub::HubModel::parse(source)?)
+        }
         Some(path) if path.is_file() || path.join("config.json").is_file() => Ok(path.to_path_buf()),
         Some(path) => Err(Error::InvalidArgument(format!(
             "model file {} does not exist",

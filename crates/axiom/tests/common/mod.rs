@@ -11,11 +11,18 @@ use rand::Rng;
 use rand_chacha::ChaCha8Rng;
 use std::path::{Path, PathBuf};
 
+/// The engine crate's `tests` directory (this module is shared with the CLI crate's tests).
+fn tests_dir() -> PathBuf {
+    let manifest = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    match manifest.ends_with("axiom-cli") {
+        true => manifest.join("../axiom/tests"),
+        false => manifest.join("tests"),
+    }
+}
+
 /// Reference outputs for SmolLM2 (copied from the project's shared refs).
 pub fn refs(file: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/refs/smollm2")
-        .join(file)
+    tests_dir().join("refs/smollm2").join(file)
 }
 
 pub fn read_json(file: &str) -> serde_json::Value {
@@ -152,9 +159,7 @@ pub fn random_weight_bytes(rng: &mut ChaCha8Rng, ty: GgmlType, n_elements: usize
 
 /// A tiny Hugging Face model of `scripts/make_hf_fixtures.py`.
 pub fn hf_fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures/hf")
-        .join(name)
+    tests_dir().join("fixtures/hf").join(name)
 }
 
 /// The relative L2 error of our logits for every position of every reference sequence.
