@@ -295,6 +295,27 @@ fn a_single_gguf_file_and_the_cli() {
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(cache.join("hub/test--qwen2/main/.complete").is_file());
+    // Again with the stand-in gone: from the cache, with the same text.
+    let url = server.url.clone();
+    drop(server);
+    let again = std::process::Command::new(env!("CARGO_BIN_EXE_axiom"))
+        .args([
+            "run",
+            "-m",
+            "hf:test/qwen2",
+            "-n",
+            "4",
+            "--temp",
+            "0",
+            "-q",
+            "The license",
+        ])
+        .env("HF_ENDPOINT", &url)
+        .env("AXIOM_CACHE", &cache)
+        .output()
+        .unwrap();
+    assert!(again.status.success(), "{}", String::from_utf8_lossy(&again.stderr));
+    assert_eq!(again.stdout, out.stdout);
     std::fs::remove_dir_all(cache).unwrap();
     std::fs::remove_dir_all(repo).unwrap();
 }
