@@ -15,5 +15,6 @@ pub mod hub;
 pub mod model;
 pub mod source;
 pub mod tokenizer;
+pub mod untrusted;
 
 pub use error::{Error, Result};

@@ -1,0 +1,46 @@
+//! Entry points that take arbitrary bytes, shared by the fuzz targets (`fuzz/`) and the test that
+//! replays their corpora. Each must return, whatever the input: no panic, hang or huge allocation.
+
+use crate::chat::{ChatTemplate, Message};
+use crate::format::gguf::GgufFile;
+use crate::format::safetensors::SafetensorsModel;
+use crate::model::ModelConfig;
+use crate::tokenizer::Tokenizer;
+
+/// A GGUF file: the reader, then the config and tokenizer built from what it accepted.
+pub fn gguf(data: &[u8]) {
+    if let Ok(file) = GgufFile::from_bytes(data) {
+        for t in &file.tensors {
+            let _ = file.tensor_bytes(t).len();
+        }
+        let _ = ModelConfig::from_gguf(&file);
+        if let Ok(tokenizer) = Tokenizer::from_gguf(&file) {
+            // Round trip some text through what the file's vocabulary built.
+            if let Ok(ids) = tokenizer.encode("Hello, world! 123 <|im_start|>", true, true) {
+                let _ = tokenizer.decode(&ids, false);
+            }
+        }
+    }
+}
+
+/// A safetensors file, and the same bytes as a config.json.
+pub fn safetensors(data: &[u8]) {
+    if let Ok(model) = SafetensorsModel::from_bytes(data) {
+        for (_, entry) in model.names() {
+            let _ = model.bytes(entry).len();
+        }
+    }
+    if let Ok(json) = serde_json::from_slice::<serde_json::Value>(data) {
+        let _ = ModelConfig::from_hf(&json);
+    }
+}
+
+/// A chat template and a message (split at the first NUL), rendered within the fuel limit.
+pub fn chat_template(data: &[u8]) {
+    let text = String::from_utf8_lossy(data);
+    let (template, message) = text.split_once('\u{0}').unwrap_or((&text, "hello"));
+    if let Ok(t) = ChatTemplate::new(template, "<s>", "</s>") {
+        let messages = [Message::new("system", message), Message::new("user", message)];
+        let _ = t.render(&messages, true);
+    }
+}
