@@ -6,9 +6,9 @@ mod common;
 use axiom::backend::cpu::CpuBackend;
 use axiom::chat::Message;
 use axiom::engine::perplexity::perplexity;
-use axiom::engine::{generate, GenerateOptions, Sampler, SamplerConfig, Session, StopReason};
+use axiom::engine::{generate, GenerateOptions, Generation, Sampler, SamplerConfig, Session, StopReason};
 use axiom::model::llama::LoadOptions;
-use axiom::model::LogitRows;
+use axiom::model::{KvCache, LogitRows};
 use common::{read_json, refs, smollm2};
 
 /// The reference CPU backend computes exactly what transformers computes (f32 on the
@@ -106,21 +106,7 @@ fn reference_backend_matches_transformers_prompts_logits_and_greedy_text() {
         let want = ids(&case["greedy64_ids"]);
         kv.truncate(0);
         let mut sampler = Sampler::new(SamplerConfig::greedy());
-        let options = GenerateOptions {
-            max_tokens: 64,
-            stop: vec![],
-            ..Default::default()
-        };
-        let g = generate(
-            &mut s.model,
-            &s.tokenizer,
-            &mut kv,
-            &prompt,
-            &mut sampler,
-            &options,
-            |_| {},
-        )
-        .unwrap();
+        let g = run(&mut s, &mut kv, &prompt, &mut sampler, 64, &[], |_| {}).unwrap();
         let mut got = g.tokens.clone();
         if g.stop_reason == StopReason::EndOfGeneration {
             got.push(*want.last().unwrap());
@@ -170,6 +156,24 @@ fn perplexity_matches_transformers_within_one_percent() {
     }
 }
 
+/// Generates after `prompt` in `kv`, at most `max_tokens`, stopping before any of `stop`.
+fn run(
+    s: &mut Session<CpuBackend>,
+    kv: &mut KvCache,
+    prompt: &[u32],
+    sampler: &mut Sampler,
+    max_tokens: usize,
+    stop: &[&str],
+    on_text: impl FnMut(&str),
+) -> axiom::Result<Generation> {
+    let options = GenerateOptions {
+        max_tokens,
+        stop: stop.iter().map(|s| s.to_string()).collect(),
+        ..Default::default()
+    };
+    generate(&mut s.model, &s.tokenizer, kv, prompt, sampler, &options, on_text)
+}
+
 #[test]
 fn stop_strings_and_token_limits() {
     let mut s = fast_session();
@@ -177,74 +181,26 @@ fn stop_strings_and_token_limits() {
     let mut kv = s.model.new_kv_cache(512).unwrap();
     let mut sampler = Sampler::new(SamplerConfig::greedy());
     // Transformers continues " Paris.\n\nThe answer is: ...": stop at the blank line.
-    let options = GenerateOptions {
-        max_tokens: 64,
-        stop: vec!["\n\n".into()],
-        ..Default::default()
-    };
     let mut streamed = String::new();
-    let g = generate(
-        &mut s.model,
-        &s.tokenizer,
-        &mut kv,
-        &prompt,
-        &mut sampler,
-        &options,
-        |t| streamed.push_str(t),
-    )
+    let g = run(&mut s, &mut kv, &prompt, &mut sampler, 64, &["\n\n"], |t| {
+        streamed.push_str(t)
+    })
     .unwrap();
     assert_eq!(g.stop_reason, StopReason::StopString);
     assert_eq!(g.text, " Paris.");
     assert_eq!(streamed, g.text);
 
     kv.truncate(0);
-    let options = GenerateOptions {
-        max_tokens: 3,
-        stop: vec![],
-        ..Default::default()
-    };
-    let g = generate(
-        &mut s.model,
-        &s.tokenizer,
-        &mut kv,
-        &prompt,
-        &mut sampler,
-        &options,
-        |_| {},
-    )
-    .unwrap();
+    let g = run(&mut s, &mut kv, &prompt, &mut sampler, 3, &[], |_| {}).unwrap();
     assert_eq!((g.tokens.len(), g.stop_reason), (3, StopReason::MaxTokens));
     assert_eq!(kv.len(), prompt.len() + 2, "the last token is sampled but not run");
 
     // A context too small for the prompt is an error; one too small for the answer ends it early.
     s.model.free_kv_cache(kv).unwrap();
     let mut small = s.model.new_kv_cache(4).unwrap();
-    assert!(generate(
-        &mut s.model,
-        &s.tokenizer,
-        &mut small,
-        &prompt,
-        &mut sampler,
-        &options,
-        |_| {}
-    )
-    .is_err());
+    assert!(run(&mut s, &mut small, &prompt, &mut sampler, 3, &[], |_| {}).is_err());
     let mut tight = s.model.new_kv_cache(prompt.len() + 1).unwrap();
-    let options = GenerateOptions {
-        max_tokens: 10,
-        stop: vec![],
-        ..Default::default()
-    };
-    let g = generate(
-        &mut s.model,
-        &s.tokenizer,
-        &mut tight,
-        &prompt,
-        &mut sampler,
-        &options,
-        |_| {},
-    )
-    .unwrap();
+    let g = run(&mut s, &mut tight, &prompt, &mut sampler, 10, &[], |_| {}).unwrap();
     assert_eq!(g.stop_reason, StopReason::ContextFull);
 }
 
@@ -254,32 +210,18 @@ fn seeded_sampling_is_reproducible() {
     let prompt = s
         .chat_prompt(&[Message::new("user", "Write a haiku about rust.")])
         .unwrap();
-    let mut run = |seed| {
+    let mut sample = |seed| {
         let mut kv = s.model.new_kv_cache(256).unwrap();
         let mut sampler = Sampler::new(SamplerConfig {
             temperature: 1.0,
             seed,
             ..SamplerConfig::default()
         });
-        let options = GenerateOptions {
-            max_tokens: 24,
-            stop: vec![],
-            ..Default::default()
-        };
-        let g = generate(
-            &mut s.model,
-            &s.tokenizer,
-            &mut kv,
-            &prompt,
-            &mut sampler,
-            &options,
-            |_| {},
-        )
-        .unwrap();
+        let g = run(&mut s, &mut kv, &prompt, &mut sampler, 24, &[], |_| {}).unwrap();
         s.model.free_kv_cache(kv).unwrap();
         g.tokens
     };
-    let a = run(42);
-    assert_eq!(a, run(42));
-    assert_ne!(a, run(43));
+    let a = sample(42);
+    assert_eq!(a, sample(42));
+    assert_ne!(a, sample(43));
 }

@@ -162,7 +162,7 @@ impl CpuBackend {
                         Isa::Avx2 => unsafe {
                             fast::attention::attend_group_avx2(qg, k, v, kv_head, n_ctx, shape, o, scratch)
                         },
-                        _ => fast::attention::attend_group_portable(qg, k, v, kv_head, n_ctx, shape, o, scratch),
+                        _ => fast::attention::attend_group(qg, k, v, kv_head, n_ctx, shape, o, scratch),
                     }
                 }
             });

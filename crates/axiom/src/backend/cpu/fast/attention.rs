@@ -2,7 +2,7 @@
 //!
 //! Each work unit takes one token and one KV head and serves all the query heads that share it,
 //! so a cached K or V row is loaded (and converted from f16) once per group, not once per head.
-//! The loops are plain Rust; `attention_avx512` compiles the same code with AVX-512 enabled.
+//! The loops are plain Rust, compiled again with AVX2 or AVX-512 enabled for those CPUs.
 
 use crate::backend::AttentionShape;
 use half::f16;
@@ -116,60 +116,34 @@ pub fn attend_group<T: KvElem>(
     }
 }
 
-/// Plain build of [`attend_group`].
-#[allow(clippy::too_many_arguments)]
-pub fn attend_group_portable<T: KvElem>(
-    q: &[f32],
-    k: &[T],
-    v: &[T],
-    kv_head: usize,
-    n_ctx: usize,
-    shape: AttentionShape,
-    out: &mut [f32],
-    scratch: &mut Scratch,
-) {
-    attend_group(q, k, v, kv_head, n_ctx, shape, out, scratch)
+/// [`attend_group`] compiled with more target features than the build's baseline.
+macro_rules! attend_group_with {
+    ($name:ident, $features:literal) => {
+        /// [`attend_group`] compiled with the target features
+        #[doc = $features]
+        ///
+        /// # Safety
+        /// The CPU must support those features.
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = $features)]
+        #[allow(clippy::too_many_arguments)]
+        pub unsafe fn $name<T: KvElem>(
+            q: &[f32],
+            k: &[T],
+            v: &[T],
+            kv_head: usize,
+            n_ctx: usize,
+            shape: AttentionShape,
+            out: &mut [f32],
+            scratch: &mut Scratch,
+        ) {
+            attend_group(q, k, v, kv_head, n_ctx, shape, out, scratch)
+        }
+    };
 }
 
-/// [`attend_group`] compiled for AVX-512.
-///
-/// # Safety
-/// The CPU must support AVX-512F and FMA.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")]
-#[allow(clippy::too_many_arguments)]
-pub unsafe fn attend_group_avx512<T: KvElem>(
-    q: &[f32],
-    k: &[T],
-    v: &[T],
-    kv_head: usize,
-    n_ctx: usize,
-    shape: AttentionShape,
-    out: &mut [f32],
-    scratch: &mut Scratch,
-) {
-    attend_group(q, k, v, kv_head, n_ctx, shape, out, scratch)
-}
-
-/// [`attend_group`] compiled for AVX2.
-///
-/// # Safety
-/// The CPU must support AVX2 and FMA.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-#[allow(clippy::too_many_arguments)]
-pub unsafe fn attend_group_avx2<T: KvElem>(
-    q: &[f32],
-    k: &[T],
-    v: &[T],
-    kv_head: usize,
-    n_ctx: usize,
-    shape: AttentionShape,
-    out: &mut [f32],
-    scratch: &mut Scratch,
-) {
-    attend_group(q, k, v, kv_head, n_ctx, shape, out, scratch)
-}
+attend_group_with!(attend_group_avx512, "avx512f,avx512bw,avx512vl,avx512dq,fma,f16c");
+attend_group_with!(attend_group_avx2, "avx2,fma,f16c");
 
 #[cfg(test)]
 mod tests {
