@@ -119,18 +119,24 @@ fn interactive<B: Backend>(
                 "exit" | "quit" => break,
                 "reset" => {
                     let system = conversation.transcript.system.clone();
-                    conversation.replace(Transcript {
-                        system,
-                        messages: Vec::new(),
-                    });
+                    conversation.replace(
+                        session,
+                        Transcript {
+                            system,
+                            messages: Vec::new(),
+                        },
+                    );
                     println!("(new conversation)");
                 }
                 "system" => {
                     let system = (!rest.is_empty()).then(|| rest.to_string());
-                    conversation.replace(Transcript {
-                        system,
-                        messages: Vec::new(),
-                    });
+                    conversation.replace(
+                        session,
+                        Transcript {
+                            system,
+                            messages: Vec::new(),
+                        },
+                    );
                     println!("(system message set; new conversation)");
                 }
                 "save" if !rest.is_empty() => match save(conversation, rest) {
@@ -140,7 +146,7 @@ fn interactive<B: Backend>(
                 "load" if !rest.is_empty() => match load(rest) {
                     Ok(transcript) => {
                         let n = transcript.messages.len();
-                        conversation.replace(transcript);
+                        conversation.replace(session, transcript);
                         println!("(loaded {n} messages from {rest})");
                     }
                     Err(e) => eprintln!("error: {e:#}"),

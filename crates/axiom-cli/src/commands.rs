@@ -147,7 +147,7 @@ pub fn run(args: RunArgs, out: Output) -> Result<()> {
         let seed = config.seed;
         let mut sampler = Sampler::new(config);
         let options = args.sampling.generate_options();
-        let mut kv = session.model.new_kv_cache(ctx)?;
+        let mut kv = session.model.new_kv_cache(ctx);
         let mut stdout = std::io::stdout().lock();
         let json_mode = args.json;
         let generation = generate(
@@ -212,6 +212,7 @@ pub fn perplexity(args: PerplexityArgs, out: Output) -> Result<()> {
     let options = LoadOptions {
         kv_tokens: args.ctx_size,
         max_batch: args.ctx_size.min(512),
+        max_seqs: 1,
     };
     let loaded = load_session(&args.model, options, out)?;
     with_session!(loaded, session => {
@@ -265,6 +266,7 @@ pub fn bench(args: BenchArgs, out: Output) -> Result<()> {
     let options = LoadOptions {
         max_batch: longest.min(512),
         kv_tokens: longest,
+        max_seqs: 1,
     };
     let loaded = load_session(&args.model, options, out)?;
     with_session!(loaded, session => {

@@ -20,6 +20,8 @@ pub enum Error {
     Backend(String),
     #[error("backend memory: {0}")]
     Arena(#[from] ArenaError),
+    #[error(transparent)]
+    KvCacheFull(#[from] crate::model::OutOfPages),
     #[error("out of memory: {0}")]
     OutOfMemory(String),
     #[error("prompt of {prompt} tokens plus {generate} to generate exceeds the context of {context} tokens")]

@@ -15,6 +15,7 @@ fn session(context: usize) -> Session<CpuBackend> {
         LoadOptions {
             max_batch: 256,
             kv_tokens: context,
+            max_seqs: 1,
         },
     )
     .unwrap()
@@ -53,10 +54,13 @@ fn a_second_turn_runs_only_the_new_message_and_template_glue() {
     // The cached turn gives the same reply as a fresh run of the whole conversation.
     let transcript = c.transcript.clone();
     assert_eq!(transcript.messages.len(), 4);
-    c.replace(Transcript {
-        system: None,
-        messages: transcript.messages[..2].to_vec(),
-    });
+    c.replace(
+        &mut s,
+        Transcript {
+            system: None,
+            messages: transcript.messages[..2].to_vec(),
+        },
+    );
     let again = c.reply(&mut s, "And 3+3?", &mut sampler, &options(32), |_| {}).unwrap();
     assert_eq!(again.generation.text, second.generation.text);
     assert!(again.prompt_tokens_run > second.prompt_tokens_run);

@@ -4,12 +4,14 @@
 
 use axiom::backend::cpu::fast::{has_int8_kernel, quantize_row, Isa, Q8Activations, CHUNK, GROUPS_PER_CHUNK};
 use axiom::backend::cpu::{CpuBackend, CpuKernels};
-use axiom::backend::{AttentionShape, Backend, BlockHandle, HostTensor, KvType, Rope, RopeLayout, RopeScaling};
+use axiom::backend::{
+    AttentionShape, Backend, BlockHandle, HostTensor, KvType, PagedKv, Rope, RopeLayout, RopeScaling,
+};
 use axiom::format::quant::{dequantize, GgmlType};
 use half::f16;
 mod common;
 
-use common::random_weight_bytes;
+use common::{paged_attention_by_matrix, random_weight_bytes, PagedCase};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -192,107 +194,76 @@ fn rope_rotates_pairs_by_position() {
     }
 }
 
-/// Attention written the textbook way: a full score matrix with an explicit -inf mask.
-fn attention_by_matrix(q: &[f32], k: &[f32], v: &[f32], positions: &[u32], s: AttentionShape) -> Vec<f32> {
-    let seq = k.len() / s.kv_width();
-    let mut out = vec![0f32; positions.len() * s.q_width()];
-    for (t, &pos) in positions.iter().enumerate() {
-        for h in 0..s.n_heads {
-            let kvh = h * s.n_kv_heads / s.n_heads;
-            let scores: Vec<f32> = (0..seq)
-                .map(|p| {
-                    if p > pos as usize {
-                        return f32::NEG_INFINITY;
-                    }
-                    let dot: f32 = (0..s.head_dim)
-                        .map(|d| q[(t * s.n_heads + h) * s.head_dim + d] * k[p * s.kv_width() + kvh * s.head_dim + d])
-                        .sum();
-                    dot / (s.head_dim as f32).sqrt()
-                })
-                .collect();
-            let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let exps: Vec<f32> = scores.iter().map(|&x| (x - max).exp()).collect();
-            let sum: f32 = exps.iter().sum();
-            for d in 0..s.head_dim {
-                out[(t * s.n_heads + h) * s.head_dim + d] = (0..seq)
-                    .map(|p| exps[p] / sum * v[p * s.kv_width() + kvh * s.head_dim + d])
-                    .sum();
-            }
-        }
-    }
-    out
-}
-
-#[test]
-fn attention_is_causal_grouped_and_matches_the_matrix_form() {
+/// Two sequences over scrambled pages; a step that prefills the first (every position, so the
+/// causal mask matters) and decodes the second, with pages of 4 and of 16 positions.
+fn paged_attention_case<B: Backend>(mut make: impl FnMut() -> B, tol: f32, what: &str) {
     let mut r = rng();
     let shape = AttentionShape {
         n_heads: 9,
         n_kv_heads: 3,
         head_dim: 48,
     };
-    let seq = 35;
     let kv_w = shape.kv_width();
-    let k = randn(&mut r, seq * kv_w);
-    let v = randn(&mut r, seq * kv_w);
-    // A prefill of all 35 positions, and a decode step at the last one.
-    for positions in [(0..seq as u32).collect::<Vec<_>>(), vec![34], vec![0, 17]] {
-        let n = positions.len();
-        let q = randn(&mut r, n * shape.q_width());
-        let mut b = backend();
-        let (qh, kh, vh) = (upload(&mut b, &q), upload(&mut b, &k), upload(&mut b, &v));
-        let ph = upload_u32(&mut b, &positions);
-        let out = poisoned(&mut b, n * shape.q_width());
-        b.attention(qh, kh, vh, ph, out, n, shape).unwrap();
-        let got = read(&b, out, n * shape.q_width());
-        assert_close(
-            &got,
-            &attention_by_matrix(&q, &k, &v, &positions, shape),
-            1e-5,
-            "attention",
-        );
-
-        // Changing the cache beyond every token's position changes nothing.
-        let max_pos = *positions.iter().max().unwrap() as usize;
-        if max_pos + 1 < seq {
-            let mut k2 = k.clone();
-            let mut v2 = v.clone();
-            for x in k2[(max_pos + 1) * kv_w..]
-                .iter_mut()
-                .chain(v2[(max_pos + 1) * kv_w..].iter_mut())
-            {
-                *x = 1e4;
+    let lens = [35, 20];
+    for page_size in [4, 16] {
+        let case = PagedCase::new(&mut r, page_size, &lens);
+        let k: Vec<Vec<f32>> = lens.iter().map(|l| randn(&mut r, l * kv_w)).collect();
+        let v: Vec<Vec<f32>> = lens.iter().map(|l| randn(&mut r, l * kv_w)).collect();
+        let mut queries: Vec<(u32, u32)> = (0..35).map(|p| (0, p)).collect();
+        queries.extend([(1, 19), (1, 0), (0, 17)]);
+        let q = randn(&mut r, queries.len() * shape.q_width());
+        let mut b = make();
+        let got = case.attention(&mut b, &k, &v, &queries, &q, shape).unwrap();
+        // An f16 cache holds K and V rounded to f16; the formula sees the same values.
+        let round = |x: &Vec<f32>| -> Vec<f32> {
+            match b.kv_type() {
+                KvType::F32 => x.clone(),
+                KvType::F16 => x.iter().map(|&v| f16::from_f32(v).to_f32()).collect(),
             }
-            b.write_f32(kh, &k2).unwrap();
-            b.write_f32(vh, &v2).unwrap();
-            b.attention(qh, kh, vh, ph, out, n, shape).unwrap();
-            assert_eq!(read(&b, out, got.len()), got);
-        }
+        };
+        let (k, v): (Vec<_>, Vec<_>) = (k.iter().map(round).collect(), v.iter().map(round).collect());
+        let want = paged_attention_by_matrix(&k, &v, &queries, &q, shape);
+        assert_close(&got, &want, tol, &format!("{what}, pages of {page_size}"));
     }
 }
 
 #[test]
-fn kv_write_places_rows_at_their_positions() {
-    let mut r = rng();
-    let (kv_w, cap) = (144, 35);
-    let k = randn(&mut r, 2 * kv_w);
-    let v = randn(&mut r, 2 * kv_w);
+fn attention_over_paged_caches_is_causal_grouped_and_matches_the_matrix_form() {
+    paged_attention_case(backend, 1e-5, "reference attention");
+}
+
+#[test]
+fn kv_write_and_attention_refuse_tables_that_point_outside_the_cache() {
     let mut b = backend();
-    let (kh, vh) = (upload(&mut b, &k), upload(&mut b, &v));
+    let kv_w = 12;
+    let (k, v) = (upload(&mut b, &[1.0; 12]), upload(&mut b, &[2.0; 12]));
+    let page_size = 4;
+    // Two pages of cache.
     let (kc, vc) = (
-        upload(&mut b, &vec![0.0; cap * kv_w]),
-        upload(&mut b, &vec![0.0; cap * kv_w]),
+        b.alloc(2 * page_size * kv_w * 4).unwrap(),
+        b.alloc(2 * page_size * kv_w * 4).unwrap(),
     );
-    let ph = upload_u32(&mut b, &[5, 34]);
-    b.kv_write(kh, vh, kc, vc, ph, 2, kv_w).unwrap();
-    let kc = read(&b, kc, cap * kv_w);
-    assert_eq!(&kc[5 * kv_w..6 * kv_w], &k[..kv_w]);
-    assert_eq!(&kc[34 * kv_w..], &k[kv_w..]);
-    assert_eq!(read(&b, vc, cap * kv_w)[5 * kv_w..6 * kv_w], v[..kv_w]);
-    // A position past the cache is refused.
-    let bad = upload_u32(&mut b, &[35]);
-    let (kc2, vc2) = (b.alloc(cap * kv_w * 4).unwrap(), b.alloc(cap * kv_w * 4).unwrap());
-    assert!(b.kv_write(kh, vh, kc2, vc2, bad, 1, kv_w).is_err());
+    let pages = |b: &mut CpuBackend, table: &[u32], seq: u32| PagedKv {
+        block_tables: upload_u32(b, table),
+        table_width: table.len(),
+        token_seqs: upload_u32(b, &[seq]),
+        page_size,
+    };
+    let cases: [(&[u32], u32, u32, &str); 4] = [
+        (&[1, 0], 0, 7, "a position in the last page is fine"),
+        (&[1, 0], 0, 8, "a position beyond the table"),
+        (&[1, 2], 0, 5, "a page beyond the cache"),
+        (&[1, 0], 1, 0, "a sequence without a table"),
+    ];
+    for (i, (table, seq, pos, what)) in cases.into_iter().enumerate() {
+        let p = pages(&mut b, table, seq);
+        let ph = upload_u32(&mut b, &[pos]);
+        let result = b.kv_write(k, v, kc, vc, ph, p, 1, kv_w);
+        assert_eq!(result.is_ok(), i == 0, "{what}: {result:?}");
+    }
+    // The write landed in page 0 (the table's second entry), row 3.
+    let kc_all = read(&b, kc, 2 * page_size * kv_w);
+    assert_eq!(&kc_all[3 * kv_w..4 * kv_w], &[1.0; 12]);
 }
 
 #[test]
@@ -414,44 +385,15 @@ fn activation_quantization_is_blockwise_and_padded() {
 
 #[test]
 fn fast_attention_over_f32_and_f16_caches_matches_the_matrix_form() {
-    let mut r = rng();
-    let shape = AttentionShape {
-        n_heads: 9,
-        n_kv_heads: 3,
-        head_dim: 48,
-    };
-    let (seq, kv_w) = (35, shape.kv_width());
-    let k = randn(&mut r, seq * kv_w);
-    let v = randn(&mut r, seq * kv_w);
-    let all: Vec<u32> = (0..seq as u32).collect();
     for isa in Isa::available() {
         for kv_type in [KvType::F32, KvType::F16] {
-            for positions in [all.clone(), vec![34], vec![0, 17]] {
-                let n = positions.len();
-                let q = randn(&mut r, n * shape.q_width());
+            let make = || {
                 let mut b = CpuBackend::with_kernels(2, CpuKernels::Fast(isa)).with_kv_type(kv_type);
                 b.reserve(16 << 20).unwrap();
                 assert_eq!(b.kv_type(), kv_type);
-                // Fill the cache through kv_write, as the model does.
-                let (kh, vh) = (upload(&mut b, &k), upload(&mut b, &v));
-                let bytes = seq * kv_w * kv_type.bytes();
-                let (kc, vc) = (b.alloc(bytes).unwrap(), b.alloc(bytes).unwrap());
-                let ph_all = upload_u32(&mut b, &all);
-                b.kv_write(kh, vh, kc, vc, ph_all, seq, kv_w).unwrap();
-                let (qh, ph) = (upload(&mut b, &q), upload_u32(&mut b, &positions));
-                let out = poisoned(&mut b, n * shape.q_width());
-                b.attention(qh, kc, vc, ph, out, n, shape).unwrap();
-                // The f16 cache holds K and V rounded to f16; the formula sees the same values.
-                let round = |x: &[f32]| -> Vec<f32> {
-                    match kv_type {
-                        KvType::F32 => x.to_vec(),
-                        KvType::F16 => x.iter().map(|&v| f16::from_f32(v).to_f32()).collect(),
-                    }
-                };
-                let want = attention_by_matrix(&q, &round(&k), &round(&v), &positions, shape);
-                let what = format!("{isa:?} {kv_type:?} attention at {} positions", positions.len());
-                assert_close(&read(&b, out, n * shape.q_width()), &want, 1e-5, &what);
-            }
+                b
+            };
+            paged_attention_case(make, 1e-5, &format!("{isa:?} {kv_type:?} attention"));
         }
     }
 }

@@ -8,7 +8,7 @@
 
 mod common;
 
-use common::random_weight_bytes;
+use common::{random_weight_bytes, PagedCase};
 
 use axiom::backend::cpu::CpuBackend;
 use axiom::backend::cuda::CudaBackend;
@@ -189,7 +189,7 @@ fn embed_rms_norm_rope_swiglu_add_match_the_cpu_reference() {
 
 #[test]
 #[ignore = "needs an NVIDIA GPU: cargo test --release --test cuda -- --ignored"]
-fn kv_write_and_attention_match_the_cpu_reference() {
+fn paged_kv_write_and_attention_match_the_cpu_reference() {
     use axiom::backend::KvType;
     let mut rng = ChaCha8Rng::seed_from_u64(3);
     let shape = AttentionShape {
@@ -197,8 +197,8 @@ fn kv_write_and_attention_match_the_cpu_reference() {
         n_kv_heads: 3,
         head_dim: 48,
     };
-    let (seq, kv_w) = (35, shape.kv_width());
-    let all: Vec<u32> = (0..seq as u32).collect();
+    let kv_w = shape.kv_width();
+    let lens = [35, 20];
     for kv_type in [KvType::F16, KvType::F32] {
         // An f16 cache holds rounded K and V: give the reference the same values.
         let round = |v: Vec<f32>| -> Vec<f32> {
@@ -207,36 +207,22 @@ fn kv_write_and_attention_match_the_cpu_reference() {
                 KvType::F32 => v,
             }
         };
-        let k = round(randn(&mut rng, seq * kv_w));
-        let v = round(randn(&mut rng, seq * kv_w));
-        for positions in [all.clone(), vec![34], vec![0, 17, 3]] {
-            let n = positions.len();
-            let q = randn(&mut rng, n * shape.q_width());
+        for page_size in [4, 16] {
+            let case = PagedCase::new(&mut rng, page_size, &lens);
+            let k: Vec<Vec<f32>> = lens.iter().map(|l| round(randn(&mut rng, l * kv_w))).collect();
+            let v: Vec<Vec<f32>> = lens.iter().map(|l| round(randn(&mut rng, l * kv_w))).collect();
+            // A prefill of the first sequence mixed with a decode of the second.
+            let mut queries: Vec<(u32, u32)> = (0..35).map(|p| (0, p)).collect();
+            queries.extend([(1, 19), (1, 0), (0, 17)]);
+            let q = randn(&mut rng, queries.len() * shape.q_width());
             let (gpu, mut cpu) = pair();
             let mut gpu = gpu.with_kv_type(kv_type);
-            let (kg, vg) = (put(&mut gpu, &k), put(&mut gpu, &v));
-            let bytes = seq * kv_w * kv_type.bytes();
-            let (kcg, vcg) = (gpu.alloc(bytes).unwrap(), gpu.alloc(bytes).unwrap());
-            let pa = put_u32(&mut gpu, &all);
-            gpu.kv_write(kg, vg, kcg, vcg, pa, seq, kv_w).unwrap();
-            let (qg, pg, og) = (
-                put(&mut gpu, &q),
-                put_u32(&mut gpu, &positions),
-                poisoned(&mut gpu, q.len()),
-            );
-            gpu.attention(qg, kcg, vcg, pg, og, n, shape).unwrap();
-
-            let (kc, vc) = (put(&mut cpu, &k), put(&mut cpu, &v));
-            let (qc, pc, oc) = (
-                put(&mut cpu, &q),
-                put_u32(&mut cpu, &positions),
-                poisoned(&mut cpu, q.len()),
-            );
-            cpu.attention(qc, kc, vc, pc, oc, n, shape).unwrap();
-            let err = rel_l2(&get(&gpu, og, q.len()), &get(&cpu, oc, q.len()));
+            let got = case.attention(&mut gpu, &k, &v, &queries, &q, shape).unwrap();
+            let want = case.attention(&mut cpu, &k, &v, &queries, &q, shape).unwrap();
+            let err = rel_l2(&got, &want);
             assert!(
                 err < 1e-5,
-                "{kv_type:?} attention at {n} positions: relative error {err}"
+                "{kv_type:?} paged attention, pages of {page_size}: relative error {err}"
             );
         }
     }
@@ -255,6 +241,7 @@ fn smollm2_on_cuda_matches_transformers() {
         LoadOptions {
             max_batch: 512,
             kv_tokens: 512,
+            max_seqs: 1,
         },
     )
     .unwrap();
@@ -265,9 +252,9 @@ fn smollm2_on_cuda_matches_transformers() {
             "chat" => s.chat_prompt(&[Message::new("user", text)]).unwrap(),
             _ => s.raw_prompt(text).unwrap(),
         };
-        let mut kv = s.model.new_kv_cache(512).unwrap();
+        let mut kv = s.model.new_kv_cache(512);
         let logits = s.model.forward_last(&prompt, &mut kv).unwrap().to_vec();
-        s.model.free_kv_cache(kv).unwrap();
+        s.model.free_kv_cache(kv);
         let first = axiom::engine::sampler::argmax(&logits);
         assert_eq!(
             first as u64,
@@ -312,6 +299,7 @@ fn every_architecture_on_cuda_matches_transformers() {
                 LoadOptions {
                     max_batch: 64,
                     kv_tokens: 64,
+                    max_seqs: 1,
                 },
             )
             .unwrap();
@@ -324,13 +312,13 @@ fn every_architecture_on_cuda_matches_transformers() {
                     .map(|v| v.as_u64().unwrap() as u32)
                     .collect();
                 // One token at a time, as decoding runs (the matrix-vector kernels and the graphs).
-                let mut kv = s.model.new_kv_cache(64).unwrap();
+                let mut kv = s.model.new_kv_cache(64);
                 for &id in &ids {
                     s.model
                         .forward(&[id], &mut kv, LogitRows::Last, |_, l| got.extend_from_slice(l))
                         .unwrap();
                 }
-                s.model.free_kv_cache(kv).unwrap();
+                s.model.free_kv_cache(kv);
             }
             let err = rel_l2(&got, &want);
             println!("{name} on CUDA, {kv_type:?} KV cache: relative L2 error {err:.2e}");

@@ -59,6 +59,7 @@ fn chat_templates_and_end_of_generation_come_from_the_directory() {
         LoadOptions {
             max_batch: 8,
             kv_tokens: 8,
+            max_seqs: 1,
         },
     )
     .unwrap();

@@ -67,6 +67,7 @@ fn load(bytes: &[u8]) -> axiom::Result<Session<CpuBackend>> {
         LoadOptions {
             max_batch: 4,
             kv_tokens: 16,
+            max_seqs: 1,
         },
     )
 }
@@ -74,7 +75,7 @@ fn load(bytes: &[u8]) -> axiom::Result<Session<CpuBackend>> {
 #[test]
 fn tiny_model_runs() {
     let mut s = load(&tiny_llama("llama", None, None)).unwrap();
-    let mut kv = s.model.new_kv_cache(16).unwrap();
+    let mut kv = s.model.new_kv_cache(16);
     // Longer than max_batch: the prompt is split into steps.
     let logits = s.model.forward_last(&[1, 2, 3, 4, 5, 6], &mut kv).unwrap();
     assert_eq!(logits.len(), 8);

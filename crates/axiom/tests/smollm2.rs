@@ -20,6 +20,7 @@ fn reference_session() -> Session<CpuBackend> {
         LoadOptions {
             max_batch: 512,
             kv_tokens: 512,
+            max_seqs: 1,
         },
     )
     .unwrap()
@@ -32,15 +33,16 @@ fn fast_session() -> Session<CpuBackend> {
         LoadOptions {
             max_batch: 512,
             kv_tokens: 512,
+            max_seqs: 1,
         },
     )
     .unwrap()
 }
 
 fn last_logits(s: &mut Session<CpuBackend>, prompt: &[u32]) -> Vec<f32> {
-    let mut kv = s.model.new_kv_cache(512).unwrap();
+    let mut kv = s.model.new_kv_cache(512);
     let logits = s.model.forward_last(prompt, &mut kv).unwrap().to_vec();
-    s.model.free_kv_cache(kv).unwrap();
+    s.model.free_kv_cache(kv);
     logits
 }
 
@@ -85,7 +87,7 @@ fn reference_backend_matches_transformers_prompts_logits_and_greedy_text() {
         assert_eq!(prompt, ids(&case["ids"]), "{name}: prompt ids");
 
         // Every position's argmax, and the last position's top-20 logits.
-        let mut kv = s.model.new_kv_cache(512).unwrap();
+        let mut kv = s.model.new_kv_cache(512);
         let mut argmaxes = Vec::new();
         let mut last = Vec::new();
         s.model
@@ -104,7 +106,7 @@ fn reference_backend_matches_transformers_prompts_logits_and_greedy_text() {
 
         // Greedy generation reproduces transformers' 64 tokens (which end at <|im_end|> if it came).
         let want = ids(&case["greedy64_ids"]);
-        kv.truncate(0);
+        s.model.truncate_kv(&mut kv, 0);
         let mut sampler = Sampler::new(SamplerConfig::greedy());
         let g = run(&mut s, &mut kv, &prompt, &mut sampler, 64, &[], |_| {}).unwrap();
         let mut got = g.tokens.clone();
@@ -114,7 +116,7 @@ fn reference_backend_matches_transformers_prompts_logits_and_greedy_text() {
         assert_eq!(got, want, "{name}: greedy tokens");
         let want_text = case["greedy64_text"].as_str().unwrap();
         assert!(want_text.starts_with(&g.text), "{name}: {:?} vs {want_text:?}", g.text);
-        s.model.free_kv_cache(kv).unwrap();
+        s.model.free_kv_cache(kv);
     }
 }
 
@@ -178,7 +180,7 @@ fn run(
 fn stop_strings_and_token_limits() {
     let mut s = fast_session();
     let prompt = s.raw_prompt("The capital of France is").unwrap();
-    let mut kv = s.model.new_kv_cache(512).unwrap();
+    let mut kv = s.model.new_kv_cache(512);
     let mut sampler = Sampler::new(SamplerConfig::greedy());
     // Transformers continues " Paris.\n\nThe answer is: ...": stop at the blank line.
     let mut streamed = String::new();
@@ -190,16 +192,16 @@ fn stop_strings_and_token_limits() {
     assert_eq!(g.text, " Paris.");
     assert_eq!(streamed, g.text);
 
-    kv.truncate(0);
+    s.model.truncate_kv(&mut kv, 0);
     let g = run(&mut s, &mut kv, &prompt, &mut sampler, 3, &[], |_| {}).unwrap();
     assert_eq!((g.tokens.len(), g.stop_reason), (3, StopReason::MaxTokens));
     assert_eq!(kv.len(), prompt.len() + 2, "the last token is sampled but not run");
 
     // A context too small for the prompt is an error; one too small for the answer ends it early.
-    s.model.free_kv_cache(kv).unwrap();
-    let mut small = s.model.new_kv_cache(4).unwrap();
+    s.model.free_kv_cache(kv);
+    let mut small = s.model.new_kv_cache(4);
     assert!(run(&mut s, &mut small, &prompt, &mut sampler, 3, &[], |_| {}).is_err());
-    let mut tight = s.model.new_kv_cache(prompt.len() + 1).unwrap();
+    let mut tight = s.model.new_kv_cache(prompt.len() + 1);
     let g = run(&mut s, &mut tight, &prompt, &mut sampler, 10, &[], |_| {}).unwrap();
     assert_eq!(g.stop_reason, StopReason::ContextFull);
 }
@@ -211,14 +213,14 @@ fn seeded_sampling_is_reproducible() {
         .chat_prompt(&[Message::new("user", "Write a haiku about rust.")])
         .unwrap();
     let mut sample = |seed| {
-        let mut kv = s.model.new_kv_cache(256).unwrap();
+        let mut kv = s.model.new_kv_cache(256);
         let mut sampler = Sampler::new(SamplerConfig {
             temperature: 1.0,
             seed,
             ..SamplerConfig::default()
         });
         let g = run(&mut s, &mut kv, &prompt, &mut sampler, 24, &[], |_| {}).unwrap();
-        s.model.free_kv_cache(kv).unwrap();
+        s.model.free_kv_cache(kv);
         g.tokens
     };
     let a = sample(42);

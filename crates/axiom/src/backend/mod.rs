@@ -124,6 +124,23 @@ impl AttentionShape {
     }
 }
 
+/// Where each token of a step keeps its keys and values in the paged KV cache.
+///
+/// A layer's K (and V) cache is `n_pages * page_size` rows of `kv_width`. A sequence owns a list
+/// of pages, its row of `block_tables`; its token at position `p` lives in cache row
+/// `table[p / page_size] * page_size + p % page_size`. Tokens of several sequences can share a
+/// step: `token_seqs` says whose table each one uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PagedKv {
+    /// u32 `[n_seqs, table_width]`: page ids of each sequence, in position order.
+    pub block_tables: BlockHandle,
+    pub table_width: usize,
+    /// u32 per token: its row of `block_tables`.
+    pub token_seqs: BlockHandle,
+    /// Tokens per page.
+    pub page_size: usize,
+}
+
 /// A weight tensor as read from a model file, before it is handed to a backend.
 pub struct HostTensor<'a> {
     pub name: &'a str,
@@ -200,9 +217,9 @@ pub trait Backend {
 
     // --- graphs: record a sequence of ops once, replay it per decode step ---
 
-    /// Starts recording the ops that follow instead of running them; false if the backend has
-    /// no graphs (then nothing is recorded and ops run as usual).
-    fn begin_capture(&self) -> Result<bool> {
+    /// Starts recording the ops of a step of `n_tokens` that follow instead of running them;
+    /// false if the backend records no such steps (then ops run as usual).
+    fn begin_capture(&self, _n_tokens: usize) -> Result<bool> {
         Ok(false)
     }
     /// Ends a recording started by `begin_capture`, returning the graph's handle.
@@ -250,8 +267,9 @@ pub trait Backend {
         head_dim: usize,
         rope: Rope,
     ) -> Result<()>;
-    /// Stores the K and V rows of `n_tokens` tokens in the caches (`[capacity, kv_width]` of
-    /// `kv_type()`) at their positions.
+    /// Stores the K and V rows of `n_tokens` tokens in the paged caches (rows of `kv_width` in
+    /// `kv_type()`), each in its sequence's row for its position.
+    #[allow(clippy::too_many_arguments)]
     fn kv_write(
         &self,
         k: BlockHandle,
@@ -259,16 +277,20 @@ pub trait Backend {
         k_cache: BlockHandle,
         v_cache: BlockHandle,
         positions: BlockHandle,
+        pages: PagedKv,
         n_tokens: usize,
         kv_width: usize,
     ) -> Result<()>;
-    /// Causal grouped-query attention: token t attends to cache positions `0..=positions[t]`.
+    /// Causal grouped-query attention over the paged caches: token t attends to positions
+    /// `0..=positions[t]` of its own sequence.
+    #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
         q: BlockHandle,
         k_cache: BlockHandle,
         v_cache: BlockHandle,
         positions: BlockHandle,
+        pages: PagedKv,
         out: BlockHandle,
         n_tokens: usize,
         shape: AttentionShape,

@@ -45,10 +45,10 @@ pub fn run_test<B: Backend>(model: &mut Llama<B>, test: Test, repetitions: usize
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(n as u64);
     let vocab = model.config.vocab_size as u32;
     let tokens: Vec<u32> = (0..n).map(|_| rng.random_range(0..vocab)).collect();
-    let mut kv = model.new_kv_cache(n.max(1))?;
+    let mut kv = model.new_kv_cache(n.max(1));
     let mut samples = Vec::with_capacity(repetitions);
     for rep in 0..=repetitions {
-        kv.truncate(0);
+        model.truncate_kv(&mut kv, 0);
         let start = Instant::now();
         match test {
             Test::Prompt(_) => model.forward(&tokens, &mut kv, LogitRows::Last, |_, _| {})?,
@@ -64,7 +64,7 @@ pub fn run_test<B: Backend>(model: &mut Llama<B>, test: Test, repetitions: usize
             samples.push(n as f64 / seconds);
         }
     }
-    model.free_kv_cache(kv)?;
+    model.free_kv_cache(kv);
     let mean = samples.iter().sum::<f64>() / samples.len() as f64;
     let var = samples.iter().map(|s| (s - mean).powi(2)).sum::<f64>() / (samples.len().max(2) - 1) as f64;
     Ok(BenchResult {

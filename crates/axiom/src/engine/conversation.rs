@@ -7,7 +7,7 @@ use super::sampler::Sampler;
 use super::session::Session;
 use crate::backend::Backend;
 use crate::chat::Message;
-use crate::model::KvCache;
+use crate::model::{KvCache, Llama};
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 
@@ -37,7 +37,7 @@ pub struct Conversation {
 
 impl Conversation {
     pub fn new<B: Backend>(session: &mut Session<B>, context: usize, system: Option<String>) -> Result<Conversation> {
-        let kv = session.model.new_kv_cache(context)?;
+        let kv = session.model.new_kv_cache(context);
         Ok(Conversation {
             transcript: Transcript {
                 system,
@@ -49,9 +49,9 @@ impl Conversation {
     }
 
     /// Starts over with `transcript` (nothing is cached for it yet).
-    pub fn replace(&mut self, transcript: Transcript) {
+    pub fn replace<B: Backend>(&mut self, session: &mut Session<B>, transcript: Transcript) {
         self.transcript = transcript;
-        self.forget_cache();
+        self.forget_cache(&mut session.model);
     }
 
     /// Tokens in the KV cache, and its capacity.
@@ -59,9 +59,14 @@ impl Conversation {
         (self.kv.len(), self.kv.capacity())
     }
 
-    fn forget_cache(&mut self) {
-        self.kv.truncate(0);
+    fn forget_cache<B: Backend>(&mut self, model: &mut Llama<B>) {
+        model.truncate_kv(&mut self.kv, 0);
         self.cached_text.clear();
+    }
+
+    /// Gives the cache's pages back to the model.
+    pub fn close<B: Backend>(self, session: &mut Session<B>) {
+        session.model.free_kv_cache(self.kv);
     }
 
     fn messages(&self) -> Vec<Message> {
@@ -92,7 +97,7 @@ impl Conversation {
             {
                 Some(rest) => session.tokenizer.encode(rest, true, false)?,
                 None => {
-                    self.forget_cache();
+                    self.forget_cache(&mut session.model);
                     session.tokenizer.encode(&text, true, false)?
                 }
             };
@@ -111,7 +116,7 @@ impl Conversation {
                     .map_or(self.transcript.messages.len() - 1, |i| first_user + 1 + i);
                 self.transcript.messages.drain(..end.max(1));
                 dropped_turns += 1;
-                self.forget_cache();
+                self.forget_cache(&mut session.model);
                 continue;
             }
             break (text, new_tokens);
@@ -130,18 +135,22 @@ impl Conversation {
             Ok(g) => g,
             Err(e) => {
                 self.transcript.messages.pop();
-                self.kv.truncate(start_len);
+                if session.model.truncate_kv(&mut self.kv, start_len) < start_len {
+                    self.forget_cache(&mut session.model);
+                }
                 return Err(e);
             }
         };
         // The cache holds the prompt and, when the reply ended at an end-of-turn token, exactly
         // the reply's tokens. Otherwise it may hold tokens past the recorded text: keep only the
         // prompt, and the next turn runs the reply again.
+        let prompt_len = start_len + new_tokens.len();
         if generation.stop_reason == StopReason::EndOfGeneration {
             self.cached_text = text + &generation.text;
-        } else {
-            self.kv.truncate(start_len + new_tokens.len());
+        } else if session.model.truncate_kv(&mut self.kv, prompt_len) == prompt_len {
             self.cached_text = text;
+        } else {
+            self.forget_cache(&mut session.model);
         }
         self.transcript
             .messages

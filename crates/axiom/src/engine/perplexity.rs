@@ -37,7 +37,7 @@ pub fn perplexity<B: Backend>(
         )));
     }
     let first = n_ctx / 2;
-    let mut kv = model.new_kv_cache(n_ctx)?;
+    let mut kv = model.new_kv_cache(n_ctx);
     let mut nll = 0.0f64;
     let mut scored = 0usize;
     let mut running = Vec::with_capacity(chunks);
@@ -46,7 +46,7 @@ pub fn perplexity<B: Backend>(
         if let Some(bos) = bos {
             chunk[0] = bos;
         }
-        kv.truncate(0);
+        model.truncate_kv(&mut kv, 0);
         let targets = &tokens[c * n_ctx..(c + 1) * n_ctx];
         model.forward(&chunk, &mut kv, LogitRows::From(first), |row, logits| {
             if row + 1 < n_ctx {
@@ -58,7 +58,7 @@ pub fn perplexity<B: Backend>(
         running.push(ppl);
         on_chunk(c + 1, chunks, ppl);
     }
-    model.free_kv_cache(kv)?;
+    model.free_kv_cache(kv);
     Ok(Perplexity {
         n_ctx,
         chunks,

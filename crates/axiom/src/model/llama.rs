@@ -1,8 +1,9 @@
 //! The Llama forward pass, written once against the [`Backend`] ops.
 
 use super::config::ModelConfig;
+use super::kv_cache::{KvCache, OutOfPages, PagePool, PageUsage};
 use super::weights::{self, TensorSource, Weights};
-use crate::backend::{Backend, BlockHandle};
+use crate::backend::{Backend, BlockHandle, PagedKv};
 use crate::format::gguf::GgufFile;
 use crate::{Error, Result};
 
@@ -20,8 +21,10 @@ pub enum LogitRows {
 pub struct LoadOptions {
     /// Most tokens one backend step processes; longer inputs are split into steps.
     pub max_batch: usize,
-    /// Tokens of KV cache to reserve room for.
+    /// Tokens of KV cache to reserve room for, across all sequences.
     pub kv_tokens: usize,
+    /// Most sequences one step may hold.
+    pub max_seqs: usize,
 }
 
 impl Default for LoadOptions {
@@ -29,43 +32,63 @@ impl Default for LoadOptions {
         LoadOptions {
             max_batch: 512,
             kv_tokens: 4096,
+            max_seqs: 1,
         }
     }
 }
+
+/// Positions per KV cache page.
+pub const PAGE_SIZE: usize = 16;
 
 /// Rows of logits computed per LM-head step, so a long scored range never needs a
 /// `[tokens, vocab]` buffer at once.
 const LOGIT_ROWS_PER_STEP: usize = 32;
 
-/// The key and value cache of one sequence: per layer, `[capacity, kv_width]` f32.
-pub struct KvCache {
-    k: Vec<BlockHandle>,
-    v: Vec<BlockHandle>,
-    capacity: usize,
-    len: usize,
+/// One sequence's part of a batched step: `tokens` run after those `kv` holds.
+pub struct SeqStep<'a> {
+    pub kv: &'a mut KvCache,
+    pub tokens: &'a [u32],
+    /// Whether its last token's logits are wanted.
+    pub logits: bool,
 }
 
-impl KvCache {
-    /// Tokens held.
-    pub fn len(&self) -> usize {
-        self.len
+/// The paged KV cache in backend memory: per layer, K and V of every page.
+struct PagedCache {
+    k: Vec<BlockHandle>,
+    v: Vec<BlockHandle>,
+    /// Page ids per sequence row of a step.
+    table_width: usize,
+}
+
+/// A step's inputs, all u32, packed in one block so they travel to the device in one copy:
+/// token ids, positions and sequence rows (`max_batch` each), then the block tables.
+struct StepInputs {
+    block: BlockHandle,
+    host: Vec<u32>,
+    max_batch: usize,
+}
+
+impl StepInputs {
+    fn field(&self, i: usize) -> BlockHandle {
+        self.block.slice(i * self.max_batch * 4, self.max_batch * 4)
     }
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
+    fn ids(&self) -> BlockHandle {
+        self.field(0)
     }
-    pub fn capacity(&self) -> usize {
-        self.capacity
+    fn positions(&self) -> BlockHandle {
+        self.field(1)
     }
-    /// Forgets tokens from `len` on (the next forward overwrites them).
-    pub fn truncate(&mut self, len: usize) {
-        self.len = self.len.min(len);
+    fn token_seqs(&self) -> BlockHandle {
+        self.field(2)
+    }
+    fn tables(&self) -> BlockHandle {
+        let start = 3 * self.max_batch * 4;
+        self.block.slice(start, self.block.len - start)
     }
 }
 
 /// Per-step activation buffers, sized for `max_batch` tokens.
 struct Scratch {
-    ids: BlockHandle,
-    positions: BlockHandle,
     x: BlockHandle,
     normed: BlockHandle,
     q: BlockHandle,
@@ -88,13 +111,15 @@ pub struct Llama<B: Backend> {
     /// The rope kernels' table of per-pair frequencies.
     freqs: BlockHandle,
     scratch: Scratch,
+    inputs: StepInputs,
+    cache: PagedCache,
+    pages: PagePool,
     max_batch: usize,
+    max_seqs: usize,
     /// Host copies of a few rows of logits; after `forward_last`, the first row is the last token's.
     logits: Vec<f32>,
-    /// Positions of the current step (reused: the decode loop allocates nothing).
-    positions: Vec<u32>,
-    /// Recorded one-token steps (graph handles), by the KV cache they write (its first block).
-    decode_graphs: Vec<(usize, usize)>,
+    /// Recorded steps (graph handles), by their number of tokens.
+    graphs: Vec<(usize, usize)>,
 }
 
 impl<B: Backend> Llama<B> {
@@ -111,8 +136,11 @@ impl<B: Backend> Llama<B> {
         options: LoadOptions,
     ) -> Result<Llama<B>> {
         let max_batch = options.max_batch.max(1);
-        let kv_tokens = options.kv_tokens.min(config.context_length).max(1);
-        let kv = kv_bytes(&config, kv_tokens, backend.kv_type().bytes());
+        let max_seqs = options.max_seqs.clamp(1, max_batch);
+        let n_pages = options.kv_tokens.max(1).div_ceil(PAGE_SIZE);
+        let table_width = config.context_length.min(n_pages * PAGE_SIZE).div_ceil(PAGE_SIZE);
+        let page_bytes = PAGE_SIZE * config.attention().kv_width() * backend.kv_type().bytes();
+        let inputs_len = 3 * max_batch + max_seqs * table_width;
         let (largest_weight, max_n_in) = weights::largest(&config);
         let steps = max_batch.max(LOGIT_ROWS_PER_STEP);
         let matrices: Vec<usize> = source
@@ -123,49 +151,99 @@ impl<B: Backend> Llama<B> {
             .collect();
         let arena = weights::vector_bytes(&config)
             + scratch_bytes(&config, max_batch)
-            + kv
+            + 2 * config.n_layers * (n_pages * page_bytes).next_multiple_of(256)
+            + inputs_len * 4
             + backend.weight_bytes(&matrices)
             + backend.staging_bytes(largest_weight, steps, max_n_in)
             + 64 * 256;
         backend.reserve(arena)?;
         let (weights, freqs) = weights::load(source, &config, &mut backend)?;
         let scratch = Scratch::new(&mut backend, &config, max_batch)?;
+        let mut cache = PagedCache {
+            k: Vec::with_capacity(config.n_layers),
+            v: Vec::with_capacity(config.n_layers),
+            table_width,
+        };
+        for _ in 0..config.n_layers {
+            cache.k.push(backend.alloc(n_pages * page_bytes)?);
+            cache.v.push(backend.alloc(n_pages * page_bytes)?);
+        }
+        let inputs = StepInputs {
+            block: backend.alloc(inputs_len * 4)?,
+            host: Vec::with_capacity(inputs_len),
+            max_batch,
+        };
         backend.prepare(steps, max_n_in)?;
         let logits = vec![0f32; config.vocab_size * LOGIT_ROWS_PER_STEP];
-        let positions = Vec::with_capacity(max_batch);
         Ok(Llama {
             config,
             backend,
             weights,
             freqs,
             scratch,
+            inputs,
+            cache,
+            pages: PagePool::new(n_pages, PAGE_SIZE),
             max_batch,
+            max_seqs,
             logits,
-            positions,
-            decode_graphs: Vec::new(),
+            graphs: Vec::new(),
         })
     }
 
-    /// A KV cache for one sequence of up to `capacity` tokens.
-    pub fn new_kv_cache(&mut self, capacity: usize) -> Result<KvCache> {
-        let bytes = capacity * self.config.attention().kv_width() * self.backend.kv_type().bytes();
-        let mut k = Vec::with_capacity(self.config.n_layers);
-        let mut v = Vec::with_capacity(self.config.n_layers);
-        for _ in 0..self.config.n_layers {
-            k.push(self.backend.alloc(bytes)?);
-            v.push(self.backend.alloc(bytes)?);
-        }
-        Ok(KvCache { k, v, capacity, len: 0 })
+    /// Bytes of KV cache one token takes, over all layers.
+    pub fn kv_bytes_per_token(config: &ModelConfig, kv_type: crate::backend::KvType) -> usize {
+        2 * config.n_layers * config.attention().kv_width() * kv_type.bytes()
     }
 
-    pub fn free_kv_cache(&mut self, kv: KvCache) -> Result<()> {
-        // Its recorded steps point into its blocks: a later cache must record its own.
-        let key = kv.k.first().map_or(0, |b| b.offset);
-        self.decode_graphs.retain(|(k, _)| *k != key);
-        for block in kv.k.into_iter().chain(kv.v) {
-            self.backend.free(block)?;
-        }
-        Ok(())
+    /// An empty KV cache for a sequence of up to `capacity` tokens (bounded by the context and
+    /// the pool). It takes pages as it grows; give them back with [`Llama::free_kv_cache`].
+    pub fn new_kv_cache(&self, capacity: usize) -> KvCache {
+        KvCache::new(capacity.min(self.cache.table_width * PAGE_SIZE))
+    }
+
+    /// Returns the pages of `kv` to the pool (full ones stay reusable as cached prefixes).
+    pub fn free_kv_cache(&mut self, mut kv: KvCache) {
+        self.pages.free(&mut kv);
+    }
+
+    /// Shortens `kv` to at most `len` tokens; returns the length kept (see [`PagePool::truncate`]).
+    pub fn truncate_kv(&mut self, kv: &mut KvCache, len: usize) -> usize {
+        self.pages.truncate(kv, len)
+    }
+
+    /// Makes the empty `kv` share the cached pages that begin `tokens`; returns the tokens reused.
+    pub fn share_prefix(&mut self, kv: &mut KvCache, tokens: &[u32]) -> usize {
+        self.pages.share_prefix(kv, tokens)
+    }
+
+    /// Gives `kv` its pages for `more` tokens now (all or nothing), so a step cannot run out.
+    pub fn reserve_kv(&mut self, kv: &mut KvCache, more: usize) -> std::result::Result<(), OutOfPages> {
+        self.pages.grow(kv, kv.len() + more)
+    }
+
+    pub fn page_usage(&self) -> PageUsage {
+        self.pages.usage()
+    }
+
+    /// Pages `kv` would still need to hold `len` tokens.
+    pub fn pages_needed(&self, kv: &KvCache, len: usize) -> usize {
+        self.pages.pages_for(len).saturating_sub(kv.pages.len())
+    }
+
+    /// Pages that can be handed out now.
+    pub fn pages_available(&self) -> usize {
+        self.pages.available()
+    }
+
+    /// Most tokens one step runs.
+    pub fn max_batch(&self) -> usize {
+        self.max_batch
+    }
+
+    /// Most sequences one step runs.
+    pub fn max_seqs(&self) -> usize {
+        self.max_seqs
     }
 
     /// Runs `tokens` after the ones already in `kv`, appending theirs. For each row that `rows`
@@ -177,13 +255,14 @@ impl<B: Backend> Llama<B> {
         rows: LogitRows,
         mut sink: impl FnMut(usize, &[f32]),
     ) -> Result<()> {
-        if kv.len + tokens.len() > kv.capacity {
+        if kv.len() + tokens.len() > kv.capacity() {
             return Err(Error::ContextOverflow {
-                prompt: kv.len + tokens.len(),
+                prompt: kv.len() + tokens.len(),
                 generate: 0,
-                context: kv.capacity,
+                context: kv.capacity(),
             });
         }
+        self.reserve_kv(kv, tokens.len())?;
         let first_scored = match rows {
             LogitRows::None => tokens.len(),
             LogitRows::Last => tokens.len().saturating_sub(1),
@@ -192,10 +271,32 @@ impl<B: Backend> Llama<B> {
         for (step, chunk) in tokens.chunks(self.max_batch).enumerate() {
             let offset = step * self.max_batch;
             let from = first_scored.saturating_sub(offset).min(chunk.len());
-            self.step(chunk, kv)?;
-            self.logits_for(chunk.len(), from, |row, logits| sink(offset + row, logits))?;
+            self.step(&mut [SeqStep {
+                kv: &mut *kv,
+                tokens: chunk,
+                logits: false,
+            }])?;
+            let rows: Vec<usize> = (from..chunk.len()).collect();
+            self.logits_for(&rows, |i, logits| sink(offset + rows[i], logits))?;
         }
         Ok(())
+    }
+
+    /// Runs one step of several sequences together (at most `max_batch` tokens and `max_seqs`
+    /// sequences in all), then calls `sink(step index, logits)` for each one that wants logits.
+    pub fn forward_batch(&mut self, steps: &mut [SeqStep], mut sink: impl FnMut(usize, &[f32])) -> Result<()> {
+        self.step(steps)?;
+        let mut rows = Vec::with_capacity(steps.len());
+        let mut owners = Vec::with_capacity(steps.len());
+        let mut end = 0;
+        for (i, s) in steps.iter().enumerate() {
+            end += s.tokens.len();
+            if s.logits {
+                rows.push(end - 1);
+                owners.push(i);
+            }
+        }
+        self.logits_for(&rows, |i, logits| sink(owners[i], logits))
     }
 
     /// For generation: runs `tokens` and returns the logits of the last one (also kept for
@@ -212,43 +313,91 @@ impl<B: Backend> Llama<B> {
         &self.logits[..self.config.vocab_size]
     }
 
-    /// One batch through every layer; leaves the final hidden states in `scratch.x`. A one-token
-    /// step is recorded as a graph the first time (where the backend has graphs) and replayed
-    /// after: it reads its token and position from device buffers, so one recording serves
-    /// every position of the same KV cache.
-    fn step(&mut self, tokens: &[u32], kv: &mut KvCache) -> Result<()> {
-        let n = tokens.len();
-        self.positions.clear();
-        self.positions.extend((kv.len..kv.len + n).map(|p| p as u32));
-        self.backend.write_u32(self.scratch.ids, tokens)?;
-        self.backend.write_u32(self.scratch.positions, &self.positions)?;
-        let key = kv.k.first().map_or(0, |b| b.offset);
-        if n == 1 {
-            if let Some(&(_, graph)) = self.decode_graphs.iter().find(|(k, _)| *k == key) {
-                self.backend.replay(graph)?;
-            } else if self.backend.begin_capture()? {
-                let recorded = self.layers(n, kv);
-                let graph = self.backend.end_capture()?;
-                recorded?;
-                self.decode_graphs.push((key, graph));
-                self.backend.replay(graph)?;
-            } else {
-                self.layers(n, kv)?;
-            }
-        } else {
-            self.layers(n, kv)?;
+    /// One batch through every layer; leaves the final hidden states in `scratch.x`. A step of a
+    /// few tokens is recorded as a graph the first time (where the backend has graphs) and
+    /// replayed after: it reads everything that changes from the step inputs, so one recording
+    /// serves every step of that many tokens.
+    fn step(&mut self, steps: &mut [SeqStep]) -> Result<()> {
+        let n: usize = steps.iter().map(|s| s.tokens.len()).sum();
+        if n == 0 || n > self.max_batch || steps.len() > self.max_seqs {
+            return Err(Error::InvalidArgument(format!(
+                "a step of {n} tokens in {} sequences (at most {} tokens in {} sequences)",
+                steps.len(),
+                self.max_batch,
+                self.max_seqs
+            )));
         }
-        kv.len += n;
+        for s in steps.iter_mut() {
+            let len = s.kv.len() + s.tokens.len();
+            if len > s.kv.capacity() {
+                return Err(Error::ContextOverflow {
+                    prompt: len,
+                    generate: 0,
+                    context: s.kv.capacity(),
+                });
+            }
+            self.pages.grow(s.kv, len)?;
+        }
+        self.write_inputs(steps)?;
+        if let Some(&(_, graph)) = self.graphs.iter().find(|(k, _)| *k == n) {
+            self.backend.replay(graph)?;
+        } else if self.backend.begin_capture(n)? {
+            let recorded = self.layers(n);
+            let graph = self.backend.end_capture()?;
+            recorded?;
+            self.graphs.push((n, graph));
+            self.backend.replay(graph)?;
+        } else {
+            self.layers(n)?;
+        }
+        for s in steps.iter_mut() {
+            s.kv.push_tokens(s.tokens);
+            self.pages.index_full_pages(s.kv);
+        }
         Ok(())
     }
 
+    /// Packs the step's ids, positions, sequence rows and block tables and sends them in one copy.
+    fn write_inputs(&mut self, steps: &[SeqStep]) -> Result<()> {
+        let (batch, width) = (self.max_batch, self.cache.table_width);
+        let host = &mut self.inputs.host;
+        host.clear();
+        host.extend(steps.iter().flat_map(|s| s.tokens));
+        host.resize(batch, 0);
+        host.extend(
+            steps
+                .iter()
+                .flat_map(|s| (s.kv.len()..s.kv.len() + s.tokens.len()).map(|p| p as u32)),
+        );
+        host.resize(2 * batch, 0);
+        host.extend(
+            steps
+                .iter()
+                .enumerate()
+                .flat_map(|(i, s)| std::iter::repeat_n(i as u32, s.tokens.len())),
+        );
+        host.resize(3 * batch, 0);
+        for (i, s) in steps.iter().enumerate() {
+            host.extend_from_slice(&s.kv.pages);
+            host.resize(3 * batch + (i + 1) * width, 0);
+        }
+        self.backend.write_u32(self.inputs.block, host)
+    }
+
     /// The layer loop, written once.
-    fn layers(&self, n: usize, kv: &KvCache) -> Result<()> {
+    fn layers(&self, n: usize) -> Result<()> {
         let c = &self.config;
         let shape = c.attention();
         let (b, s) = (&self.backend, &self.scratch);
-        b.embed(&self.weights.token_embd, s.ids, s.x, n)?;
-        for (layer, (k_cache, v_cache)) in self.weights.layers.iter().zip(kv.k.iter().zip(&kv.v)) {
+        let positions = self.inputs.positions();
+        let pages = PagedKv {
+            block_tables: self.inputs.tables(),
+            table_width: self.cache.table_width,
+            token_seqs: self.inputs.token_seqs(),
+            page_size: PAGE_SIZE,
+        };
+        b.embed(&self.weights.token_embd, self.inputs.ids(), s.x, n)?;
+        for (layer, (k_cache, v_cache)) in self.weights.layers.iter().zip(self.cache.k.iter().zip(&self.cache.v)) {
             // Attention block.
             b.rms_norm(s.x, layer.attn_norm, s.normed, n, c.dim, c.rms_eps)?;
             b.matmul_many(s.normed, &[&layer.wq, &layer.wk, &layer.wv], &[s.q, s.k, s.v], n)?;
@@ -266,10 +415,10 @@ impl<B: Backend> Llama<B> {
                 }
                 None => (s.q, s.k),
             };
-            b.rope(q, s.positions, self.freqs, n, c.n_heads, c.head_dim, c.rope)?;
-            b.rope(k, s.positions, self.freqs, n, c.n_kv_heads, c.head_dim, c.rope)?;
-            b.kv_write(k, s.v, *k_cache, *v_cache, s.positions, n, shape.kv_width())?;
-            b.attention(q, *k_cache, *v_cache, s.positions, s.attn, n, shape)?;
+            b.rope(q, positions, self.freqs, n, c.n_heads, c.head_dim, c.rope)?;
+            b.rope(k, positions, self.freqs, n, c.n_kv_heads, c.head_dim, c.rope)?;
+            b.kv_write(k, s.v, *k_cache, *v_cache, positions, pages, n, shape.kv_width())?;
+            b.attention(q, *k_cache, *v_cache, positions, pages, s.attn, n, shape)?;
             b.matmul(s.attn, &layer.wo, s.proj, n)?;
             b.add(s.x, s.proj, n * c.dim)?;
             // Feed-forward block.
@@ -282,33 +431,38 @@ impl<B: Backend> Llama<B> {
         Ok(())
     }
 
-    /// Final norm and LM head for rows `from..n` of the last step, a few rows at a time.
-    fn logits_for(&mut self, n: usize, from: usize, mut sink: impl FnMut(usize, &[f32])) -> Result<()> {
+    /// Final norm and LM head for the given rows (ascending) of the last step, each run of
+    /// consecutive rows a few at a time; calls `sink(index into rows, logits)`.
+    fn logits_for(&mut self, rows: &[usize], mut sink: impl FnMut(usize, &[f32])) -> Result<()> {
         let (dim, vocab) = (self.config.dim, self.config.vocab_size);
         let (b, s) = (&self.backend, &self.scratch);
-        let mut row = from;
-        while row < n {
-            let rows = (n - row).min(LOGIT_ROWS_PER_STEP);
-            let x = s.x.slice(row * dim * 4, rows * dim * 4);
-            b.rms_norm(x, self.weights.output_norm, s.normed, rows, dim, self.config.rms_eps)?;
-            b.matmul(s.normed, self.weights.lm_head(), s.logits, rows)?;
-            b.read_f32(s.logits, &mut self.logits[..rows * vocab])?;
-            for (i, l) in self.logits[..rows * vocab].chunks_exact(vocab).enumerate() {
-                sink(row + i, l);
+        let mut i = 0;
+        while i < rows.len() {
+            let first = rows[i];
+            let mut n = 1;
+            while i + n < rows.len() && n < LOGIT_ROWS_PER_STEP && rows[i + n] == first + n {
+                n += 1;
             }
-            row += rows;
+            let x = s.x.slice(first * dim * 4, n * dim * 4);
+            b.rms_norm(x, self.weights.output_norm, s.normed, n, dim, self.config.rms_eps)?;
+            b.matmul(s.normed, self.weights.lm_head(), s.logits, n)?;
+            b.read_f32(s.logits, &mut self.logits[..n * vocab])?;
+            for (j, l) in self.logits[..n * vocab].chunks_exact(vocab).enumerate() {
+                sink(i + j, l);
+            }
+            i += n;
         }
         Ok(())
     }
 }
 
 /// Widths (values per token) of the scratch buffers, in `Scratch` field order up to `k_normed`.
-fn scratch_widths(c: &ModelConfig) -> [usize; 14] {
+fn scratch_widths(c: &ModelConfig) -> [usize; 12] {
     let a = c.attention();
     let (q, kv) = (a.q_width(), a.kv_width());
     let (qn, kn) = if c.qk_norm { (q, kv) } else { (0, 0) };
     [
-        1, 1, c.dim, c.dim, q, kv, kv, q, c.dim, c.ffn_dim, c.ffn_dim, c.ffn_dim, qn, kn,
+        c.dim, c.dim, q, kv, kv, q, c.dim, c.ffn_dim, c.ffn_dim, c.ffn_dim, qn, kn,
     ]
 }
 
@@ -320,17 +474,11 @@ fn scratch_bytes(c: &ModelConfig, max_batch: usize) -> usize {
     activations + (LOGIT_ROWS_PER_STEP * c.vocab_size * 4).next_multiple_of(64)
 }
 
-fn kv_bytes(c: &ModelConfig, tokens: usize, element_bytes: usize) -> usize {
-    2 * c.n_layers * (tokens * c.attention().kv_width() * element_bytes).next_multiple_of(64)
-}
-
 impl Scratch {
     fn new<B: Backend>(b: &mut B, c: &ModelConfig, max_batch: usize) -> Result<Scratch> {
-        let [ids, positions, x, normed, q, k, v, attn, proj, gate, up, hidden, q_normed, k_normed] = scratch_widths(c);
+        let [x, normed, q, k, v, attn, proj, gate, up, hidden, q_normed, k_normed] = scratch_widths(c);
         let mut alloc = |width: usize| b.alloc(width * max_batch * 4);
         Ok(Scratch {
-            ids: alloc(ids)?,
-            positions: alloc(positions)?,
             x: alloc(x)?,
             normed: alloc(normed)?,
             q: alloc(q)?,

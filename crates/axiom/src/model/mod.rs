@@ -1,8 +1,10 @@
 //! The model: normalized hyperparameters, weights, and the Llama forward pass.
 
 pub mod config;
+pub mod kv_cache;
 pub mod llama;
 pub mod weights;
 
 pub use config::ModelConfig;
-pub use llama::{KvCache, Llama, LogitRows};
+pub use kv_cache::{KvCache, OutOfPages, PageUsage};
+pub use llama::{Llama, LoadOptions, LogitRows, SeqStep, PAGE_SIZE};

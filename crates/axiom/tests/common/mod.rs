@@ -181,6 +181,7 @@ pub fn worst_error<B: Backend>(model: &Path, reference: &Path, backend: B) -> f6
         LoadOptions {
             max_batch: 64,
             kv_tokens: 64,
+            max_seqs: 1,
         },
     )
     .unwrap();
@@ -205,12 +206,12 @@ pub fn worst_error<B: Backend>(model: &Path, reference: &Path, backend: B) -> f6
             ids,
             "{name}: {text}"
         );
-        let mut kv = s.model.new_kv_cache(64).unwrap();
+        let mut kv = s.model.new_kv_cache(64);
         let mut got = Vec::new();
         s.model
             .forward(&ids, &mut kv, LogitRows::From(0), |_, l| got.extend_from_slice(l))
             .unwrap();
-        s.model.free_kv_cache(kv).unwrap();
+        s.model.free_kv_cache(kv);
         let reference = &want[offset..offset + ids.len() * vocab];
         offset += ids.len() * vocab;
         let err: f64 = got.iter().zip(reference).map(|(g, w)| ((g - w) as f64).powi(2)).sum();
@@ -219,4 +220,168 @@ pub fn worst_error<B: Backend>(model: &Path, reference: &Path, backend: B) -> f6
     }
     assert_eq!(offset, want.len(), "{name}: every reference logit compared");
     worst
+}
+
+/// Sequences in a paged KV cache whose pages are handed out in a scrambled order, so a kernel
+/// that ignores the block tables reads the wrong rows.
+pub struct PagedCase {
+    pub page_size: usize,
+    pub n_pages: usize,
+    /// Each sequence's pages, in position order.
+    pub tables: Vec<Vec<u32>>,
+}
+
+impl PagedCase {
+    /// Room for sequences of `lens` tokens, plus spare pages nobody owns.
+    pub fn new(rng: &mut ChaCha8Rng, page_size: usize, lens: &[usize]) -> PagedCase {
+        let needed: usize = lens.iter().map(|l| l.div_ceil(page_size)).sum();
+        let n_pages = needed + 3;
+        let mut ids: Vec<u32> = (0..n_pages as u32).collect();
+        for i in (1..ids.len()).rev() {
+            ids.swap(i, rng.random_range(0..=i));
+        }
+        let mut next = ids.into_iter();
+        let tables = lens
+            .iter()
+            .map(|l| next.by_ref().take(l.div_ceil(page_size)).collect())
+            .collect();
+        PagedCase {
+            page_size,
+            n_pages,
+            tables,
+        }
+    }
+
+    pub fn table_width(&self) -> usize {
+        self.tables.iter().map(Vec::len).max().unwrap_or(1)
+    }
+
+    /// The tables as the kernels read them: one row of `table_width` per sequence.
+    pub fn flat_tables(&self) -> Vec<u32> {
+        let w = self.table_width();
+        self.tables
+            .iter()
+            .flat_map(|t| t.iter().copied().chain(std::iter::repeat(0)).take(w))
+            .collect()
+    }
+
+    /// Writes each sequence's K and V (`[len, kv_width]`, contiguous) into fresh paged caches
+    /// through `kv_write` (one call for every token of every sequence), then runs `attention`
+    /// for queries `q` at `(sequence, position)`. Cache memory starts as NaN, so reading a row
+    /// nobody wrote poisons the output.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention<B: axiom::backend::Backend>(
+        &self,
+        b: &mut B,
+        k: &[Vec<f32>],
+        v: &[Vec<f32>],
+        queries: &[(u32, u32)],
+        q: &[f32],
+        shape: axiom::backend::AttentionShape,
+    ) -> axiom::Result<Vec<f32>> {
+        use axiom::backend::PagedKv;
+        let kv_w = shape.kv_width();
+        let put_u32 = |b: &mut B, data: &[u32]| -> axiom::Result<axiom::backend::BlockHandle> {
+            let h = b.alloc(data.len().max(1) * 4)?;
+            b.write_u32(h, data)?;
+            Ok(h)
+        };
+        let put = |b: &mut B, data: &[f32]| -> axiom::Result<axiom::backend::BlockHandle> {
+            let h = b.alloc(data.len() * 4)?;
+            b.write_f32(h, data)?;
+            Ok(h)
+        };
+        let cache_bytes = self.n_pages * self.page_size * kv_w * b.kv_type().bytes();
+        let nan = vec![u32::MAX; cache_bytes / 4];
+        let (kc, vc) = (put_u32(b, &nan)?, put_u32(b, &nan)?);
+        let tables = put_u32(b, &self.flat_tables())?;
+        let page_size = self.page_size;
+        let table_width = self.table_width();
+
+        let (mut seqs, mut positions, mut ks, mut vs) = (vec![], vec![], vec![], vec![]);
+        for (s, (ks_, vs_)) in k.iter().zip(v).enumerate() {
+            let len = ks_.len() / kv_w;
+            seqs.extend(std::iter::repeat_n(s as u32, len));
+            positions.extend(0..len as u32);
+            ks.extend_from_slice(ks_);
+            vs.extend_from_slice(vs_);
+        }
+        let written = PagedKv {
+            block_tables: tables,
+            table_width,
+            token_seqs: put_u32(b, &seqs)?,
+            page_size,
+        };
+        let (kh, vh, ph) = (put(b, &ks)?, put(b, &vs)?, put_u32(b, &positions)?);
+        b.kv_write(kh, vh, kc, vc, ph, written, positions.len(), kv_w)?;
+
+        let (qseqs, qpos): (Vec<u32>, Vec<u32>) = queries.iter().copied().unzip();
+        let read = PagedKv {
+            token_seqs: put_u32(b, &qseqs)?,
+            ..written
+        };
+        let (qh, ph) = (put(b, q)?, put_u32(b, &qpos)?);
+        let out = put(b, &vec![f32::NAN; q.len()])?;
+        b.attention(qh, kc, vc, ph, read, out, queries.len(), shape)?;
+        let mut got = vec![0f32; q.len()];
+        b.read_f32(out, &mut got)?;
+        Ok(got)
+    }
+}
+
+/// Attention written the textbook way over one sequence's contiguous K and V: a full score
+/// matrix with an explicit -inf mask.
+pub fn attention_by_matrix(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    positions: &[u32],
+    s: axiom::backend::AttentionShape,
+) -> Vec<f32> {
+    let seq = k.len() / s.kv_width();
+    let mut out = vec![0f32; positions.len() * s.q_width()];
+    for (t, &pos) in positions.iter().enumerate() {
+        for h in 0..s.n_heads {
+            let kvh = h * s.n_kv_heads / s.n_heads;
+            let scores: Vec<f32> = (0..seq)
+                .map(|p| {
+                    if p > pos as usize {
+                        return f32::NEG_INFINITY;
+                    }
+                    let dot: f32 = (0..s.head_dim)
+                        .map(|d| q[(t * s.n_heads + h) * s.head_dim + d] * k[p * s.kv_width() + kvh * s.head_dim + d])
+                        .sum();
+                    dot / (s.head_dim as f32).sqrt()
+                })
+                .collect();
+            let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let exps: Vec<f32> = scores.iter().map(|&x| (x - max).exp()).collect();
+            let sum: f32 = exps.iter().sum();
+            for d in 0..s.head_dim {
+                out[(t * s.n_heads + h) * s.head_dim + d] = (0..seq)
+                    .map(|p| exps[p] / sum * v[p * s.kv_width() + kvh * s.head_dim + d])
+                    .sum();
+            }
+        }
+    }
+    out
+}
+
+/// The expected output of [`PagedCase::attention`]: each query by the matrix form over its
+/// own sequence.
+pub fn paged_attention_by_matrix(
+    k: &[Vec<f32>],
+    v: &[Vec<f32>],
+    queries: &[(u32, u32)],
+    q: &[f32],
+    shape: axiom::backend::AttentionShape,
+) -> Vec<f32> {
+    let w = shape.q_width();
+    queries
+        .iter()
+        .enumerate()
+        .flat_map(|(i, &(s, pos))| {
+            attention_by_matrix(&q[i * w..(i + 1) * w], &k[s as usize], &v[s as usize], &[pos], shape)
+        })
+        .collect()
 }

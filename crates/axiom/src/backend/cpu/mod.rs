@@ -11,11 +11,12 @@ pub mod fast;
 pub mod kernels;
 pub mod pool;
 
-use super::{Arena, AttentionShape, Backend, BlockHandle, HostTensor, KvType, Rope};
+use super::{Arena, AttentionShape, Backend, BlockHandle, HostTensor, KvType, PagedKv, Rope};
 use crate::format::quant::GgmlType;
 use crate::{Error, Result};
 use fast::{Isa, OutPtr, Q8Activations, Stage, CHUNK, GROUPS_PER_CHUNK};
 use half::f16;
+use kernels::paged::PageMap;
 use memmap2::Mmap;
 use pool::{split, ThreadPool};
 use std::cell::RefCell;
@@ -125,6 +126,35 @@ impl CpuBackend {
         self
     }
 
+    /// The step's block tables, checked against the caches (blocks of `kv_width`-wide rows in
+    /// whole pages), and the cache length in elements.
+    fn page_map(
+        &self,
+        pages: PagedKv,
+        positions: &[u32],
+        k_cache: BlockHandle,
+        v_cache: BlockHandle,
+        kv_width: usize,
+    ) -> Result<(PageMap<'_>, usize)> {
+        let page_bytes = pages.page_size * kv_width * self.kv_type.bytes();
+        if page_bytes == 0 || k_cache.len != v_cache.len {
+            return Err(Error::Backend(
+                "the K and V caches must be whole pages of one size".into(),
+            ));
+        }
+        let n_pages = k_cache.len / page_bytes;
+        let n_seqs = pages.block_tables.len / (4 * pages.table_width.max(1));
+        let map = PageMap::new(
+            self.view::<u32>(pages.block_tables, n_seqs * pages.table_width),
+            pages.table_width,
+            self.view::<u32>(pages.token_seqs, positions.len()),
+            pages.page_size,
+            positions,
+            n_pages,
+        )?;
+        Ok((map, n_pages * pages.page_size * kv_width))
+    }
+
     /// Fast attention over a cache of `T`, work split by (token, KV head).
     #[allow(clippy::too_many_arguments)]
     fn attention_fast<T: fast::attention::KvElem>(
@@ -134,6 +164,7 @@ impl CpuBackend {
         k: &[T],
         v: &[T],
         positions: &[u32],
+        pages: &PageMap,
         out: &mut [f32],
         shape: AttentionShape,
     ) {
@@ -150,19 +181,23 @@ impl CpuBackend {
                     // SAFETY: each unit writes its own heads of its own token.
                     let o = unsafe { std::slice::from_raw_parts_mut(out.get().add(at), group * hd) };
                     let qg = &q[at..at + group * hd];
-                    let n_ctx = positions[t] as usize + 1;
+                    let ctx = fast::attention::Context {
+                        table: pages.table(t),
+                        page_size: pages.page_size(),
+                        len: positions[t] as usize + 1,
+                    };
                     match isa {
                         // SAFETY: chosen only when the CPU has AVX-512.
                         #[cfg(target_arch = "x86_64")]
                         Isa::Avx512Vnni => unsafe {
-                            fast::attention::attend_group_avx512(qg, k, v, kv_head, n_ctx, shape, o, scratch)
+                            fast::attention::attend_group_avx512(qg, k, v, kv_head, ctx, shape, o, scratch)
                         },
                         // SAFETY: chosen only when the CPU has AVX2.
                         #[cfg(target_arch = "x86_64")]
                         Isa::Avx2 => unsafe {
-                            fast::attention::attend_group_avx2(qg, k, v, kv_head, n_ctx, shape, o, scratch)
+                            fast::attention::attend_group_avx2(qg, k, v, kv_head, ctx, shape, o, scratch)
                         },
-                        _ => fast::attention::attend_group(qg, k, v, kv_head, n_ctx, shape, o, scratch),
+                        _ => fast::attention::attend_group(qg, k, v, kv_head, ctx, shape, o, scratch),
                     }
                 }
             });
@@ -339,16 +374,6 @@ fn release_pages(map: &Mmap, range: Range<usize>) {
         // SAFETY: the map is a read-only file mapping, so dropped pages are re-read from the
         // file on the next access; nothing is lost.
         let _ = unsafe { map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, end - start) };
-    }
-}
-
-/// Positions index the cache: each must be below its capacity.
-fn check_positions(positions: &[u32], capacity: usize) -> Result<()> {
-    match positions.iter().find(|&&p| p as usize >= capacity) {
-        Some(bad) => Err(Error::Backend(format!(
-            "position {bad} is beyond the KV cache capacity {capacity}"
-        ))),
-        None => Ok(()),
     }
 }
 
@@ -545,16 +570,18 @@ impl Backend for CpuBackend {
         k_cache: BlockHandle,
         v_cache: BlockHandle,
         positions: BlockHandle,
+        pages: PagedKv,
         n_tokens: usize,
         kv_width: usize,
     ) -> Result<()> {
-        disjoint(&[k_cache, v_cache], &[k, v, positions])?;
+        disjoint(
+            &[k_cache, v_cache],
+            &[k, v, positions, pages.block_tables, pages.token_seqs],
+        )?;
         let positions = self.view::<u32>(positions, n_tokens);
-        let capacity = k_cache.len / (kv_width * self.kv_type.bytes());
-        check_positions(positions, capacity)?;
+        let (map, cache_len) = self.page_map(pages, positions, k_cache, v_cache, kv_width)?;
         let n = n_tokens * kv_width;
         let (k, v) = (self.view::<f32>(k, n), self.view::<f32>(v, n));
-        let cache_len = capacity * kv_width;
         match self.kv_type {
             KvType::F32 => kernels::kv_write::kv_write(
                 k,
@@ -562,6 +589,7 @@ impl Backend for CpuBackend {
                 self.view_mut(k_cache, cache_len),
                 self.view_mut(v_cache, cache_len),
                 positions,
+                &map,
                 kv_width,
             ),
             KvType::F16 => {
@@ -571,7 +599,7 @@ impl Backend for CpuBackend {
                     self.view_mut::<f16>(v_cache, cache_len),
                 );
                 for (t, &pos) in positions.iter().enumerate() {
-                    let (src, dst) = (t * kv_width..(t + 1) * kv_width, pos as usize * kv_width);
+                    let (src, dst) = (t * kv_width..(t + 1) * kv_width, map.row(t, pos as usize) * kv_width);
                     f16::store(&k[src.clone()], &mut kc[dst..dst + kv_width]);
                     f16::store(&v[src], &mut vc[dst..dst + kv_width]);
                 }
@@ -586,44 +614,38 @@ impl Backend for CpuBackend {
         k_cache: BlockHandle,
         v_cache: BlockHandle,
         positions: BlockHandle,
+        pages: PagedKv,
         out: BlockHandle,
         n_tokens: usize,
         shape: AttentionShape,
     ) -> Result<()> {
-        disjoint(&[out], &[q, k_cache, v_cache, positions])?;
-        let capacity = k_cache.len / (shape.kv_width() * self.kv_type.bytes());
-        let cache_len = capacity * shape.kv_width();
+        disjoint(
+            &[out],
+            &[q, k_cache, v_cache, positions, pages.block_tables, pages.token_seqs],
+        )?;
         let positions = self.view::<u32>(positions, n_tokens);
-        check_positions(positions, capacity)?;
+        let (map, cache_len) = self.page_map(pages, positions, k_cache, v_cache, shape.kv_width())?;
         let n = n_tokens * shape.q_width();
         let (q, out) = (self.view::<f32>(q, n), self.view_mut::<f32>(out, n));
+        let (k, v) = (k_cache, v_cache);
         match (self.kernels, self.kv_type) {
             (CpuKernels::Reference, _) => kernels::attention::attention(
                 q,
-                self.view(k_cache, cache_len),
-                self.view(v_cache, cache_len),
+                self.view(k, cache_len),
+                self.view(v, cache_len),
                 positions,
+                &map,
                 out,
                 shape,
             ),
-            (CpuKernels::Fast(isa), KvType::F32) => self.attention_fast::<f32>(
-                isa,
-                q,
-                self.view(k_cache, cache_len),
-                self.view(v_cache, cache_len),
-                positions,
-                out,
-                shape,
-            ),
-            (CpuKernels::Fast(isa), KvType::F16) => self.attention_fast::<f16>(
-                isa,
-                q,
-                self.view(k_cache, cache_len),
-                self.view(v_cache, cache_len),
-                positions,
-                out,
-                shape,
-            ),
+            (CpuKernels::Fast(isa), KvType::F32) => {
+                let (k, v) = (self.view::<f32>(k, cache_len), self.view::<f32>(v, cache_len));
+                self.attention_fast(isa, q, k, v, positions, &map, out, shape)
+            }
+            (CpuKernels::Fast(isa), KvType::F16) => {
+                let (k, v) = (self.view::<f16>(k, cache_len), self.view::<f16>(v, cache_len));
+                self.attention_fast(isa, q, k, v, positions, &map, out, shape)
+            }
         }
         Ok(())
     }

@@ -9,7 +9,7 @@
 pub mod device;
 pub mod kernels;
 
-use super::{Arena, AttentionShape, Backend, BlockHandle, HostTensor, KvType, Rope, RopeLayout};
+use super::{Arena, AttentionShape, Backend, BlockHandle, HostTensor, KvType, PagedKv, Rope, RopeLayout};
 use crate::format::quant::GgmlType;
 use crate::{Error, Result};
 use cudarc::cublas::{result as cublas, sys as cublas_sys};
@@ -400,7 +400,11 @@ impl Backend for CudaBackend {
         self.stream.synchronize().map_err(driver_error("synchronize"))
     }
 
-    fn begin_capture(&self) -> Result<bool> {
+    fn begin_capture(&self, n_tokens: usize) -> Result<bool> {
+        // Larger steps go through cuBLAS, which is not recorded.
+        if n_tokens > GEMV_MAX_TOKENS {
+            return Ok(false);
+        }
         self.stream
             .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(driver_error("graph capture"))?;
@@ -528,10 +532,12 @@ impl Backend for CudaBackend {
         k_cache: BlockHandle,
         v_cache: BlockHandle,
         positions: BlockHandle,
+        pages: PagedKv,
         n_tokens: usize,
         kv_width: usize,
     ) -> Result<()> {
         let width = kv_width as i32;
+        let (table_width, page_size) = (pages.table_width as i32, pages.page_size as i32);
         self.launch(
             &format!("kv_write_{}", self.kv_suffix()),
             (n_tokens as u32, 1, 1),
@@ -542,6 +548,10 @@ impl Backend for CudaBackend {
                 &self.ptr(k_cache),
                 &self.ptr(v_cache),
                 &self.ptr(positions),
+                &self.ptr(pages.block_tables),
+                &table_width,
+                &self.ptr(pages.token_seqs),
+                &page_size,
                 &width,
             ],
         )
@@ -553,6 +563,7 @@ impl Backend for CudaBackend {
         k_cache: BlockHandle,
         v_cache: BlockHandle,
         positions: BlockHandle,
+        pages: PagedKv,
         out: BlockHandle,
         n_tokens: usize,
         shape: AttentionShape,
@@ -564,6 +575,7 @@ impl Backend for CudaBackend {
             )));
         }
         let (nh, nkv, hd) = (shape.n_heads as i32, shape.n_kv_heads as i32, shape.head_dim as i32);
+        let (table_width, page_size) = (pages.table_width as i32, pages.page_size as i32);
         self.launch(
             &format!("attention_{}", self.kv_suffix()),
             (n_tokens as u32, shape.n_heads as u32, 1),
@@ -573,6 +585,10 @@ impl Backend for CudaBackend {
                 &self.ptr(k_cache),
                 &self.ptr(v_cache),
                 &self.ptr(positions),
+                &self.ptr(pages.block_tables),
+                &table_width,
+                &self.ptr(pages.token_seqs),
+                &page_size,
                 &self.ptr(out),
                 &nh,
                 &nkv,

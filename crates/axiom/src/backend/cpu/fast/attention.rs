@@ -4,6 +4,7 @@
 //! so a cached K or V row is loaded (and converted from f16) once per group, not once per head.
 //! The loops are plain Rust, compiled again with AVX2 or AVX-512 enabled for those CPUs.
 
+use crate::backend::cpu::kernels::paged::cache_row;
 use crate::backend::AttentionShape;
 use half::f16;
 use half::slice::HalfFloatSliceExt;
@@ -53,6 +54,14 @@ pub struct Scratch {
     row: Vec<f32>,
 }
 
+/// The part of the paged cache one token reads: its sequence's pages and how many positions.
+#[derive(Clone, Copy)]
+pub struct Context<'a> {
+    pub table: &'a [u32],
+    pub page_size: usize,
+    pub len: usize,
+}
+
 /// Attention for one (token, KV head) unit: `q` and `out` hold the group's query heads.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
@@ -61,20 +70,21 @@ pub fn attend_group<T: KvElem>(
     k_cache: &[T],
     v_cache: &[T],
     kv_head: usize,
-    n_ctx: usize,
+    ctx: Context,
     shape: AttentionShape,
     out: &mut [f32],
     scratch: &mut Scratch,
 ) {
+    let n_ctx = ctx.len;
+    let row_of = |p: usize| cache_row(ctx.table, ctx.page_size, p) * shape.kv_width() + kv_head * shape.head_dim;
     let hd = shape.head_dim;
     let group = shape.n_heads / shape.n_kv_heads;
-    let kv_width = shape.kv_width();
     let scale = 1.0 / (hd as f32).sqrt();
     scratch.scores.resize(group * n_ctx, 0.0);
     scratch.row.resize(hd, 0.0);
     let Scratch { scores, row } = scratch;
     for p in 0..n_ctx {
-        T::load(&k_cache[p * kv_width + kv_head * hd..][..hd], row);
+        T::load(&k_cache[row_of(p)..][..hd], row);
         for h in 0..group {
             let qh = &q[h * hd..(h + 1) * hd];
             let mut acc = [0f32; 16];
@@ -106,7 +116,7 @@ pub fn attend_group<T: KvElem>(
     }
     out[..group * hd].fill(0.0);
     for p in 0..n_ctx {
-        T::load(&v_cache[p * kv_width + kv_head * hd..][..hd], row);
+        T::load(&v_cache[row_of(p)..][..hd], row);
         for h in 0..group {
             let w = scores[h * n_ctx + p];
             for (o, &v) in out[h * hd..(h + 1) * hd].iter_mut().zip(row.iter()) {
@@ -132,12 +142,12 @@ macro_rules! attend_group_with {
             k: &[T],
             v: &[T],
             kv_head: usize,
-            n_ctx: usize,
+            ctx: Context,
             shape: AttentionShape,
             out: &mut [f32],
             scratch: &mut Scratch,
         ) {
-            attend_group(q, k, v, kv_head, n_ctx, shape, out, scratch)
+            attend_group(q, k, v, kv_head, ctx, shape, out, scratch)
         }
     };
 }

@@ -1,15 +1,17 @@
 use super::dot;
+use super::paged::PageMap;
 use crate::backend::AttentionShape;
 
-/// Causal grouped-query attention over a KV cache of rows `[position, n_kv_heads * head_dim]`.
+/// Causal grouped-query attention over a paged KV cache of rows `n_kv_heads * head_dim` wide.
 ///
-/// Token `t` attends to positions `0..=positions[t]`; query head `h` reads KV head
+/// Token `t` attends to positions `0..=positions[t]` of its sequence; query head `h` reads KV head
 /// `h / (n_heads / n_kv_heads)`. Scores are scaled by `1/sqrt(head_dim)` and softmaxed in f32.
 pub fn attention(
     q: &[f32],
     k_cache: &[f32],
     v_cache: &[f32],
     positions: &[u32],
+    pages: &PageMap,
     out: &mut [f32],
     shape: AttentionShape,
 ) {
@@ -28,7 +30,9 @@ pub fn attention(
             let qh = &q[(t * n_heads + h) * head_dim..][..head_dim];
             let kv_off = (h / group) * head_dim;
             scores.clear();
-            scores.extend((0..n_ctx).map(|p| dot(qh, &k_cache[p * kv_width + kv_off..][..head_dim]) * scale));
+            scores.extend(
+                (0..n_ctx).map(|p| dot(qh, &k_cache[pages.row(t, p) * kv_width + kv_off..][..head_dim]) * scale),
+            );
             let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
             let mut sum = 0.0;
             for s in scores.iter_mut() {
@@ -38,7 +42,7 @@ pub fn attention(
             let oh = &mut out[(t * n_heads + h) * head_dim..][..head_dim];
             oh.fill(0.0);
             for (p, &w) in scores.iter().enumerate() {
-                let vrow = &v_cache[p * kv_width + kv_off..][..head_dim];
+                let vrow = &v_cache[pages.row(t, p) * kv_width + kv_off..][..head_dim];
                 for (o, &v) in oh.iter_mut().zip(vrow) {
                     *o += w / sum * v;
                 }

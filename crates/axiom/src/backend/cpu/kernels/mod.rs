@@ -6,6 +6,7 @@ pub mod attention;
 pub mod embed;
 pub mod kv_write;
 pub mod matmul;
+pub mod paged;
 pub mod rms_norm;
 pub mod rope;
 pub mod swiglu;

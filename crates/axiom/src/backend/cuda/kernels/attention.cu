@@ -1,5 +1,6 @@
-// Causal grouped-query attention over the KV cache (f16 or f32), one pass with an online softmax.
-// Grid: (tokens, heads); 4 warps per block take the positions 0..=positions[t] in turn, each
+// Causal grouped-query attention over the paged KV cache (f16 or f32), one pass with an online
+// softmax. Grid: (tokens, heads); 4 warps per block take the positions 0..=positions[t] of the
+// token's sequence in turn, each
 // lane holding head dimensions lane, lane + 32, ...; the warps' partial results are merged at
 // the end. Query head h reads KV head h / (n_heads / n_kv_heads).
 #define ATTN_WARPS 4
@@ -9,7 +10,8 @@ __device__ __forceinline__ float get(const u16* p) { return f16_to_f32(*p); }
 __device__ __forceinline__ float get(const float* p) { return *p; }
 
 template <typename T>
-__device__ void attention(const float* q, const T* k_cache, const T* v_cache, const u32* positions, float* out,
+__device__ void attention(const float* q, const T* k_cache, const T* v_cache, const u32* positions,
+                          const u32* tables, int table_width, const u32* token_seqs, int page_size, float* out,
                           int n_heads, int n_kv_heads, int head_dim) {
     int t = blockIdx.x, h = blockIdx.y;
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -25,8 +27,10 @@ __device__ void attention(const float* q, const T* k_cache, const T* v_cache, co
     }
     float m = __int_as_float(0xff800000u), l = 0.0f;
     int n_ctx = positions[t] + 1;
+    const u32* table = tables + (u64)token_seqs[t] * table_width;
     for (int p = warp; p < n_ctx; p += ATTN_WARPS) {
-        const T* kr = k_cache + (u64)p * kv_width + kv_off;
+        u64 row = page_row(table, page_size, p);
+        const T* kr = k_cache + row * kv_width + kv_off;
         float s = 0.0f;
         for (int k = 0; k < MAX_PER_LANE; k++) {
             int d = lane + 32 * k;
@@ -36,7 +40,7 @@ __device__ void attention(const float* q, const T* k_cache, const T* v_cache, co
         float m_new = fmaxf(m, s);
         float correction = expf(m - m_new), e = expf(s - m_new);
         l = l * correction + e;
-        const T* vr = v_cache + (u64)p * kv_width + kv_off;
+        const T* vr = v_cache + row * kv_width + kv_off;
         for (int k = 0; k < MAX_PER_LANE; k++) {
             int d = lane + 32 * k;
             acc[k] = acc[k] * correction + (d < head_dim ? e * get(vr + d) : 0.0f);
@@ -62,11 +66,13 @@ __device__ void attention(const float* q, const T* k_cache, const T* v_cache, co
     }
 }
 
-extern "C" __global__ void attention_f16(const float* q, const u16* k, const u16* v, const u32* pos, float* out, int n_heads,
-                                         int n_kv_heads, int head_dim) {
-    attention(q, k, v, pos, out, n_heads, n_kv_heads, head_dim);
-}
-extern "C" __global__ void attention_f32(const float* q, const float* k, const float* v, const u32* pos, float* out,
+extern "C" __global__ void attention_f16(const float* q, const u16* k, const u16* v, const u32* pos, const u32* tables,
+                                         int table_width, const u32* token_seqs, int page_size, float* out,
                                          int n_heads, int n_kv_heads, int head_dim) {
-    attention(q, k, v, pos, out, n_heads, n_kv_heads, head_dim);
+    attention(q, k, v, pos, tables, table_width, token_seqs, page_size, out, n_heads, n_kv_heads, head_dim);
+}
+extern "C" __global__ void attention_f32(const float* q, const float* k, const float* v, const u32* pos,
+                                         const u32* tables, int table_width, const u32* token_seqs, int page_size,
+                                         float* out, int n_heads, int n_kv_heads, int head_dim) {
+    attention(q, k, v, pos, tables, table_width, token_seqs, page_size, out, n_heads, n_kv_heads, head_dim);
 }

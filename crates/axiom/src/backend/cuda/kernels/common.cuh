@@ -47,3 +47,9 @@ __device__ __forceinline__ float warp_max(float v) {
 #define TY_Q4_K 12
 #define TY_Q6_K 14
 #define TY_BF16 30
+
+// The paged KV cache: a sequence's position p lives in row table[p / page_size] * page_size +
+// p % page_size of each layer's cache, where table is its row of the block tables.
+__device__ __forceinline__ u64 page_row(const u32* table, int page_size, u32 p) {
+    return (u64)table[p / page_size] * page_size + p % page_size;
+}
