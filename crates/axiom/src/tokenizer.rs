@@ -363,28 +363,19 @@ fn sentencepiece_bpe(tokens: &[String], scores: &[f32], types: &[i64], unk: u32,
 ///
 /// Decodes a short window of recent tokens and emits what it adds beyond the window's previous
 /// text, holding back while the text ends in an incomplete character.
-pub struct TextStream<'a> {
-    tokenizer: &'a Tokenizer,
+#[derive(Debug, Default)]
+pub struct TextStream {
     ids: Vec<u32>,
     prefix: usize,
     read: usize,
 }
 
-impl<'a> TextStream<'a> {
-    pub fn new(tokenizer: &'a Tokenizer) -> TextStream<'a> {
-        TextStream {
-            tokenizer,
-            ids: Vec::new(),
-            prefix: 0,
-            read: 0,
-        }
-    }
-
+impl TextStream {
     /// Adds a token; returns the text that is now complete, if any.
-    pub fn push(&mut self, id: u32) -> Result<Option<String>> {
+    pub fn push(&mut self, tokenizer: &Tokenizer, id: u32) -> Result<Option<String>> {
         self.ids.push(id);
-        let before = self.tokenizer.decode(&self.ids[self.prefix..self.read], true)?;
-        let after = self.tokenizer.decode(&self.ids[self.prefix..], true)?;
+        let before = tokenizer.decode(&self.ids[self.prefix..self.read], true)?;
+        let after = tokenizer.decode(&self.ids[self.prefix..], true)?;
         if after.len() > before.len() && !after.ends_with('\u{FFFD}') {
             let new = after.get(before.len()..).map(str::to_owned).unwrap_or_default();
             self.prefix = self.read;
@@ -395,9 +386,9 @@ impl<'a> TextStream<'a> {
     }
 
     /// What is still held back at the end of generation.
-    pub fn finish(&mut self) -> Result<Option<String>> {
-        let before = self.tokenizer.decode(&self.ids[self.prefix..self.read], true)?;
-        let after = self.tokenizer.decode(&self.ids[self.prefix..], true)?;
+    pub fn finish(&mut self, tokenizer: &Tokenizer) -> Result<Option<String>> {
+        let before = tokenizer.decode(&self.ids[self.prefix..self.read], true)?;
+        let after = tokenizer.decode(&self.ids[self.prefix..], true)?;
         self.prefix = self.ids.len();
         self.read = self.ids.len();
         Ok(after.get(before.len()..).filter(|s| !s.is_empty()).map(str::to_owned))

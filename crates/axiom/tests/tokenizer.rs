@@ -67,15 +67,15 @@ fn streaming_never_splits_a_character() {
     let (_, tok) = smollm2_tokenizer();
     for text in ["你好，世界！今天天气很好。", "emoji 🦀🚀 and ünïcödé", "plain ascii"] {
         let ids = tok.encode(text, false, false).unwrap();
-        let mut stream = TextStream::new(&tok);
+        let mut stream = TextStream::default();
         let mut out = String::new();
         for &id in &ids {
-            if let Some(piece) = stream.push(id).unwrap() {
+            if let Some(piece) = stream.push(&tok, id).unwrap() {
                 assert!(!piece.contains('\u{FFFD}'), "{text}: broken piece {piece:?}");
                 out.push_str(&piece);
             }
         }
-        out.push_str(&stream.finish().unwrap().unwrap_or_default());
+        out.push_str(&stream.finish(&tok).unwrap().unwrap_or_default());
         assert_eq!(out, text);
     }
 }

@@ -64,8 +64,8 @@ pub fn generate<B: Backend>(
     let start = Instant::now();
     let mut history = prompt.to_vec();
     let mut tokens = Vec::new();
-    let mut stream = TextStream::new(tokenizer);
-    let mut stops = StopMatcher::new(&options.stop);
+    let mut stream = TextStream::default();
+    let mut stops = StopMatcher::new(options.stop.clone());
     let mut stop_reason = StopReason::MaxTokens;
     while tokens.len() < options.max_tokens {
         let token = sampler.sample(model.last_logits(), &history);
@@ -75,7 +75,7 @@ pub fn generate<B: Backend>(
         }
         tokens.push(token);
         history.push(token);
-        if let Some(piece) = stream.push(token)? {
+        if let Some(piece) = stream.push(tokenizer, token)? {
             if stops.push(&piece, &mut on_text) {
                 stop_reason = StopReason::StopString;
                 break;
@@ -99,7 +99,7 @@ pub fn generate<B: Backend>(
         model.forward_last(&[token], kv)?;
     }
     if stop_reason != StopReason::StopString {
-        if let Some(rest) = stream.finish()? {
+        if let Some(rest) = stream.finish(tokenizer)? {
             if stops.push(&rest, &mut on_text) {
                 stop_reason = StopReason::StopString;
             }
@@ -116,14 +116,14 @@ pub fn generate<B: Backend>(
 }
 
 /// Accumulates the generated text, emitting only what cannot be the start of a stop string.
-struct StopMatcher<'a> {
-    stops: &'a [String],
-    text: String,
+pub(crate) struct StopMatcher {
+    stops: Vec<String>,
+    pub text: String,
     emitted: usize,
 }
 
-impl<'a> StopMatcher<'a> {
-    fn new(stops: &'a [String]) -> Self {
+impl StopMatcher {
+    pub fn new(stops: Vec<String>) -> Self {
         StopMatcher {
             stops,
             text: String::new(),
@@ -132,7 +132,7 @@ impl<'a> StopMatcher<'a> {
     }
 
     /// Adds text; returns true when a stop string has appeared (the text is cut before it).
-    fn push(&mut self, piece: &str, on_text: &mut impl FnMut(&str)) -> bool {
+    pub fn push(&mut self, piece: &str, on_text: &mut impl FnMut(&str)) -> bool {
         self.text.push_str(piece);
         let search_from = self
             .emitted
@@ -166,7 +166,7 @@ impl<'a> StopMatcher<'a> {
         false
     }
 
-    fn flush(&mut self, on_text: &mut impl FnMut(&str)) {
+    pub fn flush(&mut self, on_text: &mut impl FnMut(&str)) {
         if self.text.len() > self.emitted {
             on_text(&self.text[self.emitted..]);
             self.emitted = self.text.len();
@@ -180,7 +180,7 @@ mod tests {
 
     fn run(stops: &[&str], pieces: &[&str]) -> (String, bool, Vec<String>) {
         let stops: Vec<String> = stops.iter().map(|s| s.to_string()).collect();
-        let mut m = StopMatcher::new(&stops);
+        let mut m = StopMatcher::new(stops);
         let mut out = Vec::new();
         let mut hit = false;
         for p in pieces {

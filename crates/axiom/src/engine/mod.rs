@@ -5,6 +5,7 @@ pub mod conversation;
 pub mod generate;
 pub mod perplexity;
 pub mod sampler;
+pub mod scheduler;
 pub mod session;
 
 pub use generate::{generate, GenerateOptions, Generation, StopReason};

@@ -236,6 +236,12 @@ impl<B: Backend> Llama<B> {
         self.pages.available()
     }
 
+    /// Tokens `kv` could grow by now: the rest of its pages and every page still available.
+    pub fn kv_room(&self, kv: &KvCache) -> usize {
+        let room = (kv.pages.len() + self.pages.available()) * PAGE_SIZE;
+        room.min(kv.capacity()).saturating_sub(kv.len())
+    }
+
     /// Most tokens one step runs.
     pub fn max_batch(&self) -> usize {
         self.max_batch

@@ -1,0 +1,583 @@
+//! Continuous batching: many requests share one model, each step running the next token of
+//! every decoding sequence together with chunks of waiting prompts.
+//!
+//! A [`Scheduler`] owns the model and runs on one thread; an [`EngineHandle`] (cheap to clone,
+//! usable from any thread) submits requests, each with an [`EventSink`] that receives its tokens
+//! as they come. Per step: sequences whose listener has gone are dropped and their pages freed;
+//! waiting requests are admitted first come, first served while there is room (their prompt
+//! reusing any cached prefix); every running sequence contributes its next token, and prompts
+//! fill the rest of the step's token budget in chunks, so a long prompt never stalls the streams.
+//! When the KV cache runs out of pages, the newest sequence is preempted: its pages are freed
+//! and it goes back to the front of the queue, to be recomputed when there is room again.
+
+use super::generate::StopMatcher;
+use super::sampler::{Sampler, SamplerConfig};
+use crate::backend::Backend;
+use crate::model::{KvCache, Llama, PageUsage, SeqStep};
+use crate::tokenizer::{TextStream, Tokenizer};
+use crate::Result;
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// One completion to run.
+pub struct Request {
+    pub prompt: Vec<u32>,
+    pub sampling: SamplerConfig,
+    pub max_tokens: usize,
+    /// Generation stops before the first of these in the text.
+    pub stop: Vec<String>,
+    /// Log-probabilities of each chosen token and this many alternatives; none if `None`.
+    pub logprobs: Option<usize>,
+    pub sink: Box<dyn EventSink>,
+}
+
+/// Where a request's events go.
+pub trait EventSink: Send {
+    /// Delivers an event; false once nobody listens (the request is then cancelled).
+    fn send(&mut self, event: Event) -> bool;
+    /// Whether the listener has gone (checked every step, so a cancelled request frees its
+    /// pages without waiting for its next token).
+    fn is_closed(&self) -> bool {
+        false
+    }
+}
+
+impl EventSink for Sender<Event> {
+    fn send(&mut self, event: Event) -> bool {
+        Sender::send(self, event).is_ok()
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    Token(TokenEvent),
+    Done(Completion),
+    /// The request failed; no more events follow.
+    Error(String),
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenEvent {
+    pub id: u32,
+    /// Text that became certain with this token: possibly empty (a character or a possible
+    /// stop string still incomplete), possibly more than the token's own.
+    pub text: String,
+    pub logprob: Option<TokenLogprob>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprob {
+    pub logprob: f32,
+    /// The most likely tokens and their log-probabilities, best first.
+    pub top: Vec<(u32, f32)>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    /// An end-of-generation token or a stop string.
+    Stop,
+    /// `max_tokens`, or the context is full.
+    Length,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Completion {
+    pub finish: FinishReason,
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    /// Prompt tokens whose KV came from the prefix cache.
+    pub cached_tokens: usize,
+}
+
+/// Why a request was not accepted.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SubmitError {
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    #[error("the prompt of {prompt} tokens plus {max_tokens} to generate exceeds the context of {context} tokens")]
+    TooLong {
+        prompt: usize,
+        max_tokens: usize,
+        context: usize,
+    },
+    #[error("the queue is full ({0} requests waiting)")]
+    QueueFull(usize),
+    #[error("the engine is shutting down")]
+    ShuttingDown,
+}
+
+/// Observations for monitoring; every method defaults to doing nothing.
+pub trait Metrics: Send + Sync {
+    fn request_finished(&self, _completion: &Completion) {}
+    fn request_cancelled(&self) {}
+    fn time_to_first_token(&self, _seconds: f64) {}
+    fn inter_token_latency(&self, _seconds: f64) {}
+    fn preempted(&self) {}
+}
+
+struct NoMetrics;
+impl Metrics for NoMetrics {}
+
+/// What the engine is doing, as of its last step.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EngineStatus {
+    pub queued: usize,
+    pub running: usize,
+    pub pages: PageUsage,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct SchedulerConfig {
+    /// Requests that may wait for admission before new ones are refused.
+    pub max_queue: usize,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        SchedulerConfig { max_queue: 256 }
+    }
+}
+
+struct Shared {
+    /// Submitted and not yet admitted.
+    queued: AtomicUsize,
+    shutting_down: AtomicBool,
+    status: Mutex<EngineStatus>,
+}
+
+/// Submits requests to a running [`Scheduler`].
+#[derive(Clone)]
+pub struct EngineHandle {
+    requests: Sender<Request>,
+    shared: Arc<Shared>,
+    max_queue: usize,
+    /// The most tokens (prompt and generated) one sequence may hold.
+    pub context: usize,
+}
+
+impl EngineHandle {
+    pub fn submit(&self, request: Request) -> std::result::Result<(), SubmitError> {
+        if self.shared.shutting_down.load(Ordering::Relaxed) {
+            return Err(SubmitError::ShuttingDown);
+        }
+        if request.prompt.is_empty() {
+            return Err(SubmitError::EmptyPrompt);
+        }
+        if request.prompt.len() + request.max_tokens.max(1) > self.context {
+            return Err(SubmitError::TooLong {
+                prompt: request.prompt.len(),
+                max_tokens: request.max_tokens,
+                context: self.context,
+            });
+        }
+        let queued = self.shared.queued.fetch_add(1, Ordering::SeqCst);
+        if queued >= self.max_queue {
+            self.shared.queued.fetch_sub(1, Ordering::SeqCst);
+            return Err(SubmitError::QueueFull(queued));
+        }
+        self.requests.send(request).map_err(|_| {
+            self.shared.queued.fetch_sub(1, Ordering::SeqCst);
+            SubmitError::ShuttingDown
+        })
+    }
+
+    pub fn status(&self) -> EngineStatus {
+        *self.shared.status.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Refuses new requests from now on; the scheduler finishes the ones it has, then returns.
+    pub fn shut_down(&self) {
+        self.shared.shutting_down.store(true, Ordering::SeqCst);
+    }
+}
+
+/// A request being served.
+struct Sequence {
+    request: Request,
+    /// The prompt, then every token generated so far; the last one may not have run yet.
+    tokens: Vec<u32>,
+    kv: KvCache,
+    /// The most tokens the sequence may hold (`kv` is lent to the model during a step).
+    capacity: usize,
+    sampler: Sampler,
+    text: TextStream,
+    stops: StopMatcher,
+    cached_tokens: usize,
+    arrived: Instant,
+    last_token: Option<Instant>,
+    finished: Option<FinishReason>,
+    /// Its listener has gone.
+    cancelled: bool,
+}
+
+impl Sequence {
+    fn generated(&self) -> usize {
+        self.tokens.len() - self.request.prompt.len()
+    }
+
+    /// Tokens known but not yet run through the model.
+    fn pending(&self) -> usize {
+        self.tokens.len() - self.kv.len()
+    }
+
+    fn send(&mut self, event: Event) {
+        if !self.request.sink.send(event) {
+            self.cancelled = true;
+        }
+    }
+}
+
+pub struct Scheduler<B: Backend> {
+    model: Llama<B>,
+    tokenizer: Arc<Tokenizer>,
+    requests: Receiver<Request>,
+    shared: Arc<Shared>,
+    metrics: Arc<dyn Metrics>,
+    waiting: VecDeque<Sequence>,
+    /// In admission order: the last is the newest, the first to be preempted.
+    running: Vec<Sequence>,
+}
+
+impl<B: Backend> Scheduler<B> {
+    pub fn new(model: Llama<B>, tokenizer: Arc<Tokenizer>, config: SchedulerConfig) -> (Scheduler<B>, EngineHandle) {
+        let (tx, rx) = channel();
+        let shared = Arc::new(Shared {
+            queued: AtomicUsize::new(0),
+            shutting_down: AtomicBool::new(false),
+            status: Mutex::new(EngineStatus {
+                pages: model.page_usage(),
+                ..EngineStatus::default()
+            }),
+        });
+        let handle = EngineHandle {
+            requests: tx,
+            shared: shared.clone(),
+            max_queue: config.max_queue,
+            context: model.new_kv_cache(usize::MAX).capacity(),
+        };
+        let scheduler = Scheduler {
+            model,
+            tokenizer,
+            requests: rx,
+            shared,
+            metrics: Arc::new(NoMetrics),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+        };
+        (scheduler, handle)
+    }
+
+    pub fn with_metrics(mut self, metrics: Arc<dyn Metrics>) -> Self {
+        self.metrics = metrics;
+        self
+    }
+
+    pub fn model(&self) -> &Llama<B> {
+        &self.model
+    }
+
+    /// Serves requests until the handle is shut down (or every handle dropped) and all
+    /// accepted work is done. A failing step fails the requests in it; the loop goes on.
+    pub fn run(mut self) {
+        loop {
+            if self.running.is_empty() && self.waiting.is_empty() {
+                if self.shared.shutting_down.load(Ordering::SeqCst) && self.shared.queued.load(Ordering::SeqCst) == 0 {
+                    break;
+                }
+                match self.requests.recv_timeout(Duration::from_millis(50)) {
+                    Ok(request) => self.enqueue(request),
+                    Err(RecvTimeoutError::Timeout) => continue,
+                    Err(RecvTimeoutError::Disconnected) => break,
+                }
+            }
+            if let Err(e) = self.step() {
+                tracing::error!("step failed: {e}");
+                for mut seq in self.running.drain(..) {
+                    seq.send(Event::Error(e.to_string()));
+                    self.model.free_kv_cache(std::mem::take(&mut seq.kv));
+                }
+                self.publish_status();
+            }
+        }
+    }
+
+    fn enqueue(&mut self, request: Request) {
+        let sampler = Sampler::new(request.sampling.clone());
+        let stops = StopMatcher::new(request.stop.clone());
+        let kv = self.model.new_kv_cache(usize::MAX);
+        self.waiting.push_back(Sequence {
+            tokens: request.prompt.clone(),
+            capacity: kv.capacity(),
+            kv,
+            sampler,
+            text: TextStream::default(),
+            stops,
+            cached_tokens: 0,
+            arrived: Instant::now(),
+            last_token: None,
+            finished: None,
+            cancelled: false,
+            request,
+        });
+    }
+
+    /// Takes new requests, admits, runs one batched step and delivers its tokens. Returns
+    /// whether there was anything to run.
+    pub fn step(&mut self) -> Result<bool> {
+        while let Ok(request) = self.requests.try_recv() {
+            self.enqueue(request);
+        }
+        self.drop_cancelled();
+        self.admit();
+        let batch = self.plan();
+        if batch.is_empty() {
+            // Only possible when a lone sequence outgrows the whole cache.
+            for mut seq in self.running.drain(..) {
+                seq.send(Event::Error("the KV cache cannot hold this sequence".into()));
+                self.model.free_kv_cache(std::mem::take(&mut seq.kv));
+            }
+            self.publish_status();
+            return Ok(false);
+        }
+        let mut kvs: Vec<KvCache> = batch
+            .iter()
+            .map(|&(i, _)| std::mem::take(&mut self.running[i].kv))
+            .collect();
+        let inputs: Vec<Vec<u32>> = batch
+            .iter()
+            .zip(&kvs)
+            .map(|(&(i, n), kv)| self.running[i].tokens[kv.len()..kv.len() + n].to_vec())
+            .collect();
+        let mut steps: Vec<SeqStep> = kvs
+            .iter_mut()
+            .zip(&inputs)
+            .zip(&batch)
+            .map(|((kv, tokens), &(i, _))| {
+                let logits = kv.len() + tokens.len() == self.running[i].tokens.len();
+                SeqStep { kv, tokens, logits }
+            })
+            .collect();
+        let (running, tokenizer, metrics) = (&mut self.running, &self.tokenizer, &self.metrics);
+        let result = self.model.forward_batch(&mut steps, |j, logits| {
+            next_token(&mut running[batch[j].0], logits, tokenizer, metrics.as_ref());
+        });
+        drop(steps);
+        for (kv, &(i, _)) in kvs.into_iter().zip(&batch) {
+            self.running[i].kv = kv;
+        }
+        result?;
+        self.retire_finished();
+        self.publish_status();
+        Ok(true)
+    }
+
+    fn drop_cancelled(&mut self) {
+        let closed = |s: &Sequence| s.cancelled || s.request.sink.is_closed();
+        let (gone_waiting, waiting): (Vec<_>, Vec<_>) = self.waiting.drain(..).partition(|s| closed(s));
+        self.waiting = waiting.into();
+        self.shared.queued.fetch_sub(gone_waiting.len(), Ordering::SeqCst);
+        let (gone_running, running): (Vec<_>, Vec<_>) = self.running.drain(..).partition(|s| closed(s));
+        self.running = running;
+        for mut seq in gone_waiting.into_iter().chain(gone_running) {
+            self.model.free_kv_cache(std::mem::take(&mut seq.kv));
+            self.metrics.request_cancelled();
+        }
+    }
+
+    /// Admits waiting sequences in order while there are sequence slots and pages for their
+    /// known tokens (after reusing what the prefix cache holds).
+    fn admit(&mut self) {
+        while self.running.len() < self.model.max_seqs() {
+            let Some(seq) = self.waiting.front_mut() else { break };
+            if seq.kv.is_empty() {
+                let reused = self.model.share_prefix(&mut seq.kv, &seq.tokens);
+                if seq.generated() == 0 {
+                    seq.cached_tokens = reused;
+                }
+            }
+            let needed = self.model.pages_needed(&seq.kv, seq.tokens.len() + 1);
+            if needed > self.model.pages_available() {
+                // Give the shared pages back until there is room (they stay cached).
+                self.model.truncate_kv(&mut seq.kv, 0);
+                break;
+            }
+            if let Some(seq) = self.waiting.pop_front() {
+                self.shared.queued.fetch_sub(1, Ordering::SeqCst);
+                self.running.push(seq);
+            }
+        }
+    }
+
+    /// Chooses this step's work: `(running index, tokens)`. Every decoding sequence gets its
+    /// next token (preempting the newest sequences while pages are short), then prompts fill
+    /// what is left of the token budget. If nothing at all fits, the newest is preempted too.
+    fn plan(&mut self) -> Vec<(usize, usize)> {
+        loop {
+            let needed: usize = self
+                .running
+                .iter()
+                .filter(|s| s.pending() == 1)
+                .map(|s| self.model.pages_needed(&s.kv, s.kv.len() + 1))
+                .sum();
+            if needed > self.model.pages_available() && self.running.len() > 1 {
+                self.preempt_newest();
+                continue;
+            }
+            let batch = self.fill();
+            if !batch.is_empty() || self.running.len() <= 1 {
+                return batch;
+            }
+            self.preempt_newest();
+        }
+    }
+
+    fn fill(&mut self) -> Vec<(usize, usize)> {
+        let mut budget = self.model.max_batch();
+        let mut batch = Vec::new();
+        for (i, seq) in self.running.iter_mut().enumerate() {
+            if seq.pending() == 1 && budget > 0 && self.model.reserve_kv(&mut seq.kv, 1).is_ok() {
+                batch.push((i, 1));
+                budget -= 1;
+            }
+        }
+        for (i, seq) in self.running.iter_mut().enumerate() {
+            if seq.pending() > 1 && budget > 0 {
+                let n = seq.pending().min(budget).min(self.model.kv_room(&seq.kv));
+                if n > 0 && self.model.reserve_kv(&mut seq.kv, n).is_ok() {
+                    batch.push((i, n));
+                    budget -= n;
+                }
+            }
+        }
+        batch.sort_unstable();
+        batch
+    }
+
+    fn preempt_newest(&mut self) {
+        if let Some(mut seq) = self.running.pop() {
+            self.model.truncate_kv(&mut seq.kv, 0);
+            self.shared.queued.fetch_add(1, Ordering::SeqCst);
+            self.waiting.push_front(seq);
+            self.metrics.preempted();
+        }
+    }
+
+    fn retire_finished(&mut self) {
+        let mut i = 0;
+        while i < self.running.len() {
+            let seq = &self.running[i];
+            if seq.finished.is_none() && !seq.cancelled {
+                i += 1;
+                continue;
+            }
+            let mut seq = self.running.remove(i);
+            self.model.free_kv_cache(std::mem::take(&mut seq.kv));
+            if let Some(finish) = seq.finished {
+                let completion = Completion {
+                    finish,
+                    prompt_tokens: seq.request.prompt.len(),
+                    completion_tokens: seq.generated(),
+                    cached_tokens: seq.cached_tokens,
+                };
+                self.metrics.request_finished(&completion);
+                seq.send(Event::Done(completion));
+            } else {
+                self.metrics.request_cancelled();
+            }
+        }
+    }
+
+    fn publish_status(&self) {
+        let status = EngineStatus {
+            queued: self.shared.queued.load(Ordering::SeqCst),
+            running: self.running.len(),
+            pages: self.model.page_usage(),
+        };
+        *self.shared.status.lock().unwrap_or_else(|e| e.into_inner()) = status;
+    }
+}
+
+/// Samples a sequence's next token from its logits, streams it, and decides whether it is done.
+fn next_token(seq: &mut Sequence, logits: &[f32], tokenizer: &Tokenizer, metrics: &dyn Metrics) {
+    let token = seq.sampler.sample(logits, &seq.tokens);
+    let now = Instant::now();
+    match seq.last_token {
+        None => metrics.time_to_first_token((now - seq.arrived).as_secs_f64()),
+        Some(last) => metrics.inter_token_latency((now - last).as_secs_f64()),
+    }
+    seq.last_token = Some(now);
+    if tokenizer.is_end_of_generation(token) {
+        seq.finished = Some(FinishReason::Stop);
+        let mut text = String::new();
+        if let Ok(Some(rest)) = seq.text.finish(tokenizer) {
+            seq.stops.push(&rest, &mut |t| text.push_str(t));
+        }
+        seq.stops.flush(&mut |t| text.push_str(t));
+        if !text.is_empty() {
+            let event = TokenEvent {
+                id: token,
+                text,
+                logprob: None,
+            };
+            seq.send(Event::Token(event));
+        }
+        return;
+    }
+    let logprob = seq.request.logprobs.map(|top| token_logprob(logits, token, top));
+    seq.tokens.push(token);
+    let mut text = String::new();
+    let piece = match seq.text.push(tokenizer, token) {
+        Ok(piece) => piece,
+        Err(e) => {
+            seq.send(Event::Error(e.to_string()));
+            seq.cancelled = true;
+            return;
+        }
+    };
+    if let Some(piece) = piece {
+        if seq.stops.push(&piece, &mut |t| text.push_str(t)) {
+            seq.finished = Some(FinishReason::Stop);
+        }
+    }
+    if seq.finished.is_none() && (seq.generated() >= seq.request.max_tokens || seq.tokens.len() >= seq.capacity) {
+        seq.finished = Some(FinishReason::Length);
+        if let Ok(Some(rest)) = seq.text.finish(tokenizer) {
+            if seq.stops.push(&rest, &mut |t| text.push_str(t)) {
+                seq.finished = Some(FinishReason::Stop);
+            }
+        }
+        if seq.finished == Some(FinishReason::Length) {
+            seq.stops.flush(&mut |t| text.push_str(t));
+        }
+    }
+    seq.send(Event::Token(TokenEvent {
+        id: token,
+        text,
+        logprob,
+    }));
+}
+
+/// `log softmax(logits)[token]`, and the `top` most likely tokens with theirs.
+fn token_logprob(logits: &[f32], token: u32, top: usize) -> TokenLogprob {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let log_sum = logits.iter().map(|&l| ((l - max) as f64).exp()).sum::<f64>().ln() as f32;
+    let lp = |l: f32| l - max - log_sum;
+    let mut best: Vec<(u32, f32)> = Vec::with_capacity(top + 1);
+    if top > 0 {
+        for (i, &l) in logits.iter().enumerate() {
+            if best.len() < top || l > best[best.len() - 1].1 {
+                let at = best.partition_point(|&(_, b)| b >= l);
+                best.insert(at, (i as u32, l));
+                best.truncate(top);
+            }
+        }
+    }
+    TokenLogprob {
+        logprob: lp(logits[token as usize]),
+        top: best.into_iter().map(|(i, l)| (i, lp(l))).collect(),
+    }
+}
