@@ -121,7 +121,7 @@ fn thirty_two_requests_together_give_their_solo_outputs() {
 #[test]
 fn preempted_sequences_are_recomputed_and_give_the_same_tokens() {
     // Room for about two of these sequences at once: the rest wait or are preempted.
-    let (mut sched, handle, s) = scheduler(LoadOptions {
+    let (sched, handle, s) = scheduler(LoadOptions {
         max_batch: 128,
         kv_tokens: 160,
         max_seqs: 8,
