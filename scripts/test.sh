@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The test suite, as CI runs it. Installs NVRTC from PyPI if it is missing (the CUDA kernels are
 # compiled by it in a test; no GPU is needed for that), then runs every default test.
+# Then `axiom serve` is checked through the official OpenAI Python client (installed if missing).
 # The GPU tests are separate: scripts/cuda_device_tests.sh, on a machine with an NVIDIA GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,4 +16,7 @@ PY
 }
 dir=$(nvrtc_dir) || { python3 -m pip install --quiet --disable-pip-version-check nvidia-cuda-nvrtc && dir=$(nvrtc_dir); }
 export LD_LIBRARY_PATH="$dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-exec cargo test --release --workspace "$@"
+cargo test --release --workspace "$@"
+python3 -c "import openai" 2>/dev/null || python3 -m pip install --quiet --disable-pip-version-check openai
+cargo build --release --quiet -p axiom-cli
+python3 scripts/test_openai.py target/release/axiom

@@ -2,6 +2,7 @@
 
 mod chat;
 mod commands;
+mod serve;
 
 use anyhow::{bail, Context, Result};
 use axiom::backend::cpu::{physical_cores, CpuBackend};
@@ -46,6 +47,8 @@ enum Command {
     Bench(commands::BenchArgs),
     /// Write a Hugging Face model directory as a GGUF file, optionally quantized.
     Convert(commands::ConvertArgs),
+    /// Serve the model over an OpenAI-compatible HTTP API, batching concurrent requests.
+    Serve(serve::ServeArgs),
     /// Print a shell completion script.
     Completions {
         #[arg(value_enum)]
@@ -62,7 +65,7 @@ enum BackendKind {
     Metal,
 }
 
-#[derive(Args)]
+#[derive(Args, Clone)]
 struct ModelArgs {
     /// GGUF model file (default: SmolLM2-135M-Instruct Q4_1, fetched into the cache).
     #[arg(short, long)]
@@ -159,6 +162,7 @@ fn main() {
         Command::Info(args) => commands::info(args),
         Command::Bench(args) => commands::bench(args, out),
         Command::Convert(args) => commands::convert(args, out),
+        Command::Serve(args) => serve::serve(args, out),
         Command::Completions { shell } => {
             clap_complete::generate(shell, &mut Cli::command(), "axiom", &mut std::io::stdout());
             Ok(())
@@ -193,20 +197,62 @@ fn cpu_backend(args: &ModelArgs) -> Result<CpuBackend> {
     if threads == 0 {
         bail!("--threads must be at least 1");
     }
-    let kv_type = if args.kv_f32 { KvType::F32 } else { KvType::F16 };
-    Ok(CpuBackend::new(threads).with_kv_type(kv_type))
+    Ok(CpuBackend::new(threads).with_kv_type(kv_type(args)))
+}
+
+fn uses_cuda(args: &ModelArgs) -> Result<bool> {
+    Ok(match args.backend {
+        BackendKind::Cuda => true,
+        BackendKind::Auto => axiom::backend::cuda::device::available(),
+        BackendKind::Cpu => false,
+        BackendKind::Metal => bail!("the Metal backend is only built on macOS"),
+    })
+}
+
+fn kv_type(args: &ModelArgs) -> KvType {
+    if args.kv_f32 {
+        KvType::F32
+    } else {
+        KvType::F16
+    }
+}
+
+/// Refuses, before loading, a model whose weights and KV cache do not fit the memory the
+/// system says is available.
+fn check_host_memory(path: &std::path::Path, options: &LoadOptions, kv_type: KvType) -> Result<()> {
+    let Some(available) = serve::available_memory() else {
+        return Ok(());
+    };
+    let config = axiom::engine::session::read_config(path)?;
+    let weights: u64 = if path.is_dir() {
+        std::fs::read_dir(path)?
+            .filter_map(|e| e.ok()?.metadata().ok())
+            .map(|m| m.len())
+            .sum()
+    } else {
+        std::fs::metadata(path)?.len()
+    };
+    let kv = options.kv_tokens.min(config.context_length) as u64
+        * axiom::model::Llama::<CpuBackend>::kv_bytes_per_token(&config, kv_type) as u64;
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    if weights + kv > available as u64 {
+        bail!(
+            "the model needs {:.2} GiB ({:.2} GiB of weights, {:.2} GiB of KV cache) but only {:.2} GiB of memory is available; \
+             use a smaller model, a smaller --ctx-size or --kv-memory",
+            gib(weights + kv),
+            gib(weights),
+            gib(kv),
+            gib(available as u64)
+        );
+    }
+    Ok(())
 }
 
 /// Loads the model on the chosen backend; prints a one-line summary on a terminal unless `--quiet`.
 fn load_session(args: &ModelArgs, options: LoadOptions, out: Output) -> Result<Loaded> {
     let path = resolve_model(args.model.as_deref())?;
     let start = Instant::now();
-    let use_cuda = match args.backend {
-        BackendKind::Cuda => true,
-        BackendKind::Auto => axiom::backend::cuda::device::available(),
-        BackendKind::Cpu => false,
-        BackendKind::Metal => bail!("the Metal backend is only built on macOS"),
-    };
+    let use_cuda = uses_cuda(args)?;
     let context = || format!("loading {}", path.display());
     let summary = |name: String, info: &axiom::engine::session::ModelInfo, context_length: usize| {
         if !out.quiet && std::io::stderr().is_terminal() {
@@ -220,10 +266,9 @@ fn load_session(args: &ModelArgs, options: LoadOptions, out: Output) -> Result<L
         }
     };
     let loaded = if use_cuda {
-        let kv_type = if args.kv_f32 { KvType::F32 } else { KvType::F16 };
         let backend = CudaBackend::new(0)
             .context("starting the CUDA backend")?
-            .with_kv_type(kv_type);
+            .with_kv_type(kv_type(args));
         let session = Session::load(&path, backend, options).with_context(context)?;
         summary(
             session.model.backend.device_name(),
@@ -232,6 +277,7 @@ fn load_session(args: &ModelArgs, options: LoadOptions, out: Output) -> Result<L
         );
         Loaded::Cuda(session)
     } else {
+        check_host_memory(&path, &options, kv_type(args))?;
         let session = Session::load(&path, cpu_backend(args)?, options).with_context(context)?;
         summary(
             session.model.backend.device_name(),

@@ -68,6 +68,18 @@ impl ModelInfo {
     }
 }
 
+/// The hyperparameters of a GGUF file or model directory, without loading any weights.
+pub fn read_config(path: &Path) -> Result<ModelConfig> {
+    if path.is_dir() {
+        let file = path.join("config.json");
+        let text = std::fs::read_to_string(&file).map_err(Error::io(format!("reading {}", file.display())))?;
+        let json: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| Error::Model(format!("config.json: {e}")))?;
+        return ModelConfig::from_hf(&json);
+    }
+    ModelConfig::from_gguf(&GgufFile::open(path)?)
+}
+
 impl<B: Backend> Session<B> {
     /// Loads a GGUF file, or a Hugging Face model directory (config.json, safetensors,
     /// tokenizer.json).
@@ -95,9 +107,7 @@ impl<B: Backend> Session<B> {
         let read = |name: &str| {
             std::fs::read_to_string(dir.join(name)).map_err(Error::io(format!("reading {}", dir.join(name).display())))
         };
-        let config: serde_json::Value =
-            serde_json::from_str(&read("config.json")?).map_err(|e| Error::Model(format!("config.json: {e}")))?;
-        let config = ModelConfig::from_hf(&config)?;
+        let config = read_config(dir)?;
         let checkpoint = SafetensorsModel::open_dir(dir)?;
         let tokenizer = Tokenizer::from_hf_dir(dir)?;
         // transformers 5 keeps the template in its own file; earlier versions in the tokenizer config.

@@ -1,0 +1,220 @@
+//! `axiom serve`: the OpenAI-compatible server. The model lives on an engine thread (a GPU
+//! context stays on the thread that made it); HTTP runs on a tokio runtime.
+
+use crate::{load_session, Loaded, ModelArgs, Output};
+use anyhow::{bail, Context, Result};
+use axiom::backend::Backend;
+use axiom::engine::scheduler::{Scheduler, SchedulerConfig};
+use axiom::engine::session::read_config;
+use axiom::engine::Session;
+use axiom::model::llama::LoadOptions;
+use axiom::model::Llama;
+use axiom_server::metrics::ServerMetrics;
+use axiom_server::AppState;
+use clap::Args;
+use std::sync::Arc;
+
+#[derive(Args)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    #[arg(long, default_value_t = 8080)]
+    port: u16,
+    /// KV cache memory: a size (2GiB, 512MiB) or a fraction of the memory left after the
+    /// weights (0.5). Default: 2GiB on the CPU, 0.9 on a GPU.
+    #[arg(long)]
+    kv_memory: Option<String>,
+    /// Most sequences decoded together.
+    #[arg(long, default_value_t = 64)]
+    max_seqs: usize,
+    /// Most tokens one step runs (decode tokens plus prompt chunks).
+    #[arg(long, default_value_t = 512)]
+    max_batch_tokens: usize,
+    /// Requests that may wait before new ones get 503.
+    #[arg(long, default_value_t = 256)]
+    max_queue: usize,
+    /// Largest request body accepted, in bytes.
+    #[arg(long, default_value_t = 4 << 20)]
+    max_body_bytes: usize,
+    /// Most tokens (prompt and completion) per request (default: the model's context).
+    #[arg(short = 'c', long)]
+    ctx_size: Option<usize>,
+    /// The model name clients see (default: the file name).
+    #[arg(long)]
+    model_id: Option<String>,
+}
+
+/// `2GiB`, `512MiB`, `1.5G`, `1000000` (bytes), or a fraction below 1.
+enum KvMemory {
+    Bytes(usize),
+    Fraction(f64),
+}
+
+fn parse_kv_memory(text: &str) -> Result<KvMemory> {
+    let t = text.trim();
+    let split = t.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(t.len());
+    let (number, unit) = t.split_at(split);
+    let value: f64 = number
+        .trim()
+        .parse()
+        .with_context(|| format!("--kv-memory {text:?}: not a size"))?;
+    if value.is_nan() || value <= 0.0 {
+        bail!("--kv-memory must be positive");
+    }
+    let scale = match unit.trim().to_ascii_lowercase().as_str() {
+        "" if value < 1.0 => return Ok(KvMemory::Fraction(value)),
+        "" | "b" => 1.0,
+        "k" | "kb" | "kib" => 1024.0,
+        "m" | "mb" | "mib" => 1024.0 * 1024.0,
+        "g" | "gb" | "gib" => 1024.0 * 1024.0 * 1024.0,
+        other => bail!("--kv-memory {text:?}: unknown unit {other:?}"),
+    };
+    Ok(KvMemory::Bytes((value * scale) as usize))
+}
+
+/// Bytes of memory available to the process (MemAvailable), if the system says.
+pub fn available_memory() -> Option<usize> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+pub fn serve(args: ServeArgs, out: Output) -> Result<()> {
+    let path = axiom::source::resolve_model(args.model.model.as_deref())?;
+    let config = read_config(&path).with_context(|| format!("reading {}", path.display()))?;
+    let use_cuda = crate::uses_cuda(&args.model)?;
+    let kv_type = crate::kv_type(&args.model);
+    let per_token = Llama::<axiom::backend::cpu::CpuBackend>::kv_bytes_per_token(&config, kv_type);
+    let weights = std::fs::metadata(&path).map(|m| m.len() as usize).unwrap_or(0);
+    let default = if use_cuda { "0.9" } else { "2GiB" };
+    let kv_bytes = match parse_kv_memory(args.kv_memory.as_deref().unwrap_or(default))? {
+        KvMemory::Bytes(b) => b,
+        KvMemory::Fraction(f) => {
+            let free = if use_cuda {
+                axiom::backend::cuda::device::CudaDevice::new(0)?.free_memory()?
+            } else {
+                available_memory().context("cannot read the available memory; give --kv-memory as a size")?
+            };
+            (free.saturating_sub(weights + (1 << 30)) as f64 * f) as usize
+        }
+    };
+    let kv_tokens = kv_bytes / per_token.max(1);
+    let context = args
+        .ctx_size
+        .unwrap_or(config.context_length)
+        .min(config.context_length);
+    if kv_tokens < axiom::model::PAGE_SIZE {
+        bail!("--kv-memory of {kv_bytes} bytes holds no KV page ({per_token} bytes per token)");
+    }
+    let options = LoadOptions {
+        max_batch: args.max_batch_tokens.max(1),
+        kv_tokens,
+        max_seqs: args.max_seqs.max(1),
+    };
+    let model_id = args.model_id.clone().unwrap_or_else(|| {
+        path.file_name()
+            .map_or("axiom".into(), |n| n.to_string_lossy().into_owned())
+    });
+    let metrics = Arc::new(ServerMetrics::default());
+    let scheduler_config = SchedulerConfig {
+        max_queue: args.max_queue,
+    };
+
+    // The engine thread loads the model and reports back what the HTTP side needs.
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+    let model_args = args.model.clone();
+    let engine_metrics = metrics.clone();
+    let engine = std::thread::Builder::new().name("axiom-engine".into()).spawn(move || {
+        let loaded = match load_session(&model_args, options, out) {
+            Ok(l) => l,
+            Err(e) => {
+                let _ = ready_tx.send(Err(e));
+                return;
+            }
+        };
+        match loaded {
+            Loaded::Cpu(s) => run_engine(s, context, scheduler_config, engine_metrics, ready_tx),
+            Loaded::Cuda(s) => run_engine(s, context, scheduler_config, engine_metrics, ready_tx),
+        }
+    })?;
+    let (handle, tokenizer, template, description) =
+        ready_rx.recv().context("the engine thread stopped while loading")??;
+
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    runtime.block_on(async {
+        let address = format!("{}:{}", args.host, args.port);
+        let listener = tokio::net::TcpListener::bind(&address)
+            .await
+            .with_context(|| format!("binding {address}"))?;
+        let local = listener.local_addr()?;
+        if !out.quiet {
+            eprintln!(
+                "axiom: serving {description} as {model_id:?} on http://{local} ({kv_tokens} KV tokens, {} per request, up to {} sequences)",
+                handle.context,
+                options.max_seqs
+            );
+        }
+        let state = Arc::new(AppState::new(handle, tokenizer, template, model_id, metrics));
+        axiom_server::serve(listener, state, args.max_body_bytes, shutdown_signal()).await?;
+        anyhow::Ok(())
+    })?;
+    engine
+        .join()
+        .map_err(|_| anyhow::anyhow!("the engine thread panicked"))?;
+    Ok(())
+}
+
+type Ready = (
+    axiom::engine::scheduler::EngineHandle,
+    Arc<axiom::tokenizer::Tokenizer>,
+    Option<axiom::chat::ChatTemplate>,
+    String,
+);
+
+fn run_engine<B: Backend>(
+    session: Session<B>,
+    context: usize,
+    config: SchedulerConfig,
+    metrics: Arc<ServerMetrics>,
+    ready: std::sync::mpsc::Sender<Result<Ready>>,
+) {
+    let Session {
+        model,
+        tokenizer,
+        chat_template,
+        info,
+    } = session;
+    let tokenizer = Arc::new(tokenizer);
+    let (scheduler, mut handle) = Scheduler::new(model, tokenizer.clone(), config);
+    handle.context = handle.context.min(context);
+    let description = format!("{} on {}", info.description, scheduler.model().backend.device_name());
+    if ready.send(Ok((handle, tokenizer, chat_template, description))).is_ok() {
+        scheduler.with_metrics(metrics).run();
+    }
+}
+
+/// Ctrl-C or SIGTERM.
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let terminate = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = terminate => {},
+    }
+    tracing::info!("shutting down: finishing open requests");
+}

@@ -1,0 +1,134 @@
+//! `/metrics`: Prometheus counters, gauges and latency histograms, fed by the scheduler.
+
+use axiom::engine::scheduler::{Completion, EngineStatus, FinishReason, Metrics};
+use prometheus::{Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry, TextEncoder};
+
+pub struct ServerMetrics {
+    registry: Registry,
+    requests: IntCounterVec,
+    prompt_tokens: IntCounter,
+    generated_tokens: IntCounter,
+    cached_prompt_tokens: IntCounter,
+    preemptions: IntCounter,
+    queued: IntGauge,
+    running: IntGauge,
+    pages_used: IntGauge,
+    pages_free: IntGauge,
+    pages_cached: IntGauge,
+    ttft: Histogram,
+    itl: Histogram,
+}
+
+fn counter(registry: &Registry, name: &str, help: &str) -> IntCounter {
+    let c = IntCounter::new(name, help).expect("a valid metric name");
+    registry.register(Box::new(c.clone())).expect("registered once");
+    c
+}
+
+fn gauge(registry: &Registry, name: &str, help: &str) -> IntGauge {
+    let g = IntGauge::new(name, help).expect("a valid metric name");
+    registry.register(Box::new(g.clone())).expect("registered once");
+    g
+}
+
+fn histogram(registry: &Registry, name: &str, help: &str, buckets: Vec<f64>) -> Histogram {
+    let h = Histogram::with_opts(HistogramOpts::new(name, help).buckets(buckets)).expect("a valid metric name");
+    registry.register(Box::new(h.clone())).expect("registered once");
+    h
+}
+
+impl Default for ServerMetrics {
+    fn default() -> Self {
+        let registry = Registry::new_custom(Some("axiom".into()), None).expect("a valid prefix");
+        let requests = IntCounterVec::new(
+            Opts::new("requests_total", "Requests finished, by outcome"),
+            &["outcome"],
+        )
+        .expect("a valid metric");
+        registry.register(Box::new(requests.clone())).expect("registered once");
+        let latency = vec![
+            0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+        ];
+        ServerMetrics {
+            requests,
+            prompt_tokens: counter(&registry, "prompt_tokens_total", "Prompt tokens of finished requests"),
+            generated_tokens: counter(&registry, "generated_tokens_total", "Tokens generated"),
+            cached_prompt_tokens: counter(
+                &registry,
+                "prompt_tokens_cached_total",
+                "Prompt tokens whose KV came from the prefix cache",
+            ),
+            preemptions: counter(
+                &registry,
+                "preemptions_total",
+                "Sequences preempted for lack of KV pages",
+            ),
+            queued: gauge(&registry, "queue_depth", "Requests waiting for admission"),
+            running: gauge(&registry, "running_sequences", "Sequences in the running batch"),
+            pages_used: gauge(&registry, "kv_pages_used", "KV cache pages held by sequences"),
+            pages_free: gauge(&registry, "kv_pages_free", "KV cache pages not held (free or cached)"),
+            pages_cached: gauge(
+                &registry,
+                "kv_pages_cached",
+                "Free KV pages still holding a reusable prefix",
+            ),
+            ttft: histogram(
+                &registry,
+                "time_to_first_token_seconds",
+                "From arrival to the first token",
+                latency.clone(),
+            ),
+            itl: histogram(
+                &registry,
+                "inter_token_latency_seconds",
+                "Between consecutive tokens",
+                latency,
+            ),
+            registry,
+        }
+    }
+}
+
+impl ServerMetrics {
+    pub fn count_request(&self, outcome: &str) {
+        self.requests.with_label_values(&[outcome]).inc();
+    }
+
+    /// The Prometheus text exposition, gauges as of `status`.
+    pub fn render(&self, status: EngineStatus) -> String {
+        self.queued.set(status.queued as i64);
+        self.running.set(status.running as i64);
+        self.pages_used.set(status.pages.used as i64);
+        self.pages_free.set(status.pages.free() as i64);
+        self.pages_cached.set(status.pages.cached as i64);
+        let mut out = Vec::new();
+        // Encoding our own registry into a Vec cannot fail.
+        let _ = TextEncoder::new().encode(&self.registry.gather(), &mut out);
+        String::from_utf8_lossy(&out).into_owned()
+    }
+}
+
+impl Metrics for ServerMetrics {
+    fn request_finished(&self, c: &Completion) {
+        self.count_request(match c.finish {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+        });
+        self.prompt_tokens.inc_by(c.prompt_tokens as u64);
+        self.cached_prompt_tokens.inc_by(c.cached_tokens as u64);
+    }
+    fn request_cancelled(&self) {
+        self.count_request("cancelled");
+    }
+    fn time_to_first_token(&self, seconds: f64) {
+        self.generated_tokens.inc();
+        self.ttft.observe(seconds);
+    }
+    fn inter_token_latency(&self, seconds: f64) {
+        self.generated_tokens.inc();
+        self.itl.observe(seconds);
+    }
+    fn preempted(&self) {
+        self.preemptions.inc();
+    }
+}

@@ -1,0 +1,242 @@
+#!/usr/bin/env python3
+"""`axiom serve` through the official `openai` client, on 127.0.0.1 with the default model.
+
+Chat and completions, streaming and not, stop strings, max_tokens, seeds, logprobs, errors,
+a full queue, 32 concurrent streams (some abandoned mid-stream) that must each equal their solo
+greedy output and leave no KV page in use, and a SIGTERM that lets an open stream finish.
+
+    python3 scripts/test_openai.py [path/to/axiom]
+
+scripts/test.sh runs it after `cargo test` (it installs `openai` from PyPI if missing).
+"""
+import json
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+
+ROOT = Path(__file__).resolve().parent.parent
+AXIOM = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "target/release/axiom"
+
+
+class Server:
+    """An `axiom serve` on a free loopback port."""
+
+    def __init__(self, *extra):
+        cmd = [str(AXIOM), "serve", "--port", "0", "--threads", "2", "--kv-memory", "256MiB", *extra]
+        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 120
+        self.log = []
+        while time.time() < deadline:
+            line = self.proc.stderr.readline()
+            if not line:
+                raise RuntimeError("server exited:\n" + "".join(self.log))
+            self.log.append(line)
+            m = re.search(r"on http://([\d.]+:\d+)", line)
+            if m:
+                self.url = "http://" + m.group(1)
+                break
+        else:
+            raise RuntimeError("server did not start")
+        threading.Thread(target=self._drain, daemon=True).start()
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=300)
+
+    def _drain(self):
+        for line in self.proc.stderr:
+            self.log.append(line)
+
+    def get(self, path):
+        with urllib.request.urlopen(self.url + path, timeout=30) as r:
+            return r.read().decode()
+
+    def metric(self, name):
+        for line in self.get("/metrics").splitlines():
+            if line.startswith(name + " ") or line.startswith(name + "{"):
+                return float(line.split()[-1])
+        raise KeyError(name)
+
+    def stop(self):
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=60)
+
+
+def chat(server, content, **kw):
+    return server.client.chat.completions.create(
+        model="any", messages=[{"role": "user", "content": content}], **kw
+    )
+
+
+def streamed_chat(server, content, **kw):
+    stream = chat(server, content, stream=True, **kw)
+    text, finish = "", None
+    for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+            finish = chunk.choices[0].finish_reason or finish
+    return text, finish
+
+
+def check(cond, what):
+    if not cond:
+        raise AssertionError(what)
+    print(f"ok - {what}")
+
+
+def basics(s):
+    models = s.client.models.list()
+    check(len(models.data) == 1 and models.data[0].id, "/v1/models lists the model")
+    check(json.loads(s.get("/health"))["status"] == "ok", "/health answers")
+
+    r = chat(s, "Write a long story about a dragon.", max_tokens=16, temperature=0)
+    check(r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 16, "max_tokens ends a chat reply")
+    text, finish = streamed_chat(s, "Write a long story about a dragon.", max_tokens=16, temperature=0)
+    check((text, finish) == (r.choices[0].message.content, "length"), "a streamed chat equals the whole one")
+
+    c = s.client.completions.create(model="any", prompt="Once upon a time", max_tokens=20, temperature=0)
+    parts = [
+        ch.choices[0].text
+        for ch in s.client.completions.create(
+            model="any", prompt="Once upon a time", max_tokens=20, temperature=0, stream=True
+        )
+        if ch.choices
+    ]
+    check("".join(parts) == c.choices[0].text and c.usage.completion_tokens == 20, "a streamed completion equals the whole one")
+
+    full = c.choices[0].text
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    cut = s.client.completions.create(model="any", prompt="Once upon a time", max_tokens=20, temperature=0, stop=[stop])
+    check(
+        cut.choices[0].finish_reason == "stop" and cut.choices[0].text == full[: full.index(stop)],
+        f"a stop string ({stop!r}) ends the text before it",
+    )
+
+    sampled = [
+        chat(s, "Tell me a story.", max_tokens=24, temperature=1.0, seed=seed).choices[0].message.content
+        for seed in (7, 7, 8)
+    ]
+    check(sampled[0] == sampled[1], "the same seed gives the same sampled text")
+    check(sampled[0] != sampled[2], "another seed gives another text")
+
+    lp = chat(s, "Say hi.", max_tokens=5, temperature=0, logprobs=True, top_logprobs=3)
+    content = lp.choices[0].logprobs.content
+    check(
+        len(content) == 5 and all(len(t.top_logprobs) == 3 and t.logprob <= 0 for t in content),
+        "chat logprobs give each token and three alternatives",
+    )
+    check(
+        all(abs(t.logprob - t.top_logprobs[0].logprob) < 1e-4 for t in content),
+        "greedy tokens are the most likely ones",
+    )
+
+    try:
+        chat(s, "hello", max_tokens=10**6)
+        check(False, "an oversized max_tokens is refused")
+    except openai.BadRequestError as e:
+        check(e.status_code == 400 and "context length" in str(e), "an oversized max_tokens gets 400 with the lengths")
+    try:
+        chat(s, "hello", temperature=7)
+        check(False, "a bad temperature is refused")
+    except openai.BadRequestError as e:
+        check("temperature" in str(e), "a bad temperature gets 400 naming the field")
+    try:
+        chat(s, "word " * 9000, max_tokens=4)
+        check(False, "a prompt longer than the context is refused")
+    except openai.BadRequestError as e:
+        check("maximum context length is 8192" in str(e), "a prompt longer than the context gets 400 with the lengths")
+    big = json.dumps({"messages": [{"role": "user", "content": "x" * (5 << 20)}]}).encode()
+    try:
+        urllib.request.urlopen(urllib.request.Request(s.url + "/v1/chat/completions", data=big), timeout=30)
+        check(False, "an oversized body is refused")
+    except urllib.error.HTTPError as e:
+        check(e.code == 413 and "error" in json.loads(e.read()), "a body over the limit gets 413 and an error object")
+    req = urllib.request.Request(s.url + "/v1/chat/completions", data=b"{not json", headers={"content-type": "application/json"})
+    try:
+        urllib.request.urlopen(req, timeout=30)
+        check(False, "malformed JSON is refused")
+    except urllib.error.HTTPError as e:
+        body = json.loads(e.read())
+        check(e.code == 400 and body["error"]["type"] == "invalid_request_error", "malformed JSON gets an OpenAI error object")
+
+
+def concurrency(s):
+    prompts = [f"Write a short poem about the number {i}." for i in range(32)]
+    solo = [chat(s, p, max_tokens=24, temperature=0).choices[0].message.content for p in prompts]
+    abandon = set(range(0, 32, 4))
+
+    def client(i):
+        stream = chat(s, prompts[i], max_tokens=24 if i not in abandon else 200, temperature=0, stream=True)
+        text, n = "", 0
+        for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+            n += 1
+            if i in abandon and n == 3:
+                stream.close()
+                return None
+        return text
+
+    start = time.time()
+    with ThreadPoolExecutor(32) as pool:
+        results = list(pool.map(client, range(32)))
+    took = time.time() - start
+    same = [i for i in range(32) if i not in abandon and results[i] == solo[i]]
+    check(len(same) == 32 - len(abandon), f"24 completed streams equal their solo greedy output ({took:.1f} s)")
+    deadline = time.time() + 10
+    while time.time() < deadline and (s.metric("axiom_kv_pages_used") or s.metric("axiom_running_sequences")):
+        time.sleep(0.1)
+    check(s.metric("axiom_kv_pages_used") == 0, "no KV page is in use once every stream ended or was dropped")
+    check(s.metric('axiom_requests_total{outcome="cancelled"}') >= len(abandon), "dropped streams were cancelled")
+
+
+def full_queue():
+    s = Server("--max-seqs", "1", "--max-queue", "1")
+    try:
+        def slow(_):
+            try:
+                chat(s, "Count to one hundred.", max_tokens=60, temperature=0)
+                return 200
+            except openai.APIStatusError as e:
+                return e.status_code
+
+        with ThreadPoolExecutor(6) as pool:
+            codes = list(pool.map(slow, range(6)))
+        check(200 in codes and 503 in codes, f"a full queue answers 503 at once ({sorted(codes)})")
+    finally:
+        s.stop()
+
+
+def drain_on_sigterm():
+    s = Server()
+    stream = chat(s, "Tell me about rivers.", max_tokens=40, temperature=0, stream=True)
+    first = next(iter(stream))
+    s.proc.send_signal(signal.SIGTERM)
+    chunks = [first, *stream]
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    check(finish == ["length"], "SIGTERM lets an open stream finish")
+    check(s.proc.wait(timeout=60) == 0, "then the server exits cleanly")
+
+
+def main():
+    s = Server()
+    try:
+        basics(s)
+        concurrency(s)
+    except Exception:
+        sys.stderr.write("".join(s.log))
+        raise
+    finally:
+        s.stop()
+    full_queue()
+    drain_on_sigterm()
+    print("all OpenAI client checks passed")
+
+
+if __name__ == "__main__":
+    main()
