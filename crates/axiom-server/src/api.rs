@@ -76,6 +76,9 @@ pub struct Sampling {
     #[serde(default)]
     pub stream: bool,
     pub stream_options: Option<StreamOptions>,
+    /// Generate through end-of-generation tokens (for benchmarks), as vLLM's extension does.
+    #[serde(default)]
+    pub ignore_eos: bool,
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]

@@ -236,6 +236,7 @@ async fn run(s: &Arc<AppState>, job: Job) -> Result<Response, ApiError> {
             max_tokens,
             stop: job.request.stops(),
             logprobs: job.logprobs,
+            ignore_eos: job.request.ignore_eos,
             sink: Box::new(ChannelSink(tx)),
         })
         .map_err(|e| match e {

@@ -267,6 +267,17 @@ fn kv_write_and_attention_refuse_tables_that_point_outside_the_cache() {
 }
 
 #[test]
+fn argmax_takes_the_first_of_equal_maxima_in_each_row() {
+    let mut b = backend();
+    let x = upload(&mut b, &[1.0, 3.0, 3.0, -1.0, -5.0, -2.0, -2.0, -9.0]);
+    let out = upload_u32(&mut b, &[u32::MAX; 2]);
+    b.argmax(x, out, 2, 4).unwrap();
+    let mut got = [0u32; 2];
+    b.read_u32(out, &mut got).unwrap();
+    assert_eq!(got, [1, 1]);
+}
+
+#[test]
 fn swiglu_and_add() {
     let mut r = rng();
     let n = 37;

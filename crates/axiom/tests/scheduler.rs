@@ -53,6 +53,7 @@ fn submit(handle: &EngineHandle, prompt: Vec<u32>, max_tokens: usize) -> Receive
             max_tokens,
             stop: Vec::new(),
             logprobs: None,
+            ignore_eos: false,
             sink: Box::new(tx),
         })
         .unwrap();
@@ -206,6 +207,7 @@ fn requests_that_cannot_run_are_refused_up_front() {
         max_tokens,
         stop: Vec::new(),
         logprobs: None,
+        ignore_eos: false,
         sink: Box::new(tx.clone()),
     };
     assert_eq!(handle.submit(request(vec![], 4)), Err(SubmitError::EmptyPrompt));

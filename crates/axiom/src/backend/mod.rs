@@ -197,6 +197,7 @@ pub trait Backend {
     fn write_f32(&self, dst: BlockHandle, src: &[f32]) -> Result<()>;
     fn write_u32(&self, dst: BlockHandle, src: &[u32]) -> Result<()>;
     fn read_f32(&self, src: BlockHandle, dst: &mut [f32]) -> Result<()>;
+    fn read_u32(&self, src: BlockHandle, dst: &mut [u32]) -> Result<()>;
     /// Waits until all submitted work has finished.
     fn synchronize(&self) -> Result<()>;
 
@@ -301,4 +302,7 @@ pub trait Backend {
     fn swiglu(&self, gate: BlockHandle, up: BlockHandle, out: BlockHandle, n: usize) -> Result<()>;
     /// `x += y`, elementwise over `n` values.
     fn add(&self, x: BlockHandle, y: BlockHandle, n: usize) -> Result<()>;
+    /// `out[r]` = the index of the largest value of row r of `x` (`n_rows` rows of `width`; the
+    /// lowest index on ties): greedy decoding without bringing the logits back.
+    fn argmax(&self, x: BlockHandle, out: BlockHandle, n_rows: usize, width: usize) -> Result<()>;
 }

@@ -47,6 +47,14 @@ impl SamplerConfig {
             ..SamplerConfig::default()
         }
     }
+
+    /// Whether sampling is the plain argmax of the logits (no penalties to apply first).
+    pub fn is_plain_greedy(&self) -> bool {
+        self.temperature <= 0.0
+            && self.repeat_penalty == 1.0
+            && self.presence_penalty == 0.0
+            && self.frequency_penalty == 0.0
+    }
 }
 
 pub struct Sampler {

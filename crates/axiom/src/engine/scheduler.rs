@@ -13,7 +13,7 @@
 use super::generate::StopMatcher;
 use super::sampler::{Sampler, SamplerConfig};
 use crate::backend::Backend;
-use crate::model::{KvCache, Llama, PageUsage, SeqStep};
+use crate::model::{KvCache, Llama, PageUsage, SeqStep, StepOutput, Want};
 use crate::tokenizer::{TextStream, Tokenizer};
 use crate::Result;
 use std::collections::VecDeque;
@@ -31,6 +31,8 @@ pub struct Request {
     pub stop: Vec<String>,
     /// Log-probabilities of each chosen token and this many alternatives; none if `None`.
     pub logprobs: Option<usize>,
+    /// Keep going through end-of-generation tokens (benchmarks).
+    pub ignore_eos: bool,
     pub sink: Box<dyn EventSink>,
 }
 
@@ -357,13 +359,20 @@ impl<B: Backend> Scheduler<B> {
             .zip(&inputs)
             .zip(&batch)
             .map(|((kv, tokens), &(i, _))| {
-                let logits = kv.len() + tokens.len() == self.running[i].tokens.len();
-                SeqStep { kv, tokens, logits }
+                let seq = &self.running[i];
+                let want = if kv.len() + tokens.len() < seq.tokens.len() {
+                    Want::Nothing
+                } else if seq.request.logprobs.is_none() && seq.request.sampling.is_plain_greedy() {
+                    Want::Argmax
+                } else {
+                    Want::Logits
+                };
+                SeqStep { kv, tokens, want }
             })
             .collect();
         let (running, tokenizer, metrics) = (&mut self.running, &self.tokenizer, &self.metrics);
-        let result = self.model.forward_batch(&mut steps, |j, logits| {
-            next_token(&mut running[batch[j].0], logits, tokenizer, metrics.as_ref());
+        let result = self.model.forward_batch(&mut steps, |j, output| {
+            next_token(&mut running[batch[j].0], output, tokenizer, metrics.as_ref());
         });
         drop(steps);
         for (kv, &(i, _)) in kvs.into_iter().zip(&batch) {
@@ -501,16 +510,20 @@ impl<B: Backend> Scheduler<B> {
     }
 }
 
-/// Samples a sequence's next token from its logits, streams it, and decides whether it is done.
-fn next_token(seq: &mut Sequence, logits: &[f32], tokenizer: &Tokenizer, metrics: &dyn Metrics) {
-    let token = seq.sampler.sample(logits, &seq.tokens);
+/// Takes a sequence's next token (sampled from its logits, or the device's argmax), streams it,
+/// and decides whether it is done.
+fn next_token(seq: &mut Sequence, output: StepOutput, tokenizer: &Tokenizer, metrics: &dyn Metrics) {
+    let (token, logits) = match output {
+        StepOutput::Argmax(id) => (id, None),
+        StepOutput::Logits(logits) => (seq.sampler.sample(logits, &seq.tokens), Some(logits)),
+    };
     let now = Instant::now();
     match seq.last_token {
         None => metrics.time_to_first_token((now - seq.arrived).as_secs_f64()),
         Some(last) => metrics.inter_token_latency((now - last).as_secs_f64()),
     }
     seq.last_token = Some(now);
-    if tokenizer.is_end_of_generation(token) {
+    if tokenizer.is_end_of_generation(token) && !seq.request.ignore_eos {
         seq.finished = Some(FinishReason::Stop);
         let mut text = String::new();
         if let Ok(Some(rest)) = seq.text.finish(tokenizer) {
@@ -527,7 +540,10 @@ fn next_token(seq: &mut Sequence, logits: &[f32], tokenizer: &Tokenizer, metrics
         }
         return;
     }
-    let logprob = seq.request.logprobs.map(|top| token_logprob(logits, token, top));
+    let logprob = match (seq.request.logprobs, logits) {
+        (Some(top), Some(logits)) => Some(token_logprob(logits, token, top)),
+        _ => None,
+    };
     seq.tokens.push(token);
     let mut text = String::new();
     let piece = match seq.text.push(tokenizer, token) {

@@ -48,8 +48,24 @@ const LOGIT_ROWS_PER_STEP: usize = 32;
 pub struct SeqStep<'a> {
     pub kv: &'a mut KvCache,
     pub tokens: &'a [u32],
-    /// Whether its last token's logits are wanted.
-    pub logits: bool,
+    /// What it wants from its last token.
+    pub want: Want,
+}
+
+/// What a sequence wants from the last token of its step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Want {
+    Nothing,
+    Logits,
+    /// Only the most likely next token (greedy decoding): the logits stay on the device.
+    Argmax,
+}
+
+/// What a step gives a sequence that wanted something.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum StepOutput<'a> {
+    Logits(&'a [f32]),
+    Argmax(u32),
 }
 
 /// The paged KV cache in backend memory: per layer, K and V of every page.
@@ -102,6 +118,8 @@ struct Scratch {
     q_normed: BlockHandle,
     k_normed: BlockHandle,
     logits: BlockHandle,
+    /// Device argmax of each row of `logits`.
+    argmax: BlockHandle,
 }
 
 pub struct Llama<B: Backend> {
@@ -280,29 +298,33 @@ impl<B: Backend> Llama<B> {
             self.step(&mut [SeqStep {
                 kv: &mut *kv,
                 tokens: chunk,
-                logits: false,
+                want: Want::Nothing,
             }])?;
-            let rows: Vec<usize> = (from..chunk.len()).collect();
-            self.logits_for(&rows, |i, logits| sink(offset + rows[i], logits))?;
+            let rows: Vec<(usize, Want)> = (from..chunk.len()).map(|r| (r, Want::Logits)).collect();
+            self.outputs_for(&rows, |i, out| {
+                if let StepOutput::Logits(logits) = out {
+                    sink(offset + rows[i].0, logits)
+                }
+            })?;
         }
         Ok(())
     }
 
     /// Runs one step of several sequences together (at most `max_batch` tokens and `max_seqs`
-    /// sequences in all), then calls `sink(step index, logits)` for each one that wants logits.
-    pub fn forward_batch(&mut self, steps: &mut [SeqStep], mut sink: impl FnMut(usize, &[f32])) -> Result<()> {
+    /// sequences in all), then calls `sink(step index, output)` for each one that wants one.
+    pub fn forward_batch(&mut self, steps: &mut [SeqStep], mut sink: impl FnMut(usize, StepOutput)) -> Result<()> {
         self.step(steps)?;
         let mut rows = Vec::with_capacity(steps.len());
         let mut owners = Vec::with_capacity(steps.len());
         let mut end = 0;
         for (i, s) in steps.iter().enumerate() {
             end += s.tokens.len();
-            if s.logits {
-                rows.push(end - 1);
+            if s.want != Want::Nothing {
+                rows.push((end - 1, s.want));
                 owners.push(i);
             }
         }
-        self.logits_for(&rows, |i, logits| sink(owners[i], logits))
+        self.outputs_for(&rows, |i, out| sink(owners[i], out))
     }
 
     /// For generation: runs `tokens` and returns the logits of the last one (also kept for
@@ -438,23 +460,32 @@ impl<B: Backend> Llama<B> {
     }
 
     /// Final norm and LM head for the given rows (ascending) of the last step, each run of
-    /// consecutive rows a few at a time; calls `sink(index into rows, logits)`.
-    fn logits_for(&mut self, rows: &[usize], mut sink: impl FnMut(usize, &[f32])) -> Result<()> {
+    /// consecutive rows that want the same a few at a time; calls `sink(index into rows, output)`.
+    fn outputs_for(&mut self, rows: &[(usize, Want)], mut sink: impl FnMut(usize, StepOutput)) -> Result<()> {
         let (dim, vocab) = (self.config.dim, self.config.vocab_size);
         let (b, s) = (&self.backend, &self.scratch);
+        let mut ids = [0u32; LOGIT_ROWS_PER_STEP];
         let mut i = 0;
         while i < rows.len() {
-            let first = rows[i];
+            let (first, want) = rows[i];
             let mut n = 1;
-            while i + n < rows.len() && n < LOGIT_ROWS_PER_STEP && rows[i + n] == first + n {
+            while i + n < rows.len() && n < LOGIT_ROWS_PER_STEP && rows[i + n] == (first + n, want) {
                 n += 1;
             }
             let x = s.x.slice(first * dim * 4, n * dim * 4);
             b.rms_norm(x, self.weights.output_norm, s.normed, n, dim, self.config.rms_eps)?;
             b.matmul(s.normed, self.weights.lm_head(), s.logits, n)?;
-            b.read_f32(s.logits, &mut self.logits[..n * vocab])?;
-            for (j, l) in self.logits[..n * vocab].chunks_exact(vocab).enumerate() {
-                sink(i + j, l);
+            if want == Want::Argmax {
+                b.argmax(s.logits, s.argmax, n, vocab)?;
+                b.read_u32(s.argmax, &mut ids[..n])?;
+                for (j, &id) in ids[..n].iter().enumerate() {
+                    sink(i + j, StepOutput::Argmax(id));
+                }
+            } else {
+                b.read_f32(s.logits, &mut self.logits[..n * vocab])?;
+                for (j, l) in self.logits[..n * vocab].chunks_exact(vocab).enumerate() {
+                    sink(i + j, StepOutput::Logits(l));
+                }
             }
             i += n;
         }
@@ -477,7 +508,7 @@ fn scratch_bytes(c: &ModelConfig, max_batch: usize) -> usize {
         .iter()
         .map(|w| (w * max_batch * 4).next_multiple_of(64))
         .sum();
-    activations + (LOGIT_ROWS_PER_STEP * c.vocab_size * 4).next_multiple_of(64)
+    activations + (LOGIT_ROWS_PER_STEP * (c.vocab_size + 1) * 4).next_multiple_of(64) + 256
 }
 
 impl Scratch {
@@ -498,6 +529,7 @@ impl Scratch {
             q_normed: alloc(q_normed)?,
             k_normed: alloc(k_normed)?,
             logits: b.alloc(LOGIT_ROWS_PER_STEP * c.vocab_size * 4)?,
+            argmax: b.alloc(LOGIT_ROWS_PER_STEP * 4)?,
         })
     }
 }

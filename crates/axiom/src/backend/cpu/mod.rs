@@ -469,6 +469,11 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn read_u32(&self, src: BlockHandle, dst: &mut [u32]) -> Result<()> {
+        dst.copy_from_slice(self.view(src, dst.len()));
+        Ok(())
+    }
+
     fn synchronize(&self) -> Result<()> {
         Ok(())
     }
@@ -653,6 +658,15 @@ impl Backend for CpuBackend {
     fn swiglu(&self, gate: BlockHandle, up: BlockHandle, out: BlockHandle, n: usize) -> Result<()> {
         disjoint(&[out], &[gate, up])?;
         kernels::swiglu::swiglu(self.view(gate, n), self.view(up, n), self.view_mut(out, n));
+        Ok(())
+    }
+
+    fn argmax(&self, x: BlockHandle, out: BlockHandle, n_rows: usize, width: usize) -> Result<()> {
+        disjoint(&[out], &[x])?;
+        let x = self.view::<f32>(x, n_rows * width);
+        for (o, row) in self.view_mut::<u32>(out, n_rows).iter_mut().zip(x.chunks_exact(width)) {
+            *o = crate::engine::sampler::argmax(row);
+        }
         Ok(())
     }
 

@@ -20,8 +20,19 @@ use std::cell::RefCell;
 use std::sync::Arc;
 
 const ALIGN: usize = 256;
-/// Tokens up to which a matmul uses the matrix-vector kernels rather than cuBLAS.
+/// Tokens up to which a matmul of quantized weights uses the matrix-vector kernels rather than
+/// cuBLAS (which needs the whole matrix dequantized first).
 const GEMV_MAX_TOKENS: usize = 8;
+
+/// Tokens up to which a matmul of weights of type `ty` uses the matrix-vector kernels. Float
+/// weights go to cuBLAS from two tokens on: there is nothing to dequantize, and the kernels'
+/// activation reads grow with every token.
+fn gemv_max_tokens(ty: GgmlType) -> usize {
+    match ty {
+        GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => 1,
+        _ => GEMV_MAX_TOKENS,
+    }
+}
 
 /// A weight matrix in device memory, in its stored type, split by field (see `split_weight`):
 /// quants in `q`, per-block scales or K-quant metadata in `s`, minimums or Q6_K high bits in `m`.
@@ -87,6 +98,8 @@ pub struct CudaBackend {
     staging: Option<(BlockHandle, BlockHandle)>,
     largest_weight: usize,
     graphs: RefCell<Vec<CudaGraph>>,
+    /// The most tokens a step may have to be recorded: every matmul must use our own kernels.
+    capture_max_tokens: usize,
     kv_type: KvType,
 }
 
@@ -115,6 +128,7 @@ impl CudaBackend {
             staging: None,
             largest_weight: 0,
             graphs: RefCell::new(Vec::new()),
+            capture_max_tokens: GEMV_MAX_TOKENS,
             kv_type: KvType::F16,
         })
     }
@@ -364,6 +378,7 @@ impl Backend for CudaBackend {
         let q = upload(&split.q)?.ok_or_else(|| Error::Model(format!("tensor {} is empty", t.name)))?;
         let (s, m) = (upload(&split.s)?, upload(&split.m)?);
         self.largest_weight = self.largest_weight.max(n_in * n_out);
+        self.capture_max_tokens = self.capture_max_tokens.min(gemv_max_tokens(t.ty));
         Ok(CudaWeight {
             ty: t.ty,
             n_out,
@@ -388,6 +403,14 @@ impl Backend for CudaBackend {
             .map_err(driver_error("copy to device"))
     }
 
+    fn read_u32(&self, src: BlockHandle, dst: &mut [u32]) -> Result<()> {
+        assert!(std::mem::size_of_val(dst) <= src.len);
+        // SAFETY: as read_f32.
+        unsafe { cudarc::driver::result::memcpy_dtoh_async(dst, self.ptr(src), self.stream.cu_stream()) }
+            .map_err(driver_error("copy to host"))?;
+        self.synchronize()
+    }
+
     fn read_f32(&self, src: BlockHandle, dst: &mut [f32]) -> Result<()> {
         assert!(std::mem::size_of_val(dst) <= src.len);
         // SAFETY: bounds checked above; synchronized before returning.
@@ -401,8 +424,8 @@ impl Backend for CudaBackend {
     }
 
     fn begin_capture(&self, n_tokens: usize) -> Result<bool> {
-        // Larger steps go through cuBLAS, which is not recorded.
-        if n_tokens > GEMV_MAX_TOKENS {
+        // Steps whose matmuls go through cuBLAS are not recorded.
+        if n_tokens > self.capture_max_tokens {
             return Ok(false);
         }
         self.stream
@@ -461,7 +484,7 @@ impl Backend for CudaBackend {
     }
 
     fn matmul(&self, x: BlockHandle, w: &CudaWeight, out: BlockHandle, n_tokens: usize) -> Result<()> {
-        if n_tokens > GEMV_MAX_TOKENS {
+        if n_tokens > gemv_max_tokens(w.ty) {
             return self.gemm(x, w, out, n_tokens);
         }
         let suffix = Self::type_suffix(w.ty)?;
@@ -604,6 +627,16 @@ impl Backend for CudaBackend {
             (blocks_for(n, 256).min(4096), 1, 1),
             256,
             &[&self.ptr(gate), &self.ptr(up), &self.ptr(out), &n64],
+        )
+    }
+
+    fn argmax(&self, x: BlockHandle, out: BlockHandle, n_rows: usize, width: usize) -> Result<()> {
+        let n = width as i32;
+        self.launch(
+            "argmax",
+            (n_rows as u32, 1, 1),
+            1024,
+            &[&self.ptr(x), &n, &self.ptr(out)],
         )
     }
 
