@@ -13,7 +13,7 @@ command -v cargo-fuzz >/dev/null || cargo install --locked cargo-fuzz
 # accepts them under RUSTC_BOOTSTRAP.
 export RUSTC_BOOTSTRAP=1
 cargo fuzz build -O
-for target in gguf safetensors chat_template; do
+for target in gguf safetensors chat_template tokenizer request; do
     mkdir -p "corpus/$target"
     echo "== $target, ${seconds}s"
     cargo fuzz run -O "$target" "corpus/$target" "seeds/$target" "regressions/$target" -- \

@@ -316,6 +316,23 @@ impl Sampling {
     }
 }
 
+/// A request body from anyone: both endpoints' parsing and every check derived from it. The
+/// fuzz target and its corpus replay call this; it must return whatever the bytes.
+pub fn untrusted_request(body: &[u8]) {
+    if let Ok(chat) = parse_chat(body) {
+        let _ = (
+            chat.logprobs(),
+            chat.max_tokens(),
+            chat.sampling.sampler(0),
+            chat.sampling.stops(),
+        );
+        let _: Vec<String> = chat.messages.iter().map(ChatMessage::text).collect();
+    }
+    if let Ok(completion) = parse_completion(body) {
+        let _ = (completion.logprobs(), completion.sampling.sampler(0));
+    }
+}
+
 #[derive(Debug, Clone, Serialize)]
 pub struct Usage {
     pub prompt_tokens: usize,

@@ -35,6 +35,28 @@ pub fn safetensors(data: &[u8]) {
     }
 }
 
+/// Text through a real vocabulary: encoding then decoding gives the text back exactly (byte-level
+/// BPE is lossless), and any ids (the bytes read as little-endian u32, wrapped into the
+/// vocabulary) decode without failing.
+pub fn tokenizer_round_trip(tokenizer: &Tokenizer, data: &[u8]) {
+    let text = String::from_utf8_lossy(data);
+    if let Ok(ids) = tokenizer.encode(&text, false, false) {
+        if let Ok(back) = tokenizer.decode(&ids, false) {
+            assert_eq!(back, text, "encode then decode changed the text");
+        }
+    }
+    let vocab = tokenizer.vocab_size().max(1) as u32;
+    let ids: Vec<u32> = data
+        .chunks(4)
+        .map(|c| c.iter().rev().fold(0u32, |a, &b| a << 8 | b as u32) % vocab)
+        .collect();
+    let mut stream = crate::tokenizer::TextStream::default();
+    for &id in &ids {
+        let _ = stream.push(tokenizer, id);
+    }
+    let _ = tokenizer.decode(&ids, true);
+}
+
 /// A chat template and a message (split at the first NUL), rendered within the fuel limit.
 pub fn chat_template(data: &[u8]) {
     let text = String::from_utf8_lossy(data);

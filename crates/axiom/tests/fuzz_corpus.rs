@@ -24,3 +24,19 @@ fn every_corpus_input_is_handled() {
     assert!(replay("safetensors", axiom::untrusted::safetensors) > 1);
     assert!(replay("chat_template", axiom::untrusted::chat_template) > 1);
 }
+
+#[test]
+fn every_tokenizer_input_round_trips() {
+    let file = axiom::format::gguf::GgufFile::open(&axiom::source::default_model().unwrap()).unwrap();
+    let tokenizer = axiom::tokenizer::Tokenizer::from_gguf(&file).unwrap();
+    TOKENIZER.with(|t| *t.borrow_mut() = Some(tokenizer));
+    assert!(
+        replay("tokenizer", |data| TOKENIZER.with(|t| {
+            axiom::untrusted::tokenizer_round_trip(t.borrow().as_ref().unwrap(), data)
+        })) > 1
+    );
+}
+
+thread_local! {
+    static TOKENIZER: std::cell::RefCell<Option<axiom::tokenizer::Tokenizer>> = const { std::cell::RefCell::new(None) };
+}
