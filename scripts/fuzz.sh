@@ -16,10 +16,13 @@ cargo fuzz build -O
 for target in gguf safetensors chat_template tokenizer request; do
     mkdir -p "corpus/$target"
     echo "== $target, ${seconds}s"
+    status=0
     cargo fuzz run -O "$target" "corpus/$target" "seeds/$target" "regressions/$target" -- \
-        -max_total_time="$seconds" -max_len=1048576 -rss_limit_mb=2048 -timeout=10 -print_final_stats=1 2>&1 \
-        | grep -E "^(Done|stat::number_of_executed_units|stat::peak_rss_mb)|ERROR|panicked|deadly signal" || true
-    if ls "artifacts/$target"/crash-* "artifacts/$target"/timeout-* "artifacts/$target"/oom-* >/dev/null 2>&1; then
+        -max_total_time="$seconds" -max_len=1048576 -rss_limit_mb=2048 -timeout=10 -print_final_stats=1 \
+        >"artifacts-$target.log" 2>&1 || status=$?
+    grep -E "^(Done|stat::number_of_executed_units|stat::peak_rss_mb)|ERROR|panicked|deadly signal|left:|right:" \
+        "artifacts-$target.log" || true
+    if [ "$status" -ne 0 ] || ls "artifacts/$target"/crash-* "artifacts/$target"/timeout-* "artifacts/$target"/oom-* >/dev/null 2>&1; then
         echo "fuzz target $target found a failure: see fuzz/artifacts/$target" >&2
         exit 1
     fi

@@ -136,13 +136,27 @@ fn bad_inputs_fail_with_a_message() {
     std::fs::create_dir_all(&dir).unwrap();
     let bogus = dir.join("bogus.gguf");
     std::fs::write(&bogus, b"not a model at all").unwrap();
-    let cases: [(&[&str], &str); 4] = [
+    let model = model();
+    let cases: [(&[&str], &str); 5] = [
         (&["info", bogus.to_str().unwrap()], "not a GGUF file"),
         (&["run", "-m", "/nonexistent.gguf", "hi"], "does not exist"),
         (&["run", "-m", bogus.to_str().unwrap(), "hi"], "not a GGUF file"),
         (
             &["run", "--backend", "metal", "-m", bogus.to_str().unwrap(), "hi"],
             "Metal",
+        ),
+        // A KV cache bigger than the machine: refused before anything is allocated.
+        (
+            &[
+                "serve",
+                "--backend",
+                "cpu",
+                "-m",
+                model.to_str().unwrap(),
+                "--kv-memory",
+                "4096GiB",
+            ],
+            "of memory is available",
         ),
     ];
     for (args, needle) in cases {

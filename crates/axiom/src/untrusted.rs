@@ -35,14 +35,24 @@ pub fn safetensors(data: &[u8]) {
     }
 }
 
-/// Text through a real vocabulary: encoding then decoding gives the text back exactly (byte-level
-/// BPE is lossless), and any ids (the bytes read as little-endian u32, wrapped into the
-/// vocabulary) decode without failing.
+/// Text through a real vocabulary: encoding then decoding gives the text back exactly, less the
+/// characters the vocabulary has no tokens for (SmolLM2's lacks some C0 control bytes, which
+/// byte-level BPE without an unknown token drops); any ids (the bytes read as little-endian u32,
+/// wrapped into the vocabulary) decode without failing.
 pub fn tokenizer_round_trip(tokenizer: &Tokenizer, data: &[u8]) {
     let text = String::from_utf8_lossy(data);
     if let Ok(ids) = tokenizer.encode(&text, false, false) {
         if let Ok(back) = tokenizer.decode(&ids, false) {
-            assert_eq!(back, text, "encode then decode changed the text");
+            let expressible: String = text
+                .chars()
+                .filter(|c| {
+                    let mut buf = [0u8; 4];
+                    tokenizer
+                        .encode(c.encode_utf8(&mut buf), false, false)
+                        .is_ok_and(|ids| !ids.is_empty())
+                })
+                .collect();
+            assert_eq!(back, expressible, "encode then decode changed the text");
         }
     }
     let vocab = tokenizer.vocab_size().max(1) as u32;
