@@ -232,7 +232,7 @@ fn check_host_memory(path: &std::path::Path, options: &LoadOptions, kv_type: KvT
     } else {
         std::fs::metadata(path)?.len()
     };
-    let kv = options.kv_tokens as u64 * axiom::model::Llama::<CpuBackend>::kv_bytes_per_token(&config, kv_type) as u64;
+    let kv = options.kv_tokens as u64 * config.kv_bytes_per_token(kv_type) as u64;
     let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
     if weights + kv > available as u64 {
         bail!(

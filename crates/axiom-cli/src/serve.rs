@@ -8,7 +8,6 @@ use axiom::engine::scheduler::{Scheduler, SchedulerConfig};
 use axiom::engine::session::read_config;
 use axiom::engine::Session;
 use axiom::model::llama::LoadOptions;
-use axiom::model::Llama;
 use axiom_server::metrics::ServerMetrics;
 use axiom_server::AppState;
 use clap::Args;
@@ -87,7 +86,7 @@ pub fn serve(args: ServeArgs, out: Output) -> Result<()> {
     let config = read_config(&path).with_context(|| format!("reading {}", path.display()))?;
     let use_cuda = crate::uses_cuda(&args.model)?;
     let kv_type = crate::kv_type(&args.model);
-    let per_token = Llama::<axiom::backend::cpu::CpuBackend>::kv_bytes_per_token(&config, kv_type);
+    let per_token = config.kv_bytes_per_token(kv_type);
     let weights = std::fs::metadata(&path).map(|m| m.len() as usize).unwrap_or(0);
     let default = if use_cuda { "0.9" } else { "2GiB" };
     let kv_bytes = match parse_kv_memory(args.kv_memory.as_deref().unwrap_or(default))? {
@@ -121,6 +120,7 @@ pub fn serve(args: ServeArgs, out: Output) -> Result<()> {
     let metrics = Arc::new(ServerMetrics::default());
     let scheduler_config = SchedulerConfig {
         max_queue: args.max_queue,
+        max_context: context,
     };
 
     // The engine thread loads the model and reports back what the HTTP side needs.
@@ -136,8 +136,8 @@ pub fn serve(args: ServeArgs, out: Output) -> Result<()> {
             }
         };
         match loaded {
-            Loaded::Cpu(s) => run_engine(s, context, scheduler_config, engine_metrics, ready_tx),
-            Loaded::Cuda(s) => run_engine(s, context, scheduler_config, engine_metrics, ready_tx),
+            Loaded::Cpu(s) => run_engine(s, scheduler_config, engine_metrics, ready_tx),
+            Loaded::Cuda(s) => run_engine(s, scheduler_config, engine_metrics, ready_tx),
         }
     })?;
     let (handle, tokenizer, template, description) =
@@ -153,7 +153,7 @@ pub fn serve(args: ServeArgs, out: Output) -> Result<()> {
         if !out.quiet {
             eprintln!(
                 "axiom: serving {description} as {model_id:?} on http://{local} ({kv_tokens} KV tokens, {} per request, up to {} sequences)",
-                handle.context,
+                handle.context(),
                 options.max_seqs
             );
         }
@@ -176,7 +176,6 @@ type Ready = (
 
 fn run_engine<B: Backend>(
     session: Session<B>,
-    context: usize,
     config: SchedulerConfig,
     metrics: Arc<ServerMetrics>,
     ready: std::sync::mpsc::Sender<Result<Ready>>,
@@ -188,8 +187,7 @@ fn run_engine<B: Backend>(
         info,
     } = session;
     let tokenizer = Arc::new(tokenizer);
-    let (scheduler, mut handle) = Scheduler::new(model, tokenizer.clone(), config);
-    handle.context = handle.context.min(context);
+    let (scheduler, handle) = Scheduler::new(model, tokenizer.clone(), config);
     let description = format!("{} on {}", info.description, scheduler.model().backend.device_name());
     if ready.send(Ok((handle, tokenizer, chat_template, description))).is_ok() {
         scheduler.with_metrics(metrics).run();

@@ -87,7 +87,7 @@ async fn models(State(s): State<Arc<AppState>>) -> Json<Value> {
     Json(json!({
         "object": "list",
         "data": [{"id": s.model_id, "object": "model", "created": s.started, "owned_by": "axiom",
-                  "max_model_len": s.engine.context}],
+                  "max_model_len": s.engine.context()}],
     }))
 }
 
@@ -203,7 +203,7 @@ impl EventSink for ChannelSink {
 }
 
 async fn run(s: &Arc<AppState>, job: Job) -> Result<Response, ApiError> {
-    let context = s.engine.context;
+    let context = s.engine.context();
     let prompt_len = job.prompt.len();
     if prompt_len == 0 {
         return Err(ApiError::invalid("the prompt is empty", Some("prompt")));

@@ -11,7 +11,7 @@ use axiom::format::quant::{dequantize, GgmlType};
 use half::f16;
 mod common;
 
-use common::{paged_attention_by_matrix, random_weight_bytes, PagedCase};
+use common::{paged_attention_by_matrix, paged_queries, random_weight_bytes, PagedCase, PAGED_LENS};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -204,13 +204,11 @@ fn paged_attention_case<B: Backend>(mut make: impl FnMut() -> B, tol: f32, what:
         head_dim: 48,
     };
     let kv_w = shape.kv_width();
-    let lens = [35, 20];
     for page_size in [4, 16] {
-        let case = PagedCase::new(&mut r, page_size, &lens);
-        let k: Vec<Vec<f32>> = lens.iter().map(|l| randn(&mut r, l * kv_w)).collect();
-        let v: Vec<Vec<f32>> = lens.iter().map(|l| randn(&mut r, l * kv_w)).collect();
-        let mut queries: Vec<(u32, u32)> = (0..35).map(|p| (0, p)).collect();
-        queries.extend([(1, 19), (1, 0), (0, 17)]);
+        let case = PagedCase::new(&mut r, page_size, &PAGED_LENS);
+        let k: Vec<Vec<f32>> = PAGED_LENS.iter().map(|l| randn(&mut r, l * kv_w)).collect();
+        let v: Vec<Vec<f32>> = PAGED_LENS.iter().map(|l| randn(&mut r, l * kv_w)).collect();
+        let queries = paged_queries();
         let q = randn(&mut r, queries.len() * shape.q_width());
         let mut b = make();
         let got = case.attention(&mut b, &k, &v, &queries, &q, shape).unwrap();

@@ -8,7 +8,7 @@
 
 mod common;
 
-use common::{random_weight_bytes, PagedCase};
+use common::{paged_queries, random_weight_bytes, PagedCase, PAGED_LENS};
 
 use axiom::backend::cpu::CpuBackend;
 use axiom::backend::cuda::CudaBackend;
@@ -213,7 +213,6 @@ fn paged_kv_write_and_attention_match_the_cpu_reference() {
         head_dim: 48,
     };
     let kv_w = shape.kv_width();
-    let lens = [35, 20];
     for kv_type in [KvType::F16, KvType::F32] {
         // An f16 cache holds rounded K and V: give the reference the same values.
         let round = |v: Vec<f32>| -> Vec<f32> {
@@ -223,12 +222,10 @@ fn paged_kv_write_and_attention_match_the_cpu_reference() {
             }
         };
         for page_size in [4, 16] {
-            let case = PagedCase::new(&mut rng, page_size, &lens);
-            let k: Vec<Vec<f32>> = lens.iter().map(|l| round(randn(&mut rng, l * kv_w))).collect();
-            let v: Vec<Vec<f32>> = lens.iter().map(|l| round(randn(&mut rng, l * kv_w))).collect();
-            // A prefill of the first sequence mixed with a decode of the second.
-            let mut queries: Vec<(u32, u32)> = (0..35).map(|p| (0, p)).collect();
-            queries.extend([(1, 19), (1, 0), (0, 17)]);
+            let case = PagedCase::new(&mut rng, page_size, &PAGED_LENS);
+            let k: Vec<Vec<f32>> = PAGED_LENS.iter().map(|l| round(randn(&mut rng, l * kv_w))).collect();
+            let v: Vec<Vec<f32>> = PAGED_LENS.iter().map(|l| round(randn(&mut rng, l * kv_w))).collect();
+            let queries = paged_queries();
             let q = randn(&mut rng, queries.len() * shape.q_width());
             let (gpu, mut cpu) = pair();
             let mut gpu = gpu.with_kv_type(kv_type);

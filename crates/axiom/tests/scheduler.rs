@@ -12,7 +12,7 @@ use axiom::engine::{SamplerConfig, Session};
 use axiom::model::llama::LoadOptions;
 use axiom::tokenizer::Tokenizer;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::mpsc::{channel, Receiver};
+use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
 
 fn scheduler(options: LoadOptions) -> (Scheduler<CpuBackend>, EngineHandle, Arc<Tokenizer>) {
@@ -44,19 +44,21 @@ fn prompts(t: &Tokenizer, n: usize) -> Vec<Vec<u32>> {
         .collect()
 }
 
+fn greedy(prompt: Vec<u32>, max_tokens: usize, sink: Sender<Event>) -> Request {
+    Request {
+        prompt,
+        sampling: SamplerConfig::greedy(),
+        max_tokens,
+        stop: Vec::new(),
+        logprobs: None,
+        ignore_eos: false,
+        sink: Box::new(sink),
+    }
+}
+
 fn submit(handle: &EngineHandle, prompt: Vec<u32>, max_tokens: usize) -> Receiver<Event> {
     let (tx, rx) = channel();
-    handle
-        .submit(Request {
-            prompt,
-            sampling: SamplerConfig::greedy(),
-            max_tokens,
-            stop: Vec::new(),
-            logprobs: None,
-            ignore_eos: false,
-            sink: Box::new(tx),
-        })
-        .unwrap();
+    handle.submit(greedy(prompt, max_tokens, tx)).unwrap();
     rx
 }
 
@@ -201,15 +203,7 @@ fn requests_that_cannot_run_are_refused_up_front() {
         max_seqs: 2,
     });
     let (tx, _rx) = channel();
-    let request = |prompt: Vec<u32>, max_tokens| Request {
-        prompt,
-        sampling: SamplerConfig::greedy(),
-        max_tokens,
-        stop: Vec::new(),
-        logprobs: None,
-        ignore_eos: false,
-        sink: Box::new(tx.clone()),
-    };
+    let request = |prompt: Vec<u32>, max_tokens| greedy(prompt, max_tokens, tx.clone());
     assert_eq!(handle.submit(request(vec![], 4)), Err(SubmitError::EmptyPrompt));
     assert_eq!(
         handle.submit(request(vec![1; 200], 100)),

@@ -64,11 +64,6 @@ impl Conversation {
         self.cached_text.clear();
     }
 
-    /// Gives the cache's pages back to the model.
-    pub fn close<B: Backend>(self, session: &mut Session<B>) {
-        session.model.free_kv_cache(self.kv);
-    }
-
     fn messages(&self) -> Vec<Message> {
         let system = self.transcript.system.iter().map(|s| Message::new("system", s));
         system.chain(self.transcript.messages.iter().cloned()).collect()

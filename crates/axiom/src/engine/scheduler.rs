@@ -136,11 +136,17 @@ pub struct EngineStatus {
 pub struct SchedulerConfig {
     /// Requests that may wait for admission before new ones are refused.
     pub max_queue: usize,
+    /// Most tokens (prompt and generated) per sequence; the model's context and the KV pool
+    /// bound it too.
+    pub max_context: usize,
 }
 
 impl Default for SchedulerConfig {
     fn default() -> Self {
-        SchedulerConfig { max_queue: 256 }
+        SchedulerConfig {
+            max_queue: 256,
+            max_context: usize::MAX,
+        }
     }
 }
 
@@ -157,8 +163,7 @@ pub struct EngineHandle {
     requests: Sender<Request>,
     shared: Arc<Shared>,
     max_queue: usize,
-    /// The most tokens (prompt and generated) one sequence may hold.
-    pub context: usize,
+    context: usize,
 }
 
 impl EngineHandle {
@@ -185,6 +190,11 @@ impl EngineHandle {
             self.shared.queued.fetch_sub(1, Ordering::SeqCst);
             SubmitError::ShuttingDown
         })
+    }
+
+    /// The most tokens (prompt and generated) one sequence may hold.
+    pub fn context(&self) -> usize {
+        self.context
     }
 
     pub fn status(&self) -> EngineStatus {
@@ -242,11 +252,14 @@ pub struct Scheduler<B: Backend> {
     waiting: VecDeque<Sequence>,
     /// In admission order: the last is the newest, the first to be preempted.
     running: Vec<Sequence>,
+    /// Tokens per sequence.
+    context: usize,
 }
 
 impl<B: Backend> Scheduler<B> {
     pub fn new(model: Llama<B>, tokenizer: Arc<Tokenizer>, config: SchedulerConfig) -> (Scheduler<B>, EngineHandle) {
         let (tx, rx) = channel();
+        let context = model.new_kv_cache(config.max_context).capacity();
         let shared = Arc::new(Shared {
             queued: AtomicUsize::new(0),
             shutting_down: AtomicBool::new(false),
@@ -259,7 +272,7 @@ impl<B: Backend> Scheduler<B> {
             requests: tx,
             shared: shared.clone(),
             max_queue: config.max_queue,
-            context: model.new_kv_cache(usize::MAX).capacity(),
+            context,
         };
         let scheduler = Scheduler {
             model,
@@ -269,6 +282,7 @@ impl<B: Backend> Scheduler<B> {
             metrics: Arc::new(NoMetrics),
             waiting: VecDeque::new(),
             running: Vec::new(),
+            context,
         };
         (scheduler, handle)
     }
@@ -310,7 +324,7 @@ impl<B: Backend> Scheduler<B> {
     fn enqueue(&mut self, request: Request) {
         let sampler = Sampler::new(request.sampling.clone());
         let stops = StopMatcher::new(request.stop.clone());
-        let kv = self.model.new_kv_cache(usize::MAX);
+        let kv = self.model.new_kv_cache(self.context);
         self.waiting.push_back(Sequence {
             tokens: request.prompt.clone(),
             capacity: kv.capacity(),
@@ -386,6 +400,9 @@ impl<B: Backend> Scheduler<B> {
 
     fn drop_cancelled(&mut self) {
         let closed = |s: &Sequence| s.cancelled || s.request.sink.is_closed();
+        if !self.waiting.iter().chain(&self.running).any(closed) {
+            return;
+        }
         let (gone_waiting, waiting): (Vec<_>, Vec<_>) = self.waiting.drain(..).partition(|s| closed(s));
         self.waiting = waiting.into();
         self.shared.queued.fetch_sub(gone_waiting.len(), Ordering::SeqCst);

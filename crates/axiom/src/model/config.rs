@@ -45,6 +45,11 @@ impl ModelConfig {
         }
     }
 
+    /// Bytes of KV cache one token takes, over all layers.
+    pub fn kv_bytes_per_token(&self, kv_type: crate::backend::KvType) -> usize {
+        2 * self.n_layers * self.attention().kv_width() * kv_type.bytes()
+    }
+
     pub fn from_gguf(file: &GgufFile) -> Result<ModelConfig> {
         let arch = file
             .get("general.architecture")

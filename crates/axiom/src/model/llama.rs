@@ -68,6 +68,14 @@ pub enum StepOutput<'a> {
     Argmax(u32),
 }
 
+/// A row of the last step whose output someone wants, and whom to give it to.
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct OutputRow {
+    row: usize,
+    want: Want,
+    owner: usize,
+}
+
 /// The paged KV cache in backend memory: per layer, K and V of every page.
 struct PagedCache {
     k: Vec<BlockHandle>,
@@ -138,6 +146,8 @@ pub struct Llama<B: Backend> {
     logits: Vec<f32>,
     /// Recorded steps (graph handles), by their number of tokens.
     graphs: Vec<(usize, usize)>,
+    /// The rows wanted from the current step (reused: the decode loop allocates nothing).
+    output_rows: Vec<OutputRow>,
 }
 
 impl<B: Backend> Llama<B> {
@@ -206,12 +216,8 @@ impl<B: Backend> Llama<B> {
             max_seqs,
             logits,
             graphs: Vec::new(),
+            output_rows: Vec::new(),
         })
-    }
-
-    /// Bytes of KV cache one token takes, over all layers.
-    pub fn kv_bytes_per_token(config: &ModelConfig, kv_type: crate::backend::KvType) -> usize {
-        2 * config.n_layers * config.attention().kv_width() * kv_type.bytes()
     }
 
     /// An empty KV cache for a sequence of up to `capacity` tokens (bounded by the context and
@@ -300,10 +306,15 @@ impl<B: Backend> Llama<B> {
                 tokens: chunk,
                 want: Want::Nothing,
             }])?;
-            let rows: Vec<(usize, Want)> = (from..chunk.len()).map(|r| (r, Want::Logits)).collect();
-            self.outputs_for(&rows, |i, out| {
+            self.output_rows.clear();
+            self.output_rows.extend((from..chunk.len()).map(|row| OutputRow {
+                row,
+                want: Want::Logits,
+                owner: offset + row,
+            }));
+            self.outputs_for(|row, out| {
                 if let StepOutput::Logits(logits) = out {
-                    sink(offset + rows[i].0, logits)
+                    sink(row, logits)
                 }
             })?;
         }
@@ -312,19 +323,21 @@ impl<B: Backend> Llama<B> {
 
     /// Runs one step of several sequences together (at most `max_batch` tokens and `max_seqs`
     /// sequences in all), then calls `sink(step index, output)` for each one that wants one.
-    pub fn forward_batch(&mut self, steps: &mut [SeqStep], mut sink: impl FnMut(usize, StepOutput)) -> Result<()> {
+    pub fn forward_batch(&mut self, steps: &mut [SeqStep], sink: impl FnMut(usize, StepOutput)) -> Result<()> {
         self.step(steps)?;
-        let mut rows = Vec::with_capacity(steps.len());
-        let mut owners = Vec::with_capacity(steps.len());
+        self.output_rows.clear();
         let mut end = 0;
-        for (i, s) in steps.iter().enumerate() {
+        for (owner, s) in steps.iter().enumerate() {
             end += s.tokens.len();
             if s.want != Want::Nothing {
-                rows.push((end - 1, s.want));
-                owners.push(i);
+                self.output_rows.push(OutputRow {
+                    row: end - 1,
+                    want: s.want,
+                    owner,
+                });
             }
         }
-        self.outputs_for(&rows, |i, out| sink(owners[i], out))
+        self.outputs_for(sink)
     }
 
     /// For generation: runs `tokens` and returns the logits of the last one (also kept for
@@ -459,17 +472,20 @@ impl<B: Backend> Llama<B> {
         Ok(())
     }
 
-    /// Final norm and LM head for the given rows (ascending) of the last step, each run of
-    /// consecutive rows that want the same a few at a time; calls `sink(index into rows, output)`.
-    fn outputs_for(&mut self, rows: &[(usize, Want)], mut sink: impl FnMut(usize, StepOutput)) -> Result<()> {
+    /// Final norm and LM head for `output_rows` (ascending rows of the last step), each run of
+    /// consecutive rows that want the same a few at a time; calls `sink(owner, output)`.
+    fn outputs_for(&mut self, mut sink: impl FnMut(usize, StepOutput)) -> Result<()> {
         let (dim, vocab) = (self.config.dim, self.config.vocab_size);
-        let (b, s) = (&self.backend, &self.scratch);
+        let (b, s, rows) = (&self.backend, &self.scratch, &self.output_rows);
         let mut ids = [0u32; LOGIT_ROWS_PER_STEP];
         let mut i = 0;
         while i < rows.len() {
-            let (first, want) = rows[i];
+            let OutputRow { row: first, want, .. } = rows[i];
             let mut n = 1;
-            while i + n < rows.len() && n < LOGIT_ROWS_PER_STEP && rows[i + n] == (first + n, want) {
+            while i + n < rows.len()
+                && n < LOGIT_ROWS_PER_STEP
+                && (rows[i + n].row, rows[i + n].want) == (first + n, want)
+            {
                 n += 1;
             }
             let x = s.x.slice(first * dim * 4, n * dim * 4);
@@ -478,13 +494,13 @@ impl<B: Backend> Llama<B> {
             if want == Want::Argmax {
                 b.argmax(s.logits, s.argmax, n, vocab)?;
                 b.read_u32(s.argmax, &mut ids[..n])?;
-                for (j, &id) in ids[..n].iter().enumerate() {
-                    sink(i + j, StepOutput::Argmax(id));
+                for (r, &id) in rows[i..i + n].iter().zip(&ids[..n]) {
+                    sink(r.owner, StepOutput::Argmax(id));
                 }
             } else {
                 b.read_f32(s.logits, &mut self.logits[..n * vocab])?;
-                for (j, l) in self.logits[..n * vocab].chunks_exact(vocab).enumerate() {
-                    sink(i + j, StepOutput::Logits(l));
+                for (r, l) in rows[i..i + n].iter().zip(self.logits[..n * vocab].chunks_exact(vocab)) {
+                    sink(r.owner, StepOutput::Logits(l));
                 }
             }
             i += n;

@@ -222,6 +222,17 @@ pub fn worst_error<B: Backend>(model: &Path, reference: &Path, backend: B) -> f6
     worst
 }
 
+/// The sequences of the paged attention tests: one of 35 tokens and one of 20.
+pub const PAGED_LENS: [usize; 2] = [35, 20];
+
+/// A step over [`PAGED_LENS`] that prefills the first sequence at every position (so the causal
+/// mask matters) alongside decodes of the second and a query mid-way through the first.
+pub fn paged_queries() -> Vec<(u32, u32)> {
+    let mut queries: Vec<(u32, u32)> = (0..35).map(|p| (0, p)).collect();
+    queries.extend([(1, 19), (1, 0), (0, 17)]);
+    queries
+}
+
 /// Sequences in a paged KV cache whose pages are handed out in a scrambled order, so a kernel
 /// that ignores the block tables reads the wrong rows.
 pub struct PagedCase {
