@@ -18,6 +18,7 @@ use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, State};
 use axum::http::StatusCode;
+use axum::middleware::{self, Next};
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -75,7 +76,26 @@ pub fn router(state: Arc<AppState>, max_body_bytes: usize) -> Router {
         .route("/health", get(health))
         .route("/metrics", get(prometheus_metrics))
         .layer(DefaultBodyLimit::max(max_body_bytes))
+        .layer(middleware::from_fn_with_state(max_body_bytes, refuse_oversized))
         .with_state(state)
+}
+
+/// Answers 413 from the declared length alone, before any of an oversized body is read (a body
+/// without a length is cut off at the same limit while it is read).
+async fn refuse_oversized(State(limit): State<usize>, request: axum::extract::Request, next: Next) -> Response {
+    let declared = request
+        .headers()
+        .get(axum::http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    match declared {
+        Some(len) if len > limit as u64 => ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "invalid_request_error",
+            format!("the request body of {len} bytes is over the limit of {limit}"),
+        )
+        .into_response(),
+        _ => next.run(request).await,
+    }
 }
 
 async fn health(State(s): State<Arc<AppState>>) -> Response {
