@@ -2,7 +2,7 @@
 """`axiom serve` through the official `openai` client, on 127.0.0.1 with the default model.
 
 Chat and completions, streaming and not, stop strings, max_tokens, seeds, logprobs, errors,
-a full queue, 32 concurrent streams (some abandoned mid-stream) that must each equal their solo
+a full queue, stalled uploads, 32 concurrent streams (some abandoned mid-stream) that must each equal their solo
 greedy output and leave no KV page in use, and a SIGTERM that lets an open stream finish.
 
     python3 scripts/test_openai.py [path/to/axiom]
@@ -13,6 +13,7 @@ import http.client
 import json
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -229,6 +230,35 @@ def drain_on_sigterm():
     check(s.proc.wait(timeout=60) == 0, "then the server exits cleanly")
 
 
+def stalled_upload():
+    """Clients that stop sending mid-body get 408 after --read-timeout, with a length or chunked,
+    and a stalled one still connected does not hold SIGTERM's drain open."""
+    s = Server("--read-timeout", "2")
+    host, port = s.url.removeprefix("http://").split(":")
+
+    def stall(framing, partial):
+        sock = socket.create_connection((host, int(port)), timeout=60)
+        head = f"POST /v1/chat/completions HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n{framing}\r\n\r\n"
+        sock.sendall(head.encode() + partial)
+        return sock
+
+    try:
+        for framing, partial in [("content-length: 100", b'{"model"'), ("transfer-encoding: chunked", b'8\r\n{"model"\r\n')]:
+            sock = stall(framing, partial)
+            started = time.time()
+            reply = sock.recv(4096)
+            waited = time.time() - started
+            sock.close()
+            check(reply.startswith(b"HTTP/1.1 408") and 1.5 < waited < 30, f"a stalled upload ({framing}) gets 408 after the read timeout")
+        sock = stall("content-length: 100", b"{")
+        s.proc.send_signal(signal.SIGTERM)
+        check(s.proc.wait(timeout=30) == 0, "SIGTERM exits while a stalled upload is connected")
+        sock.close()
+    finally:
+        if s.proc.poll() is None:
+            s.stop()
+
+
 def main():
     s = Server()
     try:
@@ -240,6 +270,7 @@ def main():
     finally:
         s.stop()
     full_queue()
+    stalled_upload()
     drain_on_sigterm()
     print("all OpenAI client checks passed")
 

@@ -112,7 +112,8 @@ fn progress(len: u64, what: &str, out: Output) -> ProgressBar {
         return ProgressBar::hidden();
     }
     let bar = ProgressBar::new(len);
-    bar.set_style(ProgressStyle::with_template("{msg} {wide_bar} {pos}/{len} {elapsed}").expect("valid template"));
+    let style = ProgressStyle::with_template("{msg} {wide_bar} {pos}/{len} {elapsed}");
+    bar.set_style(style.unwrap_or_else(|_| ProgressStyle::default_bar()));
     bar.set_message(what.to_string());
     bar
 }

@@ -9,9 +9,10 @@ use axiom::engine::session::read_config;
 use axiom::engine::Session;
 use axiom::model::llama::LoadOptions;
 use axiom_server::metrics::ServerMetrics;
-use axiom_server::AppState;
+use axiom_server::{AppState, BodyLimits};
 use clap::Args;
 use std::sync::Arc;
+use std::time::Duration;
 
 #[derive(Args)]
 pub struct ServeArgs {
@@ -37,6 +38,9 @@ pub struct ServeArgs {
     /// Largest request body accepted, in bytes.
     #[arg(long, default_value_t = 4 << 20)]
     max_body_bytes: usize,
+    /// Seconds a client may take to send its request body before it gets 408.
+    #[arg(long, default_value_t = 30.0)]
+    read_timeout: f64,
     /// Most tokens (prompt and completion) per request (default: the model's context).
     #[arg(short = 'c', long)]
     ctx_size: Option<usize>,
@@ -117,7 +121,15 @@ pub fn serve(args: ServeArgs, out: Output) -> Result<()> {
         path.file_name()
             .map_or("axiom".into(), |n| n.to_string_lossy().into_owned())
     });
-    let metrics = Arc::new(ServerMetrics::default());
+    let read_timeout = Duration::try_from_secs_f64(args.read_timeout)
+        .ok()
+        .filter(|t| !t.is_zero())
+        .context("--read-timeout must be a positive number of seconds")?;
+    let limits = BodyLimits {
+        max_bytes: args.max_body_bytes,
+        read_timeout,
+    };
+    let metrics = Arc::new(ServerMetrics::new().context("registering the metrics")?);
     let scheduler_config = SchedulerConfig {
         max_queue: args.max_queue,
         max_context: context,
@@ -158,7 +170,7 @@ pub fn serve(args: ServeArgs, out: Output) -> Result<()> {
             );
         }
         let state = Arc::new(AppState::new(handle, tokenizer, template, model_id, metrics));
-        axiom_server::serve(listener, state, args.max_body_bytes, shutdown_signal()).await?;
+        axiom_server::serve(listener, state, limits, shutdown_signal()).await?;
         anyhow::Ok(())
     })?;
     engine

@@ -7,6 +7,20 @@
 //! events ending with `data: [DONE]`. A client that goes away drops that channel, which the
 //! scheduler notices at its next step: the sequence is cancelled and its pages freed.
 
+// Input-dependent code returns typed errors: a panic would take a server, or a user's session, down.
+// Internal invariants that cannot fail say so where they are allowed (`#[allow(..., reason = ...)]`).
+#![cfg_attr(
+    not(test),
+    deny(
+        clippy::unwrap_used,
+        clippy::expect_used,
+        clippy::panic,
+        clippy::unreachable,
+        clippy::todo,
+        clippy::unimplemented
+    )
+)]
+
 pub mod api;
 pub mod metrics;
 
@@ -29,7 +43,7 @@ use serde_json::{json, Value};
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 pub struct AppState {
@@ -67,34 +81,76 @@ fn unix_time() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
 
-/// The routes, with request bodies limited to `max_body_bytes`.
-pub fn router(state: Arc<AppState>, max_body_bytes: usize) -> Router {
+/// How much of a request body the server reads, and for how long.
+#[derive(Clone, Copy, Debug)]
+pub struct BodyLimits {
+    pub max_bytes: usize,
+    /// A client that has not sent its whole body by then gets 408, so a stalled upload cannot
+    /// hold a connection (or a graceful shutdown) open.
+    pub read_timeout: Duration,
+}
+
+/// The routes, with request bodies read under `limits`.
+pub fn router(state: Arc<AppState>, limits: BodyLimits) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
         .route("/health", get(health))
         .route("/metrics", get(prometheus_metrics))
-        .layer(DefaultBodyLimit::max(max_body_bytes))
-        .layer(middleware::from_fn_with_state(max_body_bytes, refuse_oversized))
+        // `read_body` has already enforced the limit.
+        .layer(DefaultBodyLimit::disable())
+        .layer(middleware::from_fn_with_state(limits, read_body))
         .with_state(state)
 }
 
-/// Answers 413 from the declared length alone, before any of an oversized body is read (a body
-/// without a length is cut off at the same limit while it is read).
-async fn refuse_oversized(State(limit): State<usize>, request: axum::extract::Request, next: Next) -> Response {
-    let declared = request
-        .headers()
-        .get(axum::http::header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
-    match declared {
-        Some(len) if len > limit as u64 => ApiError::new(
+/// Reads the whole body before a handler runs, within the size limit and the read timeout. An
+/// oversized declared length gets 413 before any of the body is read.
+async fn read_body(State(limits): State<BodyLimits>, request: axum::extract::Request, next: Next) -> Response {
+    let too_large = |len: String| {
+        ApiError::new(
             StatusCode::PAYLOAD_TOO_LARGE,
             "invalid_request_error",
-            format!("the request body of {len} bytes is over the limit of {limit}"),
+            format!(
+                "the request body of {len} bytes is over the limit of {}",
+                limits.max_bytes
+            ),
+        )
+        .into_response()
+    };
+    let (parts, body) = request.into_parts();
+    let declared = parts
+        .headers
+        .get(axum::http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    if let Some(len) = declared.filter(|&len| len > limits.max_bytes as u64) {
+        return too_large(len.to_string());
+    }
+    let read = async {
+        let mut chunks = body.into_data_stream();
+        let mut bytes = Vec::new();
+        while let Some(chunk) = chunks.next().await {
+            let chunk = chunk.map_err(|e| ApiError::invalid(format!("reading the request body: {e}"), None))?;
+            if bytes.len() + chunk.len() > limits.max_bytes {
+                return Ok(None);
+            }
+            bytes.extend_from_slice(&chunk);
+        }
+        Ok::<_, ApiError>(Some(bytes))
+    };
+    match tokio::time::timeout(limits.read_timeout, read).await {
+        Ok(Ok(Some(bytes))) => next.run(axum::extract::Request::from_parts(parts, bytes.into())).await,
+        Ok(Ok(None)) => too_large("more than that".into()),
+        Ok(Err(e)) => e.into_response(),
+        Err(_) => ApiError::new(
+            StatusCode::REQUEST_TIMEOUT,
+            "invalid_request_error",
+            format!(
+                "the request body was not received within {} s",
+                limits.read_timeout.as_secs_f64()
+            ),
         )
         .into_response(),
-        _ => next.run(request).await,
     }
 }
 
@@ -452,11 +508,11 @@ fn final_chunks(shape: &Shape, c: &Completion, include_usage: bool) -> Vec<Value
 pub async fn serve(
     listener: tokio::net::TcpListener,
     state: Arc<AppState>,
-    max_body_bytes: usize,
+    limits: BodyLimits,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     let engine = state.engine.clone();
-    let app = router(state, max_body_bytes);
+    let app = router(state, limits);
     axum::serve(listener, app)
         .with_graceful_shutdown(async move {
             shutdown.await;

@@ -19,77 +19,75 @@ pub struct ServerMetrics {
     itl: Histogram,
 }
 
-fn counter(registry: &Registry, name: &str, help: &str) -> IntCounter {
-    let c = IntCounter::new(name, help).expect("a valid metric name");
-    registry.register(Box::new(c.clone())).expect("registered once");
-    c
+fn counter(registry: &Registry, name: &str, help: &str) -> prometheus::Result<IntCounter> {
+    let c = IntCounter::new(name, help)?;
+    registry.register(Box::new(c.clone()))?;
+    Ok(c)
 }
 
-fn gauge(registry: &Registry, name: &str, help: &str) -> IntGauge {
-    let g = IntGauge::new(name, help).expect("a valid metric name");
-    registry.register(Box::new(g.clone())).expect("registered once");
-    g
+fn gauge(registry: &Registry, name: &str, help: &str) -> prometheus::Result<IntGauge> {
+    let g = IntGauge::new(name, help)?;
+    registry.register(Box::new(g.clone()))?;
+    Ok(g)
 }
 
-fn histogram(registry: &Registry, name: &str, help: &str, buckets: Vec<f64>) -> Histogram {
-    let h = Histogram::with_opts(HistogramOpts::new(name, help).buckets(buckets)).expect("a valid metric name");
-    registry.register(Box::new(h.clone())).expect("registered once");
-    h
+fn histogram(registry: &Registry, name: &str, help: &str, buckets: Vec<f64>) -> prometheus::Result<Histogram> {
+    let h = Histogram::with_opts(HistogramOpts::new(name, help).buckets(buckets))?;
+    registry.register(Box::new(h.clone()))?;
+    Ok(h)
 }
 
-impl Default for ServerMetrics {
-    fn default() -> Self {
-        let registry = Registry::new_custom(Some("axiom".into()), None).expect("a valid prefix");
+impl ServerMetrics {
+    /// Registers every metric; fails only on an invalid or repeated metric name.
+    pub fn new() -> prometheus::Result<Self> {
+        let registry = Registry::new_custom(Some("axiom".into()), None)?;
         let requests = IntCounterVec::new(
             Opts::new("requests_total", "Requests finished, by outcome"),
             &["outcome"],
-        )
-        .expect("a valid metric");
-        registry.register(Box::new(requests.clone())).expect("registered once");
+        )?;
+        registry.register(Box::new(requests.clone()))?;
         let latency = vec![
             0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
         ];
-        ServerMetrics {
+        Ok(ServerMetrics {
             requests,
-            prompt_tokens: counter(&registry, "prompt_tokens_total", "Prompt tokens of finished requests"),
-            generated_tokens: counter(&registry, "generated_tokens_total", "Tokens generated"),
+            prompt_tokens: counter(&registry, "prompt_tokens_total", "Prompt tokens of finished requests")?,
+            generated_tokens: counter(&registry, "generated_tokens_total", "Tokens generated")?,
             cached_prompt_tokens: counter(
                 &registry,
                 "prompt_tokens_cached_total",
                 "Prompt tokens whose KV came from the prefix cache",
-            ),
+            )?,
             preemptions: counter(
                 &registry,
                 "preemptions_total",
                 "Sequences preempted for lack of KV pages",
-            ),
-            queued: gauge(&registry, "queue_depth", "Requests waiting for admission"),
-            running: gauge(&registry, "running_sequences", "Sequences in the running batch"),
-            pages_used: gauge(&registry, "kv_pages_used", "KV cache pages held by sequences"),
-            pages_free: gauge(&registry, "kv_pages_free", "KV cache pages not held (free or cached)"),
+            )?,
+            queued: gauge(&registry, "queue_depth", "Requests waiting for admission")?,
+            running: gauge(&registry, "running_sequences", "Sequences in the running batch")?,
+            pages_used: gauge(&registry, "kv_pages_used", "KV cache pages held by sequences")?,
+            pages_free: gauge(&registry, "kv_pages_free", "KV cache pages not held (free or cached)")?,
             pages_cached: gauge(
                 &registry,
                 "kv_pages_cached",
                 "Free KV pages still holding a reusable prefix",
-            ),
+            )?,
             ttft: histogram(
                 &registry,
                 "time_to_first_token_seconds",
                 "From arrival to the first token",
                 latency.clone(),
-            ),
+            )?,
             itl: histogram(
                 &registry,
                 "inter_token_latency_seconds",
                 "Between consecutive tokens",
                 latency,
-            ),
+            )?,
             registry,
-        }
+        })
     }
-}
 
-impl ServerMetrics {
     pub fn count_request(&self, outcome: &str) {
         self.requests.with_label_values(&[outcome]).inc();
     }

@@ -123,7 +123,7 @@ pub fn convert_hf_dir(
             GgmlType::F32
         };
         let mut bytes = Vec::with_capacity(target.bytes_for(n).unwrap_or(0));
-        quantize(target, &values, &mut bytes);
+        quantize(target, &values, &mut bytes)?;
         w.tensor(gguf_name, target, t.dims, bytes)?;
     }
     progress(names.len(), names.len(), "");

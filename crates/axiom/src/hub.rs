@@ -5,8 +5,8 @@
 //! of large files, and renamed into place only when complete. A snapshot that was completed once
 //! is used from the cache without the network. `HF_ENDPOINT` and `HF_TOKEN` are honoured.
 
+use crate::source::download_bar;
 use crate::{Error, Result};
-use indicatif::{ProgressBar, ProgressStyle};
 use sha2::{Digest, Sha256};
 use std::fs;
 use std::io::{Read, Write};
@@ -154,14 +154,7 @@ impl Hub {
             .truncate(!resumed)
             .open(&partial)
             .map_err(Error::io(format!("opening {}", partial.display())))?;
-        let bar = match length {
-            Some(n) => ProgressBar::new(n),
-            None => ProgressBar::no_length(),
-        };
-        bar.set_style(
-            ProgressStyle::with_template("{msg} {wide_bar} {bytes}/{total_bytes} {bytes_per_sec}")
-                .expect("valid template"),
-        );
+        let bar = download_bar(length);
         bar.set_message(file.to_string());
         bar.set_position(if resumed { have } else { 0 });
         let mut body = response.into_body().into_reader();

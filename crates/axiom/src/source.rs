@@ -130,18 +130,22 @@ fn fetch_from_hub(target: &Path) -> Result<()> {
     write_verified(response.into_body().into_reader(), size, target, DEFAULT_MODEL_SHA256)
 }
 
-/// Copies `src` to a temporary file beside `target` while hashing it, with a progress bar;
-/// renames it into place only if the sha256 matches.
-pub fn write_verified(mut src: impl Read, size: Option<u64>, target: &Path, sha256: &str) -> Result<()> {
-    let tmp = target.with_extension(unique_suffix("partial"));
+/// A progress bar for a download of `size` bytes (unknown: no length).
+pub(crate) fn download_bar(size: Option<u64>) -> ProgressBar {
     let bar = match size {
         Some(n) => ProgressBar::new(n),
         None => ProgressBar::no_length(),
     };
-    bar.set_style(
-        ProgressStyle::with_template("{msg} {wide_bar} {bytes}/{total_bytes} {bytes_per_sec} eta {eta}")
-            .expect("valid template"),
-    );
+    let style = ProgressStyle::with_template("{msg} {wide_bar} {bytes}/{total_bytes} {bytes_per_sec} eta {eta}");
+    bar.set_style(style.unwrap_or_else(|_| ProgressStyle::default_bar()));
+    bar
+}
+
+/// Copies `src` to a temporary file beside `target` while hashing it, with a progress bar;
+/// renames it into place only if the sha256 matches.
+pub fn write_verified(mut src: impl Read, size: Option<u64>, target: &Path, sha256: &str) -> Result<()> {
+    let tmp = target.with_extension(unique_suffix("partial"));
+    let bar = download_bar(size);
     bar.set_message(
         target
             .file_name()

@@ -468,7 +468,14 @@ impl<'a> Reader<'a> {
     }
 
     fn array<const N: usize>(&mut self, what: &str) -> Result<[u8; N]> {
-        Ok(self.take(N as u64, what)?.try_into().expect("take returns N bytes"))
+        let start = self.pos;
+        let bytes = self.take(N as u64, what)?;
+        bytes.try_into().map_err(|_| GgufError::Truncated {
+            what: what.to_string(),
+            offset: start as u64,
+            needed: N as u64,
+            len: self.buf.len() as u64,
+        })
     }
 
     fn u32(&mut self, what: &str) -> Result<u32> {

@@ -116,6 +116,16 @@ impl GgmlType {
         (n / self.block_len()).checked_mul(self.block_bytes())
     }
 
+    /// Bytes of a row of `n` values, for a length already checked with [`bytes_for`](Self::bytes_for)
+    /// (weights are checked when they are loaded, so kernels need not check again).
+    pub fn row_bytes(self, n: usize) -> usize {
+        debug_assert!(
+            n.is_multiple_of(self.block_len()),
+            "{n} values are not whole {self} blocks"
+        );
+        n / self.block_len() * self.block_bytes()
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             GgmlType::F32 => "F32",

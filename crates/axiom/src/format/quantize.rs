@@ -2,10 +2,11 @@
 //! blocks the reference dequantizers in `quant.rs` read back; the tests bound the round-trip error.
 
 use super::quant::{GgmlType, QK_K};
+use crate::{Error, Result};
 use half::f16;
 
 /// Quantizes `x` (a whole number of blocks) to `ty`, appending the blocks to `out`.
-pub fn quantize(ty: GgmlType, x: &[f32], out: &mut Vec<u8>) {
+pub fn quantize(ty: GgmlType, x: &[f32], out: &mut Vec<u8>) -> Result<()> {
     match ty {
         GgmlType::F32 => x.iter().for_each(|v| out.extend_from_slice(&v.to_le_bytes())),
         GgmlType::F16 => x
@@ -17,8 +18,9 @@ pub fn quantize(ty: GgmlType, x: &[f32], out: &mut Vec<u8>) {
         GgmlType::Q8_0 => x.chunks_exact(32).for_each(|b| q8_0(b, out)),
         GgmlType::Q4_0 => x.chunks_exact(32).for_each(|b| q4_0(b, out)),
         GgmlType::Q4K => x.chunks_exact(QK_K).for_each(|b| q4_k(b, out)),
-        other => panic!("no quantizer for {other}"),
+        other => return Err(Error::InvalidArgument(format!("no quantizer for {other}"))),
     }
+    Ok(())
 }
 
 /// Types `quantize` writes.
@@ -109,7 +111,7 @@ mod tests {
 
     fn roundtrip(ty: GgmlType, x: &[f32]) -> Vec<f32> {
         let mut bytes = Vec::new();
-        quantize(ty, x, &mut bytes);
+        quantize(ty, x, &mut bytes).unwrap();
         assert_eq!(bytes.len(), ty.bytes_for(x.len()).unwrap());
         let mut y = vec![0f32; x.len()];
         dequantize(ty, &bytes, &mut y);

@@ -87,10 +87,10 @@ impl SafetensorsModel {
 
     fn add_map(&mut self, path: &Path, map: Arc<Mmap>, len: usize) -> Result<()> {
         let bytes = &map[..len];
-        if bytes.len() < 8 {
+        let Some(&header_len) = bytes.first_chunk::<8>() else {
             return Err(bad(path, "truncated: no header length"));
-        }
-        let header = u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes"));
+        };
+        let header = u64::from_le_bytes(header_len);
         if header as usize > MAX_HEADER || header as usize > bytes.len() - 8 {
             return Err(bad(
                 path,

@@ -139,8 +139,9 @@ impl PagePool {
             });
         }
         for _ in 0..needed {
+            // available() counted every free and cached page, so this cannot run dry.
             let Some(page) = self.free.pop().or_else(|| self.evict_oldest()) else {
-                unreachable!("available() counted every free and cached page")
+                return Err(OutOfPages { needed, available: 0 });
             };
             self.holders[page as usize] = 1;
             kv.pages.push(page);

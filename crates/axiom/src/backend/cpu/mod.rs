@@ -301,6 +301,7 @@ impl CpuBackend {
                     Isa::Avx512Vnni => unsafe { fast::avx512::matmul_repacked(repacked, act, mine, out.get(), n_out) },
                     #[cfg(target_arch = "x86_64")]
                     Isa::Avx2 => unsafe { fast::avx2::matmul_repacked(repacked, act, mine, out.get(), n_out) },
+                    #[allow(clippy::unreachable, reason = "`Repacked` is built only for these instruction sets")]
                     _ => unreachable!("weights are not repacked for {isa:?}"),
                 }
             });
@@ -322,6 +323,10 @@ impl CpuBackend {
     }
 
     fn base(&self, block: BlockHandle) -> *mut u8 {
+        #[allow(
+            clippy::expect_used,
+            reason = "a block exists only once `reserve` has made the memory"
+        )]
         let memory = self.memory.as_ref().expect("alloc before reserve is rejected");
         assert!(
             block.end() <= self.arena.capacity(),
@@ -412,7 +417,8 @@ impl Backend for CpuBackend {
         }
         let mut map = memmap2::MmapMut::map_anon(bytes.max(ALIGN))
             .map_err(|e| Error::OutOfMemory(format!("reserving a {bytes}-byte arena: {e}")))?;
-        let ptr = NonNull::new(map.as_mut_ptr()).expect("a mapping is never null");
+        let ptr = NonNull::new(map.as_mut_ptr())
+            .ok_or_else(|| Error::OutOfMemory(format!("reserving a {bytes}-byte arena: null mapping")))?;
         self.memory = Some(HostMemory { _map: map, ptr });
         self.arena = Arena::new(bytes);
         Ok(())

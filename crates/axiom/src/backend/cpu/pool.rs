@@ -44,13 +44,15 @@ impl ThreadPool {
             wake: Condvar::new(),
             shutdown: std::sync::atomic::AtomicBool::new(false),
         });
+        // A process at its thread limit gets a smaller pool rather than a panic.
         let workers = (1..threads.max(1))
-            .map(|index| {
+            .map_while(|index| {
                 let shared = shared.clone();
                 std::thread::Builder::new()
                     .name(format!("axiom-cpu-{index}"))
                     .spawn(move || worker(&shared, index))
-                    .expect("spawning a worker thread")
+                    .inspect_err(|e| tracing::warn!("using {index} CPU threads: spawning another failed: {e}"))
+                    .ok()
             })
             .collect();
         ThreadPool { shared, workers }
@@ -115,6 +117,7 @@ fn worker(shared: &Shared, index: usize) {
                 spins = 0;
             }
         }
+        #[allow(clippy::expect_used, reason = "`run` sets the job before it starts a generation")]
         let job = shared
             .job
             .lock()

@@ -40,7 +40,7 @@ pub fn compile(arch: &str) -> Result<Vec<u8>> {
     }
     let err = |what: &str, e: &dyn std::fmt::Debug| Error::Backend(format!("NVRTC {what}: {e:?}"));
     let src = CString::new(program_source()).map_err(|e| err("source", &e))?;
-    let name = CString::new("axiom_kernels.cu").expect("no NUL");
+    let name = c"axiom_kernels.cu".to_owned();
     let prog = nvrtc::create_program(&src, Some(&name)).map_err(|e| err("create", &e))?;
     let options = [
         format!("--gpu-architecture={arch}"),

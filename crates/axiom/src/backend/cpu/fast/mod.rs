@@ -60,6 +60,7 @@ impl Isa {
         };
         match wanted {
             Some(isa) if available.contains(&isa) => isa,
+            #[allow(clippy::expect_used, reason = "the portable kernels are always in the list")]
             _ => *available.last().expect("portable is always available"),
         }
     }

@@ -20,7 +20,7 @@ fn put_block32(u: &mut [u8], a: &mut [f32], b: &mut [f32], quants: impl Iterator
 
 /// Unpacks row `row` of a `[n_out, n_in]` weight into stage slot `slot`.
 pub fn unpack_row(ty: GgmlType, w: &[u8], n_in: usize, row: usize, stage: &mut Stage, slot: usize) {
-    let row_bytes = ty.bytes_for(n_in).expect("validated row length");
+    let row_bytes = ty.row_bytes(n_in);
     let src = &w[row * row_bytes..(row + 1) * row_bytes];
     let n_chunks = stage.n_chunks;
     let u = &mut stage.u[slot * n_chunks * CHUNK..(slot + 1) * n_chunks * CHUNK];
@@ -88,6 +88,10 @@ pub fn unpack_row(ty: GgmlType, w: &[u8], n_in: usize, row: usize, stage: &mut S
                 }
             }
         }
+        #[allow(
+            clippy::unreachable,
+            reason = "callers dispatch here only for types with an integer layout"
+        )]
         _ => unreachable!("{ty} has no integer kernel"),
     }
 }
@@ -142,6 +146,7 @@ pub fn float_row(ty: GgmlType, w: &[u8], n_in: usize, row: usize, out: &mut [f32
                 *o = bf16::from_le_bytes([c[0], c[1]]).to_f32();
             }
         }
+        #[allow(clippy::unreachable, reason = "callers dispatch here only for float types")]
         _ => unreachable!("{ty} is not a float type"),
     }
 }

@@ -109,6 +109,10 @@ impl Repacked {
 
     /// Repacks a `[n_out, n_in]` weight of `ty` (which must have a layout; `n_in` a multiple of 32).
     pub fn new(ty: GgmlType, w: &[u8], n_in: usize, n_out: usize) -> Repacked {
+        #[allow(
+            clippy::expect_used,
+            reason = "weights are repacked only when `Layout::for_type` has one"
+        )]
         let layout = Layout::for_type(ty).expect("type has an integer layout");
         let n_blocks = n_in.div_ceil(layout.block_len);
         let panels = n_out.div_ceil(PANEL);

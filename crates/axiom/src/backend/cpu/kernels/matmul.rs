@@ -6,7 +6,7 @@ use crate::format::quant::{dequantize, GgmlType};
 /// `out` holds `[n_tokens, rows.len()]`. Each weight row is dequantized once and used for every
 /// token, so a batched prefill reads the weights once.
 pub fn matmul_rows(ty: GgmlType, w: &[u8], n_in: usize, rows: std::ops::Range<usize>, x: &[f32], out: &mut [f32]) {
-    let row_bytes = ty.bytes_for(n_in).expect("validated row length");
+    let row_bytes = ty.row_bytes(n_in);
     let n_rows = rows.len();
     let mut wrow = vec![0f32; n_in];
     for (j, o) in rows.enumerate() {
