@@ -192,16 +192,31 @@ fn main() {
 enum Loaded {
     Cpu(Session<CpuBackend>),
     Cuda(Session<CudaBackend>),
+    #[cfg(any(target_vendor = "apple", axiom_metal_check))]
+    Metal(Session<axiom::backend::metal::MetalBackend>),
 }
 
-/// Runs `$body` with `$session` bound to the loaded session, whatever its backend: the body is
-/// written once and compiled for each.
+/// Runs `$body` with `$session` bound to the loaded session (`&loaded`: a reference to it),
+/// whatever its backend: the body is written once and compiled for each.
 #[macro_export]
 macro_rules! with_session {
+    (&$loaded:expr, $session:ident => $body:block) => {
+        match &$loaded {
+            $crate::Loaded::Cpu($session) => $body,
+            $crate::Loaded::Cuda($session) => $body,
+            #[cfg(any(target_vendor = "apple", axiom_metal_check))]
+            $crate::Loaded::Metal($session) => $body,
+        }
+    };
     ($loaded:expr, $session:ident => $body:block) => {
         match $loaded {
+            #[allow(unused_mut)]
             $crate::Loaded::Cpu(mut $session) => $body,
+            #[allow(unused_mut)]
             $crate::Loaded::Cuda(mut $session) => $body,
+            #[cfg(any(target_vendor = "apple", axiom_metal_check))]
+            #[allow(unused_mut)]
+            $crate::Loaded::Metal(mut $session) => $body,
         }
     };
 }
@@ -214,11 +229,25 @@ fn cpu_backend(args: &ModelArgs) -> Result<CpuBackend> {
     Ok(CpuBackend::new(threads).with_kv_type(kv_type(args)))
 }
 
-fn uses_cuda(args: &ModelArgs) -> Result<bool> {
+/// The backend a command runs on, `auto` resolved.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Chosen {
+    Cpu,
+    Cuda,
+    #[cfg(any(target_vendor = "apple", axiom_metal_check))]
+    Metal,
+}
+
+/// `auto` is CUDA when a GPU is present, else the CPU. Metal is used only when asked for: it has
+/// been type-checked and its kernels run on the CPU, but not yet run on a Mac (README, "Metal").
+fn choose_backend(args: &ModelArgs) -> Result<Chosen> {
     Ok(match args.backend {
-        BackendKind::Cuda => true,
-        BackendKind::Auto => axiom::backend::cuda::device::available(),
-        BackendKind::Cpu => false,
+        BackendKind::Cuda => Chosen::Cuda,
+        BackendKind::Auto if axiom::backend::cuda::device::available() => Chosen::Cuda,
+        BackendKind::Auto | BackendKind::Cpu => Chosen::Cpu,
+        #[cfg(any(target_vendor = "apple", axiom_metal_check))]
+        BackendKind::Metal => Chosen::Metal,
+        #[cfg(not(any(target_vendor = "apple", axiom_metal_check)))]
         BackendKind::Metal => bail!("the Metal backend is only built on macOS"),
     })
 }
@@ -265,39 +294,39 @@ fn check_host_memory(path: &std::path::Path, options: &LoadOptions, kv_type: KvT
 fn load_session(args: &ModelArgs, options: LoadOptions, out: Output) -> Result<Loaded> {
     let path = resolve_model(args.model.as_deref())?;
     let start = Instant::now();
-    let use_cuda = uses_cuda(args)?;
+    let backend = choose_backend(args)?;
     let context = || format!("loading {}", path.display());
-    let summary = |name: String, info: &axiom::engine::session::ModelInfo, context_length: usize| {
-        if !out.quiet && std::io::stderr().is_terminal() {
-            eprintln!(
-                "axiom: {} ({:.1} MiB) on {name}, context {} tokens, loaded in {:.2} s",
-                info.description,
-                info.file_bytes as f64 / (1 << 20) as f64,
-                options.kv_tokens.min(context_length),
-                start.elapsed().as_secs_f64()
-            );
+    let loaded = match backend {
+        Chosen::Cuda => {
+            let backend = CudaBackend::new(0)
+                .context("starting the CUDA backend")?
+                .with_kv_type(kv_type(args));
+            Loaded::Cuda(Session::load(&path, backend, options).with_context(context)?)
+        }
+        #[cfg(any(target_vendor = "apple", axiom_metal_check))]
+        Chosen::Metal => {
+            check_host_memory(&path, &options, kv_type(args))?;
+            let backend = axiom::backend::metal::MetalBackend::new()
+                .context("starting the Metal backend")?
+                .with_kv_type(kv_type(args));
+            Loaded::Metal(Session::load(&path, backend, options).with_context(context)?)
+        }
+        Chosen::Cpu => {
+            check_host_memory(&path, &options, kv_type(args))?;
+            Loaded::Cpu(Session::load(&path, cpu_backend(args)?, options).with_context(context)?)
         }
     };
-    let loaded = if use_cuda {
-        let backend = CudaBackend::new(0)
-            .context("starting the CUDA backend")?
-            .with_kv_type(kv_type(args));
-        let session = Session::load(&path, backend, options).with_context(context)?;
-        summary(
-            session.model.backend.device_name(),
-            &session.info,
-            session.model.config.context_length,
+    if !out.quiet && std::io::stderr().is_terminal() {
+        let (description, bytes, device, context_length) = with_session!(&loaded, session => {
+            let info = &session.info;
+            (info.description.clone(), info.file_bytes, session.model.backend.device_name(), session.model.config.context_length)
+        });
+        eprintln!(
+            "axiom: {description} ({:.1} MiB) on {device}, context {} tokens, loaded in {:.2} s",
+            bytes as f64 / (1 << 20) as f64,
+            options.kv_tokens.min(context_length),
+            start.elapsed().as_secs_f64()
         );
-        Loaded::Cuda(session)
-    } else {
-        check_host_memory(&path, &options, kv_type(args))?;
-        let session = Session::load(&path, cpu_backend(args)?, options).with_context(context)?;
-        summary(
-            session.model.backend.device_name(),
-            &session.info,
-            session.model.config.context_length,
-        );
-        Loaded::Cpu(session)
-    };
+    }
     Ok(loaded)
 }

@@ -1,7 +1,7 @@
 //! `axiom serve`: the OpenAI-compatible server. The model lives on an engine thread (a GPU
 //! context stays on the thread that made it); HTTP runs on a tokio runtime.
 
-use crate::{load_session, Loaded, ModelArgs, Output};
+use crate::{load_session, ModelArgs, Output};
 use anyhow::{bail, Context, Result};
 use axiom::backend::Backend;
 use axiom::engine::scheduler::{Scheduler, SchedulerConfig};
@@ -88,7 +88,7 @@ pub fn available_memory() -> Option<usize> {
 pub fn serve(args: ServeArgs, out: Output) -> Result<()> {
     let path = axiom::source::resolve_model(args.model.model.as_deref())?;
     let config = read_config(&path).with_context(|| format!("reading {}", path.display()))?;
-    let use_cuda = crate::uses_cuda(&args.model)?;
+    let use_cuda = crate::choose_backend(&args.model)? == crate::Chosen::Cuda;
     let kv_type = crate::kv_type(&args.model);
     let per_token = config.kv_bytes_per_token(kv_type);
     let weights = std::fs::metadata(&path).map(|m| m.len() as usize).unwrap_or(0);
@@ -147,10 +147,9 @@ pub fn serve(args: ServeArgs, out: Output) -> Result<()> {
                 return;
             }
         };
-        match loaded {
-            Loaded::Cpu(s) => run_engine(s, scheduler_config, engine_metrics, ready_tx),
-            Loaded::Cuda(s) => run_engine(s, scheduler_config, engine_metrics, ready_tx),
-        }
+        crate::with_session!(loaded, session => {
+            run_engine(session, scheduler_config, engine_metrics, ready_tx)
+        })
     })?;
     let (handle, tokenizer, template, description) =
         ready_rx.recv().context("the engine thread stopped while loading")??;

@@ -18,6 +18,9 @@ pub enum Error {
     Template(String),
     #[error("backend: {0}")]
     Backend(String),
+    #[cfg(any(target_vendor = "apple", axiom_metal_check))]
+    #[error(transparent)]
+    Metal(crate::backend::metal::MetalError),
     #[error("backend memory: {0}")]
     Arena(#[from] ArenaError),
     #[error(transparent)]

@@ -13,6 +13,8 @@
 pub mod arena;
 pub mod cpu;
 pub mod cuda;
+#[cfg(any(target_vendor = "apple", axiom_metal_check))]
+pub mod metal;
 
 pub use arena::{Arena, ArenaError, BlockHandle};
 

@@ -1,0 +1,35 @@
+// The index of the largest of `width` values of each row (the lowest index on ties), for greedy
+// decoding without bringing the logits back. One threadgroup per row.
+kernel void argmax(device const float* x [[buffer(0)]], device uint* out [[buffer(1)]],
+                   constant uint& width [[buffer(2)]], uint row [[threadgroup_position_in_grid]],
+                   uint tid [[thread_position_in_threadgroup]], uint threads [[threads_per_threadgroup]],
+                   uint simd [[simdgroup_index_in_threadgroup]], uint simds [[simdgroups_per_threadgroup]],
+                   uint lane [[thread_index_in_simdgroup]]) {
+    threadgroup float best_value[32];
+    threadgroup uint best_index[32];
+    device const float* xr = x + ulong(row) * width;
+    float v = -INFINITY;
+    uint idx = 0xffffffffu;
+    for (uint i = tid; i < width; i += threads) {
+        if (idx == 0xffffffffu || xr[i] > v) {
+            v = xr[i];
+            idx = i;
+        }
+    }
+    float m = simd_max(v);
+    idx = simd_min(v == m ? idx : 0xffffffffu);
+    if (lane == 0) {
+        best_value[simd] = m;
+        best_index[simd] = idx;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    if (tid == 0) {
+        for (uint s = 1; s < simds; s++) {
+            if (best_value[s] > m || (best_value[s] == m && best_index[s] < idx)) {
+                m = best_value[s];
+                idx = best_index[s];
+            }
+        }
+        out[row] = idx;
+    }
+}

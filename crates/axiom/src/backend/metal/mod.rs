@@ -1,0 +1,569 @@
+//! The Metal backend (Apple Silicon): the seed's four layers.
+//!
+//! [`device`] is the system's default GPU; [`context`] its one command queue, with the ops of a
+//! forward pass encoded into one command buffer that `synchronize` commits and waits for;
+//! [`allocator`] one shared MTLBuffer carved by the arena every backend shares (unified memory:
+//! the host writes inputs and reads results through the same memory, no copies); [`kernels`]
+//! every MSL kernel, compiled once at startup. Weights keep their GGUF blocks and every matmul
+//! reads them as stored.
+//!
+//! Built on macOS only. On Linux, CI type-checks this code against a patched objc2-metal
+//! (scripts/metal_check.sh) and runs every kernel on the CPU through a C++ shim
+//! (crates/metal-on-cpu); neither runs it on a GPU. See the README's "Metal" section.
+
+pub mod allocator;
+pub mod context;
+pub mod device;
+pub mod kernels;
+
+use super::{AttentionShape, Backend, BlockHandle, HostTensor, KvType, PagedKv, Rope, RopeLayout};
+use crate::format::quant::GgmlType;
+use crate::{Error, Result};
+use allocator::MetalAllocator;
+use context::MetalContext;
+use device::MetalDevice;
+use kernels::{Kernel, MetalKernels};
+use objc2_metal::{MTLComputeCommandEncoder, MTLSize};
+use std::ptr::NonNull;
+
+const ALIGN: usize = 256;
+/// Scratch for the two-pass attention's score matrix (used for heads too wide for the fused kernel).
+const SCORES_BYTES: usize = 16 << 20;
+/// Simdgroups the fused attention kernel merges at most (ATTN_MAX_SIMDS in attention.metal).
+const ATTENTION_MAX_SIMDS: usize = 8;
+/// Head dimensions one lane of the fused attention kernel holds at most (ATTN_MAX_PER_LANE).
+const ATTENTION_MAX_PER_LANE: usize = 8;
+
+/// What can go wrong in the Metal layers, each naming the problem.
+#[derive(Debug, thiserror::Error)]
+pub enum MetalError {
+    #[error("no Metal device")]
+    NoDevice,
+    #[error("compiling the Metal kernels: {0}")]
+    LibraryCompilation(String),
+    #[error("the Metal library has no kernel function {0:?}")]
+    MissingFunction(String),
+    #[error("creating the Metal pipeline of {name}: {message}")]
+    PipelineCreation { name: String, message: String },
+    #[error("a Metal command buffer ended with status {status}: {error}")]
+    CommandBuffer { status: u64, error: String },
+    #[error("a Metal buffer of {bytes} bytes is over the device's limit of {max}")]
+    BufferTooLarge { bytes: usize, max: usize },
+    #[error("Metal: {0}")]
+    Internal(&'static str),
+}
+
+/// A weight matrix in the shared buffer, in its GGUF blocks.
+pub struct MetalWeight {
+    pub ty: GgmlType,
+    pub n_out: usize,
+    pub n_in: usize,
+    block: BlockHandle,
+}
+
+/// A kernel argument: an arena block bound as a buffer, or a scalar copied into the encoder.
+#[derive(Clone)]
+enum Arg {
+    Buf(BlockHandle),
+    U32(u32),
+    F32(f32),
+}
+
+fn u32_arg(n: usize) -> Arg {
+    Arg::U32(n as u32)
+}
+
+fn type_suffix(ty: GgmlType) -> Option<&'static str> {
+    Some(match ty {
+        GgmlType::F32 => "f32",
+        GgmlType::F16 => "f16",
+        GgmlType::BF16 => "bf16",
+        GgmlType::Q8_0 => "q8_0",
+        GgmlType::Q4_0 => "q4_0",
+        GgmlType::Q4_1 => "q4_1",
+        GgmlType::Q4K => "q4_k",
+        GgmlType::Q6K => "q6_k",
+        _ => return None,
+    })
+}
+
+/// `want` threads rounded down to whole simdgroups, within the pipeline's limit.
+fn threads(kernel: &Kernel, want: usize) -> usize {
+    let width = kernel.simd_width.max(1);
+    (want.min(kernel.max_threads) / width).max(1) * width
+}
+
+pub struct MetalBackend {
+    ctx: MetalContext,
+    kernels: MetalKernels,
+    allocator: Option<MetalAllocator>,
+    /// The two-pass attention's score scratch, carved out in `prepare`.
+    scores: Option<BlockHandle>,
+    kv_type: KvType,
+}
+
+impl MetalBackend {
+    pub fn new() -> Result<MetalBackend> {
+        let ctx = MetalContext::new(MetalDevice::system_default()?)?;
+        let kernels = MetalKernels::new(&ctx.device)?;
+        Ok(MetalBackend {
+            ctx,
+            kernels,
+            allocator: None,
+            scores: None,
+            kv_type: KvType::F16,
+        })
+    }
+
+    /// Chooses the KV cache's element type (f16 by default).
+    pub fn with_kv_type(mut self, kv_type: KvType) -> MetalBackend {
+        self.kv_type = kv_type;
+        self
+    }
+
+    pub fn device(&self) -> &MetalDevice {
+        &self.ctx.device
+    }
+
+    fn allocator(&self) -> Result<&MetalAllocator> {
+        self.allocator
+            .as_ref()
+            .ok_or_else(|| Error::Backend("the Metal arena is not reserved".into()))
+    }
+
+    fn kv_suffix(&self) -> &'static str {
+        match self.kv_type {
+            KvType::F16 => "f16",
+            KvType::F32 => "f32",
+        }
+    }
+
+    /// Encodes one dispatch of `name` over `groups` threadgroups of `per_group(kernel)` threads.
+    fn launch(
+        &self,
+        name: &str,
+        groups: (usize, usize),
+        per_group: impl FnOnce(&Kernel) -> usize,
+        args: &[Arg],
+    ) -> Result<()> {
+        let kernel = self.kernels.get(name)?;
+        let buffer = self.allocator()?.buffer();
+        let threads = per_group(kernel);
+        self.ctx.encode(|encoder| {
+            encoder.setComputePipelineState(&kernel.pipeline);
+            for (index, arg) in args.iter().enumerate() {
+                // SAFETY: each index matches the kernel's [[buffer(n)]] (see kernels/); blocks are
+                // inside the shared buffer; scalars are copied by the encoder before this returns.
+                unsafe {
+                    match arg {
+                        Arg::Buf(block) => encoder.setBuffer_offset_atIndex(Some(buffer), block.offset, index),
+                        Arg::U32(v) => encoder.setBytes_length_atIndex(NonNull::from(v).cast(), 4, index),
+                        Arg::F32(v) => encoder.setBytes_length_atIndex(NonNull::from(v).cast(), 4, index),
+                    }
+                }
+            }
+            let grid = MTLSize {
+                width: groups.0.max(1),
+                height: groups.1.max(1),
+                depth: 1,
+            };
+            let group = MTLSize {
+                width: threads,
+                height: 1,
+                depth: 1,
+            };
+            encoder.dispatchThreadgroups_threadsPerThreadgroup(grid, group);
+        })?;
+        Ok(())
+    }
+
+    /// The seed's two passes over a score scratch, for heads too wide for the fused kernel;
+    /// tokens go in chunks whose scores fit the scratch.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_two_pass(
+        &self,
+        q: BlockHandle,
+        k_cache: BlockHandle,
+        v_cache: BlockHandle,
+        positions: BlockHandle,
+        pages: PagedKv,
+        out: BlockHandle,
+        n_tokens: usize,
+        shape: AttentionShape,
+    ) -> Result<()> {
+        let scores = self
+            .scores
+            .ok_or_else(|| Error::Backend("no attention score scratch reserved".into()))?;
+        let mut host_positions = vec![0u32; n_tokens];
+        self.read_u32(positions, &mut host_positions)?;
+        let n_ctx = host_positions.iter().max().map_or(1, |&p| p as usize + 1);
+        let per_token = shape.n_heads * n_ctx * 4;
+        let chunk = scores.len / per_token;
+        if chunk == 0 {
+            return Err(Error::Backend(format!(
+                "a context of {n_ctx} positions over {} heads does not fit the {SCORES_BYTES}-byte attention scratch",
+                shape.n_heads
+            )));
+        }
+        let (qw, suffix) = (shape.q_width() * 4, self.kv_suffix());
+        let (qk, pv) = (format!("attention_qk_{suffix}"), format!("attention_pv_{suffix}"));
+        let qk_threads = threads(self.kernels.get(&qk)?, 64);
+        // The tree reductions of attention_pv need a power-of-two group.
+        let pv_threads = {
+            let limit = self.kernels.get(&pv)?.max_threads.clamp(1, 256);
+            1 << (usize::BITS - 1 - limit.leading_zeros())
+        };
+        let heads = [shape.n_heads, shape.n_kv_heads, shape.head_dim, n_ctx].map(u32_arg);
+        for start in (0..n_tokens).step_by(chunk) {
+            let n = chunk.min(n_tokens - start);
+            let (positions, token_seqs) = (
+                positions.slice(start * 4, n * 4),
+                pages.token_seqs.slice(start * 4, n * 4),
+            );
+            let paged = |cache: BlockHandle| {
+                [
+                    Arg::Buf(cache),
+                    Arg::Buf(positions),
+                    Arg::Buf(pages.block_tables),
+                    u32_arg(pages.table_width),
+                    Arg::Buf(token_seqs),
+                    u32_arg(pages.page_size),
+                ]
+            };
+            let rows = n * shape.n_heads;
+            let mut args = vec![Arg::Buf(q.slice(start * qw, n * qw))];
+            args.extend(paged(k_cache));
+            args.extend([Arg::Buf(scores), u32_arg(n)]);
+            args.extend(heads.clone());
+            self.launch(&qk, (n_ctx.div_ceil(qk_threads), rows), |_| qk_threads, &args)?;
+            let mut args = vec![Arg::Buf(scores)];
+            args.extend(paged(v_cache));
+            args.push(Arg::Buf(out.slice(start * qw, n * qw)));
+            args.extend(heads.clone());
+            self.launch(&pv, (rows, 1), |_| pv_threads, &args)?;
+        }
+        Ok(())
+    }
+
+    /// Copies `bytes` into `dst` once the GPU is done with the buffer.
+    fn write_bytes(&self, dst: BlockHandle, bytes: &[u8]) -> Result<()> {
+        if bytes.len() > dst.len {
+            return Err(Error::Backend(format!(
+                "{} bytes do not fit a block of {}",
+                bytes.len(),
+                dst.len
+            )));
+        }
+        self.synchronize()?;
+        // SAFETY: the block is inside the shared buffer and holds `bytes.len()` bytes; the GPU
+        // is idle (synchronized above).
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.allocator()?.ptr(dst), bytes.len()) };
+        Ok(())
+    }
+
+    /// Copies `out.len()` bytes out of `src` once the GPU has finished writing them.
+    fn read_bytes(&self, src: BlockHandle, out: &mut [u8]) -> Result<()> {
+        if out.len() > src.len {
+            return Err(Error::Backend(format!(
+                "{} bytes asked of a block of {}",
+                out.len(),
+                src.len
+            )));
+        }
+        self.synchronize()?;
+        // SAFETY: as write_bytes.
+        unsafe { std::ptr::copy_nonoverlapping(self.allocator()?.ptr(src), out.as_mut_ptr(), out.len()) };
+        Ok(())
+    }
+}
+
+impl From<MetalError> for Error {
+    fn from(e: MetalError) -> Error {
+        Error::Metal(e)
+    }
+}
+
+impl Backend for MetalBackend {
+    type Weight = MetalWeight;
+
+    fn device_name(&self) -> String {
+        format!("Metal {}", self.ctx.device.name)
+    }
+
+    fn kv_type(&self) -> KvType {
+        self.kv_type
+    }
+
+    fn reserve(&mut self, bytes: usize) -> Result<()> {
+        if self.allocator.is_some() {
+            return Err(Error::Backend("the arena is already reserved".into()));
+        }
+        self.allocator = Some(MetalAllocator::new(&self.ctx, bytes)?);
+        Ok(())
+    }
+
+    fn alloc(&mut self, bytes: usize) -> Result<BlockHandle> {
+        let allocator = self
+            .allocator
+            .as_mut()
+            .ok_or_else(|| Error::Backend("alloc before reserve".into()))?;
+        Ok(allocator.alloc(bytes, ALIGN)?)
+    }
+
+    fn free(&mut self, block: BlockHandle) -> Result<()> {
+        let allocator = self
+            .allocator
+            .as_mut()
+            .ok_or_else(|| Error::Backend("free before reserve".into()))?;
+        Ok(allocator.free(block)?)
+    }
+
+    fn upload_weight(&mut self, t: &HostTensor) -> Result<MetalWeight> {
+        let (n_in, n_out) = t.matrix_shape()?;
+        let unsupported = || Error::UnsupportedTensorType {
+            name: t.name.to_string(),
+            ty: t.ty.to_string(),
+            op: "the Metal backend",
+        };
+        type_suffix(t.ty).ok_or_else(unsupported)?;
+        let bytes =
+            t.ty.bytes_for(n_in)
+                .and_then(|row| row.checked_mul(n_out))
+                .filter(|&b| b == t.bytes.len())
+                .ok_or_else(|| {
+                    Error::Model(format!(
+                        "tensor {}: {} bytes do not hold its shape",
+                        t.name,
+                        t.bytes.len()
+                    ))
+                })?;
+        let block = self.alloc(bytes)?;
+        self.write_bytes(block, t.bytes)?;
+        Ok(MetalWeight {
+            ty: t.ty,
+            n_out,
+            n_in,
+            block,
+        })
+    }
+
+    fn write_f32(&self, dst: BlockHandle, src: &[f32]) -> Result<()> {
+        self.write_bytes(dst, bytemuck::cast_slice(src))
+    }
+
+    fn write_u32(&self, dst: BlockHandle, src: &[u32]) -> Result<()> {
+        self.write_bytes(dst, bytemuck::cast_slice(src))
+    }
+
+    fn read_f32(&self, src: BlockHandle, dst: &mut [f32]) -> Result<()> {
+        self.read_bytes(src, bytemuck::cast_slice_mut(dst))
+    }
+
+    fn read_u32(&self, src: BlockHandle, dst: &mut [u32]) -> Result<()> {
+        self.read_bytes(src, bytemuck::cast_slice_mut(dst))
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        Ok(self.ctx.synchronize()?)
+    }
+
+    fn weight_bytes(&self, matrices: &[usize]) -> usize {
+        matrices.iter().map(|b| b + ALIGN).sum()
+    }
+
+    fn staging_bytes(&self, _largest_weight: usize, _max_tokens: usize, _max_n_in: usize) -> usize {
+        SCORES_BYTES + ALIGN
+    }
+
+    fn prepare(&mut self, _max_tokens: usize, _max_n_in: usize) -> Result<()> {
+        if self.scores.is_none() {
+            self.scores = Some(self.alloc(SCORES_BYTES)?);
+        }
+        Ok(())
+    }
+
+    fn embed(&self, table: &MetalWeight, ids: BlockHandle, out: BlockHandle, n_tokens: usize) -> Result<()> {
+        let suffix =
+            type_suffix(table.ty).ok_or_else(|| Error::Backend(format!("no embed kernel for {}", table.ty)))?;
+        self.launch(
+            &format!("embed_{suffix}"),
+            (n_tokens, 1),
+            |k| threads(k, 128),
+            &[Arg::Buf(table.block), Arg::Buf(ids), Arg::Buf(out), u32_arg(table.n_in)],
+        )
+    }
+
+    fn rms_norm(
+        &self,
+        x: BlockHandle,
+        weight: BlockHandle,
+        out: BlockHandle,
+        n_tokens: usize,
+        dim: usize,
+        eps: f32,
+    ) -> Result<()> {
+        self.launch(
+            "rms_norm",
+            (n_tokens, 1),
+            |k| threads(k, 1024),
+            &[
+                Arg::Buf(x),
+                Arg::Buf(weight),
+                Arg::Buf(out),
+                u32_arg(dim),
+                Arg::F32(eps),
+            ],
+        )
+    }
+
+    fn matmul(&self, x: BlockHandle, w: &MetalWeight, out: BlockHandle, n_tokens: usize) -> Result<()> {
+        let name = format!(
+            "matmul_{}",
+            type_suffix(w.ty).ok_or_else(|| Error::Backend(format!("no matmul kernel for {}", w.ty)))?
+        );
+        // One simdgroup per output row, four rows per threadgroup where the pipeline allows.
+        let kernel = self.kernels.get(&name)?;
+        let rows_per_group = threads(kernel, 4 * kernel.simd_width) / kernel.simd_width.max(1);
+        self.launch(
+            &name,
+            (w.n_out.div_ceil(rows_per_group), 1),
+            |_| rows_per_group * kernel.simd_width.max(1),
+            &[
+                Arg::Buf(w.block),
+                Arg::Buf(x),
+                Arg::Buf(out),
+                u32_arg(w.n_in),
+                u32_arg(w.n_out),
+                u32_arg(n_tokens),
+            ],
+        )
+    }
+
+    fn rope(
+        &self,
+        x: BlockHandle,
+        positions: BlockHandle,
+        freqs: BlockHandle,
+        n_tokens: usize,
+        n_heads: usize,
+        head_dim: usize,
+        rope: Rope,
+    ) -> Result<()> {
+        self.launch(
+            "rope",
+            (n_tokens, n_heads),
+            |k| threads(k, 64),
+            &[
+                Arg::Buf(x),
+                Arg::Buf(positions),
+                Arg::Buf(freqs),
+                u32_arg(n_heads),
+                u32_arg(head_dim),
+                u32_arg(rope.dims),
+                Arg::U32(u32::from(rope.layout == RopeLayout::Halves)),
+            ],
+        )
+    }
+
+    fn kv_write(
+        &self,
+        k: BlockHandle,
+        v: BlockHandle,
+        k_cache: BlockHandle,
+        v_cache: BlockHandle,
+        positions: BlockHandle,
+        pages: PagedKv,
+        n_tokens: usize,
+        kv_width: usize,
+    ) -> Result<()> {
+        self.launch(
+            &format!("kv_write_{}", self.kv_suffix()),
+            (n_tokens, 1),
+            |k| threads(k, 256),
+            &[
+                Arg::Buf(k),
+                Arg::Buf(v),
+                Arg::Buf(k_cache),
+                Arg::Buf(v_cache),
+                Arg::Buf(positions),
+                Arg::Buf(pages.block_tables),
+                u32_arg(pages.table_width),
+                Arg::Buf(pages.token_seqs),
+                u32_arg(pages.page_size),
+                u32_arg(kv_width),
+            ],
+        )
+    }
+
+    fn attention(
+        &self,
+        q: BlockHandle,
+        k_cache: BlockHandle,
+        v_cache: BlockHandle,
+        positions: BlockHandle,
+        pages: PagedKv,
+        out: BlockHandle,
+        n_tokens: usize,
+        shape: AttentionShape,
+    ) -> Result<()> {
+        let name = format!("attention_{}", self.kv_suffix());
+        let kernel = self.kernels.get(&name)?;
+        let width = kernel.simd_width.max(1);
+        if shape.head_dim > ATTENTION_MAX_PER_LANE * width {
+            return self.attention_two_pass(q, k_cache, v_cache, positions, pages, out, n_tokens, shape);
+        }
+        self.launch(
+            &name,
+            (n_tokens, shape.n_heads),
+            |k| threads(k, ATTENTION_MAX_SIMDS * width),
+            &[
+                Arg::Buf(q),
+                Arg::Buf(k_cache),
+                Arg::Buf(v_cache),
+                Arg::Buf(positions),
+                Arg::Buf(pages.block_tables),
+                u32_arg(pages.table_width),
+                Arg::Buf(pages.token_seqs),
+                u32_arg(pages.page_size),
+                Arg::Buf(out),
+                u32_arg(shape.n_heads),
+                u32_arg(shape.n_kv_heads),
+                u32_arg(shape.head_dim),
+            ],
+        )
+    }
+
+    fn add_bias(&self, x: BlockHandle, bias: BlockHandle, n_tokens: usize, width: usize) -> Result<()> {
+        let n = n_tokens * width;
+        self.elementwise(
+            "add_bias",
+            n,
+            &[Arg::Buf(x), Arg::Buf(bias), u32_arg(n), u32_arg(width)],
+        )
+    }
+
+    fn swiglu(&self, gate: BlockHandle, up: BlockHandle, out: BlockHandle, n: usize) -> Result<()> {
+        self.elementwise("swiglu", n, &[Arg::Buf(gate), Arg::Buf(up), Arg::Buf(out), u32_arg(n)])
+    }
+
+    fn add(&self, x: BlockHandle, y: BlockHandle, n: usize) -> Result<()> {
+        self.elementwise("add", n, &[Arg::Buf(x), Arg::Buf(y), u32_arg(n)])
+    }
+
+    fn argmax(&self, x: BlockHandle, out: BlockHandle, n_rows: usize, width: usize) -> Result<()> {
+        self.launch(
+            "argmax",
+            (n_rows, 1),
+            |k| threads(k, 1024),
+            &[Arg::Buf(x), Arg::Buf(out), u32_arg(width)],
+        )
+    }
+}
+
+impl MetalBackend {
+    /// A one-thread-per-value kernel over `n` values.
+    fn elementwise(&self, name: &str, n: usize, args: &[Arg]) -> Result<()> {
+        let per_group = threads(self.kernels.get(name)?, 256);
+        self.launch(name, (n.div_ceil(per_group), 1), |_| per_group, args)
+    }
+}

@@ -1,0 +1,138 @@
+// Runs a compute kernel on the CPU the way a GPU would schedule it, slowly but faithfully enough
+// to test it: one OS thread per GPU thread of a threadgroup, the groups one after another.
+// threadgroup_barrier waits for the group's threads (std::barrier); simd_* functions exchange
+// values among the 32 lanes of a simdgroup through a per-simdgroup barrier. A thread that returns
+// leaves both barriers, as an inactive lane would.
+//
+// What this cannot catch: Metal-only language rules (the real compiler is only on macOS),
+// fast-math differences, races between threadgroups (they never overlap here), and barriers
+// whose absence happens not to change the interleaving the OS picks.
+#pragma once
+
+#include <barrier>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace msl_cpu {
+// Named before metal_stdlib makes `thread` an address-space keyword (an empty macro).
+using OsThread = std::thread;
+}  // namespace msl_cpu
+
+#include "metal_stdlib"
+
+namespace msl_cpu {
+
+constexpr uint SIMD_WIDTH = 32;
+
+struct Simdgroup {
+    explicit Simdgroup(uint n) : size(n), sync(n) {}
+    uint size;
+    std::barrier<> sync;
+    uint64_t slots[SIMD_WIDTH] = {};
+    bool active[SIMD_WIDTH] = {};
+};
+
+struct Group {
+    explicit Group(uint n) : sync(n) {}
+    std::barrier<> sync;
+    std::vector<std::unique_ptr<Simdgroup>> simds;
+};
+
+// What a GPU thread knows about itself: the [[attribute]] parameters of a kernel.
+struct Thread {
+    uint3 group;        // threadgroup_position_in_grid
+    uint3 local;        // thread_position_in_threadgroup
+    uint3 grid;         // thread_position_in_grid
+    uint index;         // thread_index_in_threadgroup
+    uint threads;       // threads_per_threadgroup (their product)
+    uint simd;          // simdgroup_index_in_threadgroup
+    uint simds;         // simdgroups_per_threadgroup
+    uint lane;          // thread_index_in_simdgroup
+    uint lanes;         // threads_per_simdgroup
+    Group* group_state;
+    Simdgroup* simd_state;
+};
+
+inline thread_local Thread* current = nullptr;
+
+// Every lane stores its value, then reads all active lanes' values once everyone has stored.
+template <typename T, typename Op>
+T simd_reduce(T v, Op op) {
+    Simdgroup& s = *current->simd_state;
+    std::memcpy(&s.slots[current->lane], &v, sizeof(T));
+    s.sync.arrive_and_wait();
+    bool first = true;
+    T result = v;
+    for (uint i = 0; i < s.size; i++) {
+        if (!s.active[i]) continue;
+        T other;
+        std::memcpy(&other, &s.slots[i], sizeof(T));
+        result = first ? other : op(result, other);
+        first = false;
+    }
+    s.sync.arrive_and_wait();  // nobody stores the next value before all have read this one
+    return result;
+}
+
+// Runs `body(thread)` for every thread of `groups` threadgroups of `per_group` threads.
+// Kernels keep threadgroup memory in statics, so launches are serialised.
+template <typename Body>
+void launch(uint3 groups, uint3 per_group, Body body) {
+    static std::mutex one_at_a_time;
+    std::lock_guard<std::mutex> lock(one_at_a_time);
+    uint n = per_group.x * per_group.y * per_group.z;
+    uint n_simds = (n + SIMD_WIDTH - 1) / SIMD_WIDTH;
+    for (uint gz = 0; gz < groups.z; gz++)
+        for (uint gy = 0; gy < groups.y; gy++)
+            for (uint gx = 0; gx < groups.x; gx++) {
+                Group group(n);
+                for (uint s = 0; s < n_simds; s++) {
+                    group.simds.push_back(std::make_unique<Simdgroup>(std::min(SIMD_WIDTH, n - s * SIMD_WIDTH)));
+                    for (uint l = 0; l < group.simds.back()->size; l++) group.simds.back()->active[l] = true;
+                }
+                std::vector<OsThread> workers;
+                for (uint i = 0; i < n; i++) {
+                    workers.emplace_back([&, i] {
+                        uint3 local = {i % per_group.x, i / per_group.x % per_group.y, i / (per_group.x * per_group.y)};
+                        Thread t = {
+                            {gx, gy, gz},
+                            local,
+                            {gx * per_group.x + local.x, gy * per_group.y + local.y, gz * per_group.z + local.z},
+                            i,
+                            n,
+                            i / SIMD_WIDTH,
+                            n_simds,
+                            i % SIMD_WIDTH,
+                            SIMD_WIDTH,
+                            &group,
+                            group.simds[i / SIMD_WIDTH].get(),
+                        };
+                        current = &t;
+                        body(t);
+                        t.simd_state->active[t.lane] = false;
+                        t.simd_state->sync.arrive_and_drop();
+                        group.sync.arrive_and_drop();
+                        current = nullptr;
+                    });
+                }
+                for (auto& w : workers) w.join();
+            }
+}
+
+}  // namespace msl_cpu
+
+namespace metal {
+inline void threadgroup_barrier(mem_flags) { msl_cpu::current->group_state->sync.arrive_and_wait(); }
+inline float simd_sum(float v) {
+    return msl_cpu::simd_reduce(v, [](float a, float b) { return a + b; });
+}
+inline float simd_max(float v) {
+    return msl_cpu::simd_reduce(v, [](float a, float b) { return a > b ? a : b; });
+}
+inline uint simd_min(uint v) {
+    return msl_cpu::simd_reduce(v, [](uint a, uint b) { return a < b ? a : b; });
+}
+}  // namespace metal

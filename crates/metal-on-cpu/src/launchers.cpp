@@ -1,0 +1,136 @@
+// C entry points that launch each Metal kernel on the CPU, with the grid the Metal backend uses
+// (crates/axiom/src/backend/metal/mod.rs) and the thread counts the caller chooses.
+#include "launch.h"
+
+#include "kernels.inc"
+
+using msl_cpu::launch;
+using msl_cpu::Thread;
+
+// GGUF type ids, as in format/quant.rs.
+#define WEIGHT_TYPES(X) X(0, f32) X(1, f16) X(30, bf16) X(8, q8_0) X(2, q4_0) X(3, q4_1) X(12, q4_k) X(14, q6_k)
+
+extern "C" int msl_matmul(uint ty, const uchar* w, const float* x, float* out, uint n_in, uint n_out, uint n_tokens,
+                          uint simds_per_group) {
+    uint3 groups = {(n_out + simds_per_group - 1) / simds_per_group, 1, 1};
+    uint3 threads = {simds_per_group * msl_cpu::SIMD_WIDTH, 1, 1};
+#define CASE(ID, NAME)                                                                                   \
+    case ID:                                                                                             \
+        launch(groups, threads, [&](const Thread& t) {                                                   \
+            matmul_##NAME(w, x, out, n_in, n_out, n_tokens, t.group.x, t.simd, t.simds, t.lane, t.lanes); \
+        });                                                                                              \
+        return 0;
+    switch (ty) { WEIGHT_TYPES(CASE) }
+#undef CASE
+    return 1;
+}
+
+extern "C" int msl_embed(uint ty, const uchar* table, const uint* ids, float* out, uint dim, uint n_tokens,
+                         uint threads) {
+#define CASE(ID, NAME)                                                                                        \
+    case ID:                                                                                                  \
+        launch({n_tokens, 1, 1}, {threads, 1, 1},                                                             \
+               [&](const Thread& t) { embed_##NAME(table, ids, out, dim, t.group.x, t.index, t.threads); }); \
+        return 0;
+    switch (ty) { WEIGHT_TYPES(CASE) }
+#undef CASE
+    return 1;
+}
+
+extern "C" void msl_rms_norm(const float* x, const float* w, float* out, uint dim, float eps, uint rows,
+                             uint threads) {
+    launch({rows, 1, 1}, {threads, 1, 1}, [&](const Thread& t) {
+        rms_norm(x, w, out, dim, eps, t.group.x, t.index, t.threads, t.simd, t.simds, t.lane);
+    });
+}
+
+extern "C" void msl_rope(float* x, const uint* positions, const float* freqs, uint n_tokens, uint n_heads,
+                         uint head_dim, uint dims, uint halves, uint threads) {
+    launch({n_tokens, n_heads, 1}, {threads, 1, 1}, [&](const Thread& t) {
+        rope(x, positions, freqs, n_heads, head_dim, dims, halves, {t.group.x, t.group.y}, t.index, t.threads);
+    });
+}
+
+// The paged-KV arguments every cache kernel takes.
+struct Paged {
+    const uint* positions;
+    const uint* tables;
+    uint table_width;
+    const uint* token_seqs;
+    uint page_size;
+};
+
+extern "C" void msl_kv_write(uint f16, const float* k, const float* v, void* k_cache, void* v_cache, Paged p,
+                             uint n_tokens, uint kv_width, uint threads) {
+    launch({n_tokens, 1, 1}, {threads, 1, 1}, [&](const Thread& t) {
+        if (f16)
+            kv_write_f16(k, v, (half*)k_cache, (half*)v_cache, p.positions, p.tables, p.table_width, p.token_seqs,
+                         p.page_size, kv_width, t.group.x, t.index, t.threads);
+        else
+            kv_write_f32(k, v, (float*)k_cache, (float*)v_cache, p.positions, p.tables, p.table_width, p.token_seqs,
+                         p.page_size, kv_width, t.group.x, t.index, t.threads);
+    });
+}
+
+extern "C" void msl_attention(uint f16, const float* q, const void* k_cache, const void* v_cache, Paged p, float* out,
+                              uint n_tokens, uint n_heads, uint n_kv_heads, uint head_dim, uint simds_per_group) {
+    launch({n_tokens, n_heads, 1}, {simds_per_group * msl_cpu::SIMD_WIDTH, 1, 1}, [&](const Thread& t) {
+        uint2 group = {t.group.x, t.group.y};
+        if (f16)
+            attention_f16(q, (const half*)k_cache, (const half*)v_cache, p.positions, p.tables, p.table_width,
+                          p.token_seqs, p.page_size, out, n_heads, n_kv_heads, head_dim, group, t.index, t.threads,
+                          t.simd, t.simds, t.lane, t.lanes);
+        else
+            attention_f32(q, (const float*)k_cache, (const float*)v_cache, p.positions, p.tables, p.table_width,
+                          p.token_seqs, p.page_size, out, n_heads, n_kv_heads, head_dim, group, t.index, t.threads,
+                          t.simd, t.simds, t.lane, t.lanes);
+    });
+}
+
+extern "C" void msl_attention_qk(uint f16, const float* q, const void* k_cache, Paged p, float* scores, uint n_tokens,
+                                 uint n_heads, uint n_kv_heads, uint head_dim, uint n_ctx, uint threads) {
+    // One thread per score; `threads` wide groups along the positions.
+    uint3 groups = {(n_ctx + threads - 1) / threads, n_tokens * n_heads, 1};
+    launch(groups, {threads, 1, 1}, [&](const Thread& t) {
+        uint2 at = {t.grid.x, t.grid.y};
+        if (f16)
+            attention_qk_f16(q, (const half*)k_cache, p.positions, p.tables, p.table_width, p.token_seqs, p.page_size,
+                             scores, n_tokens, n_heads, n_kv_heads, head_dim, n_ctx, at);
+        else
+            attention_qk_f32(q, (const float*)k_cache, p.positions, p.tables, p.table_width, p.token_seqs,
+                             p.page_size, scores, n_tokens, n_heads, n_kv_heads, head_dim, n_ctx, at);
+    });
+}
+
+extern "C" void msl_attention_pv(uint f16, const float* scores, const void* v_cache, Paged p, float* out,
+                                 uint n_tokens, uint n_heads, uint n_kv_heads, uint head_dim, uint n_ctx,
+                                 uint threads) {
+    launch({n_tokens * n_heads, 1, 1}, {threads, 1, 1}, [&](const Thread& t) {
+        if (f16)
+            attention_pv_f16(scores, (const half*)v_cache, p.positions, p.tables, p.table_width, p.token_seqs,
+                             p.page_size, out, n_heads, n_kv_heads, head_dim, n_ctx, t.group.x, t.index, t.threads);
+        else
+            attention_pv_f32(scores, (const float*)v_cache, p.positions, p.tables, p.table_width, p.token_seqs,
+                             p.page_size, out, n_heads, n_kv_heads, head_dim, n_ctx, t.group.x, t.index, t.threads);
+    });
+}
+
+extern "C" void msl_swiglu(const float* gate, const float* up, float* out, uint n, uint threads) {
+    launch({(n + threads - 1) / threads, 1, 1}, {threads, 1, 1},
+           [&](const Thread& t) { swiglu(gate, up, out, n, t.grid.x); });
+}
+
+extern "C" void msl_add(float* x, const float* y, uint n, uint threads) {
+    launch({(n + threads - 1) / threads, 1, 1}, {threads, 1, 1}, [&](const Thread& t) { add(x, y, n, t.grid.x); });
+}
+
+extern "C" void msl_add_bias(float* x, const float* bias, uint n, uint width, uint threads) {
+    launch({(n + threads - 1) / threads, 1, 1}, {threads, 1, 1},
+           [&](const Thread& t) { add_bias(x, bias, n, width, t.grid.x); });
+}
+
+extern "C" void msl_argmax(const float* x, uint* out, uint width, uint rows, uint threads) {
+    launch({rows, 1, 1}, {threads, 1, 1}, [&](const Thread& t) {
+        argmax(x, out, width, t.group.x, t.index, t.threads, t.simd, t.simds, t.lane);
+    });
+}

@@ -1,0 +1,422 @@
+//! axiom's Metal kernels (`crates/axiom/src/backend/metal/kernels/*.metal`), compiled as C++20
+//! against a small `metal_stdlib` shim and run on the CPU, one OS thread per GPU thread (see
+//! `shim/launch.h`). There is no Mac here: this is how the MSL is tested against the CPU
+//! reference on Linux (`tests/kernels.rs`). Each function launches one kernel with the grid the
+//! Metal backend uses; the caller picks the threadgroup size, as `threadExecutionWidth` and
+//! `maxTotalThreadsPerThreadgroup` would on a GPU.
+//!
+//! Buffers are plain slices: the kernels read and write them in place, as they would a shared
+//! MTLBuffer. The functions check lengths first, so a wrong call panics here rather than
+//! corrupting memory in C++.
+
+use std::ffi::c_void;
+
+/// Threads in a simdgroup, as on Apple GPUs.
+pub const SIMD_WIDTH: u32 = 32;
+
+/// The block tables of a step (see axiom's `PagedKv`).
+#[derive(Clone, Copy)]
+pub struct Pages<'a> {
+    pub positions: &'a [u32],
+    pub tables: &'a [u32],
+    pub table_width: u32,
+    pub token_seqs: &'a [u32],
+    pub page_size: u32,
+}
+
+#[repr(C)]
+struct Paged {
+    positions: *const u32,
+    tables: *const u32,
+    table_width: u32,
+    token_seqs: *const u32,
+    page_size: u32,
+}
+
+impl Pages<'_> {
+    /// Checks that every position's page is in the tables and the cache has `cache_rows` rows.
+    fn ffi(&self, n_tokens: usize, cache_rows: usize) -> Paged {
+        assert!(self.positions.len() >= n_tokens && self.token_seqs.len() >= n_tokens);
+        for t in 0..n_tokens {
+            let table = &self.tables[self.token_seqs[t] as usize * self.table_width as usize..];
+            let pos = self.positions[t];
+            for p in 0..=pos {
+                let page = table[(p / self.page_size) as usize];
+                assert!(
+                    ((page + 1) * self.page_size) as usize <= cache_rows,
+                    "page {page} outside the cache"
+                );
+            }
+        }
+        Paged {
+            positions: self.positions.as_ptr(),
+            tables: self.tables.as_ptr(),
+            table_width: self.table_width,
+            token_seqs: self.token_seqs.as_ptr(),
+            page_size: self.page_size,
+        }
+    }
+}
+
+/// A KV cache layer: f32 values or f16 bits.
+pub enum Cache<'a> {
+    F32(&'a mut [f32]),
+    F16(&'a mut [u16]),
+}
+
+impl Cache<'_> {
+    fn parts(&mut self) -> (u32, *mut c_void, usize) {
+        match self {
+            Cache::F32(c) => (0, c.as_mut_ptr().cast(), c.len()),
+            Cache::F16(c) => (1, c.as_mut_ptr().cast(), c.len()),
+        }
+    }
+}
+
+unsafe extern "C" {
+    fn msl_matmul(
+        ty: u32,
+        w: *const u8,
+        x: *const f32,
+        out: *mut f32,
+        n_in: u32,
+        n_out: u32,
+        n_tokens: u32,
+        simds: u32,
+    ) -> i32;
+    fn msl_embed(
+        ty: u32,
+        table: *const u8,
+        ids: *const u32,
+        out: *mut f32,
+        dim: u32,
+        n_tokens: u32,
+        threads: u32,
+    ) -> i32;
+    fn msl_rms_norm(x: *const f32, w: *const f32, out: *mut f32, dim: u32, eps: f32, rows: u32, threads: u32);
+    fn msl_rope(
+        x: *mut f32,
+        positions: *const u32,
+        freqs: *const f32,
+        n_tokens: u32,
+        n_heads: u32,
+        head_dim: u32,
+        dims: u32,
+        halves: u32,
+        threads: u32,
+    );
+    fn msl_kv_write(
+        f16: u32,
+        k: *const f32,
+        v: *const f32,
+        k_cache: *mut c_void,
+        v_cache: *mut c_void,
+        pages: Paged,
+        n_tokens: u32,
+        kv_width: u32,
+        threads: u32,
+    );
+    fn msl_attention(
+        f16: u32,
+        q: *const f32,
+        k_cache: *const c_void,
+        v_cache: *const c_void,
+        pages: Paged,
+        out: *mut f32,
+        n_tokens: u32,
+        n_heads: u32,
+        n_kv_heads: u32,
+        head_dim: u32,
+        simds: u32,
+    );
+    fn msl_attention_qk(
+        f16: u32,
+        q: *const f32,
+        k_cache: *const c_void,
+        pages: Paged,
+        scores: *mut f32,
+        n_tokens: u32,
+        n_heads: u32,
+        n_kv_heads: u32,
+        head_dim: u32,
+        n_ctx: u32,
+        threads: u32,
+    );
+    fn msl_attention_pv(
+        f16: u32,
+        scores: *const f32,
+        v_cache: *const c_void,
+        pages: Paged,
+        out: *mut f32,
+        n_tokens: u32,
+        n_heads: u32,
+        n_kv_heads: u32,
+        head_dim: u32,
+        n_ctx: u32,
+        threads: u32,
+    );
+    fn msl_swiglu(gate: *const f32, up: *const f32, out: *mut f32, n: u32, threads: u32);
+    fn msl_add(x: *mut f32, y: *const f32, n: u32, threads: u32);
+    fn msl_add_bias(x: *mut f32, bias: *const f32, n: u32, width: u32, threads: u32);
+    fn msl_argmax(x: *const f32, out: *mut u32, width: u32, rows: u32, threads: u32);
+}
+
+/// Head counts and sizes.
+#[derive(Clone, Copy)]
+pub struct Heads {
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+}
+
+/// `matmul_<type>`: `out[t, o] = sum_i x[t, i] * w[o, i]`, `w` in GGUF type `ty` (its id) with
+/// `row_bytes` bytes per row; `simds` rows per threadgroup.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul(
+    ty: u32,
+    w: &[u8],
+    row_bytes: usize,
+    x: &[f32],
+    out: &mut [f32],
+    n_in: usize,
+    n_tokens: usize,
+    simds: u32,
+) {
+    let n_out = out.len() / n_tokens;
+    assert!(w.len() >= n_out * row_bytes && x.len() >= n_tokens * n_in && out.len() == n_tokens * n_out);
+    // SAFETY: lengths checked above; the kernel reads `n_out` rows and `n_tokens` inputs.
+    let rc = unsafe {
+        msl_matmul(
+            ty,
+            w.as_ptr(),
+            x.as_ptr(),
+            out.as_mut_ptr(),
+            n_in as u32,
+            n_out as u32,
+            n_tokens as u32,
+            simds,
+        )
+    };
+    assert_eq!(rc, 0, "no matmul kernel for type {ty}");
+}
+
+/// `embed_<type>`: `out[t] = row ids[t]` of a table with `row_bytes` bytes per row of `dim`.
+pub fn embed(ty: u32, table: &[u8], row_bytes: usize, ids: &[u32], out: &mut [f32], dim: usize, threads: u32) {
+    assert!(ids.iter().all(|&id| (id as usize + 1) * row_bytes <= table.len()));
+    assert_eq!(out.len(), ids.len() * dim);
+    // SAFETY: every id's row is inside the table; `out` holds a row per id.
+    let rc = unsafe {
+        msl_embed(
+            ty,
+            table.as_ptr(),
+            ids.as_ptr(),
+            out.as_mut_ptr(),
+            dim as u32,
+            ids.len() as u32,
+            threads,
+        )
+    };
+    assert_eq!(rc, 0, "no embed kernel for type {ty}");
+}
+
+pub fn rms_norm(x: &[f32], w: &[f32], out: &mut [f32], dim: usize, eps: f32, threads: u32) {
+    assert!(w.len() == dim && x.len() == out.len() && x.len().is_multiple_of(dim));
+    let rows = (x.len() / dim) as u32;
+    // SAFETY: `rows` rows of `dim` in `x` and `out`.
+    unsafe { msl_rms_norm(x.as_ptr(), w.as_ptr(), out.as_mut_ptr(), dim as u32, eps, rows, threads) }
+}
+
+/// `rope` on `[n_tokens, n_heads * head_dim]`; `halves` for the rotate-half pairing.
+#[allow(clippy::too_many_arguments)]
+pub fn rope(
+    x: &mut [f32],
+    positions: &[u32],
+    freqs: &[f32],
+    n_heads: usize,
+    head_dim: usize,
+    dims: usize,
+    halves: bool,
+    threads: u32,
+) {
+    let n_tokens = positions.len();
+    assert!(x.len() == n_tokens * n_heads * head_dim && freqs.len() >= dims / 2 && dims <= head_dim);
+    // SAFETY: sizes checked above.
+    unsafe {
+        msl_rope(
+            x.as_mut_ptr(),
+            positions.as_ptr(),
+            freqs.as_ptr(),
+            n_tokens as u32,
+            n_heads as u32,
+            head_dim as u32,
+            dims as u32,
+            halves as u32,
+            threads,
+        )
+    }
+}
+
+/// `kv_write_<f16|f32>` of `n_tokens` rows of `kv_width`.
+#[allow(clippy::too_many_arguments)]
+pub fn kv_write(
+    k: &[f32],
+    v: &[f32],
+    mut k_cache: Cache,
+    mut v_cache: Cache,
+    pages: Pages,
+    kv_width: usize,
+    threads: u32,
+) {
+    let n_tokens = k.len() / kv_width;
+    let (f16, kc, rows) = k_cache.parts();
+    let (_, vc, _) = v_cache.parts();
+    let paged = pages.ffi(n_tokens, rows / kv_width);
+    assert_eq!(v.len(), k.len());
+    // SAFETY: every written row is inside the caches (checked by `ffi`).
+    unsafe {
+        msl_kv_write(
+            f16,
+            k.as_ptr(),
+            v.as_ptr(),
+            kc,
+            vc,
+            paged,
+            n_tokens as u32,
+            kv_width as u32,
+            threads,
+        )
+    }
+}
+
+/// The fused one-pass `attention_<f16|f32>`, `simds` simdgroups per (token, head).
+pub fn attention(
+    q: &[f32],
+    mut k_cache: Cache,
+    mut v_cache: Cache,
+    pages: Pages,
+    out: &mut [f32],
+    heads: Heads,
+    simds: u32,
+) {
+    let n_tokens = out.len() / (heads.n_heads * heads.head_dim);
+    let (f16, kc, rows) = k_cache.parts();
+    let (_, vc, _) = v_cache.parts();
+    let paged = pages.ffi(n_tokens, rows / (heads.n_kv_heads * heads.head_dim));
+    assert_eq!(q.len(), out.len());
+    // SAFETY: sizes and pages checked above.
+    unsafe {
+        msl_attention(
+            f16,
+            q.as_ptr(),
+            kc,
+            vc,
+            paged,
+            out.as_mut_ptr(),
+            n_tokens as u32,
+            heads.n_heads as u32,
+            heads.n_kv_heads as u32,
+            heads.head_dim as u32,
+            simds,
+        )
+    }
+}
+
+/// The seed's first pass, `attention_qk_<f16|f32>`: scores `[n_tokens * n_heads, n_ctx]`.
+pub fn attention_qk(
+    q: &[f32],
+    mut k_cache: Cache,
+    pages: Pages,
+    scores: &mut [f32],
+    heads: Heads,
+    n_ctx: usize,
+    threads: u32,
+) {
+    let n_tokens = q.len() / (heads.n_heads * heads.head_dim);
+    let (f16, kc, rows) = k_cache.parts();
+    let paged = pages.ffi(n_tokens, rows / (heads.n_kv_heads * heads.head_dim));
+    assert!(scores.len() == n_tokens * heads.n_heads * n_ctx);
+    assert!(pages.positions[..n_tokens].iter().all(|&p| (p as usize) < n_ctx));
+    // SAFETY: sizes and pages checked above.
+    unsafe {
+        msl_attention_qk(
+            f16,
+            q.as_ptr(),
+            kc,
+            paged,
+            scores.as_mut_ptr(),
+            n_tokens as u32,
+            heads.n_heads as u32,
+            heads.n_kv_heads as u32,
+            heads.head_dim as u32,
+            n_ctx as u32,
+            threads,
+        )
+    }
+}
+
+/// The seed's second pass, `attention_pv_<f16|f32>`: softmax of the scores, times the values.
+/// `threads` must be a power of two.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_pv(
+    scores: &[f32],
+    mut v_cache: Cache,
+    pages: Pages,
+    out: &mut [f32],
+    heads: Heads,
+    n_ctx: usize,
+    threads: u32,
+) {
+    let n_tokens = out.len() / (heads.n_heads * heads.head_dim);
+    let (f16, vc, rows) = v_cache.parts();
+    let paged = pages.ffi(n_tokens, rows / (heads.n_kv_heads * heads.head_dim));
+    assert!(scores.len() == n_tokens * heads.n_heads * n_ctx && threads.is_power_of_two() && threads <= 1024);
+    // SAFETY: sizes and pages checked above.
+    unsafe {
+        msl_attention_pv(
+            f16,
+            scores.as_ptr(),
+            vc,
+            paged,
+            out.as_mut_ptr(),
+            n_tokens as u32,
+            heads.n_heads as u32,
+            heads.n_kv_heads as u32,
+            heads.head_dim as u32,
+            n_ctx as u32,
+            threads,
+        )
+    }
+}
+
+pub fn swiglu(gate: &[f32], up: &[f32], out: &mut [f32], threads: u32) {
+    assert!(gate.len() == out.len() && up.len() == out.len());
+    // SAFETY: three slices of one length.
+    unsafe { msl_swiglu(gate.as_ptr(), up.as_ptr(), out.as_mut_ptr(), out.len() as u32, threads) }
+}
+
+pub fn add(x: &mut [f32], y: &[f32], threads: u32) {
+    assert_eq!(x.len(), y.len());
+    // SAFETY: two slices of one length.
+    unsafe { msl_add(x.as_mut_ptr(), y.as_ptr(), x.len() as u32, threads) }
+}
+
+pub fn add_bias(x: &mut [f32], bias: &[f32], threads: u32) {
+    assert!(x.len().is_multiple_of(bias.len()));
+    // SAFETY: whole rows of `bias.len()`.
+    unsafe {
+        msl_add_bias(
+            x.as_mut_ptr(),
+            bias.as_ptr(),
+            x.len() as u32,
+            bias.len() as u32,
+            threads,
+        )
+    }
+}
+
+pub fn argmax(x: &[f32], out: &mut [u32], threads: u32) {
+    let width = x.len() / out.len();
+    assert_eq!(x.len(), width * out.len());
+    // SAFETY: `out.len()` rows of `width`.
+    unsafe { msl_argmax(x.as_ptr(), out.as_mut_ptr(), width as u32, out.len() as u32, threads) }
+}

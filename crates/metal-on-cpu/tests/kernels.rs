@@ -1,0 +1,368 @@
+//! Every Metal kernel, run on the CPU through the MSL shim, against axiom's CPU reference on
+//! random inputs at awkward sizes: head_dim 48, 35 positions, 9 heads over 3 KV heads, rows that
+//! are not a multiple of the threadgroup, threadgroups of 1 to 4 simdgroups. Outputs start as
+//! NaN, so an element a kernel never writes fails; masked scores must be exactly -inf.
+
+#[path = "../../axiom/tests/common/mod.rs"]
+mod common;
+
+use axiom::backend::cpu::kernels::{self as reference, paged::PageMap};
+use axiom::backend::{AttentionShape, RopeLayout};
+use axiom::format::quant::GgmlType;
+use common::{paged_queries, random_weight_bytes, PagedCase, PAGED_LENS};
+use half::f16;
+use metal_on_cpu::{Cache, Heads, Pages};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+fn rng() -> ChaCha8Rng {
+    ChaCha8Rng::seed_from_u64(7)
+}
+
+fn randn(rng: &mut ChaCha8Rng, n: usize) -> Vec<f32> {
+    (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
+}
+
+/// Relative L2 error; every value must have been written (finite).
+fn rel_l2(got: &[f32], want: &[f32]) -> f64 {
+    assert_eq!(got.len(), want.len());
+    assert!(
+        got.iter().all(|v| v.is_finite()),
+        "non-finite output (an element was not written?)"
+    );
+    let (mut num, mut den) = (0f64, 0f64);
+    for (g, w) in got.iter().zip(want) {
+        num += ((g - w) as f64).powi(2);
+        den += (*w as f64).powi(2);
+    }
+    (num / den.max(1e-30)).sqrt()
+}
+
+const WEIGHT_TYPES: [GgmlType; 8] = [
+    GgmlType::F32,
+    GgmlType::F16,
+    GgmlType::BF16,
+    GgmlType::Q8_0,
+    GgmlType::Q4_0,
+    GgmlType::Q4_1,
+    GgmlType::Q4K,
+    GgmlType::Q6K,
+];
+
+/// A row length that is not a multiple of the 32 lanes in blocks (or elements, for floats).
+fn awkward_n_in(ty: GgmlType) -> usize {
+    match ty.block_len() {
+        1 => 35,
+        32 => 32 * 5,
+        _ => 256 * 3,
+    }
+}
+
+#[test]
+fn matmul_every_type_matches_the_reference() {
+    let mut rng = rng();
+    for ty in WEIGHT_TYPES {
+        let (n_in, n_out, n_tokens) = (awkward_n_in(ty), 37, 3);
+        let w = random_weight_bytes(&mut rng, ty, n_in * n_out);
+        let x = randn(&mut rng, n_tokens * n_in);
+        let mut want = vec![0f32; n_tokens * n_out];
+        reference::matmul::matmul_rows(ty, &w, n_in, 0..n_out, &x, &mut want);
+        for simds in [1, 4] {
+            let mut got = vec![f32::NAN; n_tokens * n_out];
+            metal_on_cpu::matmul(ty.id(), &w, ty.row_bytes(n_in), &x, &mut got, n_in, n_tokens, simds);
+            let err = rel_l2(&got, &want);
+            assert!(err < 1e-5, "{ty} with {simds} simdgroups: relative error {err}");
+        }
+    }
+}
+
+#[test]
+fn embed_every_type_matches_the_reference() {
+    let mut rng = rng();
+    for ty in WEIGHT_TYPES {
+        let (dim, vocab) = (awkward_n_in(ty), 11);
+        let table = random_weight_bytes(&mut rng, ty, dim * vocab);
+        let ids = [3u32, 0, 10, 3];
+        let mut want = vec![0f32; ids.len() * dim];
+        reference::embed::embed(ty, &table, dim, &ids, &mut want);
+        let mut got = vec![f32::NAN; ids.len() * dim];
+        metal_on_cpu::embed(ty.id(), &table, ty.row_bytes(dim), &ids, &mut got, dim, 48);
+        assert_eq!(got, want, "{ty}: the same dequantization, value for value");
+    }
+}
+
+#[test]
+fn rms_norm_matches_the_reference() {
+    let mut rng = rng();
+    for (dim, threads) in [(35, 32), (576, 96), (1000, 128)] {
+        let x = randn(&mut rng, 5 * dim);
+        let w = randn(&mut rng, dim);
+        let mut want = vec![0f32; x.len()];
+        reference::rms_norm::rms_norm(&x, &w, &mut want, dim, 1e-5);
+        let mut got = vec![f32::NAN; x.len()];
+        metal_on_cpu::rms_norm(&x, &w, &mut got, dim, 1e-5, threads);
+        let err = rel_l2(&got, &want);
+        assert!(err < 1e-6, "dim {dim}, {threads} threads: relative error {err}");
+    }
+}
+
+#[test]
+fn rope_matches_the_reference_in_both_layouts() {
+    let mut rng = rng();
+    let (n_heads, head_dim) = (9, 48);
+    let positions = [0u32, 1, 17, 34, 200];
+    for (layout, halves) in [(RopeLayout::Adjacent, false), (RopeLayout::Halves, true)] {
+        for dims in [48, 32] {
+            let freqs: Vec<f32> = (0..dims / 2)
+                .map(|i| 10000f32.powf(-2.0 * i as f32 / dims as f32))
+                .collect();
+            let x = randn(&mut rng, positions.len() * n_heads * head_dim);
+            let mut want = x.clone();
+            reference::rope::rope(&mut want, &positions, &freqs, n_heads, head_dim, layout);
+            let mut got = x.clone();
+            metal_on_cpu::rope(&mut got, &positions, &freqs, n_heads, head_dim, dims, halves, 16);
+            let err = rel_l2(&got, &want);
+            assert!(err < 1e-6, "{layout:?}, {dims} dims: relative error {err}");
+            let untouched = |v: &[f32]| -> Vec<f32> { v.chunks(head_dim).flat_map(|h| h[dims..].to_vec()).collect() };
+            assert_eq!(untouched(&got), untouched(&x), "dimensions past `dims` are not rotated");
+        }
+    }
+}
+
+#[test]
+fn elementwise_ops_match_the_reference() {
+    let mut rng = rng();
+    let n = 1000; // not a multiple of the 64-thread groups
+    let (a, b) = (randn(&mut rng, n), randn(&mut rng, n));
+    let mut want = vec![0f32; n];
+    reference::swiglu::swiglu(&a, &b, &mut want);
+    let mut got = vec![f32::NAN; n];
+    metal_on_cpu::swiglu(&a, &b, &mut got, 64);
+    assert!(rel_l2(&got, &want) < 1e-6);
+
+    let (mut want, mut got) = (a.clone(), a.clone());
+    reference::add::add(&mut want, &b);
+    metal_on_cpu::add(&mut got, &b, 64);
+    assert_eq!(got, want);
+
+    let bias = randn(&mut rng, 40);
+    let (mut want, mut got) = (a.clone(), a.clone());
+    reference::add::add_bias(&mut want, &bias);
+    metal_on_cpu::add_bias(&mut got, &bias, 64);
+    assert_eq!(got, want);
+}
+
+#[test]
+fn argmax_takes_the_first_of_equal_maxima() {
+    let mut rng = rng();
+    let width = 1001;
+    let mut x = randn(&mut rng, 3 * width);
+    x[width + 700] = 5.0;
+    x[width + 300] = 5.0; // a tie in another simdgroup's stripe: the lower index wins
+    x[2 * width..].fill(f32::NEG_INFINITY); // nothing above -inf: index 0
+    let want: Vec<u32> = x
+        .chunks(width)
+        .map(|row| {
+            row.iter()
+                .enumerate()
+                .fold(0, |best, (i, &v)| if v > row[best] { i } else { best }) as u32
+        })
+        .collect();
+    for threads in [32, 96, 256] {
+        let mut got = vec![u32::MAX; 3];
+        metal_on_cpu::argmax(&x, &mut got, threads);
+        assert_eq!(got, want, "{threads} threads");
+    }
+}
+
+/// The paged attention case of the engine's tests: two sequences in scrambled pages of 4, one
+/// prefilled at every position (so the causal mask matters) next to decodes of the other.
+struct Paged {
+    shape: AttentionShape,
+    case: PagedCase,
+    tables: Vec<u32>,
+    positions: Vec<u32>,
+    token_seqs: Vec<u32>,
+    q: Vec<f32>,
+    /// Every sequence's K and V rows, by token.
+    k: Vec<f32>,
+    v: Vec<f32>,
+    k_positions: Vec<u32>,
+    k_seqs: Vec<u32>,
+}
+
+impl Paged {
+    fn new(rng: &mut ChaCha8Rng) -> Paged {
+        let shape = AttentionShape {
+            n_heads: 9,
+            n_kv_heads: 3,
+            head_dim: 48,
+        };
+        let case = PagedCase::new(rng, 4, &PAGED_LENS);
+        let queries = paged_queries();
+        let (mut k_positions, mut k_seqs) = (Vec::new(), Vec::new());
+        for (seq, &len) in PAGED_LENS.iter().enumerate() {
+            k_positions.extend(0..len as u32);
+            k_seqs.extend(std::iter::repeat_n(seq as u32, len));
+        }
+        let n_kv = k_positions.len() * shape.kv_width();
+        Paged {
+            tables: case.flat_tables(),
+            positions: queries.iter().map(|&(_, p)| p).collect(),
+            token_seqs: queries.iter().map(|&(s, _)| s).collect(),
+            q: randn(rng, queries.len() * shape.q_width()),
+            k: randn(rng, n_kv),
+            v: randn(rng, n_kv),
+            k_positions,
+            k_seqs,
+            shape,
+            case,
+        }
+    }
+
+    fn heads(&self) -> Heads {
+        Heads {
+            n_heads: self.shape.n_heads,
+            n_kv_heads: self.shape.n_kv_heads,
+            head_dim: self.shape.head_dim,
+        }
+    }
+
+    fn cache_len(&self) -> usize {
+        self.case.n_pages * self.case.page_size * self.shape.kv_width()
+    }
+
+    fn pages<'a>(&'a self, positions: &'a [u32], token_seqs: &'a [u32]) -> Pages<'a> {
+        Pages {
+            positions,
+            tables: &self.tables,
+            table_width: self.case.table_width() as u32,
+            token_seqs,
+            page_size: self.case.page_size as u32,
+        }
+    }
+
+    /// The reference: f32 caches filled by the CPU kv_write, then CPU attention.
+    fn reference(&self) -> Vec<f32> {
+        let width = self.case.table_width();
+        let (mut kc, mut vc) = (vec![f32::NAN; self.cache_len()], vec![f32::NAN; self.cache_len()]);
+        let n_pages = self.case.n_pages;
+        let write = PageMap::new(&self.tables, width, &self.k_seqs, 4, &self.k_positions, n_pages).unwrap();
+        let kv_width = self.shape.kv_width();
+        reference::kv_write::kv_write(&self.k, &self.v, &mut kc, &mut vc, &self.k_positions, &write, kv_width);
+        let read = PageMap::new(&self.tables, width, &self.token_seqs, 4, &self.positions, n_pages).unwrap();
+        let mut out = vec![0f32; self.q.len()];
+        reference::attention::attention(&self.q, &kc, &vc, &self.positions, &read, &mut out, self.shape);
+        out
+    }
+
+    /// Caches written by the Metal kv_write (f32, or f16 bits), unwritten rows NaN.
+    fn caches(&self, f16_cache: bool) -> (Vec<f32>, Vec<f32>, Vec<u16>, Vec<u16>) {
+        let n = self.cache_len();
+        let nan16 = f16::NAN.to_bits();
+        let (mut k32, mut v32, mut k16, mut v16) =
+            (vec![f32::NAN; n], vec![f32::NAN; n], vec![nan16; n], vec![nan16; n]);
+        let pages = self.pages(&self.k_positions, &self.k_seqs);
+        let kv_width = self.shape.kv_width();
+        if f16_cache {
+            metal_on_cpu::kv_write(
+                &self.k,
+                &self.v,
+                Cache::F16(&mut k16),
+                Cache::F16(&mut v16),
+                pages,
+                kv_width,
+                64,
+            );
+        } else {
+            metal_on_cpu::kv_write(
+                &self.k,
+                &self.v,
+                Cache::F32(&mut k32),
+                Cache::F32(&mut v32),
+                pages,
+                kv_width,
+                64,
+            );
+        }
+        (k32, v32, k16, v16)
+    }
+}
+
+/// f16 caches round K and V: the error that leaves (about 2^-11 relative per value).
+fn tolerance(f16_cache: bool) -> f64 {
+    if f16_cache {
+        2e-3
+    } else {
+        1e-5
+    }
+}
+
+#[test]
+fn kv_write_then_fused_attention_match_the_reference() {
+    let mut rng = rng();
+    let case = Paged::new(&mut rng);
+    let want = case.reference();
+    for f16_cache in [false, true] {
+        let (mut k32, mut v32, mut k16, mut v16) = case.caches(f16_cache);
+        for simds in [1, 3, 8] {
+            let mut got = vec![f32::NAN; want.len()];
+            let pages = case.pages(&case.positions, &case.token_seqs);
+            let (kc, vc) = (
+                cache(f16_cache, &mut k32, &mut k16),
+                cache(f16_cache, &mut v32, &mut v16),
+            );
+            metal_on_cpu::attention(&case.q, kc, vc, pages, &mut got, case.heads(), simds);
+            let err = rel_l2(&got, &want);
+            assert!(
+                err < tolerance(f16_cache),
+                "f16 cache {f16_cache}, {simds} simdgroups: relative error {err}"
+            );
+        }
+    }
+}
+
+#[test]
+fn attention_pair_masks_causally_and_matches_the_reference() {
+    let mut rng = rng();
+    let case = Paged::new(&mut rng);
+    let want = case.reference();
+    let n_ctx = 35; // the longest sequence
+    let rows = case.positions.len() * case.shape.n_heads;
+    for f16_cache in [false, true] {
+        let (mut k32, mut v32, mut k16, mut v16) = case.caches(f16_cache);
+        let mut scores = vec![f32::NAN; rows * n_ctx];
+        let pages = case.pages(&case.positions, &case.token_seqs);
+        let kc = cache(f16_cache, &mut k32, &mut k16);
+        metal_on_cpu::attention_qk(&case.q, kc, pages, &mut scores, case.heads(), n_ctx, 16);
+        for (row, s) in scores.chunks(n_ctx).enumerate() {
+            let pos = case.positions[row / case.shape.n_heads] as usize;
+            assert!(
+                s[..=pos].iter().all(|v| v.is_finite()),
+                "row {row}: a visible score is missing"
+            );
+            assert!(
+                s[pos + 1..].iter().all(|&v| v == f32::NEG_INFINITY),
+                "row {row}: scores beyond position {pos} must be exactly -inf"
+            );
+        }
+        for threads in [32, 64, 128] {
+            let mut got = vec![f32::NAN; want.len()];
+            let vc = cache(f16_cache, &mut v32, &mut v16);
+            metal_on_cpu::attention_pv(&scores, vc, pages, &mut got, case.heads(), n_ctx, threads);
+            let err = rel_l2(&got, &want);
+            assert!(
+                err < tolerance(f16_cache),
+                "f16 cache {f16_cache}, {threads} threads: relative error {err}"
+            );
+        }
+    }
+}
+
+/// A cache layer in the kind under test.
+fn cache<'a>(f16_cache: bool, c32: &'a mut [f32], c16: &'a mut [u16]) -> Cache<'a> {
+    match f16_cache {
+        true => Cache::F16(c16),
+        false => Cache::F32(c32),
+    }
+}
