@@ -9,45 +9,16 @@ mod common;
 use axiom::backend::cpu::kernels::{self as reference, paged::PageMap};
 use axiom::backend::{AttentionShape, RopeLayout};
 use axiom::format::quant::GgmlType;
+use common::gpu::{randn, rel_l2, WEIGHT_TYPES};
 use common::{paged_queries, random_weight_bytes, PagedCase, PAGED_LENS};
 use half::f16;
 use metal_on_cpu::{Cache, Heads, Pages};
-use rand::{Rng, SeedableRng};
+use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
 fn rng() -> ChaCha8Rng {
     ChaCha8Rng::seed_from_u64(7)
 }
-
-fn randn(rng: &mut ChaCha8Rng, n: usize) -> Vec<f32> {
-    (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
-}
-
-/// Relative L2 error; every value must have been written (finite).
-fn rel_l2(got: &[f32], want: &[f32]) -> f64 {
-    assert_eq!(got.len(), want.len());
-    assert!(
-        got.iter().all(|v| v.is_finite()),
-        "non-finite output (an element was not written?)"
-    );
-    let (mut num, mut den) = (0f64, 0f64);
-    for (g, w) in got.iter().zip(want) {
-        num += ((g - w) as f64).powi(2);
-        den += (*w as f64).powi(2);
-    }
-    (num / den.max(1e-30)).sqrt()
-}
-
-const WEIGHT_TYPES: [GgmlType; 8] = [
-    GgmlType::F32,
-    GgmlType::F16,
-    GgmlType::BF16,
-    GgmlType::Q8_0,
-    GgmlType::Q4_0,
-    GgmlType::Q4_1,
-    GgmlType::Q4K,
-    GgmlType::Q6K,
-];
 
 /// A row length that is not a multiple of the 32 lanes in blocks (or elements, for floats).
 fn awkward_n_in(ty: GgmlType) -> usize {

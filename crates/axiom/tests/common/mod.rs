@@ -1,6 +1,8 @@
 //! Helpers shared by the integration tests.
 #![allow(dead_code)]
 
+pub mod gpu;
+
 use axiom::backend::Backend;
 use axiom::engine::Session;
 use axiom::format::quant::GgmlType;

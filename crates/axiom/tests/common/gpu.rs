@@ -1,0 +1,323 @@
+//! The checks every GPU backend must pass against the CPU reference and against Hugging Face
+//! transformers, written once over [`Backend`] (tests/cuda.rs and tests/metal.rs run them).
+//! Outputs are poisoned before each run, so an element a kernel never writes fails.
+
+use super::{paged_queries, random_weight_bytes, PagedCase, PAGED_LENS};
+use axiom::backend::cpu::CpuBackend;
+use axiom::backend::{AttentionShape, Backend, BlockHandle, HostTensor, KvType, Rope, RopeLayout, RopeScaling};
+use axiom::chat::Message;
+use axiom::engine::perplexity::perplexity;
+use axiom::engine::Session;
+use axiom::format::quant::GgmlType;
+use axiom::model::llama::LoadOptions;
+use axiom::model::LogitRows;
+use half::f16;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+pub fn randn(rng: &mut ChaCha8Rng, n: usize) -> Vec<f32> {
+    (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
+}
+
+/// The backend under test (`make()`, arena reserved) and the CPU reference.
+fn pair<B: Backend>(make: impl Fn() -> B) -> (B, CpuBackend) {
+    let mut gpu = make();
+    gpu.reserve(256 << 20).unwrap();
+    let mut cpu = CpuBackend::reference(4);
+    cpu.reserve(256 << 20).unwrap();
+    (gpu, cpu)
+}
+
+fn put<B: Backend>(b: &mut B, data: &[f32]) -> BlockHandle {
+    let h = b.alloc(data.len() * 4).unwrap();
+    b.write_f32(h, data).unwrap();
+    h
+}
+
+fn put_u32<B: Backend>(b: &mut B, data: &[u32]) -> BlockHandle {
+    let h = b.alloc(data.len() * 4).unwrap();
+    b.write_u32(h, data).unwrap();
+    h
+}
+
+/// An output block poisoned with NaN, so an element the kernel never writes fails the check.
+fn poisoned<B: Backend>(b: &mut B, n: usize) -> BlockHandle {
+    put(b, &vec![f32::NAN; n])
+}
+
+fn get<B: Backend>(b: &B, h: BlockHandle, n: usize) -> Vec<f32> {
+    let mut out = vec![0f32; n];
+    b.read_f32(h, &mut out).unwrap();
+    out
+}
+
+pub fn rel_l2(got: &[f32], want: &[f32]) -> f64 {
+    assert!(
+        got.iter().all(|v| v.is_finite()),
+        "non-finite output (an element was not written?)"
+    );
+    let err: f64 = got.iter().zip(want).map(|(g, w)| ((g - w) as f64).powi(2)).sum();
+    let norm: f64 = want.iter().map(|w| (*w as f64).powi(2)).sum();
+    (err / norm.max(1e-30)).sqrt()
+}
+
+/// The weight types every GPU backend runs.
+pub const WEIGHT_TYPES: [GgmlType; 8] = [
+    GgmlType::F32,
+    GgmlType::F16,
+    GgmlType::BF16,
+    GgmlType::Q8_0,
+    GgmlType::Q4_0,
+    GgmlType::Q4_1,
+    GgmlType::Q4K,
+    GgmlType::Q6K,
+];
+
+/// Every weight type and several token counts; `tolerance(type, n_tokens)` is the relative error
+/// the backend's kernels for that case allow.
+pub fn matmul_every_type_and_token_count<B: Backend>(make: impl Fn() -> B, tolerance: impl Fn(GgmlType, usize) -> f64) {
+    let mut rng = ChaCha8Rng::seed_from_u64(1);
+    for ty in WEIGHT_TYPES {
+        let n_in = if ty.block_len() == 256 { 512 } else { 96 };
+        let n_out = 37;
+        let bytes = random_weight_bytes(&mut rng, ty, n_in * n_out);
+        let (mut gpu, mut cpu) = pair(&make);
+        let tensor = HostTensor {
+            name: "w",
+            ty,
+            dims: &[n_in, n_out],
+            bytes: &bytes,
+            region: None,
+        };
+        let (wg, wc) = (gpu.upload_weight(&tensor).unwrap(), cpu.upload_weight(&tensor).unwrap());
+        gpu.prepare(64, n_in).unwrap_or(());
+        for n_tokens in [1, 3, 5, 8, 35] {
+            let x = randn(&mut rng, n_tokens * n_in);
+            let (xg, og) = (put(&mut gpu, &x), poisoned(&mut gpu, n_tokens * n_out));
+            let (xc, oc) = (put(&mut cpu, &x), poisoned(&mut cpu, n_tokens * n_out));
+            gpu.matmul(xg, &wg, og, n_tokens).unwrap();
+            cpu.matmul(xc, &wc, oc, n_tokens).unwrap();
+            let err = rel_l2(&get(&gpu, og, n_tokens * n_out), &get(&cpu, oc, n_tokens * n_out));
+            let tol = tolerance(ty, n_tokens);
+            assert!(err < tol, "{ty} x {n_tokens} tokens: relative error {err}");
+        }
+    }
+}
+
+/// Embedding from every type, RMSNorm, RoPE in both layouts, SwiGLU, add and argmax.
+pub fn embed_rms_norm_rope_swiglu_add_argmax<B: Backend>(make: impl Fn() -> B) {
+    let mut rng = ChaCha8Rng::seed_from_u64(2);
+    for ty in WEIGHT_TYPES {
+        let (dim, vocab) = (256, 11);
+        let bytes = random_weight_bytes(&mut rng, ty, dim * vocab);
+        let (mut gpu, mut cpu) = pair(&make);
+        let tensor = HostTensor {
+            name: "e",
+            ty,
+            dims: &[dim, vocab],
+            bytes: &bytes,
+            region: None,
+        };
+        let (tg, tc) = (gpu.upload_weight(&tensor).unwrap(), cpu.upload_weight(&tensor).unwrap());
+        let ids = [3u32, 0, 10, 3, 7];
+        let (ig, og) = (put_u32(&mut gpu, &ids), poisoned(&mut gpu, ids.len() * dim));
+        let (ic, oc) = (put_u32(&mut cpu, &ids), poisoned(&mut cpu, ids.len() * dim));
+        gpu.embed(&tg, ig, og, ids.len()).unwrap();
+        cpu.embed(&tc, ic, oc, ids.len()).unwrap();
+        assert_eq!(
+            get(&gpu, og, ids.len() * dim),
+            get(&cpu, oc, ids.len() * dim),
+            "embed {ty}"
+        );
+    }
+
+    let (mut gpu, mut cpu) = pair(&make);
+    let (n, dim) = (7, 48);
+    let x = randn(&mut rng, n * dim);
+    let w = randn(&mut rng, dim);
+    let (xg, wg, og) = (put(&mut gpu, &x), put(&mut gpu, &w), poisoned(&mut gpu, n * dim));
+    let (xc, wc, oc) = (put(&mut cpu, &x), put(&mut cpu, &w), poisoned(&mut cpu, n * dim));
+    gpu.rms_norm(xg, wg, og, n, dim, 1e-5).unwrap();
+    cpu.rms_norm(xc, wc, oc, n, dim, 1e-5).unwrap();
+    assert!(
+        rel_l2(&get(&gpu, og, n * dim), &get(&cpu, oc, n * dim)) < 1e-6,
+        "rms_norm"
+    );
+
+    for layout in [RopeLayout::Adjacent, RopeLayout::Halves] {
+        let (heads, hd) = (9, 48);
+        let positions = [0u32, 1, 17, 34, 1000];
+        let x = randn(&mut rng, positions.len() * heads * hd);
+        let rope = Rope {
+            layout,
+            theta: 10000.0,
+            dims: hd,
+            scaling: RopeScaling::None,
+        };
+        let (xg, pg) = (put(&mut gpu, &x), put_u32(&mut gpu, &positions));
+        let (xc, pc) = (put(&mut cpu, &x), put_u32(&mut cpu, &positions));
+        let (fg, fc) = (
+            put(&mut gpu, &rope.inverse_frequencies()),
+            put(&mut cpu, &rope.inverse_frequencies()),
+        );
+        gpu.rope(xg, pg, fg, positions.len(), heads, hd, rope).unwrap();
+        cpu.rope(xc, pc, fc, positions.len(), heads, hd, rope).unwrap();
+        assert!(
+            rel_l2(&get(&gpu, xg, x.len()), &get(&cpu, xc, x.len())) < 1e-6,
+            "rope {layout:?}"
+        );
+    }
+
+    let n = 1001;
+    let (a, b) = (randn(&mut rng, n), randn(&mut rng, n));
+    let (ag, bg, og) = (put(&mut gpu, &a), put(&mut gpu, &b), poisoned(&mut gpu, n));
+    let (ac, bc, oc) = (put(&mut cpu, &a), put(&mut cpu, &b), poisoned(&mut cpu, n));
+    gpu.swiglu(ag, bg, og, n).unwrap();
+    cpu.swiglu(ac, bc, oc, n).unwrap();
+    assert!(rel_l2(&get(&gpu, og, n), &get(&cpu, oc, n)) < 1e-6, "swiglu");
+    gpu.add(ag, bg, n).unwrap();
+    cpu.add(ac, bc, n).unwrap();
+    assert!(rel_l2(&get(&gpu, ag, n), &get(&cpu, ac, n)) < 1e-7, "add");
+
+    // Argmax of rows wider than a block, with a tie placed so the lower index must win.
+    let (rows, width) = (3, 49_157);
+    let mut x = randn(&mut rng, rows * width);
+    x[width + 100] = 5.0;
+    x[width + 40_000] = 5.0;
+    let (xg, xc) = (put(&mut gpu, &x), put(&mut cpu, &x));
+    let (og, oc) = (put_u32(&mut gpu, &[u32::MAX; 3]), put_u32(&mut cpu, &[u32::MAX; 3]));
+    gpu.argmax(xg, og, rows, width).unwrap();
+    cpu.argmax(xc, oc, rows, width).unwrap();
+    let (mut got, mut want) = ([0u32; 3], [0u32; 3]);
+    gpu.read_u32(og, &mut got).unwrap();
+    cpu.read_u32(oc, &mut want).unwrap();
+    assert_eq!(got, want, "argmax");
+    assert_eq!(want[1], 100);
+}
+
+/// kv_write then attention through scrambled block tables, with f16 and f32 caches.
+pub fn paged_kv_write_and_attention<B: Backend>(make: impl Fn(KvType) -> B) {
+    let mut rng = ChaCha8Rng::seed_from_u64(3);
+    let shape = AttentionShape {
+        n_heads: 9,
+        n_kv_heads: 3,
+        head_dim: 48,
+    };
+    let kv_w = shape.kv_width();
+    for kv_type in [KvType::F16, KvType::F32] {
+        // An f16 cache holds rounded K and V: give the reference the same values.
+        let round = |v: Vec<f32>| -> Vec<f32> {
+            match kv_type {
+                KvType::F16 => v.iter().map(|&x| f16::from_f32(x).to_f32()).collect(),
+                KvType::F32 => v,
+            }
+        };
+        for page_size in [4, 16] {
+            let case = PagedCase::new(&mut rng, page_size, &PAGED_LENS);
+            let k: Vec<Vec<f32>> = PAGED_LENS.iter().map(|l| round(randn(&mut rng, l * kv_w))).collect();
+            let v: Vec<Vec<f32>> = PAGED_LENS.iter().map(|l| round(randn(&mut rng, l * kv_w))).collect();
+            let queries = paged_queries();
+            let q = randn(&mut rng, queries.len() * shape.q_width());
+            let (mut gpu, mut cpu) = pair(|| make(kv_type));
+            let got = case.attention(&mut gpu, &k, &v, &queries, &q, shape).unwrap();
+            let want = case.attention(&mut cpu, &k, &v, &queries, &q, shape).unwrap();
+            let err = rel_l2(&got, &want);
+            assert!(
+                err < 1e-5,
+                "{kv_type:?} paged attention, pages of {page_size}: relative error {err}"
+            );
+        }
+    }
+}
+
+/// SmolLM2's first greedy tokens and its perplexity on the Apache text against transformers.
+pub fn smollm2_matches_transformers<B: Backend>(backend: B) {
+    let device = backend.device_name();
+    let mut s = Session::load(
+        &super::smollm2(),
+        backend,
+        LoadOptions {
+            max_batch: 512,
+            kv_tokens: 512,
+            max_seqs: 1,
+        },
+    )
+    .unwrap();
+    let refs = super::read_json("hf_greedy.json");
+    for case in refs["cases"].as_array().unwrap() {
+        let text = case["text"].as_str().unwrap();
+        let prompt = match case["kind"].as_str().unwrap() {
+            "chat" => s.chat_prompt(&[Message::new("user", text)]).unwrap(),
+            _ => s.raw_prompt(text).unwrap(),
+        };
+        let mut kv = s.model.new_kv_cache(512);
+        let logits = s.model.forward_last(&prompt, &mut kv).unwrap().to_vec();
+        s.model.free_kv_cache(kv);
+        let first = axiom::engine::sampler::argmax(&logits);
+        assert_eq!(
+            first as u64,
+            case["greedy64_ids"][0].as_u64().unwrap(),
+            "{}: first token",
+            case["name"]
+        );
+    }
+    let text = std::fs::read_to_string(super::refs("apache-2.0.txt")).unwrap();
+    let tokens = s.tokenizer.encode(&text, false, false).unwrap();
+    let ppl = perplexity(&mut s.model, &tokens, 512, None, |_, _, _| {})
+        .unwrap()
+        .perplexity;
+    println!("SmolLM2 perplexity on {device}: {ppl:.4}");
+    assert!((ppl / 15.9167 - 1.0).abs() < 0.01, "perplexity {ppl}");
+}
+
+/// The tiny models of every architecture (tests/fixtures/hf), decoded token by token, against
+/// transformers' logits.
+pub fn every_architecture_matches_transformers<B: Backend>(make: impl Fn(KvType) -> B) {
+    for name in ["llama", "llama3", "mistral", "qwen2", "qwen3"] {
+        let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures/hf")
+            .join(name);
+        let refs: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("logits.json")).unwrap()).unwrap();
+        let want: Vec<f32> = std::fs::read(dir.join("logits.bin"))
+            .unwrap()
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+            .collect();
+        // f32 weights and arithmetic: with an f32 KV cache the f32 bound, with f16 K and V a looser one.
+        for (kv_type, bound) in [(KvType::F32, 1e-4), (KvType::F16, 2e-3)] {
+            let backend = make(kv_type);
+            let device = backend.device_name();
+            let mut s = Session::load(
+                &dir,
+                backend,
+                LoadOptions {
+                    max_batch: 64,
+                    kv_tokens: 64,
+                    max_seqs: 1,
+                },
+            )
+            .unwrap();
+            let mut got = Vec::new();
+            for ids in refs["ids"].as_array().unwrap() {
+                let ids: Vec<u32> = ids
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|v| v.as_u64().unwrap() as u32)
+                    .collect();
+                // One token at a time, as decoding runs (the matrix-vector kernels and the graphs).
+                let mut kv = s.model.new_kv_cache(64);
+                for &id in &ids {
+                    s.model
+                        .forward(&[id], &mut kv, LogitRows::Last, |_, l| got.extend_from_slice(l))
+                        .unwrap();
+                }
+                s.model.free_kv_cache(kv);
+            }
+            let err = rel_l2(&got, &want);
+            println!("{name} on {device}, {kv_type:?} KV cache: relative L2 error {err:.2e}");
+            assert!(err < bound, "{name} {kv_type:?}: {err}");
+        }
+    }
+}

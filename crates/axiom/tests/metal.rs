@@ -1,0 +1,43 @@
+//! The Metal backend against the CPU reference, op by op at awkward sizes, and the whole model
+//! against Hugging Face transformers' outputs (the checks in tests/common/gpu.rs, shared with
+//! CUDA). They run on a Mac with `cargo test --release --test metal`; the seed's context,
+//! allocator and device tests are unit tests in src/backend/metal/. Elsewhere this file is only
+//! type-checked (scripts/metal_check.sh); the kernels themselves are tested on Linux through
+//! crates/metal-on-cpu.
+#![cfg(any(target_vendor = "apple", axiom_metal_check))]
+
+mod common;
+
+use axiom::backend::metal::MetalBackend;
+use axiom::backend::KvType;
+use common::gpu;
+
+fn metal(kv_type: KvType) -> MetalBackend {
+    MetalBackend::new().expect("a Metal GPU").with_kv_type(kv_type)
+}
+
+#[test]
+fn matmul_every_type_and_token_count_matches_the_cpu_reference() {
+    // Every matmul decodes the stored blocks and accumulates in f32.
+    gpu::matmul_every_type_and_token_count(|| metal(KvType::F16), |_, _| 1e-5);
+}
+
+#[test]
+fn embed_rms_norm_rope_swiglu_add_match_the_cpu_reference() {
+    gpu::embed_rms_norm_rope_swiglu_add_argmax(|| metal(KvType::F16));
+}
+
+#[test]
+fn paged_kv_write_and_attention_match_the_cpu_reference() {
+    gpu::paged_kv_write_and_attention(metal);
+}
+
+#[test]
+fn smollm2_on_metal_matches_transformers() {
+    gpu::smollm2_matches_transformers(metal(KvType::F16));
+}
+
+#[test]
+fn every_architecture_on_metal_matches_transformers() {
+    gpu::every_architecture_matches_transformers(metal);
+}

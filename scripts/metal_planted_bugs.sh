@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# Shows that the two Linux checks of the Metal backend catch real bugs: each bug below is
+# planted in a copy, and the check must then fail (this script fails if one is not caught).
+#
+#   MSL run on the CPU (crates/metal-on-cpu, tests/kernels.rs):
+#     - a missing barrier between levels of attention_pv's tree reduction
+#     - a missing barrier in rms_norm between writing and summing the simdgroups' partial sums
+#     - attention_qk's causal mask off by one (position p + 1 visible)
+#   Type-check (scripts/metal_check.sh):
+#     - a usize passed where a kernel's u32 argument goes
+#     - a Metal method called with the wrong argument type
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+failures=0
+
+# replace FILE OLD NEW: OLD must occur exactly once in FILE.
+replace() {
+    python3 - "$@" <<'PY'
+import sys
+path, old, new = sys.argv[1:]
+text = open(path).read()
+assert text.count(old) == 1, f"{old!r} does not occur exactly once in {path}"
+open(path, "w").write(text.replace(old, new))
+PY
+}
+
+expect_failure() {
+    local what=$1
+    shift
+    if "$@" >"$work/log" 2>&1; then
+        echo "NOT CAUGHT: $what"
+        failures=$((failures + 1))
+    else
+        echo "caught: $what -- $(grep -m1 -E 'panicked at|^error(\[E[0-9]+\])?:|relative error|must be' "$work/log" | head -c 200)"
+    fi
+}
+
+plant_kernel() {
+    local what=$1 file=$2 old=$3 new=$4
+    rm -rf "$work/kernels"
+    cp -r crates/axiom/src/backend/metal/kernels "$work/kernels"
+    replace "$work/kernels/$file" "$old" "$new"
+    expect_failure "$what" env AXIOM_METAL_KERNELS="$work/kernels" \
+        cargo test --release --quiet -p metal-on-cpu --test kernels
+}
+
+plant_kernel "missing barrier in attention_pv's reduction" attention_pv.metal \
+    "        if (tid < stride) scratch[tid] = max(scratch[tid], scratch[tid + stride]);
+        threadgroup_barrier(mem_flags::mem_threadgroup);" \
+    "        if (tid < stride) scratch[tid] = max(scratch[tid], scratch[tid + stride]);"
+plant_kernel "missing barrier in rms_norm" rms_norm.metal \
+    "    if (lane == 0) partial[simd] = sum;
+    threadgroup_barrier(mem_flags::mem_threadgroup);" \
+    "    if (lane == 0) partial[simd] = sum;"
+plant_kernel "causal mask off by one in attention_qk" attention_qk.metal \
+    "if (p <= positions[t]) {" "if (p <= positions[t] + 1) {"
+
+# The type-check plants go into a copy of the workspace's sources.
+plant_rust() {
+    local what=$1 old=$2 new=$3
+    rm -rf "$work/ws"
+    mkdir -p "$work/ws"
+    git ls-files -co --exclude-standard -z | xargs -0 cp --parents -t "$work/ws"
+    replace "$work/ws/crates/axiom/src/backend/metal/mod.rs" "$old" "$new"
+    expect_failure "$what" scripts/metal_check.sh "$work/ws"
+}
+
+plant_rust "a usize where a kernel takes u32" "                u32_arg(kv_width)," "                Arg::U32(kv_width),"
+plant_rust "a wrong argument type to setBuffer:offset:atIndex:" \
+    "encoder.setBuffer_offset_atIndex(Some(buffer), block.offset, index)" \
+    "encoder.setBuffer_offset_atIndex(Some(buffer), block, index)"
+
+if [ "$failures" -gt 0 ]; then
+    echo "$failures planted bug(s) went unnoticed" >&2
+    exit 1
+fi
+echo "every planted bug was caught"
