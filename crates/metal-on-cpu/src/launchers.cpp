@@ -47,7 +47,7 @@ extern "C" void msl_rms_norm(const float* x, const float* w, float* out, uint di
 extern "C" void msl_rope(float* x, const uint* positions, const float* freqs, uint n_tokens, uint n_heads,
                          uint head_dim, uint dims, uint halves, uint threads) {
     launch({n_tokens, n_heads, 1}, {threads, 1, 1}, [&](const Thread& t) {
-        rope(x, positions, freqs, n_heads, head_dim, dims, halves, {t.group.x, t.group.y}, t.index, t.threads);
+        rope(x, positions, freqs, n_heads, head_dim, dims, halves, {t.group.x, t.group.y}, t.index, {t.threads, 1});
     });
 }
 
@@ -78,11 +78,11 @@ extern "C" void msl_attention(uint f16, const float* q, const void* k_cache, con
         uint2 group = {t.group.x, t.group.y};
         if (f16)
             attention_f16(q, (const half*)k_cache, (const half*)v_cache, p.positions, p.tables, p.table_width,
-                          p.token_seqs, p.page_size, out, n_heads, n_kv_heads, head_dim, group, t.index, t.threads,
+                          p.token_seqs, p.page_size, out, n_heads, n_kv_heads, head_dim, group, t.index, {t.threads, 1},
                           t.simd, t.simds, t.lane, t.lanes);
         else
             attention_f32(q, (const float*)k_cache, (const float*)v_cache, p.positions, p.tables, p.table_width,
-                          p.token_seqs, p.page_size, out, n_heads, n_kv_heads, head_dim, group, t.index, t.threads,
+                          p.token_seqs, p.page_size, out, n_heads, n_kv_heads, head_dim, group, t.index, {t.threads, 1},
                           t.simd, t.simds, t.lane, t.lanes);
     });
 }

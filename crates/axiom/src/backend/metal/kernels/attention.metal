@@ -74,8 +74,8 @@ void attention_head(device const float* q, device const T* k_cache, device const
                                  device float* out [[buffer(8)]], constant uint& n_heads [[buffer(9)]],            \
                                  constant uint& n_kv_heads [[buffer(10)]], constant uint& head_dim [[buffer(11)]], \
                                  uint2 group [[threadgroup_position_in_grid]],                                     \
-                                 uint tid [[thread_position_in_threadgroup]],                                      \
-                                 uint threads [[threads_per_threadgroup]],                                         \
+                                 uint tid [[thread_index_in_threadgroup]],                                         \
+                                 uint2 group_size [[threads_per_threadgroup]],                                     \
                                  uint simd [[simdgroup_index_in_threadgroup]],                                     \
                                  uint simds [[simdgroups_per_threadgroup]],                                        \
                                  uint lane [[thread_index_in_simdgroup]],                                          \
@@ -84,7 +84,7 @@ void attention_head(device const float* q, device const T* k_cache, device const
         threadgroup float simd_sum_exp[ATTN_MAX_SIMDS];                                                           \
         threadgroup float simd_acc[ATTN_MAX_SIMDS * ATTN_MAX_PER_LANE * 32];                                      \
         attention_head<T>(q, k_cache, v_cache, positions, tables, table_width, token_seqs, page_size, out, n_heads,   \
-                          n_kv_heads, head_dim, group.x, group.y, tid, threads, simd, simds, lane, lanes,           \
+                          n_kv_heads, head_dim, group.x, group.y, tid, group_size.x, simd, simds, lane, lanes,      \
                           simd_max_score, simd_sum_exp, simd_acc);                                                  \
     }
 

@@ -5,8 +5,9 @@ kernel void rope(device float* x [[buffer(0)]], device const uint* positions [[b
                  device const float* freqs [[buffer(2)]], constant uint& n_heads [[buffer(3)]],
                  constant uint& head_dim [[buffer(4)]], constant uint& dims [[buffer(5)]],
                  constant uint& halves [[buffer(6)]], uint2 group [[threadgroup_position_in_grid]],
-                 uint tid [[thread_position_in_threadgroup]], uint threads [[threads_per_threadgroup]]) {
-    uint t = group.x, h = group.y;
+                 uint tid [[thread_index_in_threadgroup]], uint2 group_size [[threads_per_threadgroup]]) {
+    // Grid attributes of a kernel share one shape (here two-dimensional); the threads are a row.
+    uint t = group.x, h = group.y, threads = group_size.x;
     device float* head = x + (ulong(t) * n_heads + h) * head_dim;
     float pos = float(positions[t]);
     uint n_pairs = dims / 2;
