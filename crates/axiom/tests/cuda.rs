@@ -47,7 +47,15 @@ fn embed_rms_norm_rope_swiglu_add_match_the_cpu_reference() {
 #[test]
 #[ignore = "needs an NVIDIA GPU: cargo test --release --test cuda -- --ignored"]
 fn paged_kv_write_and_attention_match_the_cpu_reference() {
-    gpu::paged_kv_write_and_attention(cuda);
+    // Steps of 32 tokens or more with an f16 cache and heads of 64 or 128 go to the tensor-core
+    // kernel: f16 queries and probabilities.
+    gpu::paged_kv_write_and_attention(cuda, |kv_type, head_dim| {
+        if kv_type == KvType::F16 && matches!(head_dim, 64 | 128) {
+            5e-3
+        } else {
+            1e-5
+        }
+    });
 }
 
 #[test]

@@ -20,6 +20,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("matmul.cu", include_str!("kernels/matmul.cu")),
     ("kv_write.cu", include_str!("kernels/kv_write.cu")),
     ("attention.cu", include_str!("kernels/attention.cu")),
+    ("flash_attention.cu", include_str!("kernels/flash_attention.cu")),
     ("elementwise.cu", include_str!("kernels/elementwise.cu")),
     ("argmax.cu", include_str!("kernels/argmax.cu")),
 ];
@@ -99,6 +100,8 @@ const FUNCTIONS: &[&str] = &[
     "kv_write_f32",
     "attention_f16",
     "attention_f32",
+    "flash_attention_64",
+    "flash_attention_128",
     "swiglu",
     "add",
     "add_bias",

@@ -34,6 +34,29 @@ fn gemv_max_tokens(ty: GgmlType) -> usize {
     }
 }
 
+/// Steps of at least this many tokens run attention on tensor cores (flash_attention.cu), where
+/// the f16 cache and the head size allow; smaller ones, decode above all, use the one-pass kernel.
+const FLASH_MIN_TOKENS: usize = 32;
+/// Query tokens per flash-attention block.
+const FLASH_QUERY_TILE: usize = 64;
+
+/// Splits a step's tokens into runs of one sequence at consecutive positions, at most
+/// `FLASH_QUERY_TILE` long: `(first token, count)` pairs, flattened, for flash_attention.cu.
+fn query_tiles(positions: &[u32], token_seqs: &[u32]) -> Vec<u32> {
+    let mut tiles: Vec<u32> = Vec::new();
+    for t in 0..positions.len() {
+        let extends = t > 0
+            && token_seqs[t] == token_seqs[t - 1]
+            && positions[t] == positions[t - 1] + 1
+            && tiles.last().is_some_and(|&n| (n as usize) < FLASH_QUERY_TILE);
+        match tiles.last_mut() {
+            Some(n) if extends => *n += 1,
+            _ => tiles.extend([t as u32, 1]),
+        }
+    }
+    tiles
+}
+
 /// A weight matrix in device memory, in its stored type, split by field (see `split_weight`):
 /// quants in `q`, per-block scales or K-quant metadata in `s`, minimums or Q6_K high bits in `m`.
 pub struct CudaWeight {
@@ -96,6 +119,8 @@ pub struct CudaBackend {
     arena: Arena,
     /// f16 staging for cuBLAS: a dequantized weight, and the converted activations.
     staging: Option<(BlockHandle, BlockHandle)>,
+    /// The query tiles of a flash-attention step (two u32 per tile, at most one tile a token).
+    flash_tiles: Option<BlockHandle>,
     largest_weight: usize,
     graphs: RefCell<Vec<CudaGraph>>,
     /// The most tokens a step may have to be recorded: every matmul must use our own kernels.
@@ -126,6 +151,7 @@ impl CudaBackend {
             base: 0,
             arena: Arena::new(0),
             staging: None,
+            flash_tiles: None,
             largest_weight: 0,
             graphs: RefCell::new(Vec::new()),
             capture_max_tokens: GEMV_MAX_TOKENS,
@@ -599,6 +625,35 @@ impl Backend for CudaBackend {
         }
         let (nh, nkv, hd) = (shape.n_heads as i32, shape.n_kv_heads as i32, shape.head_dim as i32);
         let (table_width, page_size) = (pages.table_width as i32, pages.page_size as i32);
+        let flash = self.kv_type == KvType::F16 && matches!(shape.head_dim, 64 | 128) && n_tokens >= FLASH_MIN_TOKENS;
+        if let (true, Some(tiles_block)) = (flash, self.flash_tiles) {
+            // The step's layout comes back to the host to be cut into tiles: a prefill step is
+            // not recorded into a graph, and two small copies are nothing next to its work.
+            let (mut host_positions, mut host_seqs) = (vec![0u32; n_tokens], vec![0u32; n_tokens]);
+            self.read_u32(positions, &mut host_positions)?;
+            self.read_u32(pages.token_seqs, &mut host_seqs)?;
+            let tiles = query_tiles(&host_positions, &host_seqs);
+            self.write_u32(tiles_block, &tiles)?;
+            return self.launch(
+                &format!("flash_attention_{}", shape.head_dim),
+                ((tiles.len() / 2) as u32, shape.n_heads as u32, 1),
+                128,
+                &[
+                    &self.ptr(q),
+                    &self.ptr(k_cache),
+                    &self.ptr(v_cache),
+                    &self.ptr(positions),
+                    &self.ptr(pages.block_tables),
+                    &table_width,
+                    &self.ptr(pages.token_seqs),
+                    &page_size,
+                    &self.ptr(tiles_block),
+                    &self.ptr(out),
+                    &nh,
+                    &nkv,
+                ],
+            );
+        }
         self.launch(
             &format!("attention_{}", self.kv_suffix()),
             (n_tokens as u32, shape.n_heads as u32, 1),
@@ -661,14 +716,40 @@ impl Backend for CudaBackend {
             let x = self.alloc(max_tokens * max_n_in * 2)?;
             self.staging = Some((w, x));
         }
+        if self.flash_tiles.is_none() && max_tokens >= FLASH_MIN_TOKENS {
+            self.flash_tiles = Some(self.alloc(max_tokens * 8)?);
+        }
         Ok(())
     }
 
     fn staging_bytes(&self, largest_weight: usize, max_tokens: usize, max_n_in: usize) -> usize {
-        if max_tokens > GEMV_MAX_TOKENS {
+        let cublas = if max_tokens > GEMV_MAX_TOKENS {
             largest_weight * 2 + max_tokens * max_n_in * 2 + 2 * ALIGN
         } else {
             0
-        }
+        };
+        let flash = if max_tokens >= FLASH_MIN_TOKENS {
+            max_tokens * 8 + ALIGN
+        } else {
+            0
+        };
+        cublas + flash
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn query_tiles_are_runs_of_one_sequence_at_consecutive_positions() {
+        // A 70-token prompt chunk of sequence 0 from position 5, a decode of sequence 1, then
+        // sequence 2 restarting at 0 right after sequence 0's positions would continue.
+        let mut positions: Vec<u32> = (5..75).collect();
+        let mut seqs = vec![0u32; 70];
+        positions.extend([40, 0, 1]);
+        seqs.extend([1, 2, 2]);
+        assert_eq!(query_tiles(&positions, &seqs), vec![0, 64, 64, 6, 70, 1, 71, 2]);
+        assert!(query_tiles(&[], &[]).is_empty());
     }
 }
