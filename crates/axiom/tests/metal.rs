@@ -19,7 +19,7 @@ fn metal(kv_type: KvType) -> MetalBackend {
 #[test]
 fn matmul_every_type_and_token_count_matches_the_cpu_reference() {
     // Every matmul decodes the stored blocks and accumulates in f32.
-    gpu::matmul_every_type_and_token_count(|| metal(KvType::F16), |_, _| 1e-5);
+    gpu::matmul_every_type_and_token_count(|| metal(KvType::F16), |_, _, _| 1e-5);
 }
 
 #[test]

@@ -73,12 +73,16 @@ pub const WEIGHT_TYPES: [GgmlType; 8] = [
     GgmlType::Q6K,
 ];
 
-/// Every weight type and several token counts; `tolerance(type, n_tokens)` is the relative error
-/// the backend's kernels for that case allow.
-pub fn matmul_every_type_and_token_count<B: Backend>(make: impl Fn() -> B, tolerance: impl Fn(GgmlType, usize) -> f64) {
+/// Every weight type, short and long rows (backends may switch kernels with the row length), and
+/// several token counts; `tolerance(type, n_in, n_tokens)` is the relative error the backend's
+/// kernels for that case allow.
+pub fn matmul_every_type_and_token_count<B: Backend>(
+    make: impl Fn() -> B,
+    tolerance: impl Fn(GgmlType, usize, usize) -> f64,
+) {
     let mut rng = ChaCha8Rng::seed_from_u64(1);
-    for ty in WEIGHT_TYPES {
-        let n_in = if ty.block_len() == 256 { 512 } else { 96 };
+    let short = |ty: GgmlType| if ty.block_len() == 256 { 512 } else { 96 };
+    for (ty, n_in) in WEIGHT_TYPES.iter().flat_map(|&ty| [(ty, short(ty)), (ty, 2048)]) {
         let n_out = 37;
         let bytes = random_weight_bytes(&mut rng, ty, n_in * n_out);
         let (mut gpu, mut cpu) = pair(&make);
@@ -98,8 +102,11 @@ pub fn matmul_every_type_and_token_count<B: Backend>(make: impl Fn() -> B, toler
             gpu.matmul(xg, &wg, og, n_tokens).unwrap();
             cpu.matmul(xc, &wc, oc, n_tokens).unwrap();
             let err = rel_l2(&get(&gpu, og, n_tokens * n_out), &get(&cpu, oc, n_tokens * n_out));
-            let tol = tolerance(ty, n_tokens);
-            assert!(err < tol, "{ty} x {n_tokens} tokens: relative error {err}");
+            let tol = tolerance(ty, n_in, n_tokens);
+            assert!(
+                err < tol,
+                "{ty} [{n_out}, {n_in}] x {n_tokens} tokens: relative error {err}"
+            );
         }
     }
 }

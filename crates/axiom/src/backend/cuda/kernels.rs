@@ -80,71 +80,43 @@ fn nvrtc_version() -> (i32, i32) {
 /// The compiled module and its functions, looked up by name once.
 pub struct Kernels {
     _module: Arc<CudaModule>,
-    functions: HashMap<&'static str, CudaFunction>,
+    functions: HashMap<String, CudaFunction>,
     pub compiled_now: bool,
 }
 
 /// Every kernel the backend launches.
-const FUNCTIONS: &[&str] = &[
-    "embed_f32",
-    "embed_f16",
-    "embed_bf16",
-    "embed_q8_0",
-    "embed_q4_0",
-    "embed_q4_1",
-    "embed_q4_k",
-    "embed_q6_k",
-    "rms_norm",
-    "rope",
-    "kv_write_f16",
-    "kv_write_f32",
-    "attention_f16",
-    "attention_f32",
-    "flash_attention_64",
-    "flash_attention_128",
-    "swiglu",
-    "add",
-    "add_bias",
-    "convert_f32",
-    "argmax",
-    "gemv_f32_1",
-    "gemv_f32_2",
-    "gemv_f32_4",
-    "gemv_f32_8",
-    "gemv_f16_1",
-    "gemv_f16_2",
-    "gemv_f16_4",
-    "gemv_f16_8",
-    "gemv_bf16_1",
-    "gemv_bf16_2",
-    "gemv_bf16_4",
-    "gemv_bf16_8",
-    "gemv_q8_0_1",
-    "gemv_q8_0_2",
-    "gemv_q8_0_4",
-    "gemv_q8_0_8",
-    "gemv_q4_0_1",
-    "gemv_q4_0_2",
-    "gemv_q4_0_4",
-    "gemv_q4_0_8",
-    "gemv_q4_1_1",
-    "gemv_q4_1_2",
-    "gemv_q4_1_4",
-    "gemv_q4_1_8",
-    "gemv_q4_k_1",
-    "gemv_q4_k_2",
-    "gemv_q4_k_4",
-    "gemv_q4_k_8",
-    "gemv_q6_k_1",
-    "gemv_q6_k_2",
-    "gemv_q6_k_4",
-    "gemv_q6_k_8",
-    "dequant_f16_q8_0",
-    "dequant_f16_q4_0",
-    "dequant_f16_q4_1",
-    "dequant_f16_q4_k",
-    "dequant_f16_q6_k",
-];
+fn kernel_names() -> Vec<String> {
+    let mut names: Vec<String> = [
+        "rms_norm",
+        "rope",
+        "kv_write_f16",
+        "kv_write_f32",
+        "attention_f16",
+        "attention_f32",
+        "flash_attention_64",
+        "flash_attention_128",
+        "swiglu",
+        "add",
+        "add_bias",
+        "convert_f32",
+        "argmax",
+        "quantize_q8",
+    ]
+    .iter()
+    .map(|n| n.to_string())
+    .collect();
+    let quantized = ["q8_0", "q4_0", "q4_1", "q4_k", "q6_k"];
+    let every_type = ["f32", "f16", "bf16"].iter().chain(&quantized);
+    for ty in every_type.clone() {
+        names.push(format!("embed_{ty}"));
+    }
+    for tokens in [1, 2, 4, 8] {
+        names.extend(every_type.clone().map(|ty| format!("gemv_{ty}_{tokens}")));
+        names.extend(quantized.iter().map(|ty| format!("gemv_int_{ty}_{tokens}")));
+    }
+    names.extend(quantized.iter().map(|ty| format!("dequant_f16_{ty}")));
+    names
+}
 
 impl Kernels {
     pub fn load(ctx: &Arc<CudaContext>, arch: &str, driver_version: i32) -> Result<Kernels> {
@@ -177,9 +149,9 @@ impl Kernels {
             .load_module(Ptx::from_binary(cubin))
             .map_err(|e| Error::Backend(format!("loading the CUDA kernels: {e}")))?;
         let mut functions = HashMap::new();
-        for &name in FUNCTIONS {
+        for name in kernel_names() {
             let f = module
-                .load_function(name)
+                .load_function(&name)
                 .map_err(|e| Error::Backend(format!("kernel {name}: {e}")))?;
             functions.insert(name, f);
         }

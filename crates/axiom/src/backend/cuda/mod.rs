@@ -34,6 +34,11 @@ fn gemv_max_tokens(ty: GgmlType) -> usize {
     }
 }
 
+/// Quantized matrices with rows at least this long are multiplied on integers (gemv_int in
+/// matmul.cu: activations quantized to int8, dp4a). Shorter ones keep the f32 kernels: their
+/// products are too small to repay the extra launch that quantizes the activations.
+const INT_GEMV_MIN_N_IN: usize = 2048;
+
 /// Steps of at least this many tokens run attention on tensor cores (flash_attention.cu), where
 /// the f16 cache and the head size allow; smaller ones, decode above all, use the one-pass kernel.
 const FLASH_MIN_TOKENS: usize = 32;
@@ -121,6 +126,8 @@ pub struct CudaBackend {
     staging: Option<(BlockHandle, BlockHandle)>,
     /// The query tiles of a flash-attention step (two u32 per tile, at most one tile a token).
     flash_tiles: Option<BlockHandle>,
+    /// Activations quantized for the integer matrix-vector kernels: int8 values, f32 block scales.
+    int8_activations: Option<(BlockHandle, BlockHandle)>,
     largest_weight: usize,
     graphs: RefCell<Vec<CudaGraph>>,
     /// The most tokens a step may have to be recorded: every matmul must use our own kernels.
@@ -152,6 +159,7 @@ impl CudaBackend {
             arena: Arena::new(0),
             staging: None,
             flash_tiles: None,
+            int8_activations: None,
             largest_weight: 0,
             graphs: RefCell::new(Vec::new()),
             capture_max_tokens: GEMV_MAX_TOKENS,
@@ -304,6 +312,104 @@ impl CudaBackend {
         }
         .map_err(|e| Error::Backend(format!("cuBLAS GEMM: {e:?}")))
     }
+
+    /// The f32 matrix-vector kernels, in groups of up to 8 tokens (one warp per row).
+    fn gemv(&self, x: BlockHandle, w: &CudaWeight, out: BlockHandle, n_tokens: usize) -> Result<()> {
+        let suffix = Self::type_suffix(w.ty)?;
+        let (n_in, n_out) = (w.n_in as i32, w.n_out as i32);
+        let (q, s, m) = self.weight_ptrs(w);
+        for (done, t) in token_groups(n_tokens) {
+            let (xs, outs) = (
+                x.slice(done * w.n_in * 4, t * w.n_in * 4),
+                out.slice(done * w.n_out * 4, t * w.n_out * 4),
+            );
+            // Eight warps per block, one row each.
+            self.launch(
+                &format!("gemv_{suffix}_{t}"),
+                (w.n_out.div_ceil(8) as u32, 1, 1),
+                256,
+                &[&q, &s, &m, &n_in, &self.ptr(xs), &self.ptr(outs), &n_out],
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Quantizes `n` activations of `x` into `staging` (int8 values, f32 scale per 32).
+    fn quantize_activations(
+        &self,
+        x: BlockHandle,
+        (xq, xd): (BlockHandle, BlockHandle),
+        n: usize,
+    ) -> Result<(BlockHandle, BlockHandle)> {
+        if n > xq.len {
+            return Err(Error::Backend(format!(
+                "{n} activations exceed the int8 staging of {}",
+                xq.len
+            )));
+        }
+        let n64 = n as u64;
+        self.launch(
+            "quantize_q8",
+            (blocks_for(n, 256), 1, 1),
+            256,
+            &[&self.ptr(x), &self.ptr(xq), &self.ptr(xd), &n64],
+        )?;
+        Ok((xq, xd))
+    }
+
+    /// The integer matrix-vector kernels over activations `quantize_activations` prepared.
+    fn gemv_int(
+        &self,
+        xq: BlockHandle,
+        xd: BlockHandle,
+        w: &CudaWeight,
+        out: BlockHandle,
+        n_tokens: usize,
+    ) -> Result<()> {
+        let suffix = Self::type_suffix(w.ty)?;
+        let (n_in, n_out) = (w.n_in as i32, w.n_out as i32);
+        let (q, s, m) = self.weight_ptrs(w);
+        for (done, t) in token_groups(n_tokens) {
+            let (xqs, xds, outs) = (
+                xq.slice(done * w.n_in, t * w.n_in),
+                xd.slice(done * w.n_in / 8, t * w.n_in / 8),
+                out.slice(done * w.n_out * 4, t * w.n_out * 4),
+            );
+            self.launch(
+                &format!("gemv_int_{suffix}_{t}"),
+                (w.n_out.div_ceil(8) as u32, 1, 1),
+                256,
+                &[
+                    &q,
+                    &s,
+                    &m,
+                    &n_in,
+                    &self.ptr(xqs),
+                    &self.ptr(xds),
+                    &self.ptr(outs),
+                    &n_out,
+                ],
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// Whether `w` is multiplied on integers at decode (see `INT_GEMV_MIN_N_IN`).
+fn uses_int_gemv(w: &CudaWeight) -> bool {
+    !matches!(w.ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16) && w.n_in >= INT_GEMV_MIN_N_IN
+}
+
+/// `n_tokens` split into groups the matrix-vector kernels take (8, 4, 2 or 1 tokens):
+/// `(first token, count)`.
+fn token_groups(n_tokens: usize) -> impl Iterator<Item = (usize, usize)> {
+    let mut done = 0;
+    std::iter::from_fn(move || {
+        let t = [8, 4, 2, 1].into_iter().find(|&t| t <= n_tokens - done)?;
+        let group = (done, t);
+        done += t;
+        Some(group)
+    })
 }
 
 impl Drop for CudaBackend {
@@ -510,28 +616,24 @@ impl Backend for CudaBackend {
     }
 
     fn matmul(&self, x: BlockHandle, w: &CudaWeight, out: BlockHandle, n_tokens: usize) -> Result<()> {
-        if n_tokens > gemv_max_tokens(w.ty) {
-            return self.gemm(x, w, out, n_tokens);
-        }
-        let suffix = Self::type_suffix(w.ty)?;
-        let (n_in, n_out) = (w.n_in as i32, w.n_out as i32);
-        let (q, s, m) = self.weight_ptrs(w);
-        let mut done = 0;
-        while done < n_tokens {
-            let t = [8, 4, 2, 1].into_iter().find(|&t| t <= n_tokens - done).unwrap_or(1);
-            let (xs, outs) = (
-                x.slice(done * w.n_in * 4, t * w.n_in * 4),
-                out.slice(done * w.n_out * 4, t * w.n_out * 4),
-            );
-            let name = format!("gemv_{suffix}_{t}");
-            // Eight warps per block, one row each.
-            self.launch(
-                &name,
-                (w.n_out.div_ceil(8) as u32, 1, 1),
-                256,
-                &[&q, &s, &m, &n_in, &self.ptr(xs), &self.ptr(outs), &n_out],
-            )?;
-            done += t;
+        self.matmul_many(x, &[w], &[out], n_tokens)
+    }
+
+    fn matmul_many(&self, x: BlockHandle, ws: &[&CudaWeight], outs: &[BlockHandle], n_tokens: usize) -> Result<()> {
+        // One quantization of the activations serves every weight that takes the integer path.
+        let mut quantized = None;
+        for (w, &out) in ws.iter().zip(outs) {
+            if n_tokens > gemv_max_tokens(w.ty) {
+                self.gemm(x, w, out, n_tokens)?;
+            } else if let Some(staging) = self.int8_activations.filter(|_| uses_int_gemv(w)) {
+                let (xq, xd) = match quantized {
+                    Some(q) => q,
+                    None => *quantized.insert(self.quantize_activations(x, staging, n_tokens * w.n_in)?),
+                };
+                self.gemv_int(xq, xd, w, out, n_tokens)?;
+            } else {
+                self.gemv(x, w, out, n_tokens)?;
+            }
         }
         Ok(())
     }
@@ -716,6 +818,10 @@ impl Backend for CudaBackend {
             let x = self.alloc(max_tokens * max_n_in * 2)?;
             self.staging = Some((w, x));
         }
+        if self.int8_activations.is_none() && max_n_in >= INT_GEMV_MIN_N_IN {
+            let values = GEMV_MAX_TOKENS.min(max_tokens) * max_n_in;
+            self.int8_activations = Some((self.alloc(values)?, self.alloc(values / 32 * 4)?));
+        }
         if self.flash_tiles.is_none() && max_tokens >= FLASH_MIN_TOKENS {
             self.flash_tiles = Some(self.alloc(max_tokens * 8)?);
         }
@@ -733,7 +839,12 @@ impl Backend for CudaBackend {
         } else {
             0
         };
-        cublas + flash
+        let int8 = if max_n_in >= INT_GEMV_MIN_N_IN {
+            GEMV_MAX_TOKENS.min(max_tokens) * max_n_in * 2 + 2 * ALIGN
+        } else {
+            0
+        };
+        cublas + flash + int8
     }
 }
 

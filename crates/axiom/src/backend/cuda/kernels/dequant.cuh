@@ -11,15 +11,20 @@ struct Weight {
     int n_in;
 };
 
-__device__ __forceinline__ void nibbles(uint4 raw, float d, float offset, float* y) {
-    u32 w[4] = {raw.x, raw.y, raw.z, raw.w};
-    for (int k = 0; k < 4; k++)
-        for (int b = 0; b < 4; b++) {
-            u32 byte = (w[k] >> (8 * b)) & 0xff;
-            y[4 * k + b] = d * (float)(byte & 15) + offset;
-            y[16 + 4 * k + b] = d * (float)(byte >> 4) + offset;
-        }
-}
+// A chunk as small integers, as the integer kernels use it: two runs of 16 values, run r at
+// positions at[r] of the row, value j of run r = scale[r] * q + offset[r], where q is byte j % 4 of
+// word q[4r + j / 4] read as a signed int8. `chunk` expands it to floats, exactly as the reference
+// dequantization computes them.
+struct IntChunk {
+    u32 q[8];
+    float scale[2];
+    float offset[2];
+    int at[2];
+};
+
+// Four bytes of 0..15 (0..63) to the signed bytes q - 8 (q - 32).
+__device__ __forceinline__ u32 nibbles_minus_8(u32 x) { return (x & 0x07070707u) | ((~x & 0x08080808u) * 0x1f); }
+__device__ __forceinline__ u32 six_bits_minus_32(u32 x) { return (x & 0x1f1f1f1fu) | ((~x & 0x20202020u) * 7); }
 
 __device__ __forceinline__ void scale_min_k4(int j, const u8* q, int* sc, int* m) {
     if (j < 4) {
@@ -31,86 +36,107 @@ __device__ __forceinline__ void scale_min_k4(int j, const u8* q, int* sc, int* m
     }
 }
 
-template <int TY> __device__ __forceinline__ void chunk(const Weight& w, u64 row, int c, float* y, int* at0, int* at1);
+__device__ __forceinline__ void words(uint4 raw, u32* w) {
+    w[0] = raw.x;
+    w[1] = raw.y;
+    w[2] = raw.z;
+    w[3] = raw.w;
+}
 
-template <> __device__ __forceinline__ void chunk<TY_Q8_0>(const Weight& w, u64 row, int c, float* y, int* at0, int* at1) {
+template <int TY> __device__ __forceinline__ IntChunk int_chunk(const Weight& w, u64 row, int c);
+
+template <> __device__ __forceinline__ IntChunk int_chunk<TY_Q8_0>(const Weight& w, u64 row, int c) {
     const uint4* q = (const uint4*)(w.q + row * w.n_in + 32 * c);
     float d = f16_to_f32(((const u16*)w.s)[row * (w.n_in / 32) + c]);
-    uint4 raw[2] = {q[0], q[1]};
-    for (int h = 0; h < 2; h++) {
-        u32 words[4] = {raw[h].x, raw[h].y, raw[h].z, raw[h].w};
-        for (int k = 0; k < 4; k++)
-            for (int b = 0; b < 4; b++) y[16 * h + 4 * k + b] = d * (float)(i8)((words[k] >> (8 * b)) & 0xff);
-    }
-    *at0 = 32 * c;
-    *at1 = 32 * c + 16;
+    IntChunk k = {{}, {d, d}, {0.0f, 0.0f}, {32 * c, 32 * c + 16}};
+    words(q[0], k.q);
+    words(q[1], k.q + 4);
+    return k;
 }
 
-template <> __device__ __forceinline__ void chunk<TY_Q4_0>(const Weight& w, u64 row, int c, float* y, int* at0, int* at1) {
+// Q4_0 and Q4_1: 16 bytes of nibbles, value j the low nibble of byte j and j + 16 the high one.
+template <> __device__ __forceinline__ IntChunk int_chunk<TY_Q4_0>(const Weight& w, u64 row, int c) {
     float d = f16_to_f32(((const u16*)w.s)[row * (w.n_in / 32) + c]);
-    nibbles(*(const uint4*)(w.q + row * (w.n_in / 2) + 16 * c), d, -8.0f * d, y);
-    *at0 = 32 * c;
-    *at1 = 32 * c + 16;
+    IntChunk k = {{}, {d, d}, {0.0f, 0.0f}, {32 * c, 32 * c + 16}};
+    u32 raw[4];
+    words(*(const uint4*)(w.q + row * (w.n_in / 2) + 16 * c), raw);
+    for (int i = 0; i < 4; i++) {
+        k.q[i] = nibbles_minus_8(raw[i] & 0x0f0f0f0fu);
+        k.q[4 + i] = nibbles_minus_8((raw[i] >> 4) & 0x0f0f0f0fu);
+    }
+    return k;
 }
 
-template <> __device__ __forceinline__ void chunk<TY_Q4_1>(const Weight& w, u64 row, int c, float* y, int* at0, int* at1) {
+template <> __device__ __forceinline__ IntChunk int_chunk<TY_Q4_1>(const Weight& w, u64 row, int c) {
     u64 b = row * (w.n_in / 32) + c;
     float d = f16_to_f32(((const u16*)w.s)[b]), m = f16_to_f32(((const u16*)w.m)[b]);
-    nibbles(*(const uint4*)(w.q + row * (w.n_in / 2) + 16 * c), d, m, y);
-    *at0 = 32 * c;
-    *at1 = 32 * c + 16;
+    IntChunk k = {{}, {d, d}, {m, m}, {32 * c, 32 * c + 16}};
+    u32 raw[4];
+    words(*(const uint4*)(w.q + row * (w.n_in / 2) + 16 * c), raw);
+    for (int i = 0; i < 4; i++) {
+        k.q[i] = raw[i] & 0x0f0f0f0fu;
+        k.q[4 + i] = (raw[i] >> 4) & 0x0f0f0f0fu;
+    }
+    return k;
 }
 
 // Q4_K: chunk c is 16 bytes of a super-block's 128 quant bytes; the 32-byte group g = (c%8)/2
 // holds sub-blocks 2g (low nibbles) and 2g+1 (high), and this chunk is their half h = c%2.
 // Metadata per super-block: d, dmin (f16) and the 12 bytes of packed 6-bit scales and mins.
-template <> __device__ __forceinline__ void chunk<TY_Q4_K>(const Weight& w, u64 row, int c, float* y, int* at0, int* at1) {
+template <> __device__ __forceinline__ IntChunk int_chunk<TY_Q4_K>(const Weight& w, u64 row, int c) {
     int sb = c / 8, g = (c % 8) / 2, h = c % 2;
     const u8* meta = w.s + (row * (w.n_in / 256) + sb) * 16;
     float d = f16_to_f32(load_u16(meta)), dmin = f16_to_f32(load_u16(meta + 2));
     int sc0, m0, sc1, m1;
     scale_min_k4(2 * g, meta + 4, &sc0, &m0);
     scale_min_k4(2 * g + 1, meta + 4, &sc1, &m1);
-    uint4 raw = *(const uint4*)(w.q + row * (w.n_in / 2) + 16 * c);
-    u32 words[4] = {raw.x, raw.y, raw.z, raw.w};
-    float d0 = d * sc0, o0 = -dmin * m0, d1 = d * sc1, o1 = -dmin * m1;
-    for (int k = 0; k < 4; k++)
-        for (int b = 0; b < 4; b++) {
-            u32 byte = (words[k] >> (8 * b)) & 0xff;
-            y[4 * k + b] = d0 * (float)(byte & 15) + o0;
-            y[16 + 4 * k + b] = d1 * (float)(byte >> 4) + o1;
-        }
-    *at0 = 256 * sb + 64 * g + 16 * h;
-    *at1 = *at0 + 32;
+    int at0 = 256 * sb + 64 * g + 16 * h;
+    IntChunk k = {{}, {d * sc0, d * sc1}, {-dmin * m0, -dmin * m1}, {at0, at0 + 32}};
+    u32 raw[4];
+    words(*(const uint4*)(w.q + row * (w.n_in / 2) + 16 * c), raw);
+    for (int i = 0; i < 4; i++) {
+        k.q[i] = raw[i] & 0x0f0f0f0fu;
+        k.q[4 + i] = (raw[i] >> 4) & 0x0f0f0f0fu;
+    }
+    return k;
 }
 
 // Q6_K: chunk c is 16 bytes of a super-block's 128 low-bit bytes (`q`), with the 16 matching
 // bytes of its 64 high-bit bytes (`m`). In half `half` of the super-block, low-bit byte l < 32
 // holds values l (low nibble) and l+64 (high); byte 32+l holds l+32 and l+96; high-bit byte l
 // holds the top two bits of values l, l+32, l+64, l+96. Metadata: 16 signed scales, then d (f16).
-template <> __device__ __forceinline__ void chunk<TY_Q6_K>(const Weight& w, u64 row, int c, float* y, int* at0, int* at1) {
-    int sb = c / 8, half = (c % 8) / 4, k = c % 4;
+template <> __device__ __forceinline__ IntChunk int_chunk<TY_Q6_K>(const Weight& w, u64 row, int c) {
+    int sb = c / 8, half = (c % 8) / 4, part = c % 4;
     const u8* meta = w.s + (row * (w.n_in / 256) + sb) * 20;
     float d = f16_to_f32(load_u16(meta + 16));
-    int l0 = 16 * (k % 2);                 // first l of this chunk
-    int second = k / 2;                    // bytes 32+l: values +32
-    uint4 lraw = *(const uint4*)(w.q + row * (w.n_in / 2) + 128 * sb + 64 * half + 32 * second + l0);
-    uint4 hraw = *(const uint4*)(w.m + row * (w.n_in / 4) + 64 * sb + 32 * half + l0);
-    u32 lw[4] = {lraw.x, lraw.y, lraw.z, lraw.w}, hw[4] = {hraw.x, hraw.y, hraw.z, hraw.w};
-    int base = 32 * second + l0;           // value index (within the half) of the low nibbles
-    float s_lo = d * (float)(i8)meta[8 * half + base / 16];
-    float s_hi = d * (float)(i8)meta[8 * half + (base + 64) / 16];
+    int l0 = 16 * (part % 2);  // first l of this chunk
+    int second = part / 2;     // bytes 32+l: values +32
+    int base = 32 * second + l0;  // value index (within the half) of the low nibbles
+    int at0 = 256 * sb + 128 * half + base;
+    IntChunk k = {{},
+                  {d * (float)(i8)meta[8 * half + base / 16], d * (float)(i8)meta[8 * half + (base + 64) / 16]},
+                  {0.0f, 0.0f},
+                  {at0, at0 + 64}};
+    u32 lw[4], hw[4];
+    words(*(const uint4*)(w.q + row * (w.n_in / 2) + 128 * sb + 64 * half + 32 * second + l0), lw);
+    words(*(const uint4*)(w.m + row * (w.n_in / 4) + 64 * sb + 32 * half + l0), hw);
     int shift_lo = 2 * second, shift_hi = 2 * second + 4;
-    for (int j = 0; j < 4; j++)
-        for (int b = 0; b < 4; b++) {
-            u32 lo = (lw[j] >> (8 * b)) & 0xff, hi = (hw[j] >> (8 * b)) & 0xff;
-            int q0 = (int)((lo & 15) | (((hi >> shift_lo) & 3) << 4)) - 32;
-            int q1 = (int)((lo >> 4) | (((hi >> shift_hi) & 3) << 4)) - 32;
-            y[4 * j + b] = s_lo * (float)q0;
-            y[16 + 4 * j + b] = s_hi * (float)q1;
+    for (int i = 0; i < 4; i++) {
+        k.q[i] = six_bits_minus_32((lw[i] & 0x0f0f0f0fu) | (((hw[i] >> shift_lo) & 0x03030303u) << 4));
+        k.q[4 + i] = six_bits_minus_32(((lw[i] >> 4) & 0x0f0f0f0fu) | (((hw[i] >> shift_hi) & 0x03030303u) << 4));
+    }
+    return k;
+}
+
+template <int TY> __device__ __forceinline__ void chunk(const Weight& w, u64 row, int c, float* y, int* at0, int* at1) {
+    IntChunk k = int_chunk<TY>(w, row, c);
+    for (int r = 0; r < 2; r++)
+        for (int j = 0; j < 16; j++) {
+            int q = (i8)((k.q[4 * r + j / 4] >> (8 * (j % 4))) & 0xff);
+            y[16 * r + j] = k.scale[r] * (float)q + k.offset[r];
         }
-    *at0 = 256 * sb + 128 * half + base;
-    *at1 = *at0 + 64;
+    *at0 = k.at[0];
+    *at1 = k.at[1];
 }
 
 // Float weights, 32 values per chunk, stored as they are.

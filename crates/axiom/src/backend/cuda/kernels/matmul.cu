@@ -34,6 +34,69 @@ __device__ void gemv(Weight w, const float* x, float* out, int n_out) {
     }
 }
 
+// The same products on integers, for large quantized matrices: the activations are first
+// quantized per 32 values to int8 with one f32 scale (quantize_q8), then each run of 16 weights is
+// dotted with its 16 activations by four dp4a; the run's scale and offset (IntChunk) and the
+// activations' scale come in once per run. Far fewer instructions per weight byte than widening
+// every value to f32.
+__device__ __forceinline__ int dp4a(u32 a, u32 b, int c) {
+    int d;
+    asm("dp4a.s32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+// xq[i] = round(x[i] / d), d = max |x| / 127 over each aligned block of 32 (a warp per block).
+extern "C" __global__ void quantize_q8(const float* x, i8* xq, float* xd, u64 n) {
+    u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x;
+    float v = i < n ? x[i] : 0.0f;
+    float d = warp_max(fabsf(v)) / 127.0f;
+    if (i < n) {
+        xq[i] = (i8)(d == 0.0f ? 0 : __float2int_rn(v / d));
+        if (i % 32 == 0) xd[i / 32] = d;
+    }
+}
+
+template <int TY, int T>
+__device__ void gemv_int(Weight w, const i8* xq, const float* xd, float* out, int n_out) {
+    int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    int lane = threadIdx.x % 32;
+    if (row >= n_out) return;
+    float acc[T];
+    for (int t = 0; t < T; t++) acc[t] = 0.0f;
+    for (int c = lane; c < w.n_in / 32; c += 32) {
+        IntChunk k = int_chunk<TY>(w, row, c);
+        for (int t = 0; t < T; t++) {
+            u64 xt = (u64)t * w.n_in;
+            for (int r = 0; r < 2; r++) {
+                uint4 xv = *(const uint4*)(xq + xt + k.at[r]);
+                int dot = dp4a(k.q[4 * r], xv.x, 0);
+                dot = dp4a(k.q[4 * r + 1], xv.y, dot);
+                dot = dp4a(k.q[4 * r + 2], xv.z, dot);
+                dot = dp4a(k.q[4 * r + 3], xv.w, dot);
+                // The activations' own sum, for the run's offset (Q4_1 minimums, Q4_K mins).
+                int sum = dp4a(0x01010101u, xv.x, dp4a(0x01010101u, xv.y, dp4a(0x01010101u, xv.z, dp4a(0x01010101u, xv.w, 0))));
+                acc[t] += xd[(xt + k.at[r]) / 32] * (k.scale[r] * (float)dot + k.offset[r] * (float)sum);
+            }
+        }
+    }
+    for (int t = 0; t < T; t++) {
+        float s = warp_sum(acc[t]);
+        if (lane == 0) out[(u64)t * n_out + row] = s;
+    }
+}
+
+#define GEMV_INT(NAME, TY, T) \
+    extern "C" __global__ void gemv_int_##NAME##_##T(const u8* q, const u8* s, const u8* m, int n_in, const i8* xq, \
+                                                      const float* xd, float* out, int n_out) { \
+        gemv_int<TY, T>(Weight{q, s, m, n_in}, xq, xd, out, n_out); \
+    }
+#define GEMV_INT_ALL_T(NAME, TY) GEMV_INT(NAME, TY, 1) GEMV_INT(NAME, TY, 2) GEMV_INT(NAME, TY, 4) GEMV_INT(NAME, TY, 8)
+GEMV_INT_ALL_T(q8_0, TY_Q8_0)
+GEMV_INT_ALL_T(q4_0, TY_Q4_0)
+GEMV_INT_ALL_T(q4_1, TY_Q4_1)
+GEMV_INT_ALL_T(q4_k, TY_Q4_K)
+GEMV_INT_ALL_T(q6_k, TY_Q6_K)
+
 // Float weights: lane-interleaved 16-byte loads, so each warp load is 512 contiguous bytes, with
 // UNROLL loads in flight per lane before the first is used; activations read as float4.
 template <int TY>
