@@ -248,6 +248,22 @@ pub trait Backend {
         dim: usize,
         eps: f32,
     ) -> Result<()>;
+    /// `x += y`, then `out[t] = x[t] / rms(x[t]) * weight`: a residual add and the norm after it
+    /// in one op (one pass over `x` instead of three). The default runs `add`, then `rms_norm`.
+    #[allow(clippy::too_many_arguments)]
+    fn add_rms_norm(
+        &self,
+        x: BlockHandle,
+        y: BlockHandle,
+        weight: BlockHandle,
+        out: BlockHandle,
+        n_tokens: usize,
+        dim: usize,
+        eps: f32,
+    ) -> Result<()> {
+        self.add(x, y, n_tokens * dim)?;
+        self.rms_norm(x, weight, out, n_tokens, dim, eps)
+    }
     /// `out[t, o] = sum_i x[t, i] * w[o, i]`.
     fn matmul(&self, x: BlockHandle, w: &Self::Weight, out: BlockHandle, n_tokens: usize) -> Result<()>;
     /// `matmul` of one input by several weights (Q/K/V, gate/up): a backend can prepare the input

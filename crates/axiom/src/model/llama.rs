@@ -438,9 +438,12 @@ impl<B: Backend> Llama<B> {
             page_size: PAGE_SIZE,
         };
         b.embed(&self.weights.token_embd, self.inputs.ids(), s.x, n)?;
-        for (layer, (k_cache, v_cache)) in self.weights.layers.iter().zip(self.cache.k.iter().zip(&self.cache.v)) {
-            // Attention block.
-            b.rms_norm(s.x, layer.attn_norm, s.normed, n, c.dim, c.rms_eps)?;
+        let layers = &self.weights.layers;
+        if let Some(first) = layers.first() {
+            b.rms_norm(s.x, first.attn_norm, s.normed, n, c.dim, c.rms_eps)?;
+        }
+        for (l, (layer, (k_cache, v_cache))) in layers.iter().zip(self.cache.k.iter().zip(&self.cache.v)).enumerate() {
+            // Attention block (its input norm was taken with the residual add before it).
             b.matmul_many(s.normed, &[&layer.wq, &layer.wk, &layer.wv], &[s.q, s.k, s.v], n)?;
             if let Some([bq, bk, bv]) = layer.qkv_bias {
                 b.add_bias(s.q, bq, n, shape.q_width())?;
@@ -461,13 +464,16 @@ impl<B: Backend> Llama<B> {
             b.kv_write(k, s.v, *k_cache, *v_cache, positions, pages, n, shape.kv_width())?;
             b.attention(q, *k_cache, *v_cache, positions, pages, s.attn, n, shape)?;
             b.matmul(s.attn, &layer.wo, s.proj, n)?;
-            b.add(s.x, s.proj, n * c.dim)?;
             // Feed-forward block.
-            b.rms_norm(s.x, layer.ffn_norm, s.normed, n, c.dim, c.rms_eps)?;
+            b.add_rms_norm(s.x, s.proj, layer.ffn_norm, s.normed, n, c.dim, c.rms_eps)?;
             b.matmul_many(s.normed, &[&layer.w_gate, &layer.w_up], &[s.gate, s.up], n)?;
             b.swiglu(s.gate, s.up, s.hidden, n * c.ffn_dim)?;
             b.matmul(s.hidden, &layer.w_down, s.proj, n)?;
-            b.add(s.x, s.proj, n * c.dim)?;
+            match layers.get(l + 1) {
+                Some(next) => b.add_rms_norm(s.x, s.proj, next.attn_norm, s.normed, n, c.dim, c.rms_eps)?,
+                // The final norm is taken later, only for the rows that want outputs.
+                None => b.add(s.x, s.proj, n * c.dim)?,
+            }
         }
         Ok(())
     }

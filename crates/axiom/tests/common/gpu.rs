@@ -109,6 +109,48 @@ pub fn matmul_every_type_and_token_count<B: Backend>(
             );
         }
     }
+    // Several weights on one input, as Q/K/V take it: two of one type and one of another (a
+    // Q4_K_M file stores V in Q6_K), so a backend that groups them must split by type.
+    for n_in in [512, 2048] {
+        let (mut gpu, mut cpu) = pair(&make);
+        let specs = [(GgmlType::Q4K, 37), (GgmlType::Q4K, 29), (GgmlType::Q6K, 50)];
+        let bytes: Vec<Vec<u8>> = specs
+            .iter()
+            .map(|&(ty, n_out)| random_weight_bytes(&mut rng, ty, n_in * n_out))
+            .collect();
+        let (mut wg, mut wc) = (Vec::new(), Vec::new());
+        for (&(ty, n_out), bytes) in specs.iter().zip(&bytes) {
+            let dims = [n_in, n_out];
+            let tensor = HostTensor {
+                name: "w",
+                ty,
+                dims: &dims,
+                bytes,
+                region: None,
+            };
+            wg.push(gpu.upload_weight(&tensor).unwrap());
+            wc.push(cpu.upload_weight(&tensor).unwrap());
+        }
+        gpu.prepare(64, n_in).unwrap();
+        for n_tokens in [1, 3, 8] {
+            let x = randn(&mut rng, n_tokens * n_in);
+            let (xg, xc) = (put(&mut gpu, &x), put(&mut cpu, &x));
+            let og: Vec<BlockHandle> = specs.iter().map(|s| poisoned(&mut gpu, n_tokens * s.1)).collect();
+            let oc: Vec<BlockHandle> = specs.iter().map(|s| poisoned(&mut cpu, n_tokens * s.1)).collect();
+            gpu.matmul_many(xg, &wg.iter().collect::<Vec<_>>(), &og, n_tokens)
+                .unwrap();
+            cpu.matmul_many(xc, &wc.iter().collect::<Vec<_>>(), &oc, n_tokens)
+                .unwrap();
+            for (i, &(ty, n_out)) in specs.iter().enumerate() {
+                let err = rel_l2(&get(&gpu, og[i], n_tokens * n_out), &get(&cpu, oc[i], n_tokens * n_out));
+                let tol = tolerance(ty, n_in, n_tokens);
+                assert!(
+                    err < tol,
+                    "matmul_many #{i} {ty} [{n_out}, {n_in}] x {n_tokens}: relative error {err}"
+                );
+            }
+        }
+    }
 }
 
 /// Embedding from every type, RMSNorm, RoPE in both layouts, SwiGLU, add and argmax.
@@ -149,6 +191,20 @@ pub fn embed_rms_norm_rope_swiglu_add_argmax<B: Backend>(make: impl Fn() -> B) {
     assert!(
         rel_l2(&get(&gpu, og, n * dim), &get(&cpu, oc, n * dim)) < 1e-6,
         "rms_norm"
+    );
+    // The residual add fused into the norm: the sum stays in x.
+    let y = randn(&mut rng, n * dim);
+    let (yg, og) = (put(&mut gpu, &y), poisoned(&mut gpu, n * dim));
+    let (yc, oc) = (put(&mut cpu, &y), poisoned(&mut cpu, n * dim));
+    gpu.add_rms_norm(xg, yg, wg, og, n, dim, 1e-5).unwrap();
+    cpu.add_rms_norm(xc, yc, wc, oc, n, dim, 1e-5).unwrap();
+    assert!(
+        rel_l2(&get(&gpu, xg, n * dim), &get(&cpu, xc, n * dim)) < 1e-7,
+        "add_rms_norm sum"
+    );
+    assert!(
+        rel_l2(&get(&gpu, og, n * dim), &get(&cpu, oc, n * dim)) < 1e-6,
+        "add_rms_norm"
     );
 
     for layout in [RopeLayout::Adjacent, RopeLayout::Halves] {

@@ -88,6 +88,7 @@ pub struct Kernels {
 fn kernel_names() -> Vec<String> {
     let mut names: Vec<String> = [
         "rms_norm",
+        "add_rms_norm",
         "rope",
         "kv_write_f16",
         "kv_write_f32",

@@ -313,23 +313,32 @@ impl CudaBackend {
         .map_err(|e| Error::Backend(format!("cuBLAS GEMM: {e:?}")))
     }
 
-    /// The f32 matrix-vector kernels, in groups of up to 8 tokens (one warp per row).
-    fn gemv(&self, x: BlockHandle, w: &CudaWeight, out: BlockHandle, n_tokens: usize) -> Result<()> {
+    /// The kernel argument for `ws` (one type, at most `MAX_MATRICES`), writing token rows
+    /// `first..first + count` of `outs`; and the blocks of eight rows their rows need.
+    fn matrices(&self, ws: &[&CudaWeight], outs: &[BlockHandle], first: usize, count: usize) -> (Matrices, u32) {
+        let mut m = Matrices {
+            count: ws.len() as i32,
+            ..Matrices::default()
+        };
+        for (i, (w, out)) in ws.iter().zip(outs).enumerate() {
+            (m.q[i], m.s[i], m.m[i]) = self.weight_ptrs(w);
+            m.out[i] = self.ptr(out.slice(first * w.n_out * 4, count * w.n_out * 4));
+            m.n_out[i] = w.n_out as i32;
+        }
+        let rows: usize = ws.iter().map(|w| w.n_out).sum();
+        // Eight warps per block, one row each.
+        (m, rows.div_ceil(8) as u32)
+    }
+
+    /// The f32 matrix-vector kernels, in groups of up to 8 tokens.
+    fn gemv(&self, x: BlockHandle, ws: &[&CudaWeight], outs: &[BlockHandle], n_tokens: usize) -> Result<()> {
+        let w = ws[0];
         let suffix = Self::type_suffix(w.ty)?;
-        let (n_in, n_out) = (w.n_in as i32, w.n_out as i32);
-        let (q, s, m) = self.weight_ptrs(w);
+        let n_in = w.n_in as i32;
         for (done, t) in token_groups(n_tokens) {
-            let (xs, outs) = (
-                x.slice(done * w.n_in * 4, t * w.n_in * 4),
-                out.slice(done * w.n_out * 4, t * w.n_out * 4),
-            );
-            // Eight warps per block, one row each.
-            self.launch(
-                &format!("gemv_{suffix}_{t}"),
-                (w.n_out.div_ceil(8) as u32, 1, 1),
-                256,
-                &[&q, &s, &m, &n_in, &self.ptr(xs), &self.ptr(outs), &n_out],
-            )?;
+            let (mats, blocks) = self.matrices(ws, outs, done, t);
+            let xs = self.ptr(x.slice(done * w.n_in * 4, t * w.n_in * 4));
+            self.launch(&format!("gemv_{suffix}_{t}"), (blocks, 1, 1), 256, &[&mats, &n_in, &xs])?;
         }
         Ok(())
     }
@@ -362,33 +371,22 @@ impl CudaBackend {
         &self,
         xq: BlockHandle,
         xd: BlockHandle,
-        w: &CudaWeight,
-        out: BlockHandle,
+        ws: &[&CudaWeight],
+        outs: &[BlockHandle],
         n_tokens: usize,
     ) -> Result<()> {
+        let w = ws[0];
         let suffix = Self::type_suffix(w.ty)?;
-        let (n_in, n_out) = (w.n_in as i32, w.n_out as i32);
-        let (q, s, m) = self.weight_ptrs(w);
+        let n_in = w.n_in as i32;
         for (done, t) in token_groups(n_tokens) {
-            let (xqs, xds, outs) = (
-                xq.slice(done * w.n_in, t * w.n_in),
-                xd.slice(done * w.n_in / 8, t * w.n_in / 8),
-                out.slice(done * w.n_out * 4, t * w.n_out * 4),
-            );
+            let (mats, blocks) = self.matrices(ws, outs, done, t);
+            let xqs = self.ptr(xq.slice(done * w.n_in, t * w.n_in));
+            let xds = self.ptr(xd.slice(done * w.n_in / 8, t * w.n_in / 8));
             self.launch(
                 &format!("gemv_int_{suffix}_{t}"),
-                (w.n_out.div_ceil(8) as u32, 1, 1),
+                (blocks, 1, 1),
                 256,
-                &[
-                    &q,
-                    &s,
-                    &m,
-                    &n_in,
-                    &self.ptr(xqs),
-                    &self.ptr(xds),
-                    &self.ptr(outs),
-                    &n_out,
-                ],
+                &[&mats, &n_in, &xqs, &xds],
             )?;
         }
         Ok(())
@@ -437,7 +435,26 @@ macro_rules! kernel_arg {
         }
     )*};
 }
-kernel_arg!(u64, i32, u32, f32);
+kernel_arg!(u64, i32, u32, f32, Matrices);
+
+/// Up to `MAX_MATRICES` weights of one type for one matrix-vector launch: their fields, outputs
+/// and rows, as `struct Matrices` in kernels/matmul.cu lays them out.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct Matrices {
+    q: [u64; MAX_MATRICES],
+    s: [u64; MAX_MATRICES],
+    m: [u64; MAX_MATRICES],
+    out: [u64; MAX_MATRICES],
+    n_out: [i32; MAX_MATRICES],
+    count: i32,
+}
+
+// SAFETY: plain integers, laid out as the kernels' struct (C layout, no padding but the tail).
+unsafe impl cudarc::driver::DeviceRepr for Matrices {}
+
+/// Weights one matrix-vector launch takes at most (MAX_MATRICES in kernels/matmul.cu).
+const MAX_MATRICES: usize = 3;
 
 impl Backend for CudaBackend {
     type Weight = CudaWeight;
@@ -615,25 +632,65 @@ impl Backend for CudaBackend {
         )
     }
 
+    fn add_rms_norm(
+        &self,
+        x: BlockHandle,
+        y: BlockHandle,
+        weight: BlockHandle,
+        out: BlockHandle,
+        n_tokens: usize,
+        dim: usize,
+        eps: f32,
+    ) -> Result<()> {
+        let dim = dim as i32;
+        self.launch(
+            "add_rms_norm",
+            (n_tokens as u32, 1, 1),
+            256,
+            &[
+                &self.ptr(x),
+                &self.ptr(y),
+                &self.ptr(weight),
+                &self.ptr(out),
+                &dim,
+                &eps,
+            ],
+        )
+    }
+
     fn matmul(&self, x: BlockHandle, w: &CudaWeight, out: BlockHandle, n_tokens: usize) -> Result<()> {
         self.matmul_many(x, &[w], &[out], n_tokens)
     }
 
     fn matmul_many(&self, x: BlockHandle, ws: &[&CudaWeight], outs: &[BlockHandle], n_tokens: usize) -> Result<()> {
-        // One quantization of the activations serves every weight that takes the integer path.
+        // One quantization of the activations serves every weight that takes the integer path,
+        // and weights of one type go to the matrix-vector kernels together, in one launch.
         let mut quantized = None;
-        for (w, &out) in ws.iter().zip(outs) {
+        let mut i = 0;
+        while i < ws.len() {
+            let w = ws[i];
             if n_tokens > gemv_max_tokens(w.ty) {
-                self.gemm(x, w, out, n_tokens)?;
-            } else if let Some(staging) = self.int8_activations.filter(|_| uses_int_gemv(w)) {
-                let (xq, xd) = match quantized {
-                    Some(q) => q,
-                    None => *quantized.insert(self.quantize_activations(x, staging, n_tokens * w.n_in)?),
-                };
-                self.gemv_int(xq, xd, w, out, n_tokens)?;
-            } else {
-                self.gemv(x, w, out, n_tokens)?;
+                self.gemm(x, w, outs[i], n_tokens)?;
+                i += 1;
+                continue;
             }
+            let together = ws[i..]
+                .iter()
+                .take(MAX_MATRICES)
+                .take_while(|v| v.ty == w.ty && v.n_in == w.n_in)
+                .count();
+            let (group, group_outs) = (&ws[i..i + together], &outs[i..i + together]);
+            match self.int8_activations.filter(|_| uses_int_gemv(w)) {
+                Some(staging) => {
+                    let (xq, xd) = match quantized {
+                        Some(q) => q,
+                        None => *quantized.insert(self.quantize_activations(x, staging, n_tokens * w.n_in)?),
+                    };
+                    self.gemv_int(xq, xd, group, group_outs, n_tokens)?
+                }
+                None => self.gemv(x, group, group_outs, n_tokens)?,
+            }
+            i += together;
         }
         Ok(())
     }

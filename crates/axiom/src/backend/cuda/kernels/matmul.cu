@@ -12,11 +12,48 @@ __device__ __forceinline__ float dot16(const float* y, const float* x) {
     return s;
 }
 
+// Up to three matrices of one type multiplied by the same activations in one launch (Q, K and V;
+// gate and up): their rows are taken in order, one warp each, eight warps a block.
+#define MAX_MATRICES 3
+struct Matrices {
+    const u8* q[MAX_MATRICES];
+    const u8* s[MAX_MATRICES];
+    const u8* m[MAX_MATRICES];
+    float* out[MAX_MATRICES];
+    int n_out[MAX_MATRICES];
+    int count;
+};
+
+// This warp's matrix and row (ok is false for a warp past the last row). The loop is unrolled so
+// that the parameters are indexed by constants: a run-time index would copy them to local memory,
+// and the weight's pointers with them.
+struct Picked {
+    Weight w;
+    float* out;
+    int n_out;
+    int row;
+    bool ok;
+};
+
+__device__ __forceinline__ Picked pick_row(const Matrices& mats, int n_in) {
+    int r = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+#pragma unroll
+    for (int i = 0; i < MAX_MATRICES; i++) {
+        if (i < mats.count && r < mats.n_out[i])
+            return Picked{Weight{mats.q[i], mats.s[i], mats.m[i], n_in}, mats.out[i], mats.n_out[i], r, true};
+        r -= mats.n_out[i];
+    }
+    return Picked{Weight{nullptr, nullptr, nullptr, n_in}, nullptr, 0, 0, false};
+}
+
 template <int TY, int T>
-__device__ void gemv(Weight w, const float* x, float* out, int n_out) {
-    int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+__device__ void gemv(const Matrices& mats, int n_in, const float* x) {
+    Picked p = pick_row(mats, n_in);
+    if (!p.ok) return;
+    const Weight w = p.w;
+    float* out = p.out;
+    int n_out = p.n_out, row = p.row;
     int lane = threadIdx.x % 32;
-    if (row >= n_out) return;
     float acc[T];
     for (int t = 0; t < T; t++) acc[t] = 0.0f;
     float y[32];
@@ -80,10 +117,13 @@ __device__ __forceinline__ void dot_chunk(const IntChunk& k, const i8* xq, const
 }
 
 template <int TY, int T>
-__device__ void gemv_int(Weight w, const i8* xq, const float* xd, float* out, int n_out) {
-    int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+__device__ void gemv_int(const Matrices& mats, int n_in, const i8* xq, const float* xd) {
+    Picked p = pick_row(mats, n_in);
+    if (!p.ok) return;
+    const Weight w = p.w;
+    float* out = p.out;
+    int n_out = p.n_out, row = p.row;
     int lane = threadIdx.x % 32;
-    if (row >= n_out) return;
     float acc[T];
     for (int t = 0; t < T; t++) acc[t] = 0.0f;
     // (Decoding two or four chunks before using any was measured slower on the H200.)
@@ -95,9 +135,8 @@ __device__ void gemv_int(Weight w, const i8* xq, const float* xd, float* out, in
 }
 
 #define GEMV_INT(NAME, TY, T) \
-    extern "C" __global__ void gemv_int_##NAME##_##T(const u8* q, const u8* s, const u8* m, int n_in, const i8* xq, \
-                                                      const float* xd, float* out, int n_out) { \
-        gemv_int<TY, T>(Weight{q, s, m, n_in}, xq, xd, out, n_out); \
+    extern "C" __global__ void gemv_int_##NAME##_##T(Matrices mats, int n_in, const i8* xq, const float* xd) { \
+        gemv_int<TY, T>(mats, n_in, xq, xd); \
     }
 #define GEMV_INT_ALL_T(NAME, TY) GEMV_INT(NAME, TY, 1) GEMV_INT(NAME, TY, 2) GEMV_INT(NAME, TY, 4) GEMV_INT(NAME, TY, 8)
 GEMV_INT_ALL_T(q8_0, TY_Q8_0)
@@ -122,15 +161,16 @@ __device__ __forceinline__ void widen(uint4 raw, float* y) {
 }
 
 template <int TY, int T>
-__device__ void gemv_float(Weight wt, const float* x, float* out, int n_out) {
-    const u8* w = wt.q;
-    int n_in = wt.n_in;
+__device__ void gemv_float(const Matrices& mats, int n_in, const float* x) {
+    Picked p = pick_row(mats, n_in);
+    if (!p.ok) return;
+    const u8* w = p.w.q;
+    float* out = p.out;
+    int n_out = p.n_out, row = p.row;
     u64 row_bytes = (u64)n_in * (TY == TY_F32 ? 4 : 2);
     constexpr int PER = TY == TY_F32 ? 4 : 8;  // values per 16-byte load
     constexpr int UNROLL = 4;
-    int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     int lane = threadIdx.x % 32;
-    if (row >= n_out) return;
     const uint4* wrow = (const uint4*)(w + (u64)row * row_bytes);
     int n_loads = n_in / PER;
     float acc[T];
@@ -170,10 +210,7 @@ __device__ void gemv_float(Weight wt, const float* x, float* out, int n_out) {
 }
 
 #define GEMV(NAME, TY, IMPL, T) \
-    extern "C" __global__ void gemv_##NAME##_##T(const u8* q, const u8* s, const u8* m, int n_in, const float* x, \
-                                                  float* out, int n_out) { \
-        IMPL<TY, T>(Weight{q, s, m, n_in}, x, out, n_out); \
-    }
+    extern "C" __global__ void gemv_##NAME##_##T(Matrices mats, int n_in, const float* x) { IMPL<TY, T>(mats, n_in, x); }
 #define GEMV_ALL_T(NAME, TY, IMPL) GEMV(NAME, TY, IMPL, 1) GEMV(NAME, TY, IMPL, 2) GEMV(NAME, TY, IMPL, 4) GEMV(NAME, TY, IMPL, 8)
 GEMV_ALL_T(f32, TY_F32, gemv_float)
 GEMV_ALL_T(f16, TY_F16, gemv_float)
