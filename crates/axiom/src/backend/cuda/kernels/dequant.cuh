@@ -43,6 +43,16 @@ __device__ __forceinline__ void words(uint4 raw, u32* w) {
     w[3] = raw.w;
 }
 
+// 16 bytes of nibbles as two runs: the low nibbles (q[0..4]), then the high ones (q[4..8]).
+__device__ __forceinline__ void split_nibbles(uint4 raw, u32* q) {
+    u32 w[4];
+    words(raw, w);
+    for (int i = 0; i < 4; i++) {
+        q[i] = w[i] & 0x0f0f0f0fu;
+        q[4 + i] = (w[i] >> 4) & 0x0f0f0f0fu;
+    }
+}
+
 template <int TY> __device__ __forceinline__ IntChunk int_chunk(const Weight& w, u64 row, int c);
 
 template <> __device__ __forceinline__ IntChunk int_chunk<TY_Q8_0>(const Weight& w, u64 row, int c) {
@@ -58,12 +68,8 @@ template <> __device__ __forceinline__ IntChunk int_chunk<TY_Q8_0>(const Weight&
 template <> __device__ __forceinline__ IntChunk int_chunk<TY_Q4_0>(const Weight& w, u64 row, int c) {
     float d = f16_to_f32(((const u16*)w.s)[row * (w.n_in / 32) + c]);
     IntChunk k = {{}, {d, d}, {0.0f, 0.0f}, {32 * c, 32 * c + 16}};
-    u32 raw[4];
-    words(*(const uint4*)(w.q + row * (w.n_in / 2) + 16 * c), raw);
-    for (int i = 0; i < 4; i++) {
-        k.q[i] = nibbles_minus_8(raw[i] & 0x0f0f0f0fu);
-        k.q[4 + i] = nibbles_minus_8((raw[i] >> 4) & 0x0f0f0f0fu);
-    }
+    split_nibbles(*(const uint4*)(w.q + row * (w.n_in / 2) + 16 * c), k.q);
+    for (int i = 0; i < 8; i++) k.q[i] = nibbles_minus_8(k.q[i]);
     return k;
 }
 
@@ -71,12 +77,7 @@ template <> __device__ __forceinline__ IntChunk int_chunk<TY_Q4_1>(const Weight&
     u64 b = row * (w.n_in / 32) + c;
     float d = f16_to_f32(((const u16*)w.s)[b]), m = f16_to_f32(((const u16*)w.m)[b]);
     IntChunk k = {{}, {d, d}, {m, m}, {32 * c, 32 * c + 16}};
-    u32 raw[4];
-    words(*(const uint4*)(w.q + row * (w.n_in / 2) + 16 * c), raw);
-    for (int i = 0; i < 4; i++) {
-        k.q[i] = raw[i] & 0x0f0f0f0fu;
-        k.q[4 + i] = (raw[i] >> 4) & 0x0f0f0f0fu;
-    }
+    split_nibbles(*(const uint4*)(w.q + row * (w.n_in / 2) + 16 * c), k.q);
     return k;
 }
 
@@ -92,12 +93,7 @@ template <> __device__ __forceinline__ IntChunk int_chunk<TY_Q4_K>(const Weight&
     scale_min_k4(2 * g + 1, meta + 4, &sc1, &m1);
     int at0 = 256 * sb + 64 * g + 16 * h;
     IntChunk k = {{}, {d * sc0, d * sc1}, {-dmin * m0, -dmin * m1}, {at0, at0 + 32}};
-    u32 raw[4];
-    words(*(const uint4*)(w.q + row * (w.n_in / 2) + 16 * c), raw);
-    for (int i = 0; i < 4; i++) {
-        k.q[i] = raw[i] & 0x0f0f0f0fu;
-        k.q[4 + i] = (raw[i] >> 4) & 0x0f0f0f0fu;
-    }
+    split_nibbles(*(const uint4*)(w.q + row * (w.n_in / 2) + 16 * c), k.q);
     return k;
 }
 
