@@ -6,6 +6,9 @@
 #     - a missing barrier between levels of attention_pv's tree reduction
 #     - a missing barrier in rms_norm between writing and summing the simdgroups' partial sums
 #     - attention_qk's causal mask off by one (position p + 1 visible)
+#   The same run under ThreadSanitizer (AXIOM_MSL_TSAN=1), on the quick kernels with threadgroup
+#   memory (under TSan every GPU thread is still an OS thread: the attention tests take minutes):
+#     - clean as written, then the missing barrier in rms_norm reported as a data race
 #   Type-check (scripts/metal_check.sh):
 #     - a usize passed where a kernel's u32 argument goes
 #     - a Metal method called with the wrong argument type
@@ -34,17 +37,28 @@ expect_failure() {
         echo "NOT CAUGHT: $what"
         failures=$((failures + 1))
     else
-        echo "caught: $what -- $(grep -m1 -E 'panicked at|^error(\[E[0-9]+\])?:|relative error|must be' "$work/log" | head -c 200)"
+        echo "caught: $what -- $(grep -m1 -E 'panicked at|^error(\[E[0-9]+\])?:|relative error|must be|SUMMARY: ThreadSanitizer' "$work/log" | head -c 200)"
     fi
 }
 
+# kernel_tests [ENV...]: the MSL tests, with the environment given.
+kernel_tests() {
+    env "$@" cargo test --release --quiet -p metal-on-cpu --test kernels
+}
+
+# tsan_tests [ENV...]: the quick kernels with threadgroup memory, under ThreadSanitizer.
+tsan_tests() {
+    env AXIOM_MSL_TSAN=1 TSAN_OPTIONS="suppressions=$root/crates/metal-on-cpu/tsan.supp halt_on_error=1 exitcode=66" \
+        "$@" cargo test --release --quiet -p metal-on-cpu --test kernels -- --test-threads 1 rms_norm argmax
+}
+
+# plant_kernel WHAT FILE OLD NEW [RUNNER]: the tests must fail on the altered kernels.
 plant_kernel() {
-    local what=$1 file=$2 old=$3 new=$4
+    local what=$1 file=$2 old=$3 new=$4 runner=${5:-kernel_tests}
     rm -rf "$work/kernels"
     cp -r crates/axiom/src/backend/metal/kernels "$work/kernels"
     replace "$work/kernels/$file" "$old" "$new"
-    expect_failure "$what" env AXIOM_METAL_KERNELS="$work/kernels" \
-        cargo test --release --quiet -p metal-on-cpu --test kernels
+    expect_failure "$what" "$runner" AXIOM_METAL_KERNELS="$work/kernels"
 }
 
 plant_kernel "missing barrier in attention_pv's reduction" attention_pv.metal \
@@ -57,6 +71,17 @@ plant_kernel "missing barrier in rms_norm" rms_norm.metal \
     "    if (lane == 0) partial[simd] = sum;"
 plant_kernel "causal mask off by one in attention_qk" attention_qk.metal \
     "if (p <= positions[t]) {" "if (p <= positions[t] + 1) {"
+
+if tsan_tests >"$work/log" 2>&1; then
+    echo "clean under ThreadSanitizer: rms_norm, argmax"
+else
+    echo "the kernels race under ThreadSanitizer:" && cat "$work/log"
+    failures=$((failures + 1))
+fi
+plant_kernel "missing barrier in rms_norm, under ThreadSanitizer" rms_norm.metal \
+    "    if (lane == 0) partial[simd] = sum;
+    threadgroup_barrier(mem_flags::mem_threadgroup);" \
+    "    if (lane == 0) partial[simd] = sum;" tsan_tests
 
 # The type-check plants go into a copy of the workspace's sources.
 plant_rust() {
