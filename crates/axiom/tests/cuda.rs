@@ -62,6 +62,12 @@ fn paged_kv_write_and_attention_match_the_cpu_reference() {
 }
 
 #[test]
+#[ignore = "needs an NVIDIA GPU: cargo test --release --test cuda -- --ignored"]
+fn rope_kv_write_matches_the_cpu_reference() {
+    gpu::rope_kv_write_then_attention(cuda);
+}
+
+#[test]
 #[ignore = "needs an NVIDIA GPU and the default model in the cache: see scripts/cuda_device_tests.sh"]
 fn smollm2_on_cuda_matches_transformers() {
     gpu::smollm2_matches_transformers(cuda(KvType::F16));

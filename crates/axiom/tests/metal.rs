@@ -33,6 +33,11 @@ fn paged_kv_write_and_attention_match_the_cpu_reference() {
 }
 
 #[test]
+fn rope_kv_write_matches_the_cpu_reference() {
+    gpu::rope_kv_write_then_attention(metal);
+}
+
+#[test]
 fn smollm2_on_metal_matches_transformers() {
     gpu::smollm2_matches_transformers(metal(KvType::F16));
 }

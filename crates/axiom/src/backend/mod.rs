@@ -300,6 +300,27 @@ pub trait Backend {
         n_tokens: usize,
         kv_width: usize,
     ) -> Result<()>;
+    /// `rope` on the query and key heads, then `kv_write` of the rotated keys and the values: the
+    /// start of a layer's attention in one op. The default runs the three.
+    #[allow(clippy::too_many_arguments)]
+    fn rope_kv_write(
+        &self,
+        q: BlockHandle,
+        k: BlockHandle,
+        v: BlockHandle,
+        k_cache: BlockHandle,
+        v_cache: BlockHandle,
+        positions: BlockHandle,
+        freqs: BlockHandle,
+        pages: PagedKv,
+        n_tokens: usize,
+        shape: AttentionShape,
+        rope: Rope,
+    ) -> Result<()> {
+        self.rope(q, positions, freqs, n_tokens, shape.n_heads, shape.head_dim, rope)?;
+        self.rope(k, positions, freqs, n_tokens, shape.n_kv_heads, shape.head_dim, rope)?;
+        self.kv_write(k, v, k_cache, v_cache, positions, pages, n_tokens, shape.kv_width())
+    }
     /// Causal grouped-query attention over the paged caches: token t attends to positions
     /// `0..=positions[t]` of its own sequence.
     #[allow(clippy::too_many_arguments)]

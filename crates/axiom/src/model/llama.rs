@@ -459,9 +459,9 @@ impl<B: Backend> Llama<B> {
                 }
                 None => (s.q, s.k),
             };
-            b.rope(q, positions, self.freqs, n, c.n_heads, c.head_dim, c.rope)?;
-            b.rope(k, positions, self.freqs, n, c.n_kv_heads, c.head_dim, c.rope)?;
-            b.kv_write(k, s.v, *k_cache, *v_cache, positions, pages, n, shape.kv_width())?;
+            b.rope_kv_write(
+                q, k, s.v, *k_cache, *v_cache, positions, self.freqs, pages, n, shape, c.rope,
+            )?;
             b.attention(q, *k_cache, *v_cache, positions, pages, s.attn, n, shape)?;
             b.matmul(s.attn, &layer.wo, s.proj, n)?;
             // Feed-forward block.

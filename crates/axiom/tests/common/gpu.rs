@@ -4,7 +4,9 @@
 
 use super::{paged_queries, random_weight_bytes, PagedCase, PAGED_LENS};
 use axiom::backend::cpu::CpuBackend;
-use axiom::backend::{AttentionShape, Backend, BlockHandle, HostTensor, KvType, Rope, RopeLayout, RopeScaling};
+use axiom::backend::{
+    AttentionShape, Backend, BlockHandle, HostTensor, KvType, PagedKv, Rope, RopeLayout, RopeScaling,
+};
 use axiom::chat::Message;
 use axiom::engine::perplexity::perplexity;
 use axiom::engine::Session;
@@ -301,6 +303,68 @@ pub fn paged_kv_write_and_attention<B: Backend>(make: impl Fn(KvType) -> B, tole
             );
         }
     }
+}
+
+/// `rope_kv_write` (RoPE on Q and K, then the cache write) over scrambled pages, seen through the
+/// rotated queries and through attention over what it stored, in both RoPE layouts.
+pub fn rope_kv_write_then_attention<B: Backend>(make: impl Fn(KvType) -> B) {
+    let mut rng = ChaCha8Rng::seed_from_u64(4);
+    let shape = AttentionShape {
+        n_heads: 9,
+        n_kv_heads: 3,
+        head_dim: 64,
+    };
+    let len = 21;
+    let case = PagedCase::new(&mut rng, 4, &[len]);
+    for layout in [RopeLayout::Adjacent, RopeLayout::Halves] {
+        let rope = Rope {
+            layout,
+            theta: 10000.0,
+            dims: 64,
+            scaling: RopeScaling::None,
+        };
+        let q = randn(&mut rng, len * shape.q_width());
+        let k = randn(&mut rng, len * shape.kv_width());
+        let v = randn(&mut rng, len * shape.kv_width());
+        let (mut gpu, mut cpu) = pair(|| make(KvType::F32));
+        let (q_gpu, out_gpu) = rope_kv_write_step(&mut gpu, &case, shape, rope, [&q, &k, &v]);
+        let (q_cpu, out_cpu) = rope_kv_write_step(&mut cpu, &case, shape, rope, [&q, &k, &v]);
+        assert!(
+            rel_l2(&q_gpu, &q_cpu) < 1e-6,
+            "rope_kv_write {layout:?}: rotated queries"
+        );
+        assert!(
+            rel_l2(&out_gpu, &out_cpu) < 1e-5,
+            "rope_kv_write {layout:?}: attention over the cache"
+        );
+    }
+}
+
+/// One sequence's prefill through `rope_kv_write` then `attention`: the rotated queries and the
+/// attention output.
+fn rope_kv_write_step<B: Backend>(
+    b: &mut B,
+    case: &PagedCase,
+    shape: AttentionShape,
+    rope: Rope,
+    [q, k, v]: [&[f32]; 3],
+) -> (Vec<f32>, Vec<f32>) {
+    let n = q.len() / shape.q_width();
+    let cache_values = case.n_pages * case.page_size * shape.kv_width() * b.kv_type().bytes() / 4;
+    let (kc, vc) = (poisoned(b, cache_values), poisoned(b, cache_values));
+    let pages = PagedKv {
+        block_tables: put_u32(b, &case.flat_tables()),
+        table_width: case.table_width(),
+        token_seqs: put_u32(b, &vec![0; n]),
+        page_size: case.page_size,
+    };
+    let positions = put_u32(b, &(0..n as u32).collect::<Vec<_>>());
+    let freqs = put(b, &rope.inverse_frequencies());
+    let (qh, kh, vh, out) = (put(b, q), put(b, k), put(b, v), poisoned(b, q.len()));
+    b.rope_kv_write(qh, kh, vh, kc, vc, positions, freqs, pages, n, shape, rope)
+        .unwrap();
+    b.attention(qh, kc, vc, positions, pages, out, n, shape).unwrap();
+    (get(b, qh, q.len()), get(b, out, q.len()))
 }
 
 /// SmolLM2's first greedy tokens and its perplexity on the Apache text against transformers.

@@ -765,6 +765,48 @@ impl Backend for CudaBackend {
         )
     }
 
+    fn rope_kv_write(
+        &self,
+        q: BlockHandle,
+        k: BlockHandle,
+        v: BlockHandle,
+        k_cache: BlockHandle,
+        v_cache: BlockHandle,
+        positions: BlockHandle,
+        freqs: BlockHandle,
+        pages: PagedKv,
+        n_tokens: usize,
+        shape: AttentionShape,
+        rope: Rope,
+    ) -> Result<()> {
+        let (nh, nkv, hd) = (shape.n_heads as i32, shape.n_kv_heads as i32, shape.head_dim as i32);
+        let (table_width, page_size) = (pages.table_width as i32, pages.page_size as i32);
+        let (dims, halves) = (rope.dims as i32, i32::from(rope.layout == RopeLayout::Halves));
+        self.launch(
+            &format!("rope_kv_write_{}", self.kv_suffix()),
+            (n_tokens as u32, (shape.n_heads + shape.n_kv_heads) as u32, 1),
+            64,
+            &[
+                &self.ptr(q),
+                &self.ptr(k),
+                &self.ptr(v),
+                &self.ptr(k_cache),
+                &self.ptr(v_cache),
+                &self.ptr(positions),
+                &self.ptr(freqs),
+                &self.ptr(pages.block_tables),
+                &table_width,
+                &self.ptr(pages.token_seqs),
+                &page_size,
+                &nh,
+                &nkv,
+                &hd,
+                &dims,
+                &halves,
+            ],
+        )
+    }
+
     fn attention(
         &self,
         q: BlockHandle,
