@@ -94,6 +94,33 @@ unsafe extern "C" {
         threads: u32,
     ) -> i32;
     fn msl_rms_norm(x: *const f32, w: *const f32, out: *mut f32, dim: u32, eps: f32, rows: u32, threads: u32);
+    fn msl_add_rms_norm(
+        x: *mut f32,
+        y: *const f32,
+        w: *const f32,
+        out: *mut f32,
+        dim: u32,
+        eps: f32,
+        rows: u32,
+        threads: u32,
+    );
+    fn msl_rope_kv_write(
+        f16: u32,
+        q: *mut f32,
+        k: *mut f32,
+        v: *const f32,
+        k_cache: *mut c_void,
+        v_cache: *mut c_void,
+        freqs: *const f32,
+        pages: Paged,
+        n_tokens: u32,
+        n_heads: u32,
+        n_kv_heads: u32,
+        head_dim: u32,
+        dims: u32,
+        halves: u32,
+        threads: u32,
+    );
     fn msl_rope(
         x: *mut f32,
         positions: *const u32,
@@ -224,6 +251,69 @@ pub fn rms_norm(x: &[f32], w: &[f32], out: &mut [f32], dim: usize, eps: f32, thr
     let rows = (x.len() / dim) as u32;
     // SAFETY: `rows` rows of `dim` in `x` and `out`.
     unsafe { msl_rms_norm(x.as_ptr(), w.as_ptr(), out.as_mut_ptr(), dim as u32, eps, rows, threads) }
+}
+
+/// `add_rms_norm`: `x += y`, then `out = rms_norm(x) * w`.
+pub fn add_rms_norm(x: &mut [f32], y: &[f32], w: &[f32], out: &mut [f32], dim: usize, eps: f32, threads: u32) {
+    assert!(w.len() == dim && x.len() == out.len() && x.len() == y.len() && x.len().is_multiple_of(dim));
+    let rows = (x.len() / dim) as u32;
+    // SAFETY: `rows` rows of `dim` in `x`, `y` and `out`.
+    unsafe {
+        msl_add_rms_norm(
+            x.as_mut_ptr(),
+            y.as_ptr(),
+            w.as_ptr(),
+            out.as_mut_ptr(),
+            dim as u32,
+            eps,
+            rows,
+            threads,
+        )
+    }
+}
+
+/// `rope_kv_write_<f16|f32>`: RoPE on `q` and `k` in place, then `k` and `v` into the caches.
+#[allow(clippy::too_many_arguments)]
+pub fn rope_kv_write(
+    q: &mut [f32],
+    k: &mut [f32],
+    v: &[f32],
+    mut k_cache: Cache,
+    mut v_cache: Cache,
+    freqs: &[f32],
+    pages: Pages,
+    heads: Heads,
+    dims: usize,
+    halves: bool,
+    threads: u32,
+) {
+    let kv_width = heads.n_kv_heads * heads.head_dim;
+    let n_tokens = k.len() / kv_width;
+    let (f16, kc, rows) = k_cache.parts();
+    let (_, vc, _) = v_cache.parts();
+    let paged = pages.ffi(n_tokens, rows / kv_width);
+    assert!(q.len() == n_tokens * heads.n_heads * heads.head_dim && v.len() == k.len());
+    assert!(freqs.len() >= dims / 2 && dims <= heads.head_dim);
+    // SAFETY: sizes and pages checked above.
+    unsafe {
+        msl_rope_kv_write(
+            f16,
+            q.as_mut_ptr(),
+            k.as_mut_ptr(),
+            v.as_ptr(),
+            kc,
+            vc,
+            freqs.as_ptr(),
+            paged,
+            n_tokens as u32,
+            heads.n_heads as u32,
+            heads.n_kv_heads as u32,
+            heads.head_dim as u32,
+            dims as u32,
+            halves as u32,
+            threads,
+        )
+    }
 }
 
 /// `rope` on `[n_tokens, n_heads * head_dim]`; `halves` for the rotate-half pairing.

@@ -78,6 +78,24 @@ fn rms_norm_matches_the_reference() {
 }
 
 #[test]
+fn add_rms_norm_matches_add_then_rms_norm() {
+    let mut rng = rng();
+    let (dim, rows) = (576, 3);
+    let (x, y, w) = (
+        randn(&mut rng, rows * dim),
+        randn(&mut rng, rows * dim),
+        randn(&mut rng, dim),
+    );
+    let (mut want_x, mut want) = (x.clone(), vec![0f32; x.len()]);
+    reference::add::add(&mut want_x, &y);
+    reference::rms_norm::rms_norm(&want_x, &w, &mut want, dim, 1e-5);
+    let (mut got_x, mut got) = (x.clone(), vec![f32::NAN; x.len()]);
+    metal_on_cpu::add_rms_norm(&mut got_x, &y, &w, &mut got, dim, 1e-5, 96);
+    assert_eq!(got_x, want_x, "the sum stays in x");
+    assert!(rel_l2(&got, &want) < 1e-6);
+}
+
+#[test]
 fn rope_matches_the_reference_in_both_layouts() {
     let mut rng = rng();
     let (n_heads, head_dim) = (9, 48);
@@ -257,6 +275,85 @@ impl Paged {
             );
         }
         (k32, v32, k16, v16)
+    }
+}
+
+#[test]
+fn rope_kv_write_matches_rope_then_kv_write() {
+    let mut rng = rng();
+    let case = Paged::new(&mut rng);
+    let (heads, n) = (case.heads(), case.k_positions.len());
+    let dims = heads.head_dim;
+    let freqs: Vec<f32> = (0..dims / 2)
+        .map(|i| 10000f32.powf(-2.0 * i as f32 / dims as f32))
+        .collect();
+    let q = randn(&mut rng, n * case.shape.q_width());
+    for (layout, halves) in [(RopeLayout::Adjacent, false), (RopeLayout::Halves, true)] {
+        // The reference: rope on Q and K, then kv_write into f32 caches.
+        let (mut want_q, mut want_k) = (q.clone(), case.k.clone());
+        reference::rope::rope(&mut want_q, &case.k_positions, &freqs, heads.n_heads, dims, layout);
+        reference::rope::rope(&mut want_k, &case.k_positions, &freqs, heads.n_kv_heads, dims, layout);
+        let (mut want_kc, mut want_vc) = (vec![f32::NAN; case.cache_len()], vec![f32::NAN; case.cache_len()]);
+        let map = PageMap::new(
+            &case.tables,
+            case.case.table_width(),
+            &case.k_seqs,
+            4,
+            &case.k_positions,
+            case.case.n_pages,
+        )
+        .unwrap();
+        let kv_width = case.shape.kv_width();
+        reference::kv_write::kv_write(
+            &want_k,
+            &case.v,
+            &mut want_kc,
+            &mut want_vc,
+            &case.k_positions,
+            &map,
+            kv_width,
+        );
+        for f16_cache in [false, true] {
+            let (mut got_q, mut got_k) = (q.clone(), case.k.clone());
+            let n_cache = case.cache_len();
+            let nan16 = f16::NAN.to_bits();
+            let (mut k32, mut v32, mut k16, mut v16) = (
+                vec![f32::NAN; n_cache],
+                vec![f32::NAN; n_cache],
+                vec![nan16; n_cache],
+                vec![nan16; n_cache],
+            );
+            let pages = case.pages(&case.k_positions, &case.k_seqs);
+            let (kc, vc) = (
+                cache(f16_cache, &mut k32, &mut k16),
+                cache(f16_cache, &mut v32, &mut v16),
+            );
+            metal_on_cpu::rope_kv_write(
+                &mut got_q, &mut got_k, &case.v, kc, vc, &freqs, pages, heads, dims, halves, 32,
+            );
+            assert!(rel_l2(&got_q, &want_q) < 1e-6, "{layout:?}: rotated queries");
+            let widen = |c: &[u16]| -> Vec<f32> { c.iter().map(|&b| f16::from_bits(b).to_f32()).collect() };
+            let (got_kc, got_vc) = if f16_cache {
+                (widen(&k16), widen(&v16))
+            } else {
+                (k32, v32)
+            };
+            for (got, want, what) in [(&got_kc, &want_kc, "K"), (&got_vc, &want_vc, "V")] {
+                let written: Vec<usize> = (0..want.len()).filter(|&i| want[i].is_finite()).collect();
+                assert!(
+                    got.iter()
+                        .enumerate()
+                        .all(|(i, v)| v.is_finite() == want[i].is_finite()),
+                    "{what}: rows written elsewhere"
+                );
+                let pick = |c: &[f32]| -> Vec<f32> { written.iter().map(|&i| c[i]).collect() };
+                let err = rel_l2(&pick(got), &pick(want));
+                assert!(
+                    err < tolerance(f16_cache),
+                    "{layout:?}, f16 cache {f16_cache}: {what} relative error {err}"
+                );
+            }
+        }
     }
 }
 

@@ -23,6 +23,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("matmul.metal", include_str!("kernels/matmul.metal")),
     ("rms_norm.metal", include_str!("kernels/rms_norm.metal")),
     ("rope.metal", include_str!("kernels/rope.metal")),
+    ("rope_kv_write.metal", include_str!("kernels/rope_kv_write.metal")),
 ];
 
 /// The weight types with matmul and embed kernels, by their kernel-name suffix.
@@ -30,14 +31,22 @@ pub const WEIGHT_SUFFIXES: &[&str] = &["f32", "f16", "bf16", "q8_0", "q4_0", "q4
 
 /// Every kernel function in the sources.
 fn kernel_names() -> Vec<String> {
-    let mut names: Vec<String> = ["rms_norm", "rope", "swiglu", "add", "add_bias", "argmax"]
-        .iter()
-        .map(|n| n.to_string())
-        .collect();
+    let mut names: Vec<String> = [
+        "rms_norm",
+        "add_rms_norm",
+        "rope",
+        "swiglu",
+        "add",
+        "add_bias",
+        "argmax",
+    ]
+    .iter()
+    .map(|n| n.to_string())
+    .collect();
     for prefix in ["matmul", "embed"] {
         names.extend(WEIGHT_SUFFIXES.iter().map(|s| format!("{prefix}_{s}")));
     }
-    for prefix in ["kv_write", "attention", "attention_qk", "attention_pv"] {
+    for prefix in ["kv_write", "rope_kv_write", "attention", "attention_qk", "attention_pv"] {
         names.extend(["f16", "f32"].iter().map(|s| format!("{prefix}_{s}")));
     }
     names

@@ -416,6 +416,31 @@ impl Backend for MetalBackend {
         )
     }
 
+    fn add_rms_norm(
+        &self,
+        x: BlockHandle,
+        y: BlockHandle,
+        weight: BlockHandle,
+        out: BlockHandle,
+        n_tokens: usize,
+        dim: usize,
+        eps: f32,
+    ) -> Result<()> {
+        self.launch(
+            "add_rms_norm",
+            (n_tokens, 1),
+            |k| threads(k, 1024),
+            &[
+                Arg::Buf(x),
+                Arg::Buf(y),
+                Arg::Buf(weight),
+                Arg::Buf(out),
+                u32_arg(dim),
+                Arg::F32(eps),
+            ],
+        )
+    }
+
     fn matmul(&self, x: BlockHandle, w: &MetalWeight, out: BlockHandle, n_tokens: usize) -> Result<()> {
         let name = format!(
             "matmul_{}",
@@ -491,6 +516,45 @@ impl Backend for MetalBackend {
                 Arg::Buf(pages.token_seqs),
                 u32_arg(pages.page_size),
                 u32_arg(kv_width),
+            ],
+        )
+    }
+
+    fn rope_kv_write(
+        &self,
+        q: BlockHandle,
+        k: BlockHandle,
+        v: BlockHandle,
+        k_cache: BlockHandle,
+        v_cache: BlockHandle,
+        positions: BlockHandle,
+        freqs: BlockHandle,
+        pages: PagedKv,
+        n_tokens: usize,
+        shape: AttentionShape,
+        rope: Rope,
+    ) -> Result<()> {
+        self.launch(
+            &format!("rope_kv_write_{}", self.kv_suffix()),
+            (n_tokens, shape.n_heads + shape.n_kv_heads),
+            |k| threads(k, 64),
+            &[
+                Arg::Buf(q),
+                Arg::Buf(k),
+                Arg::Buf(v),
+                Arg::Buf(k_cache),
+                Arg::Buf(v_cache),
+                Arg::Buf(positions),
+                Arg::Buf(freqs),
+                Arg::Buf(pages.block_tables),
+                u32_arg(pages.table_width),
+                Arg::Buf(pages.token_seqs),
+                u32_arg(pages.page_size),
+                u32_arg(shape.n_heads),
+                u32_arg(shape.n_kv_heads),
+                u32_arg(shape.head_dim),
+                u32_arg(rope.dims),
+                Arg::U32(u32::from(rope.layout == RopeLayout::Halves)),
             ],
         )
     }
