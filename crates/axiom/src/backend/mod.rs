@@ -109,6 +109,24 @@ impl KvType {
     }
 }
 
+/// The weight types the GPU backends run, by the suffix of their kernels (`matmul_q4_k`,
+/// `embed_bf16`, ...: one naming for CUDA and Metal).
+pub const GPU_WEIGHT_TYPES: [(GgmlType, &str); 8] = [
+    (GgmlType::F32, "f32"),
+    (GgmlType::F16, "f16"),
+    (GgmlType::BF16, "bf16"),
+    (GgmlType::Q8_0, "q8_0"),
+    (GgmlType::Q4_0, "q4_0"),
+    (GgmlType::Q4_1, "q4_1"),
+    (GgmlType::Q4K, "q4_k"),
+    (GgmlType::Q6K, "q6_k"),
+];
+
+/// The kernel suffix of `ty` in the GPU backends, if they run it.
+pub fn gpu_kernel_suffix(ty: GgmlType) -> Option<&'static str> {
+    GPU_WEIGHT_TYPES.iter().find(|(t, _)| *t == ty).map(|(_, s)| *s)
+}
+
 /// Head counts and sizes for the attention ops.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct AttentionShape {

@@ -2,6 +2,7 @@
 //! architecture. The compiled module is cached on disk, keyed by the sources, the architecture
 //! and the NVRTC and driver versions, so a warm start does not compile.
 
+use crate::backend::GPU_WEIGHT_TYPES;
 use crate::{Error, Result};
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
 use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys, Ptx};
@@ -86,7 +87,7 @@ pub struct Kernels {
 }
 
 /// Every kernel the backend launches.
-fn kernel_names() -> Vec<String> {
+pub fn kernel_names() -> Vec<String> {
     let mut names: Vec<String> = [
         "rms_norm",
         "add_rms_norm",
@@ -109,13 +110,15 @@ fn kernel_names() -> Vec<String> {
     .iter()
     .map(|n| n.to_string())
     .collect();
-    let quantized = ["q8_0", "q4_0", "q4_1", "q4_k", "q6_k"];
-    let every_type = ["f32", "f16", "bf16"].iter().chain(&quantized);
-    for ty in every_type.clone() {
-        names.push(format!("embed_{ty}"));
-    }
+    let every_type = GPU_WEIGHT_TYPES.map(|(_, suffix)| suffix);
+    let quantized: Vec<&str> = GPU_WEIGHT_TYPES
+        .iter()
+        .filter(|(ty, _)| ty.block_len() > 1)
+        .map(|(_, suffix)| *suffix)
+        .collect();
+    names.extend(every_type.iter().map(|ty| format!("embed_{ty}")));
     for tokens in [1, 2, 4, 8] {
-        names.extend(every_type.clone().map(|ty| format!("gemv_{ty}_{tokens}")));
+        names.extend(every_type.iter().map(|ty| format!("gemv_{ty}_{tokens}")));
         names.extend(quantized.iter().map(|ty| format!("gemv_int_{ty}_{tokens}")));
     }
     names.extend(quantized.iter().map(|ty| format!("dequant_f16_{ty}")));

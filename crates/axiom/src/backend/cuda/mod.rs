@@ -213,22 +213,10 @@ impl CudaBackend {
     }
 
     fn type_suffix(ty: GgmlType) -> Result<&'static str> {
-        Ok(match ty {
-            GgmlType::F32 => "f32",
-            GgmlType::F16 => "f16",
-            GgmlType::BF16 => "bf16",
-            GgmlType::Q8_0 => "q8_0",
-            GgmlType::Q4_0 => "q4_0",
-            GgmlType::Q4_1 => "q4_1",
-            GgmlType::Q4K => "q4_k",
-            GgmlType::Q6K => "q6_k",
-            other => {
-                return Err(Error::UnsupportedTensorType {
-                    name: String::new(),
-                    ty: other.to_string(),
-                    op: "the CUDA backend",
-                })
-            }
+        super::gpu_kernel_suffix(ty).ok_or_else(|| Error::UnsupportedTensorType {
+            name: String::new(),
+            ty: ty.to_string(),
+            op: "the CUDA backend",
         })
     }
 

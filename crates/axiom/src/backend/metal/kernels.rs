@@ -4,6 +4,7 @@
 
 use super::device::MetalDevice;
 use super::MetalError;
+use crate::backend::GPU_WEIGHT_TYPES;
 use objc2::rc::{autoreleasepool, Retained};
 use objc2::runtime::ProtocolObject;
 use objc2_foundation::NSString;
@@ -26,9 +27,6 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("rope_kv_write.metal", include_str!("kernels/rope_kv_write.metal")),
 ];
 
-/// The weight types with matmul and embed kernels, by their kernel-name suffix.
-pub const WEIGHT_SUFFIXES: &[&str] = &["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q4_k", "q6_k"];
-
 /// Every kernel function in the sources.
 fn kernel_names() -> Vec<String> {
     let mut names: Vec<String> = [
@@ -44,7 +42,7 @@ fn kernel_names() -> Vec<String> {
     .map(|n| n.to_string())
     .collect();
     for prefix in ["matmul", "embed"] {
-        names.extend(WEIGHT_SUFFIXES.iter().map(|s| format!("{prefix}_{s}")));
+        names.extend(GPU_WEIGHT_TYPES.iter().map(|(_, s)| format!("{prefix}_{s}")));
     }
     for prefix in ["kv_write", "rope_kv_write", "attention", "attention_qk", "attention_pv"] {
         names.extend(["f16", "f32"].iter().map(|s| format!("{prefix}_{s}")));

@@ -16,7 +16,7 @@ pub mod context;
 pub mod device;
 pub mod kernels;
 
-use super::{AttentionShape, Backend, BlockHandle, HostTensor, KvType, PagedKv, Rope, RopeLayout};
+use super::{gpu_kernel_suffix, AttentionShape, Backend, BlockHandle, HostTensor, KvType, PagedKv, Rope, RopeLayout};
 use crate::format::quant::GgmlType;
 use crate::{Error, Result};
 use allocator::MetalAllocator;
@@ -71,20 +71,6 @@ enum Arg {
 
 fn u32_arg(n: usize) -> Arg {
     Arg::U32(n as u32)
-}
-
-fn type_suffix(ty: GgmlType) -> Option<&'static str> {
-    Some(match ty {
-        GgmlType::F32 => "f32",
-        GgmlType::F16 => "f16",
-        GgmlType::BF16 => "bf16",
-        GgmlType::Q8_0 => "q8_0",
-        GgmlType::Q4_0 => "q4_0",
-        GgmlType::Q4_1 => "q4_1",
-        GgmlType::Q4K => "q4_k",
-        GgmlType::Q6K => "q6_k",
-        _ => return None,
-    })
 }
 
 /// `want` threads rounded down to whole simdgroups, within the pipeline's limit.
@@ -325,7 +311,7 @@ impl Backend for MetalBackend {
             ty: t.ty.to_string(),
             op: "the Metal backend",
         };
-        type_suffix(t.ty).ok_or_else(unsupported)?;
+        gpu_kernel_suffix(t.ty).ok_or_else(unsupported)?;
         let bytes =
             t.ty.bytes_for(n_in)
                 .and_then(|row| row.checked_mul(n_out))
@@ -384,7 +370,7 @@ impl Backend for MetalBackend {
 
     fn embed(&self, table: &MetalWeight, ids: BlockHandle, out: BlockHandle, n_tokens: usize) -> Result<()> {
         let suffix =
-            type_suffix(table.ty).ok_or_else(|| Error::Backend(format!("no embed kernel for {}", table.ty)))?;
+            gpu_kernel_suffix(table.ty).ok_or_else(|| Error::Backend(format!("no embed kernel for {}", table.ty)))?;
         self.launch(
             &format!("embed_{suffix}"),
             (n_tokens, 1),
@@ -444,7 +430,7 @@ impl Backend for MetalBackend {
     fn matmul(&self, x: BlockHandle, w: &MetalWeight, out: BlockHandle, n_tokens: usize) -> Result<()> {
         let name = format!(
             "matmul_{}",
-            type_suffix(w.ty).ok_or_else(|| Error::Backend(format!("no matmul kernel for {}", w.ty)))?
+            gpu_kernel_suffix(w.ty).ok_or_else(|| Error::Backend(format!("no matmul kernel for {}", w.ty)))?
         );
         // One simdgroup per output row, four rows per threadgroup where the pipeline allows.
         let kernel = self.kernels.get(&name)?;
