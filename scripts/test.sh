@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The test suite, as CI runs it. Installs NVRTC from PyPI if it is missing (the CUDA kernels are
-# compiled by it in a test; no GPU is needed for that), then runs every default test.
+# The test suite, as CI runs it. Installs what it needs if missing: g++ (Debian), for the Metal
+# kernels run on the CPU, and NVRTC (PyPI), which compiles every CUDA kernel in a test (no GPU is
+# needed for that). Then it runs every default test.
 # Then `axiom serve` is checked through the official OpenAI Python client (installed if missing).
 # The GPU tests are separate: scripts/cuda_device_tests.sh, on a machine with an NVIDIA GPU.
 set -euo pipefail
@@ -14,6 +15,8 @@ for root in nvidia.__path__:
 raise SystemExit(1)
 PY
 }
+# The Metal kernels run on the CPU as C++ (crates/metal-on-cpu): a C++ compiler is needed.
+command -v c++ >/dev/null || { apt-get update && apt-get install -y g++; }
 dir=$(nvrtc_dir) || { python3 -m pip install --quiet --disable-pip-version-check nvidia-cuda-nvrtc && dir=$(nvrtc_dir); }
 export LD_LIBRARY_PATH="$dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 cargo test --release --workspace "$@"
