@@ -292,6 +292,23 @@ pub trait Backend {
         }
         Ok(())
     }
+    /// The feed-forward block's first half, `out = silu(x w_gate^T) * (x w_up^T)` (`n_tokens`
+    /// rows of `ffn_dim`). `gate` and `up` are scratch of that size for a backend that takes it in
+    /// steps: the default runs `matmul_many` into them, then `swiglu`.
+    #[allow(clippy::too_many_arguments)]
+    fn gate_up_swiglu(
+        &self,
+        x: BlockHandle,
+        w_gate: &Self::Weight,
+        w_up: &Self::Weight,
+        [gate, up]: [BlockHandle; 2],
+        out: BlockHandle,
+        n_tokens: usize,
+        ffn_dim: usize,
+    ) -> Result<()> {
+        self.matmul_many(x, &[w_gate, w_up], &[gate, up], n_tokens)?;
+        self.swiglu(gate, up, out, n_tokens * ffn_dim)
+    }
     /// Rotates, in place, each head of `x` (`[n_tokens, n_heads * head_dim]`) by its token's
     /// position: pair i by `position * freqs[i]` (f32, `rope.dims / 2` of them).
     fn rope(

@@ -466,8 +466,15 @@ impl<B: Backend> Llama<B> {
             b.matmul(s.attn, &layer.wo, s.proj, n)?;
             // Feed-forward block.
             b.add_rms_norm(s.x, s.proj, layer.ffn_norm, s.normed, n, c.dim, c.rms_eps)?;
-            b.matmul_many(s.normed, &[&layer.w_gate, &layer.w_up], &[s.gate, s.up], n)?;
-            b.swiglu(s.gate, s.up, s.hidden, n * c.ffn_dim)?;
+            b.gate_up_swiglu(
+                s.normed,
+                &layer.w_gate,
+                &layer.w_up,
+                [s.gate, s.up],
+                s.hidden,
+                n,
+                c.ffn_dim,
+            )?;
             b.matmul(s.hidden, &layer.w_down, s.proj, n)?;
             match layers.get(l + 1) {
                 Some(next) => b.add_rms_norm(s.x, s.proj, next.attn_norm, s.normed, n, c.dim, c.rms_eps)?,

@@ -153,6 +153,45 @@ pub fn matmul_every_type_and_token_count<B: Backend>(
             }
         }
     }
+    // The feed-forward block's gate and up products with the SwiGLU after them, which a backend
+    // may fold into one kernel.
+    for (ty, n_in) in WEIGHT_TYPES.iter().flat_map(|&ty| [(ty, short(ty)), (ty, 2048)]) {
+        let n_out = 37;
+        let (mut gpu, mut cpu) = pair(&make);
+        let (mut wg, mut wc) = (Vec::new(), Vec::new());
+        for _ in 0..2 {
+            let bytes = random_weight_bytes(&mut rng, ty, n_in * n_out);
+            let tensor = HostTensor {
+                name: "w",
+                ty,
+                dims: &[n_in, n_out],
+                bytes: &bytes,
+                region: None,
+            };
+            wg.push(gpu.upload_weight(&tensor).unwrap());
+            wc.push(cpu.upload_weight(&tensor).unwrap());
+        }
+        gpu.prepare(64, n_in).unwrap();
+        for n_tokens in [1, 3, 8, 9] {
+            let x = randn(&mut rng, n_tokens * n_in);
+            let n = n_tokens * n_out;
+            let (xg, og) = (put(&mut gpu, &x), poisoned(&mut gpu, n));
+            let (xc, oc) = (put(&mut cpu, &x), poisoned(&mut cpu, n));
+            let scratch_gpu = [poisoned(&mut gpu, n), poisoned(&mut gpu, n)];
+            let scratch_cpu = [poisoned(&mut cpu, n), poisoned(&mut cpu, n)];
+            gpu.gate_up_swiglu(xg, &wg[0], &wg[1], scratch_gpu, og, n_tokens, n_out)
+                .unwrap();
+            cpu.gate_up_swiglu(xc, &wc[0], &wc[1], scratch_cpu, oc, n_tokens, n_out)
+                .unwrap();
+            let err = rel_l2(&get(&gpu, og, n), &get(&cpu, oc, n));
+            // Two products multiplied: their errors add.
+            let tol = 2.0 * tolerance(ty, n_in, n_tokens);
+            assert!(
+                err < tol,
+                "gate_up_swiglu {ty} [{n_out}, {n_in}] x {n_tokens}: relative error {err}"
+            );
+        }
+    }
 }
 
 /// Embedding from every type, RMSNorm, RoPE in both layouts, SwiGLU, add and argmax.
@@ -183,31 +222,10 @@ pub fn embed_rms_norm_rope_swiglu_add_argmax<B: Backend>(make: impl Fn() -> B) {
     }
 
     let (mut gpu, mut cpu) = pair(&make);
-    let (n, dim) = (7, 48);
-    let x = randn(&mut rng, n * dim);
-    let w = randn(&mut rng, dim);
-    let (xg, wg, og) = (put(&mut gpu, &x), put(&mut gpu, &w), poisoned(&mut gpu, n * dim));
-    let (xc, wc, oc) = (put(&mut cpu, &x), put(&mut cpu, &w), poisoned(&mut cpu, n * dim));
-    gpu.rms_norm(xg, wg, og, n, dim, 1e-5).unwrap();
-    cpu.rms_norm(xc, wc, oc, n, dim, 1e-5).unwrap();
-    assert!(
-        rel_l2(&get(&gpu, og, n * dim), &get(&cpu, oc, n * dim)) < 1e-6,
-        "rms_norm"
-    );
-    // The residual add fused into the norm: the sum stays in x.
-    let y = randn(&mut rng, n * dim);
-    let (yg, og) = (put(&mut gpu, &y), poisoned(&mut gpu, n * dim));
-    let (yc, oc) = (put(&mut cpu, &y), poisoned(&mut cpu, n * dim));
-    gpu.add_rms_norm(xg, yg, wg, og, n, dim, 1e-5).unwrap();
-    cpu.add_rms_norm(xc, yc, wc, oc, n, dim, 1e-5).unwrap();
-    assert!(
-        rel_l2(&get(&gpu, xg, n * dim), &get(&cpu, xc, n * dim)) < 1e-7,
-        "add_rms_norm sum"
-    );
-    assert!(
-        rel_l2(&get(&gpu, og, n * dim), &get(&cpu, oc, n * dim)) < 1e-6,
-        "add_rms_norm"
-    );
+    // Rows narrower than a warp's multiple, and rows longer than a block's threads.
+    for (n, dim) in [(7, 48), (3, 4100)] {
+        rms_norm_and_add_rms_norm(&mut rng, &mut gpu, &mut cpu, n, dim);
+    }
 
     for layout in [RopeLayout::Adjacent, RopeLayout::Halves] {
         let (heads, hd) = (9, 48);
@@ -260,18 +278,55 @@ pub fn embed_rms_norm_rope_swiglu_add_argmax<B: Backend>(make: impl Fn() -> B) {
     assert_eq!(want[1], 100);
 }
 
+/// `rms_norm`, then `add_rms_norm` (the sum must stay in x), on `n` random rows of `dim`.
+fn rms_norm_and_add_rms_norm<B: Backend>(
+    rng: &mut ChaCha8Rng,
+    gpu: &mut B,
+    cpu: &mut CpuBackend,
+    n: usize,
+    dim: usize,
+) {
+    let x = randn(rng, n * dim);
+    let w = randn(rng, dim);
+    let (xg, wg, og) = (put(gpu, &x), put(gpu, &w), poisoned(gpu, n * dim));
+    let (xc, wc, oc) = (put(cpu, &x), put(cpu, &w), poisoned(cpu, n * dim));
+    gpu.rms_norm(xg, wg, og, n, dim, 1e-5).unwrap();
+    cpu.rms_norm(xc, wc, oc, n, dim, 1e-5).unwrap();
+    assert!(
+        rel_l2(&get(gpu, og, n * dim), &get(cpu, oc, n * dim)) < 1e-6,
+        "rms_norm, rows of {dim}"
+    );
+    // The residual add fused into the norm: the sum stays in x.
+    let y = randn(rng, n * dim);
+    let (yg, og) = (put(gpu, &y), poisoned(gpu, n * dim));
+    let (yc, oc) = (put(cpu, &y), poisoned(cpu, n * dim));
+    gpu.add_rms_norm(xg, yg, wg, og, n, dim, 1e-5).unwrap();
+    cpu.add_rms_norm(xc, yc, wc, oc, n, dim, 1e-5).unwrap();
+    assert!(
+        rel_l2(&get(gpu, xg, n * dim), &get(cpu, xc, n * dim)) < 1e-7,
+        "add_rms_norm sum, rows of {dim}"
+    );
+    assert!(
+        rel_l2(&get(gpu, og, n * dim), &get(cpu, oc, n * dim)) < 1e-6,
+        "add_rms_norm, rows of {dim}"
+    );
+}
+
 /// kv_write then attention through scrambled block tables, with f16 and f32 caches: head_dim 48
-/// over [`PAGED_LENS`], and head_dim 64 and 128 with a 150-token prefill (several query and key
-/// tiles for a tiled kernel) next to decodes. `tolerance(kv_type, head_dim)` is the relative
-/// error allowed.
+/// over [`PAGED_LENS`]; head_dim 64 and 128 with a 600-token prefill (several query and key tiles
+/// for a tiled kernel) next to decodes; and decodes alone over that context (the path a decode
+/// step takes), head_dim 48 and 128. `tolerance(kv_type, head_dim)` is the relative error allowed.
 pub fn paged_kv_write_and_attention<B: Backend>(make: impl Fn(KvType) -> B, tolerance: impl Fn(KvType, usize) -> f64) {
     let mut rng = ChaCha8Rng::seed_from_u64(3);
-    let long_lens = [150, 20];
-    let long_queries: Vec<(u32, u32)> = (0..150).map(|p| (0, p)).chain([(1, 19), (1, 0), (0, 75)]).collect();
+    let long_lens = [600, 20];
+    let long_queries: Vec<(u32, u32)> = (0..600).map(|p| (0, p)).chain([(1, 19), (1, 0), (0, 75)]).collect();
+    let decodes = vec![(0, 599), (1, 19), (0, 255), (0, 256), (1, 0)];
     let cases = [
         (48, &PAGED_LENS[..], paged_queries()),
         (64, &long_lens[..], long_queries.clone()),
         (128, &long_lens[..], long_queries),
+        (48, &long_lens[..], decodes.clone()),
+        (128, &long_lens[..], decodes),
     ];
     for kv_type in [KvType::F16, KvType::F32] {
         // An f16 cache holds rounded K and V: give the reference the same values.

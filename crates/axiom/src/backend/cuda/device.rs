@@ -12,6 +12,9 @@ pub struct CudaDevice {
     pub arch: &'static str,
     pub total_memory: usize,
     pub driver_version: i32,
+    /// Whether kernels may be launched to overlap the end of the one before (programmatic
+    /// dependent launch, compute capability 9.0 and later; see common.cuh).
+    pub dependent_launch: bool,
 }
 
 pub(crate) fn driver_error(what: &str) -> impl Fn(cudarc::driver::DriverError) -> Error + '_ {
@@ -46,6 +49,7 @@ impl CudaDevice {
             total_memory: ctx.total_mem().map_err(driver_error("memory size"))?,
             arch,
             driver_version,
+            dependent_launch: major >= 9,
             ctx,
         })
     }

@@ -86,6 +86,14 @@ pub struct Kernels {
     pub compiled_now: bool,
 }
 
+/// The matrix-vector kernel for `tokens` tokens of weights with kernel suffix `ty`: on int8
+/// activations or f32 ones, computing products or (`glu`) silu(gate) * up (kernels/matmul.cu).
+pub fn gemv_kernel(int8: bool, glu: bool, ty: &str, tokens: usize) -> String {
+    let kind = if int8 { "gemv_int" } else { "gemv" };
+    let glu = if glu { "_glu" } else { "" };
+    format!("{kind}{glu}_{ty}_{tokens}")
+}
+
 /// Every kernel the backend launches.
 pub fn kernel_names() -> Vec<String> {
     let mut names: Vec<String> = [
@@ -118,8 +126,10 @@ pub fn kernel_names() -> Vec<String> {
         .collect();
     names.extend(every_type.iter().map(|ty| format!("embed_{ty}")));
     for tokens in [1, 2, 4, 8] {
-        names.extend(every_type.iter().map(|ty| format!("gemv_{ty}_{tokens}")));
-        names.extend(quantized.iter().map(|ty| format!("gemv_int_{ty}_{tokens}")));
+        for glu in [false, true] {
+            names.extend(every_type.iter().map(|ty| gemv_kernel(false, glu, ty, tokens)));
+            names.extend(quantized.iter().map(|ty| gemv_kernel(true, glu, ty, tokens)));
+        }
     }
     names.extend(quantized.iter().map(|ty| format!("dequant_f16_{ty}")));
     names

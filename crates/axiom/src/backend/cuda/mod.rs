@@ -13,10 +13,11 @@ use super::{Arena, AttentionShape, Backend, BlockHandle, HostTensor, KvType, Pag
 use crate::format::quant::GgmlType;
 use crate::{Error, Result};
 use cudarc::cublas::{result as cublas, sys as cublas_sys};
-use cudarc::driver::{sys, CudaGraph, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{sys, CudaGraph, CudaSlice, CudaStream};
 use device::{driver_error, CudaDevice};
 use kernels::Kernels;
 use std::cell::RefCell;
+use std::ffi::c_void;
 use std::sync::Arc;
 
 const ALIGN: usize = 256;
@@ -42,6 +43,8 @@ const INT_GEMV_MIN_N_IN: usize = 2048;
 /// Steps of at least this many tokens run attention on tensor cores (flash_attention.cu), where
 /// the f16 cache and the head size allow; smaller ones, decode above all, use the one-pass kernel.
 const FLASH_MIN_TOKENS: usize = 32;
+/// Threads of the one-pass attention kernel (ATTN_THREADS in attention.cu).
+const ATTENTION_THREADS: u32 = 256;
 /// Query tokens per flash-attention block.
 const FLASH_QUERY_TILE: usize = 64;
 
@@ -196,20 +199,35 @@ impl CudaBackend {
     }
 
     fn launch(&self, name: &str, grid: (u32, u32, u32), block: u32, args: &[&dyn KernelArg]) -> Result<()> {
-        let f = self.kernels.get(name)?;
-        let mut builder = self.stream.launch_builder(f);
-        for a in args {
-            a.push(&mut builder);
-        }
-        let cfg = LaunchConfig {
-            grid_dim: grid,
-            block_dim: (block, 1, 1),
-            shared_mem_bytes: 0,
+        let f = self.kernels.get(name)?.cu_function();
+        let mut params: Vec<*mut c_void> = args.iter().map(|a| a.param()).collect();
+        // Every kernel waits for its inputs itself (begin_after_inputs in common.cuh), so each may
+        // be scheduled while the one before is finishing.
+        let mut overlap = sys::CUlaunchAttribute {
+            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+            pad: [0; 4],
+            value: sys::CUlaunchAttributeValue {
+                programmaticStreamSerializationAllowed: 1,
+            },
+        };
+        let config = sys::CUlaunchConfig {
+            gridDimX: grid.0,
+            gridDimY: grid.1,
+            gridDimZ: grid.2,
+            blockDimX: block,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: 0,
+            hStream: self.stream.cu_stream(),
+            attrs: &mut overlap,
+            numAttrs: u32::from(self.device.dependent_launch),
         };
         // SAFETY: every kernel's argument list matches its `extern "C"` signature (see kernels/),
-        // pointers are arena blocks sized by the caller's checked shapes.
-        unsafe { builder.launch(cfg) }.map_err(driver_error(name))?;
-        Ok(())
+        // pointers are arena blocks sized by the caller's checked shapes; `params` and `overlap`
+        // outlive the call, which copies them.
+        unsafe { sys::cuLaunchKernelEx(&config, f, params.as_mut_ptr(), std::ptr::null_mut()) }
+            .result()
+            .map_err(driver_error(name))
     }
 
     fn type_suffix(ty: GgmlType) -> Result<&'static str> {
@@ -302,31 +320,73 @@ impl CudaBackend {
     }
 
     /// The kernel argument for `ws` (one type, at most `MAX_MATRICES`), writing token rows
-    /// `first..first + count` of `outs`; and the blocks of eight rows their rows need.
-    fn matrices(&self, ws: &[&CudaWeight], outs: &[BlockHandle], first: usize, count: usize) -> (Matrices, u32) {
+    /// `first..first + count` of `outs` (with `glu`, ws is gate and up, and outs one output);
+    /// and the blocks their rows need.
+    fn matrices(
+        &self,
+        ws: &[&CudaWeight],
+        outs: &[BlockHandle],
+        glu: bool,
+        first: usize,
+        count: usize,
+    ) -> (Matrices, u32) {
         let mut m = Matrices {
             count: ws.len() as i32,
             ..Matrices::default()
         };
-        for (i, (w, out)) in ws.iter().zip(outs).enumerate() {
+        for (i, w) in ws.iter().enumerate() {
             (m.q[i], m.s[i], m.m[i]) = self.weight_ptrs(w);
-            m.out[i] = self.ptr(out.slice(first * w.n_out * 4, count * w.n_out * 4));
             m.n_out[i] = w.n_out as i32;
         }
-        let rows: usize = ws.iter().map(|w| w.n_out).sum();
-        // Eight warps per block, one row each.
-        (m, rows.div_ceil(8) as u32)
+        for (i, (w, out)) in ws.iter().zip(outs).enumerate() {
+            m.out[i] = self.ptr(out.slice(first * w.n_out * 4, count * w.n_out * 4));
+        }
+        // Eight warps per block, one row each; with glu, rows of the gate and the up matrix in
+        // pairs.
+        let blocks = if glu {
+            ws[0].n_out.div_ceil(4)
+        } else {
+            ws.iter().map(|w| w.n_out).sum::<usize>().div_ceil(8)
+        };
+        (m, blocks as u32)
     }
 
-    /// The f32 matrix-vector kernels, in groups of up to 8 tokens.
-    fn gemv(&self, x: BlockHandle, ws: &[&CudaWeight], outs: &[BlockHandle], n_tokens: usize) -> Result<()> {
+    /// The matrix-vector kernels for `ws` (one type, at most `MAX_MATRICES`; with `glu`, gate
+    /// and up) in groups of up to 8 tokens: on int8 activations for the weights that take them,
+    /// quantized here unless `quantized` already holds them, else on `x` itself.
+    fn gemv(
+        &self,
+        x: BlockHandle,
+        ws: &[&CudaWeight],
+        outs: &[BlockHandle],
+        n_tokens: usize,
+        glu: bool,
+        quantized: &mut Option<(BlockHandle, BlockHandle)>,
+    ) -> Result<()> {
         let w = ws[0];
         let suffix = Self::type_suffix(w.ty)?;
         let n_in = w.n_in as i32;
+        let int8 = match self.int8_activations.filter(|_| uses_int_gemv(w)) {
+            Some(staging) => Some(match *quantized {
+                Some(q) => q,
+                None => *quantized.insert(self.quantize_activations(x, staging, n_tokens * w.n_in)?),
+            }),
+            None => None,
+        };
         for (done, t) in token_groups(n_tokens) {
-            let (mats, blocks) = self.matrices(ws, outs, done, t);
-            let xs = self.ptr(x.slice(done * w.n_in * 4, t * w.n_in * 4));
-            self.launch(&format!("gemv_{suffix}_{t}"), (blocks, 1, 1), 256, &[&mats, &n_in, &xs])?;
+            let (mats, blocks) = self.matrices(ws, outs, glu, done, t);
+            let name = kernels::gemv_kernel(int8.is_some(), glu, suffix, t);
+            match int8 {
+                Some((xq, xd)) => {
+                    let xqs = self.ptr(xq.slice(done * w.n_in, t * w.n_in));
+                    let xds = self.ptr(xd.slice(done * w.n_in / 8, t * w.n_in / 8));
+                    self.launch(&name, (blocks, 1, 1), 256, &[&mats, &n_in, &xqs, &xds])?
+                }
+                None => {
+                    let xs = self.ptr(x.slice(done * w.n_in * 4, t * w.n_in * 4));
+                    self.launch(&name, (blocks, 1, 1), 256, &[&mats, &n_in, &xs])?
+                }
+            }
         }
         Ok(())
     }
@@ -352,32 +412,6 @@ impl CudaBackend {
             &[&self.ptr(x), &self.ptr(xq), &self.ptr(xd), &n64],
         )?;
         Ok((xq, xd))
-    }
-
-    /// The integer matrix-vector kernels over activations `quantize_activations` prepared.
-    fn gemv_int(
-        &self,
-        xq: BlockHandle,
-        xd: BlockHandle,
-        ws: &[&CudaWeight],
-        outs: &[BlockHandle],
-        n_tokens: usize,
-    ) -> Result<()> {
-        let w = ws[0];
-        let suffix = Self::type_suffix(w.ty)?;
-        let n_in = w.n_in as i32;
-        for (done, t) in token_groups(n_tokens) {
-            let (mats, blocks) = self.matrices(ws, outs, done, t);
-            let xqs = self.ptr(xq.slice(done * w.n_in, t * w.n_in));
-            let xds = self.ptr(xd.slice(done * w.n_in / 8, t * w.n_in / 8));
-            self.launch(
-                &format!("gemv_int_{suffix}_{t}"),
-                (blocks, 1, 1),
-                256,
-                &[&mats, &n_in, &xqs, &xds],
-            )?;
-        }
-        Ok(())
     }
 }
 
@@ -405,20 +439,27 @@ impl Drop for CudaBackend {
     }
 }
 
+/// Threads for a block that normalizes one row of `dim` (rms_norm.cu): a thread a value, in whole
+/// warps, up to 1024.
+fn norm_block(dim: usize) -> u32 {
+    dim.next_multiple_of(32).clamp(32, 1024) as u32
+}
+
 fn blocks_for(n: usize, per_block: usize) -> u32 {
     n.div_ceil(per_block).clamp(1, 65535 * 16) as u32
 }
 
-/// A kernel argument: device pointers travel as u64, sizes as i32 or u64, scalars as f32.
+/// A kernel argument, passed by address as cuLaunchKernelEx takes them: device pointers as u64,
+/// sizes as i32 or u64, scalars as f32, and the `Matrices` struct.
 trait KernelArg {
-    fn push<'a>(&'a self, builder: &mut cudarc::driver::LaunchArgs<'a>);
+    fn param(&self) -> *mut c_void;
 }
 
 macro_rules! kernel_arg {
     ($($t:ty),*) => {$(
         impl KernelArg for $t {
-            fn push<'a>(&'a self, builder: &mut cudarc::driver::LaunchArgs<'a>) {
-                builder.arg(self);
+            fn param(&self) -> *mut c_void {
+                self as *const $t as *mut c_void
             }
         }
     )*};
@@ -437,9 +478,6 @@ struct Matrices {
     n_out: [i32; MAX_MATRICES],
     count: i32,
 }
-
-// SAFETY: plain integers, laid out as the kernels' struct (C layout, no padding but the tail).
-unsafe impl cudarc::driver::DeviceRepr for Matrices {}
 
 /// Weights one matrix-vector launch takes at most (MAX_MATRICES in kernels/matmul.cu).
 const MAX_MATRICES: usize = 3;
@@ -611,11 +649,12 @@ impl Backend for CudaBackend {
         dim: usize,
         eps: f32,
     ) -> Result<()> {
+        let block = norm_block(dim);
         let dim = dim as i32;
         self.launch(
             "rms_norm",
             (n_tokens as u32, 1, 1),
-            256,
+            block,
             &[&self.ptr(x), &self.ptr(weight), &self.ptr(out), &dim, &eps],
         )
     }
@@ -630,11 +669,12 @@ impl Backend for CudaBackend {
         dim: usize,
         eps: f32,
     ) -> Result<()> {
+        let block = norm_block(dim);
         let dim = dim as i32;
         self.launch(
             "add_rms_norm",
             (n_tokens as u32, 1, 1),
-            256,
+            block,
             &[
                 &self.ptr(x),
                 &self.ptr(y),
@@ -668,19 +708,28 @@ impl Backend for CudaBackend {
                 .take_while(|v| v.ty == w.ty && v.n_in == w.n_in)
                 .count();
             let (group, group_outs) = (&ws[i..i + together], &outs[i..i + together]);
-            match self.int8_activations.filter(|_| uses_int_gemv(w)) {
-                Some(staging) => {
-                    let (xq, xd) = match quantized {
-                        Some(q) => q,
-                        None => *quantized.insert(self.quantize_activations(x, staging, n_tokens * w.n_in)?),
-                    };
-                    self.gemv_int(xq, xd, group, group_outs, n_tokens)?
-                }
-                None => self.gemv(x, group, group_outs, n_tokens)?,
-            }
+            self.gemv(x, group, group_outs, n_tokens, false, &mut quantized)?;
             i += together;
         }
         Ok(())
+    }
+
+    fn gate_up_swiglu(
+        &self,
+        x: BlockHandle,
+        w_gate: &CudaWeight,
+        w_up: &CudaWeight,
+        scratch: [BlockHandle; 2],
+        out: BlockHandle,
+        n_tokens: usize,
+        ffn_dim: usize,
+    ) -> Result<()> {
+        let same_shape = (w_gate.ty, w_gate.n_in, w_gate.n_out) == (w_up.ty, w_up.n_in, w_up.n_out);
+        if !same_shape || n_tokens > gemv_max_tokens(w_gate.ty) {
+            self.matmul_many(x, &[w_gate, w_up], &scratch, n_tokens)?;
+            return self.swiglu(scratch[0], scratch[1], out, n_tokens * ffn_dim);
+        }
+        self.gemv(x, &[w_gate, w_up], &[out], n_tokens, true, &mut None)
     }
 
     fn rope(
@@ -806,9 +855,9 @@ impl Backend for CudaBackend {
         n_tokens: usize,
         shape: AttentionShape,
     ) -> Result<()> {
-        if shape.head_dim > 256 {
+        if shape.head_dim > 256 || shape.head_dim % 8 != 0 {
             return Err(Error::Backend(format!(
-                "head dimension {} is above the CUDA attention kernel's 256",
+                "head dimension {}: the CUDA attention kernels take multiples of 8 up to 256",
                 shape.head_dim
             )));
         }
@@ -846,7 +895,7 @@ impl Backend for CudaBackend {
         self.launch(
             &format!("attention_{}", self.kv_suffix()),
             (n_tokens as u32, shape.n_heads as u32, 1),
-            128,
+            ATTENTION_THREADS,
             &[
                 &self.ptr(q),
                 &self.ptr(k_cache),

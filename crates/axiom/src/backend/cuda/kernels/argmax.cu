@@ -1,6 +1,7 @@
 // The index of the largest of n values (the lowest index on ties) of each row, for greedy
 // decoding on the device. One block of 1024 threads per row.
 extern "C" __global__ void argmax(const float* rows, int n, u32* outs) {
+    begin_after_inputs();
     const float* x = rows + (u64)blockIdx.x * n;
     u32* out = outs + blockIdx.x;
     __shared__ float best_v[32];

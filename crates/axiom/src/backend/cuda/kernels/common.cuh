@@ -53,3 +53,15 @@ __device__ __forceinline__ float warp_max(float v) {
 __device__ __forceinline__ u64 page_row(const u32* table, int page_size, u32 p) {
     return (u64)table[p / page_size] * page_size + p % page_size;
 }
+
+// Programmatic dependent launch (Hopper and later; a no-op before). The host launches every kernel
+// so that it may be scheduled while the one before it is finishing; each kernel starts with this:
+// it lets the next kernel's blocks be scheduled once all of its own are running, then waits until
+// the kernel before has finished and its writes are visible. Nothing may be read or written
+// before it.
+__device__ __forceinline__ void begin_after_inputs() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}

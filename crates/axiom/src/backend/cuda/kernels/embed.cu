@@ -1,6 +1,7 @@
 // out[t] = dequantize(table row ids[t]); one block per token, one thread per 32-value chunk.
 template <int TY>
 __device__ void embed(Weight w, const u32* ids, float* out) {
+    begin_after_inputs();
     int t = blockIdx.x;
     u64 row = ids[t];
     float y[32];

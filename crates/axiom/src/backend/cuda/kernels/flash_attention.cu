@@ -39,6 +39,7 @@ __device__ void flash_attention(const float* q, const u16* k_cache, const u16* v
                                 const u32* tiles, float* out, int n_heads, int n_kv_heads) {
     __shared__ __align__(16) u16 ks[FA_KEYS][D + 8];  // padded rows: fewer bank conflicts
     __shared__ __align__(16) u16 vt[D][FA_KEYS + 8];
+    begin_after_inputs();
     const float NEG_INF = __int_as_float(0xff800000u);
     int h = blockIdx.y;
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;

@@ -6,6 +6,7 @@ __device__ __forceinline__ void put(float* p, float v) { *p = v; }
 template <typename T>
 __device__ void kv_write(const float* k, const float* v, T* k_cache, T* v_cache, const u32* positions,
                          const u32* tables, int table_width, const u32* token_seqs, int page_size, int kv_width) {
+    begin_after_inputs();
     int t = blockIdx.x;
     const u32* table = tables + (u64)token_seqs[t] * table_width;
     u64 dst = page_row(table, page_size, positions[t]) * kv_width, src = (u64)t * kv_width;

@@ -13,7 +13,10 @@ __device__ __forceinline__ float dot16(const float* y, const float* x) {
 }
 
 // Up to three matrices of one type multiplied by the same activations in one launch (Q, K and V;
-// gate and up): their rows are taken in order, one warp each, eight warps a block.
+// gate and up): their rows are taken in order, one warp each, eight warps a block. The GLU
+// kernels take a gate and an up matrix and write silu(gate) * up, the feed-forward block's first
+// half with its SwiGLU folded in: a block's warps 0-3 take four rows of the gate matrix and warps
+// 4-7 the same rows of the up matrix.
 #define MAX_MATRICES 3
 struct Matrices {
     const u8* q[MAX_MATRICES];
@@ -24,9 +27,7 @@ struct Matrices {
     int count;
 };
 
-// This warp's matrix and row (ok is false for a warp past the last row). The loop is unrolled so
-// that the parameters are indexed by constants: a run-time index would copy them to local memory,
-// and the weight's pointers with them.
+// This warp's row (ok is false for a warp past the last row).
 struct Picked {
     Weight w;
     float* out;
@@ -35,8 +36,17 @@ struct Picked {
     bool ok;
 };
 
+// The loop is unrolled so that the parameters are indexed by constants: a run-time index would
+// copy them to local memory, and the weights' pointers with them.
+template <bool GLU>
 __device__ __forceinline__ Picked pick_row(const Matrices& mats, int n_in) {
-    int r = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    int warp = threadIdx.x / 32;
+    if (GLU) {
+        int r = blockIdx.x * 4 + warp % 4, i = warp / 4;
+        Weight w = i == 0 ? Weight{mats.q[0], mats.s[0], mats.m[0], n_in} : Weight{mats.q[1], mats.s[1], mats.m[1], n_in};
+        return Picked{w, mats.out[0], mats.n_out[0], r, r < mats.n_out[0]};
+    }
+    int r = blockIdx.x * 8 + warp;
 #pragma unroll
     for (int i = 0; i < MAX_MATRICES; i++) {
         if (i < mats.count && r < mats.n_out[i])
@@ -46,15 +56,36 @@ __device__ __forceinline__ Picked pick_row(const Matrices& mats, int n_in) {
     return Picked{Weight{nullptr, nullptr, nullptr, n_in}, nullptr, 0, 0, false};
 }
 
-template <int TY, int T>
-__device__ void gemv(const Matrices& mats, int n_in, const float* x) {
-    Picked p = pick_row(mats, n_in);
-    if (!p.ok) return;
-    const Weight w = p.w;
-    float* out = p.out;
-    int n_out = p.n_out, row = p.row;
-    int lane = threadIdx.x % 32;
+// Every matrix-vector kernel: `row_dot(w, row, acc)` leaves a warp's per-lane partial dot products
+// of one row with the T tokens' activations in acc.
+template <int TY, int T, bool GLU, typename RowDot>
+__device__ __forceinline__ void gemv_rows(const Matrices& mats, int n_in, RowDot row_dot) {
+    __shared__ float up[4][T];
+    begin_after_inputs();
+    Picked p = pick_row<GLU>(mats, n_in);
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     float acc[T];
+    if (p.ok) {
+        row_dot(p.w, p.row, acc);
+        for (int t = 0; t < T; t++) acc[t] = warp_sum(acc[t]);
+    }
+    if (!GLU) {
+        if (p.ok && lane == 0)
+            for (int t = 0; t < T; t++) p.out[(u64)t * p.n_out + p.row] = acc[t];
+        return;
+    }
+    // The up warps hand their sums to the gate warps.
+    if (p.ok && warp >= 4 && lane == 0)
+        for (int t = 0; t < T; t++) up[warp % 4][t] = acc[t];
+    __syncthreads();
+    if (p.ok && warp < 4 && lane == 0)
+        for (int t = 0; t < T; t++) p.out[(u64)t * p.n_out + p.row] = acc[t] / (1.0f + expf(-acc[t])) * up[warp][t];
+}
+
+// Quantized weights on f32 activations: each lane expands its 32-value chunks to floats.
+template <int TY, int T>
+__device__ __forceinline__ void quant_row(const Weight& w, int row, const float* x, float* acc) {
+    int lane = threadIdx.x % 32;
     for (int t = 0; t < T; t++) acc[t] = 0.0f;
     float y[32];
     for (int c = lane; c < w.n_in / 32; c += 32) {
@@ -64,10 +95,6 @@ __device__ void gemv(const Matrices& mats, int n_in, const float* x) {
             const float* xt = x + (u64)t * w.n_in;
             acc[t] += dot16(y, xt + at0) + dot16(y + 16, xt + at1);
         }
-    }
-    for (int t = 0; t < T; t++) {
-        float s = warp_sum(acc[t]);
-        if (lane == 0) out[(u64)t * n_out + row] = s;
     }
 }
 
@@ -84,6 +111,7 @@ __device__ __forceinline__ int dp4a(u32 a, u32 b, int c) {
 
 // xq[i] = round(x[i] / d), d = max |x| / 127 over each aligned block of 32 (a warp per block).
 extern "C" __global__ void quantize_q8(const float* x, i8* xq, float* xd, u64 n) {
+    begin_after_inputs();
     u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x;
     float v = i < n ? x[i] : 0.0f;
     float d = warp_max(fabsf(v)) / 127.0f;
@@ -117,33 +145,25 @@ __device__ __forceinline__ void dot_chunk(const IntChunk& k, const i8* xq, const
 }
 
 template <int TY, int T>
-__device__ void gemv_int(const Matrices& mats, int n_in, const i8* xq, const float* xd) {
-    Picked p = pick_row(mats, n_in);
-    if (!p.ok) return;
-    const Weight w = p.w;
-    float* out = p.out;
-    int n_out = p.n_out, row = p.row;
-    int lane = threadIdx.x % 32;
-    float acc[T];
+__device__ __forceinline__ void int_row(const Weight& w, int row, const i8* xq, const float* xd, float* acc) {
     for (int t = 0; t < T; t++) acc[t] = 0.0f;
     // (Decoding two or four chunks before using any was measured slower on the H200.)
-    for (int c = lane; c < w.n_in / 32; c += 32) dot_chunk<TY, T>(int_chunk<TY>(w, row, c), xq, xd, w.n_in, acc);
-    for (int t = 0; t < T; t++) {
-        float s = warp_sum(acc[t]);
-        if (lane == 0) out[(u64)t * n_out + row] = s;
-    }
+    for (int c = threadIdx.x % 32; c < w.n_in / 32; c += 32) dot_chunk<TY, T>(int_chunk<TY>(w, row, c), xq, xd, w.n_in, acc);
 }
 
-#define GEMV_INT(NAME, TY, T) \
-    extern "C" __global__ void gemv_int_##NAME##_##T(Matrices mats, int n_in, const i8* xq, const float* xd) { \
-        gemv_int<TY, T>(mats, n_in, xq, xd); \
+#define GEMV_INT(NAME, TY, T, GLU, KIND)                                                                       \
+    extern "C" __global__ void KIND##_##NAME##_##T(Matrices mats, int n_in, const i8* xq, const float* xd) {           \
+        gemv_rows<TY, T, GLU>(mats, n_in, [&](const Weight& w, int row, float* acc) { int_row<TY, T>(w, row, xq, xd, acc); }); \
     }
-#define GEMV_INT_ALL_T(NAME, TY) GEMV_INT(NAME, TY, 1) GEMV_INT(NAME, TY, 2) GEMV_INT(NAME, TY, 4) GEMV_INT(NAME, TY, 8)
-GEMV_INT_ALL_T(q8_0, TY_Q8_0)
-GEMV_INT_ALL_T(q4_0, TY_Q4_0)
-GEMV_INT_ALL_T(q4_1, TY_Q4_1)
-GEMV_INT_ALL_T(q4_k, TY_Q4_K)
-GEMV_INT_ALL_T(q6_k, TY_Q6_K)
+#define GEMV_INT_ALL(NAME, TY)                                                                                  \
+    GEMV_INT(NAME, TY, 1, false, gemv_int) GEMV_INT(NAME, TY, 2, false, gemv_int) GEMV_INT(NAME, TY, 4, false, gemv_int) \
+    GEMV_INT(NAME, TY, 8, false, gemv_int) GEMV_INT(NAME, TY, 1, true, gemv_int_glu) GEMV_INT(NAME, TY, 2, true, gemv_int_glu) \
+    GEMV_INT(NAME, TY, 4, true, gemv_int_glu) GEMV_INT(NAME, TY, 8, true, gemv_int_glu)
+GEMV_INT_ALL(q8_0, TY_Q8_0)
+GEMV_INT_ALL(q4_0, TY_Q4_0)
+GEMV_INT_ALL(q4_1, TY_Q4_1)
+GEMV_INT_ALL(q4_k, TY_Q4_K)
+GEMV_INT_ALL(q6_k, TY_Q6_K)
 
 // Float weights: lane-interleaved 16-byte loads, so each warp load is 512 contiguous bytes, with
 // UNROLL loads in flight per lane before the first is used; activations read as float4.
@@ -161,21 +181,14 @@ __device__ __forceinline__ void widen(uint4 raw, float* y) {
 }
 
 template <int TY, int T>
-__device__ void gemv_float(const Matrices& mats, int n_in, const float* x) {
-    Picked p = pick_row(mats, n_in);
-    if (!p.ok) return;
-    const u8* w = p.w.q;
-    float* out = p.out;
-    int n_out = p.n_out, row = p.row;
-    u64 row_bytes = (u64)n_in * (TY == TY_F32 ? 4 : 2);
+__device__ __forceinline__ void float_row(const Weight& w, int row, const float* x, float* acc) {
+    int n_in = w.n_in;
     constexpr int PER = TY == TY_F32 ? 4 : 8;  // values per 16-byte load
     constexpr int UNROLL = 4;
-    int lane = threadIdx.x % 32;
-    const uint4* wrow = (const uint4*)(w + (u64)row * row_bytes);
+    const uint4* wrow = (const uint4*)(w.q + (u64)row * n_in * (TY == TY_F32 ? 4 : 2));
     int n_loads = n_in / PER;
-    float acc[T];
     for (int t = 0; t < T; t++) acc[t] = 0.0f;
-    int i = lane;
+    int i = threadIdx.x % 32;
     for (; i + 32 * (UNROLL - 1) < n_loads; i += 32 * UNROLL) {
         uint4 raw[UNROLL];
         for (int u = 0; u < UNROLL; u++) raw[u] = __ldg(wrow + i + 32 * u);
@@ -203,27 +216,29 @@ __device__ void gemv_float(const Matrices& mats, int n_in, const float* x) {
             }
         }
     }
-    for (int t = 0; t < T; t++) {
-        float s = warp_sum(acc[t]);
-        if (lane == 0) out[(u64)t * n_out + row] = s;
-    }
 }
 
-#define GEMV(NAME, TY, IMPL, T) \
-    extern "C" __global__ void gemv_##NAME##_##T(Matrices mats, int n_in, const float* x) { IMPL<TY, T>(mats, n_in, x); }
-#define GEMV_ALL_T(NAME, TY, IMPL) GEMV(NAME, TY, IMPL, 1) GEMV(NAME, TY, IMPL, 2) GEMV(NAME, TY, IMPL, 4) GEMV(NAME, TY, IMPL, 8)
-GEMV_ALL_T(f32, TY_F32, gemv_float)
-GEMV_ALL_T(f16, TY_F16, gemv_float)
-GEMV_ALL_T(bf16, TY_BF16, gemv_float)
-GEMV_ALL_T(q8_0, TY_Q8_0, gemv)
-GEMV_ALL_T(q4_0, TY_Q4_0, gemv)
-GEMV_ALL_T(q4_1, TY_Q4_1, gemv)
-GEMV_ALL_T(q4_k, TY_Q4_K, gemv)
-GEMV_ALL_T(q6_k, TY_Q6_K, gemv)
+#define GEMV(NAME, TY, ROW, T, GLU, KIND)                                                                      \
+    extern "C" __global__ void KIND##_##NAME##_##T(Matrices mats, int n_in, const float* x) {                  \
+        gemv_rows<TY, T, GLU>(mats, n_in, [&](const Weight& w, int row, float* acc) { ROW<TY, T>(w, row, x, acc); }); \
+    }
+#define GEMV_ALL(NAME, TY, ROW)                                                                                 \
+    GEMV(NAME, TY, ROW, 1, false, gemv) GEMV(NAME, TY, ROW, 2, false, gemv) GEMV(NAME, TY, ROW, 4, false, gemv)  \
+    GEMV(NAME, TY, ROW, 8, false, gemv) GEMV(NAME, TY, ROW, 1, true, gemv_glu) GEMV(NAME, TY, ROW, 2, true, gemv_glu) \
+    GEMV(NAME, TY, ROW, 4, true, gemv_glu) GEMV(NAME, TY, ROW, 8, true, gemv_glu)
+GEMV_ALL(f32, TY_F32, float_row)
+GEMV_ALL(f16, TY_F16, float_row)
+GEMV_ALL(bf16, TY_BF16, float_row)
+GEMV_ALL(q8_0, TY_Q8_0, quant_row)
+GEMV_ALL(q4_0, TY_Q4_0, quant_row)
+GEMV_ALL(q4_1, TY_Q4_1, quant_row)
+GEMV_ALL(q4_k, TY_Q4_K, quant_row)
+GEMV_ALL(q6_k, TY_Q6_K, quant_row)
 
 // Whole-matrix dequantization to f16, for prefill through cuBLAS: one thread per 32-value chunk.
 template <int TY>
 __device__ void dequant_f16(Weight w, u16* out, int n_out) {
+    begin_after_inputs();
     u64 chunks = (u64)n_out * (w.n_in / 32);
     for (u64 g = blockIdx.x * (u64)blockDim.x + threadIdx.x; g < chunks; g += (u64)gridDim.x * blockDim.x) {
         u64 row = g / (w.n_in / 32);

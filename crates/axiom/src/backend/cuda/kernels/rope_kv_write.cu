@@ -5,6 +5,7 @@ template <typename T>
 __device__ void rope_kv_write(float* q, float* k, const float* v, T* k_cache, T* v_cache, const u32* positions,
                               const float* freqs, const u32* tables, int table_width, const u32* token_seqs,
                               int page_size, int n_heads, int n_kv_heads, int head_dim, int dims, int halves) {
+    begin_after_inputs();
     int t = blockIdx.x, h = blockIdx.y;
     if (h < n_heads) {
         rotate_head(q + ((u64)t * n_heads + h) * head_dim, positions[t], freqs, dims, halves);
