@@ -855,7 +855,7 @@ impl Backend for CudaBackend {
         n_tokens: usize,
         shape: AttentionShape,
     ) -> Result<()> {
-        if shape.head_dim > 256 || shape.head_dim % 8 != 0 {
+        if shape.head_dim > 256 || !shape.head_dim.is_multiple_of(8) {
             return Err(Error::Backend(format!(
                 "head dimension {}: the CUDA attention kernels take multiples of 8 up to 256",
                 shape.head_dim
