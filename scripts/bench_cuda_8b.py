@@ -9,6 +9,7 @@ each, and reports decode tok/s against bytes-per-token / copy-bandwidth. Needs t
 transformers for --hf) and an axiom binary built with the CUDA backend.
 
     python3 scripts/bench_cuda_8b.py --axiom target/release/axiom [--types bf16,q8_0,q4_k] [--hf] [--dir /tmp]
+        [--ubatch 512]
 """
 import argparse
 import json
@@ -171,6 +172,7 @@ def main():
     ap.add_argument("--dir", default="/tmp")
     ap.add_argument("--hf", action="store_true")
     ap.add_argument("--prompt", default="512,2048")
+    ap.add_argument("--ubatch", default="512", help="most prompt tokens in one axiom step (llama-bench's -ub)")
     args = ap.parse_args()
     bandwidth = copy_bandwidth()
     print(f"device-to-device copy: {bandwidth / 1e12:.2f} TB/s (read + write)", flush=True)
@@ -181,7 +183,7 @@ def main():
         weight_bytes = write_gguf(path, ty)
         print(f"{ty}: wrote {os.path.getsize(path) / 1e9:.2f} GB in {time.time() - t:.0f} s", flush=True)
         out = subprocess.run([args.axiom, "bench", "--backend", "cuda", "-m", path, "-p", args.prompt, "-n", "128", "-r", "3",
-                              "--json"], capture_output=True, text=True)
+                              "--ubatch-size", args.ubatch, "--json"], capture_output=True, text=True)
         if out.returncode != 0:
             print(out.stderr)
             continue

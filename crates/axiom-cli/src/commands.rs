@@ -101,6 +101,10 @@ pub struct BenchArgs {
     /// Repetitions of each test.
     #[arg(short = 'r', long, default_value_t = 3)]
     repetitions: usize,
+    /// Most prompt tokens in one forward step (as llama-bench's --ubatch-size): longer prompts are
+    /// processed in steps of this many.
+    #[arg(long = "ubatch-size", visible_alias = "ub", default_value_t = 512)]
+    ubatch: usize,
     /// Print one JSON object per test instead of the table.
     #[arg(long)]
     json: bool,
@@ -256,6 +260,9 @@ pub fn bench(args: BenchArgs, out: Output) -> Result<()> {
     if args.repetitions == 0 {
         bail!("--repetitions must be at least 1");
     }
+    if args.ubatch == 0 {
+        bail!("--ubatch-size must be at least 1");
+    }
     let tests: Vec<Test> = args
         .prompt
         .iter()
@@ -265,7 +272,7 @@ pub fn bench(args: BenchArgs, out: Output) -> Result<()> {
         .collect();
     let longest = tests.iter().map(|t| t.tokens()).max().unwrap_or(1);
     let options = LoadOptions {
-        max_batch: longest.min(512),
+        max_batch: longest.min(args.ubatch),
         kv_tokens: longest,
         max_seqs: 1,
     };

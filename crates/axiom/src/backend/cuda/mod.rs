@@ -36,9 +36,11 @@ fn gemv_max_tokens(ty: GgmlType) -> usize {
 }
 
 /// Quantized matrices with rows at least this long are multiplied on integers (gemv_int in
-/// matmul.cu: activations quantized to int8, dp4a). Shorter ones keep the f32 kernels: their
-/// products are too small to repay the extra launch that quantizes the activations.
+/// matmul.cu: activations quantized to int8, dp4a), and so are matrices of at least
+/// `INT_GEMV_MIN_VALUES` (a small model's output head). Other small ones keep the f32 kernels:
+/// their products are too small to repay the extra launch that quantizes the activations.
 const INT_GEMV_MIN_N_IN: usize = 2048;
+const INT_GEMV_MIN_VALUES: usize = 16 << 20;
 
 /// Steps of at least this many tokens run attention on tensor cores (flash_attention.cu), where
 /// the f16 cache and the head size allow; smaller ones, decode above all, use the one-pass kernel.
@@ -238,35 +240,23 @@ impl CudaBackend {
         })
     }
 
-    fn gemm(&self, x: BlockHandle, w: &CudaWeight, out: BlockHandle, n_tokens: usize) -> Result<()> {
+    /// `out = x w^T` through cuBLAS. Its 16-bit input is staged: `staged` says which type the
+    /// staging already holds `x` in, so the weights that share an input convert it once.
+    fn gemm(
+        &self,
+        x: BlockHandle,
+        w: &CudaWeight,
+        out: BlockHandle,
+        n_tokens: usize,
+        staged: &mut Option<GgmlType>,
+    ) -> Result<()> {
         let (n_in, n_out) = (w.n_in, w.n_out);
         let (w_stage, x_stage) = self
             .staging
             .ok_or_else(|| Error::Backend("no cuBLAS staging reserved".into()))?;
-        let f16 = cublas_sys::cudaDataType_t::CUDA_R_16F;
-        let (a, a_type, b, b_type) = match w.ty {
-            GgmlType::F32 => (
-                self.ptr(w.q),
-                cublas_sys::cudaDataType_t::CUDA_R_32F,
-                self.ptr(x),
-                cublas_sys::cudaDataType_t::CUDA_R_32F,
-            ),
-            GgmlType::F16 | GgmlType::BF16 => {
-                let kind = w.ty.id() as i32;
-                let n = (n_tokens * n_in) as u64;
-                self.launch(
-                    "convert_f32",
-                    (blocks_for(n as usize, 256), 1, 1),
-                    256,
-                    &[&self.ptr(x), &self.ptr(x_stage), &n, &kind],
-                )?;
-                let ty = if w.ty == GgmlType::F16 {
-                    f16
-                } else {
-                    cublas_sys::cudaDataType_t::CUDA_R_16BF
-                };
-                (self.ptr(w.q), ty, self.ptr(x_stage), ty)
-            }
+        // Float weights are read as they are; quantized ones are dequantized to f16 first.
+        let (a, input) = match w.ty {
+            GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => (self.ptr(w.q), w.ty),
             _ => {
                 let name = format!("dequant_f16_{}", Self::type_suffix(w.ty)?);
                 let chunks = n_out * n_in / 32;
@@ -278,16 +268,28 @@ impl CudaBackend {
                     256,
                     &[&q, &s, &m, &n_in_i, &self.ptr(w_stage), &n_out_i],
                 )?;
-                let n = (n_tokens * n_in) as u64;
-                let kind = GgmlType::F16.id() as i32;
+                (self.ptr(w_stage), GgmlType::F16)
+            }
+        };
+        let b = if input == GgmlType::F32 {
+            self.ptr(x)
+        } else {
+            if *staged != Some(input) {
+                let (n, kind) = ((n_tokens * n_in) as u64, input.id() as i32);
                 self.launch(
                     "convert_f32",
-                    (blocks_for(n as usize, 256), 1, 1),
+                    (blocks_for(n.div_ceil(4) as usize, 256), 1, 1),
                     256,
                     &[&self.ptr(x), &self.ptr(x_stage), &n, &kind],
                 )?;
-                (self.ptr(w_stage), f16, self.ptr(x_stage), f16)
+                *staged = Some(input);
             }
+            self.ptr(x_stage)
+        };
+        let data_type = match input {
+            GgmlType::F32 => cublas_sys::cudaDataType_t::CUDA_R_32F,
+            GgmlType::F16 => cublas_sys::cudaDataType_t::CUDA_R_16F,
+            _ => cublas_sys::cudaDataType_t::CUDA_R_16BF,
         };
         let (alpha, beta) = (1.0f32, 0.0f32);
         // Row-major out[t][o] = sum_i x[t][i] w[o][i] is, column-major, C(n_out x n_tokens) =
@@ -303,10 +305,10 @@ impl CudaBackend {
                 n_in as i32,
                 &alpha as *const f32 as *const _,
                 a as *const _,
-                a_type,
+                data_type,
                 n_in as i32,
                 b as *const _,
-                b_type,
+                data_type,
                 n_in as i32,
                 &beta as *const f32 as *const _,
                 self.ptr(out) as *mut _,
@@ -417,7 +419,8 @@ impl CudaBackend {
 
 /// Whether `w` is multiplied on integers at decode (see `INT_GEMV_MIN_N_IN`).
 fn uses_int_gemv(w: &CudaWeight) -> bool {
-    !matches!(w.ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16) && w.n_in >= INT_GEMV_MIN_N_IN
+    let large = w.n_in >= INT_GEMV_MIN_N_IN || w.n_in * w.n_out >= INT_GEMV_MIN_VALUES;
+    !matches!(w.ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16) && large
 }
 
 /// `n_tokens` split into groups the matrix-vector kernels take (8, 4, 2 or 1 tokens):
@@ -691,14 +694,15 @@ impl Backend for CudaBackend {
     }
 
     fn matmul_many(&self, x: BlockHandle, ws: &[&CudaWeight], outs: &[BlockHandle], n_tokens: usize) -> Result<()> {
-        // One quantization of the activations serves every weight that takes the integer path,
-        // and weights of one type go to the matrix-vector kernels together, in one launch.
-        let mut quantized = None;
+        // One quantization (or 16-bit conversion, for cuBLAS) of the activations serves every
+        // weight that takes it, and weights of one type go to the matrix-vector kernels together,
+        // in one launch.
+        let (mut quantized, mut staged) = (None, None);
         let mut i = 0;
         while i < ws.len() {
             let w = ws[i];
             if n_tokens > gemv_max_tokens(w.ty) {
-                self.gemm(x, w, outs[i], n_tokens)?;
+                self.gemm(x, w, outs[i], n_tokens, &mut staged)?;
                 i += 1;
                 continue;
             }
@@ -954,7 +958,7 @@ impl Backend for CudaBackend {
             let x = self.alloc(max_tokens * max_n_in * 2)?;
             self.staging = Some((w, x));
         }
-        if self.int8_activations.is_none() && max_n_in >= INT_GEMV_MIN_N_IN {
+        if self.int8_activations.is_none() {
             let values = GEMV_MAX_TOKENS.min(max_tokens) * max_n_in;
             self.int8_activations = Some((self.alloc(values)?, self.alloc(values / 32 * 4)?));
         }
@@ -975,11 +979,7 @@ impl Backend for CudaBackend {
         } else {
             0
         };
-        let int8 = if max_n_in >= INT_GEMV_MIN_N_IN {
-            GEMV_MAX_TOKENS.min(max_tokens) * max_n_in * 2 + 2 * ALIGN
-        } else {
-            0
-        };
+        let int8 = GEMV_MAX_TOKENS.min(max_tokens) * max_n_in * 2 + 2 * ALIGN;
         cublas + flash + int8
     }
 }

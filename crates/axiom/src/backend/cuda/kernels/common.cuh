@@ -55,13 +55,13 @@ __device__ __forceinline__ u64 page_row(const u32* table, int page_size, u32 p) 
 }
 
 // Programmatic dependent launch (Hopper and later; a no-op before). The host launches every kernel
-// so that it may be scheduled while the one before it is finishing; each kernel starts with this:
-// it lets the next kernel's blocks be scheduled once all of its own are running, then waits until
-// the kernel before has finished and its writes are visible. Nothing may be read or written
-// before it.
+// so that the GPU may prepare it while the one before is finishing, and each kernel starts with
+// this wait for the one before to finish and its writes to be visible: nothing may be read or
+// written before it. No kernel signals its dependents early (griddepcontrol.launch_dependents):
+// blocks of the next kernel then sit on the multiprocessors while this one runs, which made
+// SmolLM2's decode 28% slower on the H200, where the wait alone made it 5% faster.
 __device__ __forceinline__ void begin_after_inputs() {
 #if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }
