@@ -63,6 +63,26 @@ pub fn rel_l2(got: &[f32], want: &[f32]) -> f64 {
     (err / norm.max(1e-30)).sqrt()
 }
 
+/// A random `[n_out, n_in]` weight of type `ty`, uploaded to the backend under test and the CPU.
+fn random_weight<B: Backend>(
+    rng: &mut ChaCha8Rng,
+    gpu: &mut B,
+    cpu: &mut CpuBackend,
+    ty: GgmlType,
+    n_in: usize,
+    n_out: usize,
+) -> (B::Weight, <CpuBackend as Backend>::Weight) {
+    let bytes = random_weight_bytes(rng, ty, n_in * n_out);
+    let tensor = HostTensor {
+        name: "w",
+        ty,
+        dims: &[n_in, n_out],
+        bytes: &bytes,
+        region: None,
+    };
+    (gpu.upload_weight(&tensor).unwrap(), cpu.upload_weight(&tensor).unwrap())
+}
+
 /// The weight types every GPU backend runs.
 pub const WEIGHT_TYPES: [GgmlType; 8] = [
     GgmlType::F32,
@@ -86,16 +106,8 @@ pub fn matmul_every_type_and_token_count<B: Backend>(
     let short = |ty: GgmlType| if ty.block_len() == 256 { 512 } else { 96 };
     for (ty, n_in) in WEIGHT_TYPES.iter().flat_map(|&ty| [(ty, short(ty)), (ty, 2048)]) {
         let n_out = 37;
-        let bytes = random_weight_bytes(&mut rng, ty, n_in * n_out);
         let (mut gpu, mut cpu) = pair(&make);
-        let tensor = HostTensor {
-            name: "w",
-            ty,
-            dims: &[n_in, n_out],
-            bytes: &bytes,
-            region: None,
-        };
-        let (wg, wc) = (gpu.upload_weight(&tensor).unwrap(), cpu.upload_weight(&tensor).unwrap());
+        let (wg, wc) = random_weight(&mut rng, &mut gpu, &mut cpu, ty, n_in, n_out);
         gpu.prepare(64, n_in).unwrap_or(());
         for n_tokens in [1, 3, 5, 8, 35] {
             let x = randn(&mut rng, n_tokens * n_in);
@@ -116,23 +128,10 @@ pub fn matmul_every_type_and_token_count<B: Backend>(
     for n_in in [512, 2048] {
         let (mut gpu, mut cpu) = pair(&make);
         let specs = [(GgmlType::Q4K, 37), (GgmlType::Q4K, 29), (GgmlType::Q6K, 50)];
-        let bytes: Vec<Vec<u8>> = specs
+        let (wg, wc): (Vec<_>, Vec<_>) = specs
             .iter()
-            .map(|&(ty, n_out)| random_weight_bytes(&mut rng, ty, n_in * n_out))
-            .collect();
-        let (mut wg, mut wc) = (Vec::new(), Vec::new());
-        for (&(ty, n_out), bytes) in specs.iter().zip(&bytes) {
-            let dims = [n_in, n_out];
-            let tensor = HostTensor {
-                name: "w",
-                ty,
-                dims: &dims,
-                bytes,
-                region: None,
-            };
-            wg.push(gpu.upload_weight(&tensor).unwrap());
-            wc.push(cpu.upload_weight(&tensor).unwrap());
-        }
+            .map(|&(ty, n_out)| random_weight(&mut rng, &mut gpu, &mut cpu, ty, n_in, n_out))
+            .unzip();
         gpu.prepare(64, n_in).unwrap();
         for n_tokens in [1, 3, 8] {
             let x = randn(&mut rng, n_tokens * n_in);
@@ -158,19 +157,9 @@ pub fn matmul_every_type_and_token_count<B: Backend>(
     for (ty, n_in) in WEIGHT_TYPES.iter().flat_map(|&ty| [(ty, short(ty)), (ty, 2048)]) {
         let n_out = 37;
         let (mut gpu, mut cpu) = pair(&make);
-        let (mut wg, mut wc) = (Vec::new(), Vec::new());
-        for _ in 0..2 {
-            let bytes = random_weight_bytes(&mut rng, ty, n_in * n_out);
-            let tensor = HostTensor {
-                name: "w",
-                ty,
-                dims: &[n_in, n_out],
-                bytes: &bytes,
-                region: None,
-            };
-            wg.push(gpu.upload_weight(&tensor).unwrap());
-            wc.push(cpu.upload_weight(&tensor).unwrap());
-        }
+        let (wg, wc): (Vec<_>, Vec<_>) = (0..2)
+            .map(|_| random_weight(&mut rng, &mut gpu, &mut cpu, ty, n_in, n_out))
+            .unzip();
         gpu.prepare(64, n_in).unwrap();
         for n_tokens in [1, 3, 8, 9] {
             let x = randn(&mut rng, n_tokens * n_in);
