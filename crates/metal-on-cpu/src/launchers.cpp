@@ -44,13 +44,6 @@ extern "C" void msl_rms_norm(const float* x, const float* w, float* out, uint di
     });
 }
 
-extern "C" void msl_add_rms_norm(float* x, const float* y, const float* w, float* out, uint dim, float eps,
-                                 uint rows, uint threads) {
-    launch({rows, 1, 1}, {threads, 1, 1}, [&](const Thread& t) {
-        add_rms_norm(x, y, w, out, dim, eps, t.group.x, t.index, t.threads, t.simd, t.simds, t.lane);
-    });
-}
-
 extern "C" void msl_rope(float* x, const uint* positions, const float* freqs, uint n_tokens, uint n_heads,
                          uint head_dim, uint dims, uint halves, uint threads) {
     launch({n_tokens, n_heads, 1}, {threads, 1, 1}, [&](const Thread& t) {

@@ -94,16 +94,6 @@ unsafe extern "C" {
         threads: u32,
     ) -> i32;
     fn msl_rms_norm(x: *const f32, w: *const f32, out: *mut f32, dim: u32, eps: f32, rows: u32, threads: u32);
-    fn msl_add_rms_norm(
-        x: *mut f32,
-        y: *const f32,
-        w: *const f32,
-        out: *mut f32,
-        dim: u32,
-        eps: f32,
-        rows: u32,
-        threads: u32,
-    );
     fn msl_rope_kv_write(
         f16: u32,
         q: *mut f32,
@@ -251,25 +241,6 @@ pub fn rms_norm(x: &[f32], w: &[f32], out: &mut [f32], dim: usize, eps: f32, thr
     let rows = (x.len() / dim) as u32;
     // SAFETY: `rows` rows of `dim` in `x` and `out`.
     unsafe { msl_rms_norm(x.as_ptr(), w.as_ptr(), out.as_mut_ptr(), dim as u32, eps, rows, threads) }
-}
-
-/// `add_rms_norm`: `x += y`, then `out = rms_norm(x) * w`.
-pub fn add_rms_norm(x: &mut [f32], y: &[f32], w: &[f32], out: &mut [f32], dim: usize, eps: f32, threads: u32) {
-    assert!(w.len() == dim && x.len() == out.len() && x.len() == y.len() && x.len().is_multiple_of(dim));
-    let rows = (x.len() / dim) as u32;
-    // SAFETY: `rows` rows of `dim` in `x`, `y` and `out`.
-    unsafe {
-        msl_add_rms_norm(
-            x.as_mut_ptr(),
-            y.as_ptr(),
-            w.as_ptr(),
-            out.as_mut_ptr(),
-            dim as u32,
-            eps,
-            rows,
-            threads,
-        )
-    }
 }
 
 /// `rope_kv_write_<f16|f32>`: RoPE on `q` and `k` in place, then `k` and `v` into the caches.

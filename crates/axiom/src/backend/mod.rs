@@ -186,9 +186,51 @@ impl HostTensor<'_> {
     }
 }
 
+/// The activations a matmul reads: rows as they are, or rows RMS-normalized on the way in (the
+/// norm before each attention and feed-forward block, which a backend may fold into the matmul).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Input {
+    Rows(BlockHandle),
+    /// `x[t] / rms(x[t]) * weight`, as `Backend::rms_norm` computes it. A backend that does not
+    /// normalize as it reads writes the normalized rows to `scratch` first.
+    RmsNormed {
+        x: BlockHandle,
+        weight: BlockHandle,
+        eps: f32,
+        scratch: BlockHandle,
+    },
+}
+
+impl From<BlockHandle> for Input {
+    fn from(rows: BlockHandle) -> Input {
+        Input::Rows(rows)
+    }
+}
+
+/// The shape of a backend's weight matrix, `[n_out, n_in]`.
+pub trait Matrix {
+    fn n_in(&self) -> usize;
+    fn n_out(&self) -> usize;
+}
+
+/// `Matrix` for a weight type with `n_in` and `n_out` fields (each backend's).
+macro_rules! impl_matrix {
+    ($weight:ty) => {
+        impl $crate::backend::Matrix for $weight {
+            fn n_in(&self) -> usize {
+                self.n_in
+            }
+            fn n_out(&self) -> usize {
+                self.n_out
+            }
+        }
+    };
+}
+use impl_matrix;
+
 pub trait Backend {
     /// A weight matrix resident on the backend, in its stored type.
-    type Weight;
+    type Weight: Matrix;
 
     /// What the backend runs on, for logs and `axiom bench`.
     fn device_name(&self) -> String;
@@ -266,31 +308,30 @@ pub trait Backend {
         dim: usize,
         eps: f32,
     ) -> Result<()>;
-    /// `x += y`, then `out[t] = x[t] / rms(x[t]) * weight`: a residual add and the norm after it
-    /// in one op (one pass over `x` instead of three). The default runs `add`, then `rms_norm`.
-    #[allow(clippy::too_many_arguments)]
-    fn add_rms_norm(
-        &self,
-        x: BlockHandle,
-        y: BlockHandle,
-        weight: BlockHandle,
-        out: BlockHandle,
-        n_tokens: usize,
-        dim: usize,
-        eps: f32,
-    ) -> Result<()> {
-        self.add(x, y, n_tokens * dim)?;
-        self.rms_norm(x, weight, out, n_tokens, dim, eps)
-    }
     /// `out[t, o] = sum_i x[t, i] * w[o, i]`.
     fn matmul(&self, x: BlockHandle, w: &Self::Weight, out: BlockHandle, n_tokens: usize) -> Result<()>;
     /// `matmul` of one input by several weights (Q/K/V, gate/up): a backend can prepare the input
-    /// once. The default runs them one by one.
-    fn matmul_many(&self, x: BlockHandle, ws: &[&Self::Weight], outs: &[BlockHandle], n_tokens: usize) -> Result<()> {
+    /// once. The default takes the input's rows (see `input_rows`) and runs them one by one.
+    fn matmul_many(&self, x: Input, ws: &[&Self::Weight], outs: &[BlockHandle], n_tokens: usize) -> Result<()> {
+        let x = self.input_rows(x, n_tokens, ws.first().map_or(0, |w| w.n_in()))?;
         for (w, &out) in ws.iter().zip(outs) {
             self.matmul(x, w, out, n_tokens)?;
         }
         Ok(())
+    }
+    /// `out[t] += x[t] w^T`: a product added to the residual stream `out`. `scratch` holds the
+    /// product (`n_tokens` rows of `w`'s outputs) for a backend that adds it in a second step, as
+    /// the default does.
+    fn matmul_add(
+        &self,
+        x: BlockHandle,
+        w: &Self::Weight,
+        out: BlockHandle,
+        scratch: BlockHandle,
+        n_tokens: usize,
+    ) -> Result<()> {
+        self.matmul(x, w, scratch, n_tokens)?;
+        self.add(out, scratch, n_tokens * w.n_out())
     }
     /// The feed-forward block's first half, `out = silu(x w_gate^T) * (x w_up^T)` (`n_tokens`
     /// rows of `ffn_dim`). `gate` and `up` are scratch of that size for a backend that takes it in
@@ -298,7 +339,7 @@ pub trait Backend {
     #[allow(clippy::too_many_arguments)]
     fn gate_up_swiglu(
         &self,
-        x: BlockHandle,
+        x: Input,
         w_gate: &Self::Weight,
         w_up: &Self::Weight,
         [gate, up]: [BlockHandle; 2],
@@ -308,6 +349,22 @@ pub trait Backend {
     ) -> Result<()> {
         self.matmul_many(x, &[w_gate, w_up], &[gate, up], n_tokens)?;
         self.swiglu(gate, up, out, n_tokens * ffn_dim)
+    }
+    /// The rows `x` stands for (`n_tokens` of `dim`): normalized into its scratch first if it is
+    /// `Input::RmsNormed`. For the ops that do not normalize as they read.
+    fn input_rows(&self, x: Input, n_tokens: usize, dim: usize) -> Result<BlockHandle> {
+        match x {
+            Input::Rows(rows) => Ok(rows),
+            Input::RmsNormed {
+                x,
+                weight,
+                eps,
+                scratch,
+            } => {
+                self.rms_norm(x, weight, scratch, n_tokens, dim, eps)?;
+                Ok(scratch)
+            }
+        }
     }
     /// Rotates, in place, each head of `x` (`[n_tokens, n_heads * head_dim]`) by its token's
     /// position: pair i by `position * freqs[i]` (f32, `rope.dims / 2` of them).

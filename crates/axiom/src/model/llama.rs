@@ -3,7 +3,7 @@
 use super::config::ModelConfig;
 use super::kv_cache::{KvCache, OutOfPages, PagePool, PageUsage};
 use super::weights::{self, TensorSource, Weights};
-use crate::backend::{Backend, BlockHandle, PagedKv};
+use crate::backend::{Backend, BlockHandle, Input, PagedKv};
 use crate::format::gguf::GgufFile;
 use crate::{Error, Result};
 
@@ -438,13 +438,10 @@ impl<B: Backend> Llama<B> {
             page_size: PAGE_SIZE,
         };
         b.embed(&self.weights.token_embd, self.inputs.ids(), s.x, n)?;
-        let layers = &self.weights.layers;
-        if let Some(first) = layers.first() {
-            b.rms_norm(s.x, first.attn_norm, s.normed, n, c.dim, c.rms_eps)?;
-        }
-        for (l, (layer, (k_cache, v_cache))) in layers.iter().zip(self.cache.k.iter().zip(&self.cache.v)).enumerate() {
-            // Attention block (its input norm was taken with the residual add before it).
-            b.matmul_many(s.normed, &[&layer.wq, &layer.wk, &layer.wv], &[s.q, s.k, s.v], n)?;
+        for (layer, (k_cache, v_cache)) in self.weights.layers.iter().zip(self.cache.k.iter().zip(&self.cache.v)) {
+            // Attention block: the residual stream, normalized on the way into Q, K and V.
+            let attn_in = self.normed(s.x, layer.attn_norm);
+            b.matmul_many(attn_in, &[&layer.wq, &layer.wk, &layer.wv], &[s.q, s.k, s.v], n)?;
             if let Some([bq, bk, bv]) = layer.qkv_bias {
                 b.add_bias(s.q, bq, n, shape.q_width())?;
                 b.add_bias(s.k, bk, n, shape.kv_width())?;
@@ -463,11 +460,11 @@ impl<B: Backend> Llama<B> {
                 q, k, s.v, *k_cache, *v_cache, positions, self.freqs, pages, n, shape, c.rope,
             )?;
             b.attention(q, *k_cache, *v_cache, positions, pages, s.attn, n, shape)?;
-            b.matmul(s.attn, &layer.wo, s.proj, n)?;
-            // Feed-forward block.
-            b.add_rms_norm(s.x, s.proj, layer.ffn_norm, s.normed, n, c.dim, c.rms_eps)?;
+            b.matmul_add(s.attn, &layer.wo, s.x, s.proj, n)?;
+            // Feed-forward block, the same way.
+            let ffn_in = self.normed(s.x, layer.ffn_norm);
             b.gate_up_swiglu(
-                s.normed,
+                ffn_in,
                 &layer.w_gate,
                 &layer.w_up,
                 [s.gate, s.up],
@@ -475,14 +472,19 @@ impl<B: Backend> Llama<B> {
                 n,
                 c.ffn_dim,
             )?;
-            b.matmul(s.hidden, &layer.w_down, s.proj, n)?;
-            match layers.get(l + 1) {
-                Some(next) => b.add_rms_norm(s.x, s.proj, next.attn_norm, s.normed, n, c.dim, c.rms_eps)?,
-                // The final norm is taken later, only for the rows that want outputs.
-                None => b.add(s.x, s.proj, n * c.dim)?,
-            }
+            b.matmul_add(s.hidden, &layer.w_down, s.x, s.proj, n)?;
         }
         Ok(())
+    }
+
+    /// Rows of `x` under the RMS norm of `weight`, as a matmul input.
+    fn normed(&self, x: BlockHandle, weight: BlockHandle) -> Input {
+        Input::RmsNormed {
+            x,
+            weight,
+            eps: self.config.rms_eps,
+            scratch: self.scratch.normed,
+        }
     }
 
     /// Final norm and LM head for `output_rows` (ascending rows of the last step), each run of
@@ -502,8 +504,8 @@ impl<B: Backend> Llama<B> {
                 n += 1;
             }
             let x = s.x.slice(first * dim * 4, n * dim * 4);
-            b.rms_norm(x, self.weights.output_norm, s.normed, n, dim, self.config.rms_eps)?;
-            b.matmul(s.normed, self.weights.lm_head(), s.logits, n)?;
+            let input = self.normed(x, self.weights.output_norm);
+            b.matmul_many(input, &[self.weights.lm_head()], &[s.logits], n)?;
             if want == Want::Argmax {
                 b.argmax(s.logits, s.argmax, n, vocab)?;
                 b.read_u32(s.argmax, &mut ids[..n])?;

@@ -5,7 +5,7 @@
 use super::{paged_queries, random_weight_bytes, PagedCase, PAGED_LENS};
 use axiom::backend::cpu::CpuBackend;
 use axiom::backend::{
-    AttentionShape, Backend, BlockHandle, HostTensor, KvType, PagedKv, Rope, RopeLayout, RopeScaling,
+    AttentionShape, Backend, BlockHandle, HostTensor, Input, KvType, PagedKv, Rope, RopeLayout, RopeScaling,
 };
 use axiom::chat::Message;
 use axiom::engine::perplexity::perplexity;
@@ -83,6 +83,16 @@ fn random_weight<B: Backend>(
     (gpu.upload_weight(&tensor).unwrap(), cpu.upload_weight(&tensor).unwrap())
 }
 
+/// `x` under the RMS norm of `weight` (eps 1e-5), as a matmul input.
+fn normed(x: BlockHandle, weight: BlockHandle, scratch: BlockHandle) -> Input {
+    Input::RmsNormed {
+        x,
+        weight,
+        eps: 1e-5,
+        scratch,
+    }
+}
+
 /// The weight types every GPU backend runs.
 pub const WEIGHT_TYPES: [GgmlType; 8] = [
     GgmlType::F32,
@@ -109,18 +119,36 @@ pub fn matmul_every_type_and_token_count<B: Backend>(
         let (mut gpu, mut cpu) = pair(&make);
         let (wg, wc) = random_weight(&mut rng, &mut gpu, &mut cpu, ty, n_in, n_out);
         gpu.prepare(64, n_in).unwrap_or(());
+        let norm = randn(&mut rng, n_in);
+        let (ng, nc) = (put(&mut gpu, &norm), put(&mut cpu, &norm));
         for n_tokens in [1, 3, 5, 8, 35] {
-            let x = randn(&mut rng, n_tokens * n_in);
-            let (xg, og) = (put(&mut gpu, &x), poisoned(&mut gpu, n_tokens * n_out));
-            let (xc, oc) = (put(&mut cpu, &x), poisoned(&mut cpu, n_tokens * n_out));
+            let (x, residual) = (randn(&mut rng, n_tokens * n_in), randn(&mut rng, n_tokens * n_out));
+            let n = n_tokens * n_out;
+            let (xg, xc) = (put(&mut gpu, &x), put(&mut cpu, &x));
+            let tol = tolerance(ty, n_in, n_tokens);
+            let check = |gpu: &B, cpu: &CpuBackend, what: &str, og, oc| {
+                let err = rel_l2(&get(gpu, og, n), &get(cpu, oc, n));
+                assert!(
+                    err < tol,
+                    "{what} {ty} [{n_out}, {n_in}] x {n_tokens} tokens: relative error {err}"
+                );
+            };
+            let (og, oc) = (poisoned(&mut gpu, n), poisoned(&mut cpu, n));
             gpu.matmul(xg, &wg, og, n_tokens).unwrap();
             cpu.matmul(xc, &wc, oc, n_tokens).unwrap();
-            let err = rel_l2(&get(&gpu, og, n_tokens * n_out), &get(&cpu, oc, n_tokens * n_out));
-            let tol = tolerance(ty, n_in, n_tokens);
-            assert!(
-                err < tol,
-                "{ty} [{n_out}, {n_in}] x {n_tokens} tokens: relative error {err}"
-            );
+            check(&gpu, &cpu, "matmul", og, oc);
+            // The input RMS-normalized on the way in (a backend may fold the norm into the matmul).
+            let (og, oc) = (poisoned(&mut gpu, n), poisoned(&mut cpu, n));
+            let (sg, sc) = (poisoned(&mut gpu, x.len()), poisoned(&mut cpu, x.len()));
+            gpu.matmul_many(normed(xg, ng, sg), &[&wg], &[og], n_tokens).unwrap();
+            cpu.matmul_many(normed(xc, nc, sc), &[&wc], &[oc], n_tokens).unwrap();
+            check(&gpu, &cpu, "normed matmul", og, oc);
+            // The product added to a residual.
+            let (og, oc) = (put(&mut gpu, &residual), put(&mut cpu, &residual));
+            let (sg, sc) = (poisoned(&mut gpu, n), poisoned(&mut cpu, n));
+            gpu.matmul_add(xg, &wg, og, sg, n_tokens).unwrap();
+            cpu.matmul_add(xc, &wc, oc, sc, n_tokens).unwrap();
+            check(&gpu, &cpu, "matmul_add", og, oc);
         }
     }
     // Several weights on one input, as Q/K/V take it: two of one type and one of another (a
@@ -138,9 +166,9 @@ pub fn matmul_every_type_and_token_count<B: Backend>(
             let (xg, xc) = (put(&mut gpu, &x), put(&mut cpu, &x));
             let og: Vec<BlockHandle> = specs.iter().map(|s| poisoned(&mut gpu, n_tokens * s.1)).collect();
             let oc: Vec<BlockHandle> = specs.iter().map(|s| poisoned(&mut cpu, n_tokens * s.1)).collect();
-            gpu.matmul_many(xg, &wg.iter().collect::<Vec<_>>(), &og, n_tokens)
+            gpu.matmul_many(xg.into(), &wg.iter().collect::<Vec<_>>(), &og, n_tokens)
                 .unwrap();
-            cpu.matmul_many(xc, &wc.iter().collect::<Vec<_>>(), &oc, n_tokens)
+            cpu.matmul_many(xc.into(), &wc.iter().collect::<Vec<_>>(), &oc, n_tokens)
                 .unwrap();
             for (i, &(ty, n_out)) in specs.iter().enumerate() {
                 let err = rel_l2(&get(&gpu, og[i], n_tokens * n_out), &get(&cpu, oc[i], n_tokens * n_out));
@@ -161,6 +189,7 @@ pub fn matmul_every_type_and_token_count<B: Backend>(
             .map(|_| random_weight(&mut rng, &mut gpu, &mut cpu, ty, n_in, n_out))
             .unzip();
         gpu.prepare(64, n_in).unwrap();
+        let norm = randn(&mut rng, n_in);
         for n_tokens in [1, 3, 8, 9] {
             let x = randn(&mut rng, n_tokens * n_in);
             let n = n_tokens * n_out;
@@ -168,9 +197,12 @@ pub fn matmul_every_type_and_token_count<B: Backend>(
             let (xc, oc) = (put(&mut cpu, &x), poisoned(&mut cpu, n));
             let scratch_gpu = [poisoned(&mut gpu, n), poisoned(&mut gpu, n)];
             let scratch_cpu = [poisoned(&mut cpu, n), poisoned(&mut cpu, n)];
-            gpu.gate_up_swiglu(xg, &wg[0], &wg[1], scratch_gpu, og, n_tokens, n_out)
+            // Normalized on the way in, as the model's feed-forward block takes it.
+            let (ng, nc) = (put(&mut gpu, &norm), put(&mut cpu, &norm));
+            let (sg, sc) = (poisoned(&mut gpu, x.len()), poisoned(&mut cpu, x.len()));
+            gpu.gate_up_swiglu(normed(xg, ng, sg), &wg[0], &wg[1], scratch_gpu, og, n_tokens, n_out)
                 .unwrap();
-            cpu.gate_up_swiglu(xc, &wc[0], &wc[1], scratch_cpu, oc, n_tokens, n_out)
+            cpu.gate_up_swiglu(normed(xc, nc, sc), &wc[0], &wc[1], scratch_cpu, oc, n_tokens, n_out)
                 .unwrap();
             let err = rel_l2(&get(&gpu, og, n), &get(&cpu, oc, n));
             // Two products multiplied: their errors add.
@@ -213,7 +245,7 @@ pub fn embed_rms_norm_rope_swiglu_add_argmax<B: Backend>(make: impl Fn() -> B) {
     let (mut gpu, mut cpu) = pair(&make);
     // Rows narrower than a warp's multiple, and rows longer than a block's threads.
     for (n, dim) in [(7, 48), (3, 4100)] {
-        rms_norm_and_add_rms_norm(&mut rng, &mut gpu, &mut cpu, n, dim);
+        rms_norm_rows(&mut rng, &mut gpu, &mut cpu, n, dim);
     }
 
     for layout in [RopeLayout::Adjacent, RopeLayout::Halves] {
@@ -267,14 +299,8 @@ pub fn embed_rms_norm_rope_swiglu_add_argmax<B: Backend>(make: impl Fn() -> B) {
     assert_eq!(want[1], 100);
 }
 
-/// `rms_norm`, then `add_rms_norm` (the sum must stay in x), on `n` random rows of `dim`.
-fn rms_norm_and_add_rms_norm<B: Backend>(
-    rng: &mut ChaCha8Rng,
-    gpu: &mut B,
-    cpu: &mut CpuBackend,
-    n: usize,
-    dim: usize,
-) {
+/// `rms_norm` on `n` random rows of `dim`.
+fn rms_norm_rows<B: Backend>(rng: &mut ChaCha8Rng, gpu: &mut B, cpu: &mut CpuBackend, n: usize, dim: usize) {
     let x = randn(rng, n * dim);
     let w = randn(rng, dim);
     let (xg, wg, og) = (put(gpu, &x), put(gpu, &w), poisoned(gpu, n * dim));
@@ -284,20 +310,6 @@ fn rms_norm_and_add_rms_norm<B: Backend>(
     assert!(
         rel_l2(&get(gpu, og, n * dim), &get(cpu, oc, n * dim)) < 1e-6,
         "rms_norm, rows of {dim}"
-    );
-    // The residual add fused into the norm: the sum stays in x.
-    let y = randn(rng, n * dim);
-    let (yg, og) = (put(gpu, &y), poisoned(gpu, n * dim));
-    let (yc, oc) = (put(cpu, &y), poisoned(cpu, n * dim));
-    gpu.add_rms_norm(xg, yg, wg, og, n, dim, 1e-5).unwrap();
-    cpu.add_rms_norm(xc, yc, wc, oc, n, dim, 1e-5).unwrap();
-    assert!(
-        rel_l2(&get(gpu, xg, n * dim), &get(cpu, xc, n * dim)) < 1e-7,
-        "add_rms_norm sum, rows of {dim}"
-    );
-    assert!(
-        rel_l2(&get(gpu, og, n * dim), &get(cpu, oc, n * dim)) < 1e-6,
-        "add_rms_norm, rows of {dim}"
     );
 }
 

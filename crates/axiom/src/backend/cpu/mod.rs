@@ -11,7 +11,7 @@ pub mod fast;
 pub mod kernels;
 pub mod pool;
 
-use super::{Arena, AttentionShape, Backend, BlockHandle, HostTensor, KvType, PagedKv, Rope};
+use super::{Arena, AttentionShape, Backend, BlockHandle, HostTensor, Input, KvType, PagedKv, Rope};
 use crate::format::quant::GgmlType;
 use crate::{Error, Result};
 use fast::{Isa, OutPtr, Q8Activations, Stage, CHUNK, GROUPS_PER_CHUNK};
@@ -36,6 +36,7 @@ pub struct CpuWeight {
     /// The same weight interleaved for the AVX-512 integer kernels, when they run.
     repacked: Option<fast::repack::Repacked>,
 }
+super::impl_matrix!(CpuWeight);
 
 enum WeightData {
     Mapped(Arc<Mmap>, Range<usize>),
@@ -530,8 +531,9 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn matmul_many(&self, x: BlockHandle, ws: &[&CpuWeight], outs: &[BlockHandle], n_tokens: usize) -> Result<()> {
+    fn matmul_many(&self, x: Input, ws: &[&CpuWeight], outs: &[BlockHandle], n_tokens: usize) -> Result<()> {
         let n_in = ws.first().map_or(0, |w| w.n_in);
+        let x = self.input_rows(x, n_tokens, n_in)?;
         let shared = ws.iter().all(|w| w.n_in == n_in && fast::has_int8_kernel(w.ty));
         let isa = match self.kernels {
             CpuKernels::Fast(isa) if shared => isa,

@@ -105,7 +105,7 @@ pub fn gemv_kernel(int8: bool, glu: bool, ty: &str, tokens: usize) -> String {
 pub fn kernel_names() -> Vec<String> {
     let mut names: Vec<String> = [
         "rms_norm",
-        "add_rms_norm",
+        "rms_norm_q8",
         "rope",
         "kv_write_f16",
         "kv_write_f32",

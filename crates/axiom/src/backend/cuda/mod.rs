@@ -9,7 +9,7 @@
 pub mod device;
 pub mod kernels;
 
-use super::{Arena, AttentionShape, Backend, BlockHandle, HostTensor, KvType, PagedKv, Rope, RopeLayout};
+use super::{Arena, AttentionShape, Backend, BlockHandle, HostTensor, Input, KvType, PagedKv, Rope, RopeLayout};
 use crate::format::quant::GgmlType;
 use crate::{Error, Result};
 use cudarc::cublas::{result as cublas, sys as cublas_sys};
@@ -77,6 +77,7 @@ pub struct CudaWeight {
     s: Option<BlockHandle>,
     m: Option<BlockHandle>,
 }
+super::impl_matrix!(CudaWeight);
 
 /// A weight's fields in the split layout the kernels read (kernels/dequant.cuh): every row's
 /// quants contiguous, so a lane loads 16 or 32 aligned bytes at once, and the small per-block
@@ -240,14 +241,16 @@ impl CudaBackend {
         })
     }
 
-    /// `out = x w^T` through cuBLAS. Its 16-bit input is staged: `staged` says which type the
-    /// staging already holds `x` in, so the weights that share an input convert it once.
+    /// `out = x w^T` (with `accumulate`, `out += x w^T`) through cuBLAS. Its 16-bit input is
+    /// staged: `staged` says which type the staging already holds `x` in, so the weights that
+    /// share an input convert it once.
     fn gemm(
         &self,
         x: BlockHandle,
         w: &CudaWeight,
         out: BlockHandle,
         n_tokens: usize,
+        accumulate: bool,
         staged: &mut Option<GgmlType>,
     ) -> Result<()> {
         let (n_in, n_out) = (w.n_in, w.n_out);
@@ -291,7 +294,7 @@ impl CudaBackend {
             GgmlType::F16 => cublas_sys::cudaDataType_t::CUDA_R_16F,
             _ => cublas_sys::cudaDataType_t::CUDA_R_16BF,
         };
-        let (alpha, beta) = (1.0f32, 0.0f32);
+        let (alpha, beta) = (1.0f32, if accumulate { 1.0f32 } else { 0.0 });
         // Row-major out[t][o] = sum_i x[t][i] w[o][i] is, column-major, C(n_out x n_tokens) =
         // W^T(n_out x n_in) X(n_in x n_tokens), with W stored as a column-major n_in x n_out.
         // SAFETY: pointers are arena blocks holding these shapes; the handle is bound to our stream.
@@ -322,70 +325,72 @@ impl CudaBackend {
     }
 
     /// The kernel argument for `ws` (one type, at most `MAX_MATRICES`), writing token rows
-    /// `first..first + count` of `outs` (with `glu`, ws is gate and up, and outs one output);
-    /// and the blocks their rows need.
+    /// `first..first + count` of `outs` (with `Epilogue::SwiGlu`, ws is gate and up, and outs one
+    /// output); and the blocks their rows need.
     fn matrices(
         &self,
         ws: &[&CudaWeight],
         outs: &[BlockHandle],
-        glu: bool,
+        epilogue: Epilogue,
         first: usize,
         count: usize,
     ) -> (Matrices, u32) {
         let mut m = Matrices {
             count: ws.len() as i32,
+            accumulate: i32::from(epilogue == Epilogue::Add),
             ..Matrices::default()
         };
-        for (i, w) in ws.iter().enumerate() {
+        for (i, (w, out)) in ws.iter().zip(outs.iter().cycle()).enumerate() {
             (m.q[i], m.s[i], m.m[i]) = self.weight_ptrs(w);
             m.n_out[i] = w.n_out as i32;
-        }
-        for (i, (w, out)) in ws.iter().zip(outs).enumerate() {
             m.out[i] = self.ptr(out.slice(first * w.n_out * 4, count * w.n_out * 4));
         }
-        // Eight warps per block, one row each; with glu, rows of the gate and the up matrix in
+        // Eight warps per block, one row each; with SwiGLU, rows of the gate and the up matrix in
         // pairs.
-        let blocks = if glu {
-            ws[0].n_out.div_ceil(4)
-        } else {
-            ws.iter().map(|w| w.n_out).sum::<usize>().div_ceil(8)
+        let blocks = match epilogue {
+            Epilogue::SwiGlu => ws[0].n_out.div_ceil(4),
+            _ => ws.iter().map(|w| w.n_out).sum::<usize>().div_ceil(8),
         };
         (m, blocks as u32)
     }
 
-    /// The matrix-vector kernels for `ws` (one type, at most `MAX_MATRICES`; with `glu`, gate
-    /// and up) in groups of up to 8 tokens: on int8 activations for the weights that take them,
-    /// quantized here unless `quantized` already holds them, else on `x` itself.
+    /// The matrix-vector kernels for `ws` (one type, at most `MAX_MATRICES`; with
+    /// `Epilogue::SwiGlu`, gate and up) in groups of up to 8 tokens: on int8 activations for the
+    /// weights that take them, quantized (and normalized) here unless `quantized` already holds
+    /// them, else on the f32 rows.
     fn gemv(
         &self,
-        x: BlockHandle,
+        x: Input,
         ws: &[&CudaWeight],
         outs: &[BlockHandle],
         n_tokens: usize,
-        glu: bool,
+        epilogue: Epilogue,
         quantized: &mut Option<(BlockHandle, BlockHandle)>,
     ) -> Result<()> {
         let w = ws[0];
         let suffix = Self::type_suffix(w.ty)?;
         let n_in = w.n_in as i32;
-        let int8 = match self.int8_activations.filter(|_| uses_int_gemv(w)) {
-            Some(staging) => Some(match *quantized {
+        let input = match self.int8_activations.filter(|_| self.takes_int8(w)) {
+            Some(staging) => GemvInput::Int8(match *quantized {
                 Some(q) => q,
-                None => *quantized.insert(self.quantize_activations(x, staging, n_tokens * w.n_in)?),
+                None => *quantized.insert(self.quantize_activations(x, staging, n_tokens, w.n_in)?),
             }),
-            None => None,
+            // (The f32 kernels could normalize as they read, but that made the bf16 ones 7%
+            // slower, and SmolLM2 no faster.)
+            None => GemvInput::F32(self.input_rows(x, n_tokens, w.n_in)?),
         };
         for (done, t) in token_groups(n_tokens) {
-            let (mats, blocks) = self.matrices(ws, outs, glu, done, t);
-            let name = kernels::gemv_kernel(int8.is_some(), glu, suffix, t);
-            match int8 {
-                Some((xq, xd)) => {
+            let (mats, blocks) = self.matrices(ws, outs, epilogue, done, t);
+            let int8 = matches!(input, GemvInput::Int8(_));
+            let name = kernels::gemv_kernel(int8, epilogue == Epilogue::SwiGlu, suffix, t);
+            match input {
+                GemvInput::Int8((xq, xd)) => {
                     let xqs = self.ptr(xq.slice(done * w.n_in, t * w.n_in));
                     let xds = self.ptr(xd.slice(done * w.n_in / 8, t * w.n_in / 8));
                     self.launch(&name, (blocks, 1, 1), 256, &[&mats, &n_in, &xqs, &xds])?
                 }
-                None => {
-                    let xs = self.ptr(x.slice(done * w.n_in * 4, t * w.n_in * 4));
+                GemvInput::F32(rows) => {
+                    let xs = self.ptr(rows.slice(done * w.n_in * 4, t * w.n_in * 4));
                     self.launch(&name, (blocks, 1, 1), 256, &[&mats, &n_in, &xs])?
                 }
             }
@@ -393,34 +398,46 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// Quantizes `n` activations of `x` into `staging` (int8 values, f32 scale per 32).
+    /// Whether `w` is multiplied on integers at decode (see `INT_GEMV_MIN_N_IN`).
+    fn takes_int8(&self, w: &CudaWeight) -> bool {
+        let large = w.n_in >= INT_GEMV_MIN_N_IN || w.n_in * w.n_out >= INT_GEMV_MIN_VALUES;
+        let quantized = !matches!(w.ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16);
+        self.int8_activations.is_some() && quantized && large
+    }
+
+    /// Quantizes `n_tokens` rows of `n_in` activations into `staging` (int8 values, f32 scale per
+    /// 32), normalizing them first if `x` says so.
     fn quantize_activations(
         &self,
-        x: BlockHandle,
+        x: Input,
         (xq, xd): (BlockHandle, BlockHandle),
-        n: usize,
+        n_tokens: usize,
+        n_in: usize,
     ) -> Result<(BlockHandle, BlockHandle)> {
+        let n = n_tokens * n_in;
         if n > xq.len {
             return Err(Error::Backend(format!(
                 "{n} activations exceed the int8 staging of {}",
                 xq.len
             )));
         }
-        let n64 = n as u64;
-        self.launch(
-            "quantize_q8",
-            (blocks_for(n, 256), 1, 1),
-            256,
-            &[&self.ptr(x), &self.ptr(xq), &self.ptr(xd), &n64],
-        )?;
+        let (xq_ptr, xd_ptr) = (self.ptr(xq), self.ptr(xd));
+        match x {
+            Input::Rows(x) => self.launch(
+                "quantize_q8",
+                (blocks_for(n, 256), 1, 1),
+                256,
+                &[&self.ptr(x), &xq_ptr, &xd_ptr, &(n as u64)],
+            )?,
+            Input::RmsNormed { x, weight, eps, .. } => self.launch(
+                "rms_norm_q8",
+                (n_tokens as u32, 1, 1),
+                norm_block(n_in),
+                &[&self.ptr(x), &self.ptr(weight), &xq_ptr, &xd_ptr, &(n_in as i32), &eps],
+            )?,
+        }
         Ok((xq, xd))
     }
-}
-
-/// Whether `w` is multiplied on integers at decode (see `INT_GEMV_MIN_N_IN`).
-fn uses_int_gemv(w: &CudaWeight) -> bool {
-    let large = w.n_in >= INT_GEMV_MIN_N_IN || w.n_in * w.n_out >= INT_GEMV_MIN_VALUES;
-    !matches!(w.ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16) && large
 }
 
 /// `n_tokens` split into groups the matrix-vector kernels take (8, 4, 2 or 1 tokens):
@@ -480,6 +497,24 @@ struct Matrices {
     out: [u64; MAX_MATRICES],
     n_out: [i32; MAX_MATRICES],
     count: i32,
+    accumulate: i32,
+}
+
+/// The activations of a matrix-vector launch: quantized to int8 (values, block scales), or f32
+/// rows.
+#[derive(Clone, Copy)]
+enum GemvInput {
+    Int8((BlockHandle, BlockHandle)),
+    F32(BlockHandle),
+}
+
+/// What a matrix-vector launch does with its products: stores them, adds them to its output, or
+/// (gate and up) stores silu(gate) * up.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Epilogue {
+    Store,
+    Add,
+    SwiGlu,
 }
 
 /// Weights one matrix-vector launch takes at most (MAX_MATRICES in kernels/matmul.cu).
@@ -662,38 +697,19 @@ impl Backend for CudaBackend {
         )
     }
 
-    fn add_rms_norm(
-        &self,
-        x: BlockHandle,
-        y: BlockHandle,
-        weight: BlockHandle,
-        out: BlockHandle,
-        n_tokens: usize,
-        dim: usize,
-        eps: f32,
-    ) -> Result<()> {
-        let block = norm_block(dim);
-        let dim = dim as i32;
-        self.launch(
-            "add_rms_norm",
-            (n_tokens as u32, 1, 1),
-            block,
-            &[
-                &self.ptr(x),
-                &self.ptr(y),
-                &self.ptr(weight),
-                &self.ptr(out),
-                &dim,
-                &eps,
-            ],
-        )
-    }
-
     fn matmul(&self, x: BlockHandle, w: &CudaWeight, out: BlockHandle, n_tokens: usize) -> Result<()> {
-        self.matmul_many(x, &[w], &[out], n_tokens)
+        self.matmul_many(x.into(), &[w], &[out], n_tokens)
     }
 
-    fn matmul_many(&self, x: BlockHandle, ws: &[&CudaWeight], outs: &[BlockHandle], n_tokens: usize) -> Result<()> {
+    fn matmul_many(&self, x: Input, ws: &[&CudaWeight], outs: &[BlockHandle], n_tokens: usize) -> Result<()> {
+        // The integer kernels' quantization takes the norm on the way; every other path reads
+        // normalized rows, written once here.
+        let gemm = |w: &CudaWeight| n_tokens > gemv_max_tokens(w.ty);
+        let rows = match ws.iter().any(|w| gemm(w) || !self.takes_int8(w)) {
+            true => Some(self.input_rows(x, n_tokens, ws[0].n_in)?),
+            false => None,
+        };
+        let x = rows.map_or(x, Input::Rows);
         // One quantization (or 16-bit conversion, for cuBLAS) of the activations serves every
         // weight that takes it, and weights of one type go to the matrix-vector kernels together,
         // in one launch.
@@ -701,8 +717,8 @@ impl Backend for CudaBackend {
         let mut i = 0;
         while i < ws.len() {
             let w = ws[i];
-            if n_tokens > gemv_max_tokens(w.ty) {
-                self.gemm(x, w, outs[i], n_tokens, &mut staged)?;
+            if let Some(rows) = rows.filter(|_| gemm(w)) {
+                self.gemm(rows, w, outs[i], n_tokens, false, &mut staged)?;
                 i += 1;
                 continue;
             }
@@ -712,15 +728,29 @@ impl Backend for CudaBackend {
                 .take_while(|v| v.ty == w.ty && v.n_in == w.n_in)
                 .count();
             let (group, group_outs) = (&ws[i..i + together], &outs[i..i + together]);
-            self.gemv(x, group, group_outs, n_tokens, false, &mut quantized)?;
+            self.gemv(x, group, group_outs, n_tokens, Epilogue::Store, &mut quantized)?;
             i += together;
         }
         Ok(())
     }
 
-    fn gate_up_swiglu(
+    fn matmul_add(
         &self,
         x: BlockHandle,
+        w: &CudaWeight,
+        out: BlockHandle,
+        _scratch: BlockHandle,
+        n_tokens: usize,
+    ) -> Result<()> {
+        if n_tokens > gemv_max_tokens(w.ty) {
+            return self.gemm(x, w, out, n_tokens, true, &mut None);
+        }
+        self.gemv(x.into(), &[w], &[out], n_tokens, Epilogue::Add, &mut None)
+    }
+
+    fn gate_up_swiglu(
+        &self,
+        x: Input,
         w_gate: &CudaWeight,
         w_up: &CudaWeight,
         scratch: [BlockHandle; 2],
@@ -733,7 +763,7 @@ impl Backend for CudaBackend {
             self.matmul_many(x, &[w_gate, w_up], &scratch, n_tokens)?;
             return self.swiglu(scratch[0], scratch[1], out, n_tokens * ffn_dim);
         }
-        self.gemv(x, &[w_gate, w_up], &[out], n_tokens, true, &mut None)
+        self.gemv(x, &[w_gate, w_up], &[out], n_tokens, Epilogue::SwiGlu, &mut None)
     }
 
     fn rope(

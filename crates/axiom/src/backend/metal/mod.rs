@@ -60,6 +60,7 @@ pub struct MetalWeight {
     pub n_in: usize,
     block: BlockHandle,
 }
+super::impl_matrix!(MetalWeight);
 
 /// A kernel argument: an arena block bound as a buffer, or a scalar copied into the encoder.
 #[derive(Clone)]
@@ -394,31 +395,6 @@ impl Backend for MetalBackend {
             |k| threads(k, 1024),
             &[
                 Arg::Buf(x),
-                Arg::Buf(weight),
-                Arg::Buf(out),
-                u32_arg(dim),
-                Arg::F32(eps),
-            ],
-        )
-    }
-
-    fn add_rms_norm(
-        &self,
-        x: BlockHandle,
-        y: BlockHandle,
-        weight: BlockHandle,
-        out: BlockHandle,
-        n_tokens: usize,
-        dim: usize,
-        eps: f32,
-    ) -> Result<()> {
-        self.launch(
-            "add_rms_norm",
-            (n_tokens, 1),
-            |k| threads(k, 1024),
-            &[
-                Arg::Buf(x),
-                Arg::Buf(y),
                 Arg::Buf(weight),
                 Arg::Buf(out),
                 u32_arg(dim),

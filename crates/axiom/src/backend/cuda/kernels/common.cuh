@@ -38,6 +38,15 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
+// Activations quantized for the integer matrix-vector kernels (matmul.cu): value i of an aligned
+// block of 32, held one per lane of a warp, becomes round(v / d) with d = max |v| / 127 over the
+// block, d stored once per block.
+__device__ __forceinline__ void store_q8(float v, i8* xq, float* xd, u64 i) {
+    float d = warp_max(fabsf(v)) / 127.0f;
+    xq[i] = (i8)(d == 0.0f ? 0 : __float2int_rn(v / d));
+    if (i % 32 == 0) xd[i / 32] = d;
+}
+
 // GGUF type ids, as in format/quant.rs.
 #define TY_F32 0
 #define TY_F16 1

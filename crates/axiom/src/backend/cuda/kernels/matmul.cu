@@ -25,6 +25,8 @@ struct Matrices {
     float* out[MAX_MATRICES];
     int n_out[MAX_MATRICES];
     int count;
+    // Whether the products are added to out (the residual stream) instead of stored; not with GLU.
+    int accumulate;
 };
 
 // This warp's row (ok is false for a warp past the last row).
@@ -71,7 +73,10 @@ __device__ __forceinline__ void gemv_rows(const Matrices& mats, int n_in, RowDot
     }
     if (!GLU) {
         if (p.ok && lane == 0)
-            for (int t = 0; t < T; t++) p.out[(u64)t * p.n_out + p.row] = acc[t];
+            for (int t = 0; t < T; t++) {
+                float* o = p.out + (u64)t * p.n_out + p.row;
+                *o = mats.accumulate ? *o + acc[t] : acc[t];
+            }
         return;
     }
     // The up warps hand their sums to the gate warps.
@@ -109,16 +114,12 @@ __device__ __forceinline__ int dp4a(u32 a, u32 b, int c) {
     return d;
 }
 
-// xq[i] = round(x[i] / d), d = max |x| / 127 over each aligned block of 32 (a warp per block).
+// The activations quantized by store_q8 (common.cuh), a thread each; n is a multiple of 32, so a
+// warp's lanes are all in or all out.
 extern "C" __global__ void quantize_q8(const float* x, i8* xq, float* xd, u64 n) {
     begin_after_inputs();
     u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x;
-    float v = i < n ? x[i] : 0.0f;
-    float d = warp_max(fabsf(v)) / 127.0f;
-    if (i < n) {
-        xq[i] = (i8)(d == 0.0f ? 0 : __float2int_rn(v / d));
-        if (i % 32 == 0) xd[i / 32] = d;
-    }
+    if (i < n) store_q8(x[i], xq, xd, i);
 }
 
 // Whether a type's runs have offsets (minimums): only then is the activations' sum needed.

@@ -1,38 +1,37 @@
-// out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * w; one block per row, of up to 1024 threads (the host
-// sizes it to the row). With ADD, x[t] += y[t] first (the residual add fused into the norm that
-// follows it). The pointers are restrict so that a thread's loads of the row go out together: a
-// row is a few dependent memory round trips, not one per value.
-template <bool ADD>
-__device__ void rms_norm_row(float* __restrict__ x, const float* __restrict__ y, const float* __restrict__ w,
-                             float* __restrict__ out, int dim, float eps) {
+// RMSNorm, out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * w: one block per row, of up to 1024 threads
+// in whole warps (the host sizes it to the row).
+
+// 1 / sqrt(mean(row^2) + eps), reduced over the whole block. The row pointer is restrict so that a
+// thread's loads go out together: a row is a few dependent memory round trips, not one per value.
+__device__ float inverse_rms(const float* __restrict__ row, int dim, float eps) {
     __shared__ float partial[32];
-    begin_after_inputs();
-    float* row = x + (u64)blockIdx.x * dim;
     float sum = 0.0f;
 #pragma unroll 4
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
-        float v = row[i];
-        if (ADD) {
-            v += y[(u64)blockIdx.x * dim + i];
-            row[i] = v;
-        }
-        sum += v * v;
-    }
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) sum += row[i] * row[i];
     sum = warp_sum(sum);
     if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = sum;
     __syncthreads();
     float total = 0.0f;
-    for (int i = 0; i < (blockDim.x + 31) / 32; i++) total += partial[i];
-    float scale = rsqrtf(total / dim + eps);
-    // Each thread reads back only the values it wrote.
+    for (int i = 0; i < blockDim.x / 32; i++) total += partial[i];
+    return rsqrtf(total / dim + eps);
+}
+
+extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ out,
+                                    int dim, float eps) {
+    begin_after_inputs();
+    u64 base = (u64)blockIdx.x * dim;
+    float scale = inverse_rms(x + base, dim, eps);
 #pragma unroll 4
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) out[(u64)blockIdx.x * dim + i] = row[i] * scale * w[i];
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) out[base + i] = x[base + i] * scale * w[i];
 }
 
-extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, int dim, float eps) {
-    rms_norm_row<false>((float*)x, nullptr, w, out, dim, eps);
-}
-
-extern "C" __global__ void add_rms_norm(float* x, const float* y, const float* w, float* out, int dim, float eps) {
-    rms_norm_row<true>(x, y, w, out, dim, eps);
+// rms_norm with the normalized row quantized as quantize_q8 does, for an integer matrix-vector
+// product: the norm of its input and the quantization in one pass. dim is a multiple of 32, so
+// each warp's 32 values are one quantization block.
+extern "C" __global__ void rms_norm_q8(const float* __restrict__ x, const float* __restrict__ w, i8* __restrict__ xq,
+                                       float* __restrict__ xd, int dim, float eps) {
+    begin_after_inputs();
+    u64 base = (u64)blockIdx.x * dim;
+    float scale = inverse_rms(x + base, dim, eps);
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) store_q8(x[base + i] * scale * w[i], xq, xd, base + i);
 }
