@@ -1,6 +1,9 @@
-// Rotates pairs of a head in place by pos * freqs[i], the block's threads taking the pairs in
-// turn; `halves` selects the (i, i + dims/2) pairing, else adjacent (2i, 2i+1).
-__device__ __forceinline__ void rotate_head(float* head, u32 pos, const float* freqs, int dims, int halves) {
+// Rotates pairs of a head by pos * freqs[i], the block's threads taking the pairs in turn;
+// `halves` selects the (i, i + dims/2) pairing, else adjacent (2i, 2i+1). `store(a, b, xa, xb)`
+// puts the rotated values of pair (a, b) wherever they go.
+template <typename Store>
+__device__ __forceinline__ void rotate_pairs(const float* head, u32 pos, const float* freqs, int dims, int halves,
+                                             Store store) {
     int half = dims / 2;
     for (int i = threadIdx.x; i < half; i += blockDim.x) {
         // The angle in double precision, as the CPU reference computes it.
@@ -8,9 +11,16 @@ __device__ __forceinline__ void rotate_head(float* head, u32 pos, const float* f
         sincos((double)pos * (double)freqs[i], &s, &c);
         int a = halves ? i : 2 * i, b = halves ? i + half : 2 * i + 1;
         float x0 = head[a], x1 = head[b];
-        head[a] = (float)(x0 * c - x1 * s);
-        head[b] = (float)(x0 * s + x1 * c);
+        store(a, b, (float)(x0 * c - x1 * s), (float)(x0 * s + x1 * c));
     }
+}
+
+// A head rotated in place.
+__device__ __forceinline__ void rotate_head(float* head, u32 pos, const float* freqs, int dims, int halves) {
+    rotate_pairs(head, pos, freqs, dims, halves, [&](int a, int b, float xa, float xb) {
+        head[a] = xa;
+        head[b] = xb;
+    });
 }
 
 // Grid: (tokens, heads).
