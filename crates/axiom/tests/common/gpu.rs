@@ -220,16 +220,8 @@ pub fn embed_rms_norm_rope_swiglu_add_argmax<B: Backend>(make: impl Fn() -> B) {
     let mut rng = ChaCha8Rng::seed_from_u64(2);
     for ty in WEIGHT_TYPES {
         let (dim, vocab) = (256, 11);
-        let bytes = random_weight_bytes(&mut rng, ty, dim * vocab);
         let (mut gpu, mut cpu) = pair(&make);
-        let tensor = HostTensor {
-            name: "e",
-            ty,
-            dims: &[dim, vocab],
-            bytes: &bytes,
-            region: None,
-        };
-        let (tg, tc) = (gpu.upload_weight(&tensor).unwrap(), cpu.upload_weight(&tensor).unwrap());
+        let (tg, tc) = random_weight(&mut rng, &mut gpu, &mut cpu, ty, dim, vocab);
         let ids = [3u32, 0, 10, 3, 7];
         let (ig, og) = (put_u32(&mut gpu, &ids), poisoned(&mut gpu, ids.len() * dim));
         let (ic, oc) = (put_u32(&mut cpu, &ids), poisoned(&mut cpu, ids.len() * dim));
