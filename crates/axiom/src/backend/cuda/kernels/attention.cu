@@ -1,102 +1,154 @@
 // Causal grouped-query attention over the paged KV cache (f16 or f32), for decode and short steps.
 // Grid: (tokens, heads), ATTN_THREADS threads; query head h reads KV head h / (n_heads /
-// n_kv_heads); head_dim a multiple of 8, up to 256. The context 0..=positions[t] of the token's
-// sequence goes through in tiles of ATTN_THREADS positions, with an online softmax from tile to
-// tile. In a tile, each thread scores one position (its key row against the query, which sits in
-// shared memory), so the loads of a whole tile go out at once; the block takes the tile's maximum
-// and sum; then each thread weights 8 dimensions of the value rows of every groups-th position
-// (16- or 32-byte loads), and the groups' sums meet in shared memory at the end. A decode step is
-// thus a handful of memory round trips whatever its context.
+// n_kv_heads); head_dim a multiple of 8, up to 256.
+//
+// A head's dimensions are cut into chunks of 8, and a group of `lanes` neighbouring lanes (the
+// chunk count rounded up to a power of two) holds one chunk each of the query, of a position's
+// key and value rows, and of the group's weighted sum. The groups share out the context
+// 0..=positions[t] position by position, each keeping its own online softmax, so the loop has no
+// barrier: a group loads the key and the value rows of ATTN_BATCH positions at once (one 16-byte
+// load each for f16), finishes the scores with shuffles inside the group, and folds the batch into
+// its running maximum, sum and weighted values. The groups meet only at the end, through shuffles
+// inside each warp and shared memory across warps. A decode step is thus a few memory round trips
+// whatever its context.
 #define ATTN_THREADS 256
-#define MAX_HEAD_DIM 256
+#define ATTN_WARPS (ATTN_THREADS / 32)
+#define ATTN_BATCH 4
 
-// 8 values of a cache row, from one 16-byte load (f16) or two (f32).
-__device__ __forceinline__ void load8(const u16* p, float* v) {
-    uint4 raw = __ldg((const uint4*)p);
-    u32 w[4] = {raw.x, raw.y, raw.z, raw.w};
+// 8 values of a cache row as loaded, one 16-byte load (f16) or two (f32), and as floats.
+template <typename T>
+struct Raw8;
+template <>
+struct Raw8<u16> {
+    uint4 a;
+};
+template <>
+struct Raw8<float> {
+    float4 a, b;
+};
+
+__device__ __forceinline__ Raw8<u16> load_raw8(const u16* p) { return {__ldg((const uint4*)p)}; }
+__device__ __forceinline__ Raw8<float> load_raw8(const float* p) {
+    return {__ldg((const float4*)p), __ldg((const float4*)p + 1)};
+}
+
+__device__ __forceinline__ void widen8(Raw8<u16> raw, float* v) {
+    u32 w[4] = {raw.a.x, raw.a.y, raw.a.z, raw.a.w};
     for (int j = 0; j < 4; j++) {
         v[2 * j] = f16_to_f32((u16)(w[j] & 0xffff));
         v[2 * j + 1] = f16_to_f32((u16)(w[j] >> 16));
     }
 }
 
-__device__ __forceinline__ void load8(const float* p, float* v) {
-    float4 a = __ldg((const float4*)p), b = __ldg((const float4*)p + 1);
+__device__ __forceinline__ void widen8(Raw8<float> raw, float* v) {
+    float4 a = raw.a, b = raw.b;
     v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
 }
 
-// The maximum (MAX) or sum of v over the block; `scratch` holds 32 floats.
-template <bool MAX>
-__device__ __forceinline__ float block_reduce(float v, float* scratch) {
-    v = MAX ? warp_max(v) : warp_sum(v);
-    if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = v;
-    __syncthreads();
-    float r = scratch[0];
-    for (int w = 1; w < blockDim.x / 32; w++) r = MAX ? fmaxf(r, scratch[w]) : r + scratch[w];
-    __syncthreads();  // scratch is free again
-    return r;
+// exp(m - m_new), or 0 where m is -inf (a masked score, or a softmax that has seen no position
+// yet), even if m_new is -inf too.
+__device__ __forceinline__ float rescale(float m, float m_new) {
+    return m == __int_as_float(0xff800000u) ? 0.0f : expf(m - m_new);
 }
+
+// One online softmax state: running maximum m, sum l, and this lane's 8 dimensions of the
+// weighted values. `merge` folds in the state held `offset` lanes away.
+struct Softmax {
+    float m, l, acc[8];
+
+    __device__ __forceinline__ void merge(int offset) {
+        float m_other = __shfl_xor_sync(0xffffffffu, m, offset);
+        float m_new = fmaxf(m, m_other);
+        float mine = rescale(m, m_new), other = rescale(m_other, m_new);
+        l = l * mine + __shfl_xor_sync(0xffffffffu, l, offset) * other;
+        for (int j = 0; j < 8; j++) acc[j] = acc[j] * mine + __shfl_xor_sync(0xffffffffu, acc[j], offset) * other;
+        m = m_new;
+    }
+};
 
 template <typename T>
 __device__ void attention(const float* __restrict__ q, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
                           const u32* __restrict__ positions, const u32* __restrict__ tables, int table_width,
                           const u32* __restrict__ token_seqs, int page_size, float* __restrict__ out, int n_heads,
                           int n_kv_heads, int head_dim) {
-    __shared__ float qs[MAX_HEAD_DIM];
-    __shared__ float probs[ATTN_THREADS];
-    __shared__ u64 rows[ATTN_THREADS];  // the tile's cache rows
-    __shared__ float partial[ATTN_THREADS * 8];
-    __shared__ float scratch[32];
+    __shared__ float warp_m[ATTN_WARPS], warp_l[ATTN_WARPS];
+    __shared__ float warp_acc[ATTN_WARPS][256];
     begin_after_inputs();
-    int t = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
-    u64 kv_width = (u64)n_kv_heads * head_dim, kv_off = (u64)(h / (n_heads / n_kv_heads)) * head_dim;
-    const float* qh = q + ((u64)t * n_heads + h) * head_dim;
-    float scale = rsqrtf((float)head_dim);
-    for (int d = tid; d < head_dim; d += ATTN_THREADS) qs[d] = qh[d] * scale;
+    int t = blockIdx.x, h = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    int chunks = head_dim / 8, lanes = 1;
+    while (lanes < chunks) lanes *= 2;
+    int groups_per_warp = 32 / lanes, n_groups = ATTN_WARPS * groups_per_warp;
+    int group = warp * groups_per_warp + lane / lanes, c = lane % lanes;
+    bool active = c < chunks;  // lanes past the head's last chunk only take part in the shuffles
+    u64 kv_width = (u64)n_kv_heads * head_dim, kv_off = (u64)(h / (n_heads / n_kv_heads)) * head_dim + 8 * c;
+
+    float qc[8] = {};
+    if (active) {
+        const float* qh = q + ((u64)t * n_heads + h) * head_dim + 8 * c;
+        float scale = rsqrtf((float)head_dim);
+        float4 a = *(const float4*)qh, b = *((const float4*)qh + 1);
+        qc[0] = a.x * scale, qc[1] = a.y * scale, qc[2] = a.z * scale, qc[3] = a.w * scale;
+        qc[4] = b.x * scale, qc[5] = b.y * scale, qc[6] = b.z * scale, qc[7] = b.w * scale;
+    }
     int n_ctx = positions[t] + 1;
     const u32* table = tables + (u64)token_seqs[t] * table_width;
-    int chunks = head_dim / 8, groups = ATTN_THREADS / chunks, group = tid / chunks, c = tid % chunks;
-    float m = __int_as_float(0xff800000u), l = 0.0f, acc[8] = {};
-    __syncthreads();  // qs is complete
-    for (int base = 0; base < n_ctx; base += ATTN_THREADS) {
-        int len = min(ATTN_THREADS, n_ctx - base);
-        float s = __int_as_float(0xff800000u);
-        if (tid < len) {
-            u64 row = page_row(table, page_size, base + tid);
-            rows[tid] = row;
-            const T* k = k_cache + row * kv_width + kv_off;
-            s = 0.0f;
-#pragma unroll 8
-            for (int d = 0; d < head_dim; d += 8) {
-                float kv[8];
-                load8(k + d, kv);
-                for (int j = 0; j < 8; j++) s += qs[d + j] * kv[j];
+
+    Softmax sm = {__int_as_float(0xff800000u), 0.0f, {}};
+    // Every lane runs the same number of batches, so that the shuffles inside meet; a batch's
+    // position b of this group is base + b * n_groups + group.
+    for (int base = 0; base < n_ctx; base += ATTN_BATCH * n_groups) {
+        Raw8<T> k_raw[ATTN_BATCH], v_raw[ATTN_BATCH];
+        for (int b = 0; b < ATTN_BATCH; b++) {
+            int p = base + b * n_groups + group;
+            if (active && p < n_ctx) {
+                u64 row = page_row(table, page_size, p) * kv_width + kv_off;
+                k_raw[b] = load_raw8(k_cache + row);
+                v_raw[b] = load_raw8(v_cache + row);
             }
         }
-        float m_new = fmaxf(m, block_reduce<true>(s, scratch));  // (also publishes rows)
-        float p = tid < len ? expf(s - m_new) : 0.0f;
-        probs[tid] = p;
-        float correction = expf(m - m_new);
-        l = l * correction + block_reduce<false>(p, scratch);  // (also publishes probs)
-        for (int j = 0; j < 8; j++) acc[j] *= correction;
-        if (group < groups) {
-#pragma unroll 4
-            for (int i = group; i < len; i += groups) {
-                float v[8];
-                load8(v_cache + rows[i] * kv_width + kv_off + 8 * c, v);
-                for (int j = 0; j < 8; j++) acc[j] += probs[i] * v[j];
+        float s[ATTN_BATCH], m_new = sm.m;
+        for (int b = 0; b < ATTN_BATCH; b++) {
+            float k[8], dot = 0.0f;
+            if (active) {
+                widen8(k_raw[b], k);
+                for (int j = 0; j < 8; j++) dot += qc[j] * k[j];
+            }
+            for (int o = lanes / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+            s[b] = base + b * n_groups + group < n_ctx ? dot : __int_as_float(0xff800000u);
+            m_new = fmaxf(m_new, s[b]);
+        }
+        float correction = rescale(sm.m, m_new);
+        sm.l *= correction;
+        for (int j = 0; j < 8; j++) sm.acc[j] *= correction;
+        for (int b = 0; b < ATTN_BATCH; b++) {
+            float p = rescale(s[b], m_new), v[8];
+            sm.l += p;
+            if (active && p > 0.0f) {
+                widen8(v_raw[b], v);
+                for (int j = 0; j < 8; j++) sm.acc[j] += p * v[j];
             }
         }
-        m = m_new;
-        __syncthreads();  // the next tile rewrites rows and probs
+        sm.m = m_new;
     }
-    if (group < groups)
-        for (int j = 0; j < 8; j++) partial[group * head_dim + 8 * c + j] = acc[j];
+
+    // The groups of a warp meet by shuffles, then the warps in shared memory.
+    for (int o = lanes; o < 32; o *= 2) sm.merge(o);
+    if (lane < lanes) {
+        if (active)
+            for (int j = 0; j < 8; j++) warp_acc[warp][8 * c + j] = sm.acc[j];
+        if (lane == 0) warp_m[warp] = sm.m, warp_l[warp] = sm.l;
+    }
     __syncthreads();
-    if (tid < head_dim) {
-        float o = 0.0f;
-        for (int g = 0; g < groups; g++) o += partial[g * head_dim + tid];
-        out[((u64)t * n_heads + h) * head_dim + tid] = o / l;
+    for (int d = threadIdx.x; d < head_dim; d += ATTN_THREADS) {
+        float m = warp_m[0];
+        for (int w = 1; w < ATTN_WARPS; w++) m = fmaxf(m, warp_m[w]);
+        float l = 0.0f, o = 0.0f;
+        for (int w = 0; w < ATTN_WARPS; w++) {
+            float weight = rescale(warp_m[w], m);
+            l += warp_l[w] * weight;
+            o += warp_acc[w][d] * weight;
+        }
+        out[((u64)t * n_heads + h) * head_dim + d] = o / l;
     }
 }
 
