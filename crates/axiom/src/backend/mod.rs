@@ -231,6 +231,9 @@ use impl_matrix;
 pub trait Backend {
     /// A weight matrix resident on the backend, in its stored type.
     type Weight: Matrix;
+    /// Host memory for what `read_f32` brings back every step (the logits): page-locked on CUDA,
+    /// where the copy then goes straight into it instead of through the driver's staging buffer.
+    type HostF32: std::ops::DerefMut<Target = [f32]>;
 
     /// What the backend runs on, for logs and `axiom bench`.
     fn device_name(&self) -> String;
@@ -259,6 +262,8 @@ pub trait Backend {
     fn write_f32(&self, dst: BlockHandle, src: &[f32]) -> Result<()>;
     fn write_u32(&self, dst: BlockHandle, src: &[u32]) -> Result<()>;
     fn read_f32(&self, src: BlockHandle, dst: &mut [f32]) -> Result<()>;
+    /// `len` zeroed floats of host memory that `read_f32` fills fastest.
+    fn host_f32(&self, len: usize) -> Result<Self::HostF32>;
     fn read_u32(&self, src: BlockHandle, dst: &mut [u32]) -> Result<()>;
     /// Waits until all submitted work has finished.
     fn synchronize(&self) -> Result<()>;

@@ -143,7 +143,7 @@ pub struct Llama<B: Backend> {
     max_batch: usize,
     max_seqs: usize,
     /// Host copies of a few rows of logits; after `forward_last`, the first row is the last token's.
-    logits: Vec<f32>,
+    logits: B::HostF32,
     /// Recorded steps (graph handles), by their number of tokens.
     graphs: Vec<(usize, usize)>,
     /// The rows wanted from the current step (reused: the decode loop allocates nothing).
@@ -202,7 +202,7 @@ impl<B: Backend> Llama<B> {
             max_batch,
         };
         backend.prepare(steps, max_n_in)?;
-        let logits = vec![0f32; config.vocab_size * LOGIT_ROWS_PER_STEP];
+        let logits = backend.host_f32(config.vocab_size * LOGIT_ROWS_PER_STEP)?;
         Ok(Llama {
             config,
             backend,

@@ -395,6 +395,7 @@ fn disjoint(outputs: &[BlockHandle], inputs: &[BlockHandle]) -> Result<()> {
 
 impl Backend for CpuBackend {
     type Weight = CpuWeight;
+    type HostF32 = Vec<f32>;
 
     fn kv_type(&self) -> KvType {
         self.kv_type
@@ -479,6 +480,10 @@ impl Backend for CpuBackend {
     fn read_u32(&self, src: BlockHandle, dst: &mut [u32]) -> Result<()> {
         dst.copy_from_slice(self.view(src, dst.len()));
         Ok(())
+    }
+
+    fn host_f32(&self, len: usize) -> Result<Vec<f32>> {
+        Ok(vec![0.0; len])
     }
 
     fn synchronize(&self) -> Result<()> {

@@ -2,7 +2,7 @@
 //! runs on machines without CUDA.
 
 use crate::{Error, Result};
-use cudarc::driver::{sys, CudaContext};
+use cudarc::driver::{sys, CudaContext, PinnedHostSlice};
 use std::sync::Arc;
 
 pub struct CudaDevice {
@@ -75,4 +75,44 @@ fn nvrtc_arch(major: i32, minor: i32) -> Result<&'static str> {
             )))
         }
     })
+}
+
+/// Page-locked host floats: the GPU copies into them directly, where a copy into ordinary
+/// (pageable) memory goes through the driver's staging buffer and a second, CPU-side copy.
+pub struct PinnedF32 {
+    memory: PinnedHostSlice<f32>,
+    ptr: *mut f32,
+}
+
+// SAFETY: the memory is owned by `memory` and only reached through `&self` / `&mut self`.
+unsafe impl Send for PinnedF32 {}
+unsafe impl Sync for PinnedF32 {}
+
+impl PinnedF32 {
+    pub fn new(ctx: &Arc<CudaContext>, len: usize) -> Result<PinnedF32> {
+        // Not write-combined (cudarc's default): the CPU reads this memory.
+        // SAFETY: the memory is zeroed below before anything reads it.
+        let mut memory = unsafe { ctx.alloc_pinned_with_flags::<f32>(len, 0) }
+            .map_err(|e| Error::OutOfMemory(format!("{len} floats of page-locked host memory: {e}")))?;
+        let ptr = memory.as_mut_ptr().map_err(driver_error("pinned memory"))?;
+        // SAFETY: `len` floats were just allocated at `ptr`.
+        unsafe { std::ptr::write_bytes(ptr, 0, len) };
+        Ok(PinnedF32 { memory, ptr })
+    }
+}
+
+impl std::ops::Deref for PinnedF32 {
+    type Target = [f32];
+    fn deref(&self) -> &[f32] {
+        // SAFETY: `ptr` holds `memory.len()` initialised floats for as long as `memory` lives;
+        // copies into it are synchronized before `read_f32` returns.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.memory.len()) }
+    }
+}
+
+impl std::ops::DerefMut for PinnedF32 {
+    fn deref_mut(&mut self) -> &mut [f32] {
+        // SAFETY: as for Deref; `&mut self` makes this the only reference.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.memory.len()) }
+    }
 }

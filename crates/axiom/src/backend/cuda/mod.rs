@@ -14,6 +14,7 @@ use crate::format::quant::GgmlType;
 use crate::{Error, Result};
 use cudarc::cublas::{result as cublas, sys as cublas_sys};
 use cudarc::driver::{sys, CudaGraph, CudaSlice, CudaStream};
+pub use device::PinnedF32;
 use device::{driver_error, CudaDevice};
 use kernels::Kernels;
 use std::cell::RefCell;
@@ -522,6 +523,7 @@ const MAX_MATRICES: usize = 3;
 
 impl Backend for CudaBackend {
     type Weight = CudaWeight;
+    type HostF32 = PinnedF32;
 
     fn device_name(&self) -> String {
         format!("CUDA {} ({})", self.device.name, self.device.arch)
@@ -630,6 +632,10 @@ impl Backend for CudaBackend {
         unsafe { cudarc::driver::result::memcpy_dtoh_async(dst, self.ptr(src), self.stream.cu_stream()) }
             .map_err(driver_error("copy to host"))?;
         self.synchronize()
+    }
+
+    fn host_f32(&self, len: usize) -> Result<PinnedF32> {
+        PinnedF32::new(&self.device.ctx, len)
     }
 
     fn synchronize(&self) -> Result<()> {

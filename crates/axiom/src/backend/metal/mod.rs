@@ -272,6 +272,7 @@ impl From<MetalError> for Error {
 
 impl Backend for MetalBackend {
     type Weight = MetalWeight;
+    type HostF32 = Vec<f32>;
 
     fn device_name(&self) -> String {
         format!("Metal {}", self.ctx.device.name)
@@ -348,6 +349,11 @@ impl Backend for MetalBackend {
 
     fn read_u32(&self, src: BlockHandle, dst: &mut [u32]) -> Result<()> {
         self.read_bytes(src, bytemuck::cast_slice_mut(dst))
+    }
+
+    fn host_f32(&self, len: usize) -> Result<Vec<f32>> {
+        // Shared-storage buffers are already host memory: nothing to gain from anything special.
+        Ok(vec![0.0; len])
     }
 
     fn synchronize(&self) -> Result<()> {

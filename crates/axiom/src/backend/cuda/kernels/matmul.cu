@@ -219,8 +219,12 @@ __device__ __forceinline__ void float_row(const Weight& w, int row, const float*
     }
 }
 
+// The one-token kernels are held to 40 registers, six blocks (48 warps) per multiprocessor instead
+// of five: 8B bf16 decode 218.8 tok/s against 216.8 on the H200. (Eight blocks, 32 registers,
+// spilled and lost 7%.)
 #define GEMV(NAME, TY, ROW, T, GLU, KIND)                                                                      \
-    extern "C" __global__ void KIND##_##NAME##_##T(Matrices mats, int n_in, const float* x) {                  \
+    extern "C" __global__ void __launch_bounds__(256, T == 1 ? 6 : 1)                                          \
+        KIND##_##NAME##_##T(Matrices mats, int n_in, const float* x) {                                         \
         gemv_rows<TY, T, GLU>(mats, n_in, [&](const Weight& w, int row, float* acc) { ROW<TY, T>(w, row, x, acc); }); \
     }
 #define GEMV_ALL(NAME, TY, ROW)                                                                                 \
