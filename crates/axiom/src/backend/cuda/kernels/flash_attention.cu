@@ -1,9 +1,11 @@
 // Causal attention for prefill on tensor cores, flash-attention style: no score matrix in memory.
 // A block takes one head and a tile of up to 64 consecutive query tokens of one sequence (the
 // host lists the tiles: `tiles` holds (first token, count) pairs); each of its 4 warps owns 16
-// query rows. Keys and values stream through shared memory 64 positions at a time (V
-// transposed); S = Q K^T and O += P V are m16n8k16 f16 MMAs with f32 accumulation, and the
-// softmax is online, in base 2, with the scale folded into Q. f16 KV cache; head_dim 64 or 128.
+// query rows. Keys and values stream through shared memory 64 positions at a time, copied by
+// cp.async (all of a tile's copies in flight at once, no registers); S = Q K^T and O += P V are
+// m16n8k16 f16 MMAs with f32 accumulation, their B fragments read by ldmatrix (transposing, for
+// V); the softmax is online, in base 2, with the scale folded into Q. f16 KV cache; head_dim 64
+// or 128.
 //
 // Fragment layouts of mma.m16n8k16 (lane = 4 * g + c): A holds rows g and g + 8, columns
 // 2c, 2c + 1 and 2c + 8, 2c + 9; B holds column g, rows 2c, 2c + 1 and 2c + 8, 2c + 9; the f32
@@ -23,6 +25,32 @@ __device__ __forceinline__ u32 pack_f16(float lo, float hi) {
     return (u32)f32_to_f16(lo) | ((u32)f32_to_f16(hi) << 16);
 }
 
+__device__ __forceinline__ u32 shared_address(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 s; cvta.to.shared.u64 s, %1; cvt.u32.u64 %0, s; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+// 16 bytes from global to shared memory without passing through registers; zeros where !valid.
+__device__ __forceinline__ void copy_async16(void* dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(shared_address(dst)), "l"(src),
+                 "r"(valid ? 16 : 0));
+}
+
+// Four 8x8 tiles of 16-bit values from shared memory, lane l giving the address of row l % 8 of
+// tile l / 8; TRANSPOSE hands each lane its values as if the tiles were transposed.
+template <bool TRANSPOSE>
+__device__ __forceinline__ void load_tiles(u32* r, const u16* row) {
+    if (TRANSPOSE)
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(shared_address(row)));
+    else
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(shared_address(row)));
+}
+
 // The sum (or max) over the 4 lanes that share a row.
 __device__ __forceinline__ float row_sum(float v) {
     v += __shfl_xor_sync(0xffffffffu, v, 1);
@@ -37,8 +65,9 @@ template <int D>
 __device__ void flash_attention(const float* q, const u16* k_cache, const u16* v_cache, const u32* positions,
                                 const u32* tables, int table_width, const u32* token_seqs, int page_size,
                                 const u32* tiles, float* out, int n_heads, int n_kv_heads) {
-    __shared__ __align__(16) u16 ks[FA_KEYS][D + 8];  // padded rows: fewer bank conflicts
-    __shared__ __align__(16) u16 vt[D][FA_KEYS + 8];
+    // Rows padded by 16 bytes, so that ldmatrix's eight rows fall in distinct banks.
+    __shared__ __align__(16) u16 ks[FA_KEYS][D + 8];
+    __shared__ __align__(16) u16 vs[FA_KEYS][D + 8];
     begin_after_inputs();
     const float NEG_INF = __int_as_float(0xff800000u);
     int h = blockIdx.y;
@@ -72,17 +101,12 @@ __device__ void flash_attention(const float* q, const u16* k_cache, const u16* v
         // Stage the keys and values of positions kt.. (zeros past the last one).
         for (int i = threadIdx.x; i < FA_KEYS * (D / 8); i += FA_WARPS * 32) {
             int key = i / (D / 8), d8 = 8 * (i % (D / 8));
-            u32 p = kt + key;
-            uint4 kv = {0, 0, 0, 0}, vv = {0, 0, 0, 0};
-            if (p < n_keys) {
-                u64 at = page_row(table, page_size, p) * kv_width + kv_off + d8;
-                kv = *(const uint4*)(k_cache + at);
-                vv = *(const uint4*)(v_cache + at);
-            }
-            *(uint4*)&ks[key][d8] = kv;
-            const u16* vh = (const u16*)&vv;
-            for (int j = 0; j < 8; j++) vt[d8 + j][key] = vh[j];
+            bool valid = kt + key < n_keys;
+            u64 at = valid ? page_row(table, page_size, kt + key) * kv_width + kv_off + d8 : 0;
+            copy_async16(&ks[key][d8], k_cache + at, valid);
+            copy_async16(&vs[key][d8], v_cache + at, valid);
         }
+        asm volatile("cp.async.wait_all;" ::: "memory");
         __syncthreads();
 
         // S = Q K^T for this warp's 16 rows and the 64 keys, masked causally.
@@ -90,9 +114,12 @@ __device__ void flash_attention(const float* q, const u16* k_cache, const u16* v
         float tile_max[2] = {NEG_INF, NEG_INF};
         for (int j = 0; j < FA_KEYS / 8; j++) {
             s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
-            for (int st = 0; st < D / 16; st++) {
-                const u16* kr = &ks[8 * j + g][16 * st + 2 * c];
-                mma_f16(s[j], qa[st], *(const u32*)kr, *(const u32*)(kr + 8));
+            for (int st = 0; st < D / 16; st += 2) {
+                // Keys 8j.. against dimensions 16 st.. and 16 (st + 1)..: two MMAs' B fragments.
+                u32 b[4];
+                load_tiles<false>(b, &ks[8 * j + lane % 8][16 * st + 8 * (lane / 8)]);
+                mma_f16(s[j], qa[st], b[0], b[1]);
+                mma_f16(s[j], qa[st + 1], b[2], b[3]);
             }
             long long p = kt + 8 * j + 2 * c;
             for (int e = 0; e < 4; e++) {
@@ -128,9 +155,13 @@ __device__ void flash_attention(const float* q, const u16* k_cache, const u16* v
         for (int kk = 0; kk < FA_KEYS / 16; kk++) {
             u32 pa[4] = {pack_f16(s[2 * kk][0], s[2 * kk][1]), pack_f16(s[2 * kk][2], s[2 * kk][3]),
                          pack_f16(s[2 * kk + 1][0], s[2 * kk + 1][1]), pack_f16(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-            for (int n = 0; n < D / 8; n++) {
-                const u16* vr = &vt[8 * n + g][16 * kk + 2 * c];
-                mma_f16(o[n], pa, *(const u32*)vr, *(const u32*)(vr + 8));
+            for (int n = 0; n < D / 8; n += 2) {
+                // Keys 16 kk.. (then 16 kk + 8..) against dimensions 8n.. and 8 (n + 1)...
+                u32 b[4];
+                int tile = lane / 8;
+                load_tiles<true>(b, &vs[16 * kk + 8 * (tile % 2) + lane % 8][8 * (n + tile / 2)]);
+                mma_f16(o[n], pa, b[0], b[1]);
+                mma_f16(o[n + 1], pa, b[2], b[3]);
             }
         }
         __syncthreads();
@@ -150,7 +181,7 @@ __device__ void flash_attention(const float* q, const u16* k_cache, const u16* v
 }
 
 #define FLASH_ATTENTION(D)                                                                                      \
-    extern "C" __global__ void __launch_bounds__(FA_WARPS * 32)                                                 \
+    extern "C" __global__ void __launch_bounds__(FA_WARPS * 32)                                                  \
         flash_attention_##D(const float* q, const u16* k, const u16* v, const u32* positions, const u32* tables, \
                             int table_width, const u32* token_seqs, int page_size, const u32* tiles, float* out,  \
                             int n_heads, int n_kv_heads) {                                                       \
