@@ -106,6 +106,7 @@ pub fn kernel_names() -> Vec<String> {
     let mut names: Vec<String> = [
         "rms_norm",
         "rms_norm_q8",
+        "rms_norm_16",
         "rope",
         "kv_write_f16",
         "kv_write_f32",

@@ -259,8 +259,9 @@ impl CudaBackend {
             .staging
             .ok_or_else(|| Error::Backend("no cuBLAS staging reserved".into()))?;
         // Float weights are read as they are; quantized ones are dequantized to f16 first.
-        let (a, input) = match w.ty {
-            GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => (self.ptr(w.q), w.ty),
+        let input = gemm_input(w.ty);
+        let a = match w.ty {
+            GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => self.ptr(w.q),
             _ => {
                 let name = format!("dequant_f16_{}", Self::type_suffix(w.ty)?);
                 let chunks = n_out * n_in / 32;
@@ -272,7 +273,7 @@ impl CudaBackend {
                     256,
                     &[&q, &s, &m, &n_in_i, &self.ptr(w_stage), &n_out_i],
                 )?;
-                (self.ptr(w_stage), GgmlType::F16)
+                self.ptr(w_stage)
             }
         };
         let b = if input == GgmlType::F32 {
@@ -406,6 +407,41 @@ impl CudaBackend {
         self.int8_activations.is_some() && quantized && large
     }
 
+    /// RMS-normalizes `n_tokens` rows of `dim` into the cuBLAS activation staging, as `ty` (f16 or
+    /// bf16).
+    fn rms_norm_16bit(
+        &self,
+        x: BlockHandle,
+        weight: BlockHandle,
+        eps: f32,
+        n_tokens: usize,
+        dim: usize,
+        ty: GgmlType,
+    ) -> Result<()> {
+        let (_, x_stage) = self
+            .staging
+            .ok_or_else(|| Error::Backend("no cuBLAS staging reserved".into()))?;
+        if n_tokens * dim * 2 > x_stage.len {
+            return Err(Error::Backend(format!(
+                "{n_tokens} x {dim} activations exceed the cuBLAS staging of {} bytes",
+                x_stage.len
+            )));
+        }
+        self.launch(
+            "rms_norm_16",
+            (n_tokens as u32, 1, 1),
+            norm_block(dim),
+            &[
+                &self.ptr(x),
+                &self.ptr(weight),
+                &self.ptr(x_stage),
+                &(dim as i32),
+                &eps,
+                &(ty.id() as i32),
+            ],
+        )
+    }
+
     /// Quantizes `n_tokens` rows of `n_in` activations into `staging` (int8 values, f32 scale per
     /// 32), normalizing them first if `x` says so.
     fn quantize_activations(
@@ -457,6 +493,15 @@ impl Drop for CudaBackend {
     fn drop(&mut self) {
         // SAFETY: created in `new`, used by no one after this.
         let _ = unsafe { cublas::destroy_handle(self.blas) };
+    }
+}
+
+/// The type cuBLAS reads a weight of type `ty` and its activations in: float weights as they are
+/// stored, quantized ones dequantized to f16.
+fn gemm_input(ty: GgmlType) -> GgmlType {
+    match ty {
+        GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => ty,
+        _ => GgmlType::F16,
     }
 }
 
@@ -708,18 +753,32 @@ impl Backend for CudaBackend {
     }
 
     fn matmul_many(&self, x: Input, ws: &[&CudaWeight], outs: &[BlockHandle], n_tokens: usize) -> Result<()> {
-        // The integer kernels' quantization takes the norm on the way; every other path reads
-        // normalized rows, written once here.
         let gemm = |w: &CudaWeight| n_tokens > gemv_max_tokens(w.ty);
-        let rows = match ws.iter().any(|w| gemm(w) || !self.takes_int8(w)) {
-            true => Some(self.input_rows(x, n_tokens, ws[0].n_in)?),
-            false => None,
-        };
-        let x = rows.map_or(x, Input::Rows);
         // One quantization (or 16-bit conversion, for cuBLAS) of the activations serves every
         // weight that takes it, and weights of one type go to the matrix-vector kernels together,
         // in one launch.
         let (mut quantized, mut staged) = (None, None);
+        // The norm goes into the integer kernels' quantization, or, where only cuBLAS reads the
+        // rows and in one 16-bit type, into their conversion. Every other path reads normalized
+        // f32 rows, written once here.
+        let input = gemm_input(ws[0].ty);
+        let only_16bit_gemms = input != GgmlType::F32 && ws.iter().all(|w| gemm(w) && gemm_input(w.ty) == input);
+        let rows = match x {
+            Input::RmsNormed {
+                x,
+                weight,
+                eps,
+                scratch,
+            } if only_16bit_gemms => {
+                self.rms_norm_16bit(x, weight, eps, n_tokens, ws[0].n_in, input)?;
+                staged = Some(input);
+                // Where the f32 rows would be: `gemm` finds them staged and does not read them.
+                Some(scratch)
+            }
+            _ if ws.iter().any(|w| gemm(w) || !self.takes_int8(w)) => Some(self.input_rows(x, n_tokens, ws[0].n_in)?),
+            _ => None,
+        };
+        let x = rows.map_or(x, Input::Rows);
         let mut i = 0;
         while i < ws.len() {
             let w = ws[i];

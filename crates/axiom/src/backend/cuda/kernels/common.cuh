@@ -57,6 +57,9 @@ __device__ __forceinline__ void store_q8(float v, i8* xq, float* xd, u64 i) {
 #define TY_Q6_K 14
 #define TY_BF16 30
 
+// f32 to f16 (kind TY_F16) or bf16 (TY_BF16), the 16-bit inputs of cuBLAS.
+__device__ __forceinline__ u16 to_16bit(float v, int kind) { return kind == TY_BF16 ? f32_to_bf16(v) : f32_to_f16(v); }
+
 // The paged KV cache: a sequence's position p lives in row table[p / page_size] * page_size +
 // p % page_size of each layer's cache, where table is its row of the block tables.
 __device__ __forceinline__ u64 page_row(const u32* table, int page_size, u32 p) {

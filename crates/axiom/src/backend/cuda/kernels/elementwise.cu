@@ -19,9 +19,8 @@ extern "C" __global__ void add_bias(float* x, const float* bias, u64 n, u64 widt
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) x[i] += bias[i % width];
 }
 
-// f32 to f16 (kind 1) or bf16 (kind 30), for the cuBLAS inputs: four values a thread, with 16-byte
-// loads where the buffers allow.
-__device__ __forceinline__ u16 to_16bit(float v, int kind) { return kind == TY_BF16 ? f32_to_bf16(v) : f32_to_f16(v); }
+// f32 to f16 or bf16 (to_16bit, common.cuh), for the cuBLAS inputs: four values a thread, with
+// 16-byte loads where the buffers allow.
 
 extern "C" __global__ void convert_f32(const float* x, u16* out, u64 n, int kind) {
     begin_after_inputs();

@@ -181,7 +181,7 @@ __device__ void flash_attention(const float* q, const u16* k_cache, const u16* v
 }
 
 #define FLASH_ATTENTION(D)                                                                                      \
-    extern "C" __global__ void __launch_bounds__(FA_WARPS * 32)                                                  \
+    extern "C" __global__ void __launch_bounds__(FA_WARPS * 32)                                                 \
         flash_attention_##D(const float* q, const u16* k, const u16* v, const u32* positions, const u32* tables, \
                             int table_width, const u32* token_seqs, int page_size, const u32* tiles, float* out,  \
                             int n_heads, int n_kv_heads) {                                                       \

@@ -25,6 +25,17 @@ extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __
     for (int i = threadIdx.x; i < dim; i += blockDim.x) out[base + i] = x[base + i] * scale * w[i];
 }
 
+// rms_norm written in 16 bits (f16 or bf16, `kind` as in to_16bit), the input of cuBLAS GEMMs: the
+// norm and the conversion in one pass.
+extern "C" __global__ void rms_norm_16(const float* __restrict__ x, const float* __restrict__ w, u16* __restrict__ out,
+                                       int dim, float eps, int kind) {
+    begin_after_inputs();
+    u64 base = (u64)blockIdx.x * dim;
+    float scale = inverse_rms(x + base, dim, eps);
+#pragma unroll 4
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) out[base + i] = to_16bit(x[base + i] * scale * w[i], kind);
+}
+
 // rms_norm with the normalized row quantized as quantize_q8 does, for an integer matrix-vector
 // product: the norm of its input and the quantization in one pass. dim is a multiple of 32, so
 // each warp's 32 values are one quantization block.
