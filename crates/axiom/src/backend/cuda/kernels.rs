@@ -101,6 +101,15 @@ pub fn gemv_kernel(int8: bool, glu: bool, ty: &str, tokens: usize) -> String {
     format!("{kind}{glu}_{ty}_{tokens}")
 }
 
+/// The one-token f32-activation matrix-vector kernel that RMS-normalizes its input first.
+pub fn gemv_normed_kernel(glu: bool, ty: &str) -> String {
+    let glu = if glu { "_glu" } else { "" };
+    format!("gemv{glu}_normed_{ty}")
+}
+
+/// The longest input `gemv_normed_kernel`'s kernels take (NORMED_MAX_IN in kernels/matmul.cu).
+pub const GEMV_NORMED_MAX_IN: usize = 8192;
+
 /// Every kernel the backend launches.
 pub fn kernel_names() -> Vec<String> {
     let mut names: Vec<String> = [
@@ -133,6 +142,9 @@ pub fn kernel_names() -> Vec<String> {
         .map(|(_, suffix)| *suffix)
         .collect();
     names.extend(every_type.iter().map(|ty| format!("embed_{ty}")));
+    for glu in [false, true] {
+        names.extend(every_type.iter().map(|ty| gemv_normed_kernel(glu, ty)));
+    }
     for tokens in [1, 2, 4, 8] {
         for glu in [false, true] {
             names.extend(every_type.iter().map(|ty| gemv_kernel(false, glu, ty, tokens)));

@@ -42,6 +42,12 @@ fn gemv_max_tokens(ty: GgmlType) -> usize {
 /// their products are too small to repay the extra launch that quantizes the activations.
 const INT_GEMV_MIN_N_IN: usize = 2048;
 const INT_GEMV_MIN_VALUES: usize = 16 << 20;
+/// The f32 matrix-vector kernels normalize their input themselves (each block its own copy, in
+/// shared memory) for matrices up to this many values: a small model's decode is latency-bound,
+/// and the norm's own launch costs more (SmolLM2, 0.9M values: 1538 -> 1690 tok/s on the H200).
+/// Large ones stream their weights, and a block that normalizes first streams later (8B bf16,
+/// 16.8M values and more: 217.5 -> 201.7 tok/s).
+const NORMED_GEMV_MAX_VALUES: usize = 4 << 20;
 
 /// Steps of at least this many tokens run attention on tensor cores (flash_attention.cu), where
 /// the f16 cache and the head size allow; smaller ones, decode above all, use the one-pass kernel.
@@ -377,27 +383,46 @@ impl CudaBackend {
                 Some(q) => q,
                 None => *quantized.insert(self.quantize_activations(x, staging, n_tokens, w.n_in)?),
             }),
-            // (The f32 kernels could normalize as they read, but that made the bf16 ones 7%
-            // slower, and SmolLM2 no faster.)
-            None => GemvInput::F32(self.input_rows(x, n_tokens, w.n_in)?),
+            None => match x {
+                Input::RmsNormed { x, weight, eps, .. } if self.gemv_normalizes(w, n_tokens) => {
+                    GemvInput::Normed { x, weight, eps }
+                }
+                _ => GemvInput::F32(self.input_rows(x, n_tokens, w.n_in)?),
+            },
         };
+        let glu = epilogue == Epilogue::SwiGlu;
         for (done, t) in token_groups(n_tokens) {
             let (mats, blocks) = self.matrices(ws, outs, epilogue, done, t);
-            let int8 = matches!(input, GemvInput::Int8(_));
-            let name = kernels::gemv_kernel(int8, epilogue == Epilogue::SwiGlu, suffix, t);
             match input {
                 GemvInput::Int8((xq, xd)) => {
                     let xqs = self.ptr(xq.slice(done * w.n_in, t * w.n_in));
                     let xds = self.ptr(xd.slice(done * w.n_in / 8, t * w.n_in / 8));
+                    let name = kernels::gemv_kernel(true, glu, suffix, t);
                     self.launch(&name, (blocks, 1, 1), 256, &[&mats, &n_in, &xqs, &xds])?
                 }
                 GemvInput::F32(rows) => {
                     let xs = self.ptr(rows.slice(done * w.n_in * 4, t * w.n_in * 4));
+                    let name = kernels::gemv_kernel(false, glu, suffix, t);
                     self.launch(&name, (blocks, 1, 1), 256, &[&mats, &n_in, &xs])?
+                }
+                GemvInput::Normed { x, weight, eps } => {
+                    let name = kernels::gemv_normed_kernel(glu, suffix);
+                    let (x, weight) = (self.ptr(x), self.ptr(weight));
+                    self.launch(&name, (blocks, 1, 1), 256, &[&mats, &n_in, &x, &weight, &eps])?
                 }
             }
         }
         Ok(())
+    }
+
+    /// Whether the matrix-vector kernels for `w` normalize an `Input::RmsNormed` themselves: the
+    /// integer ones as they quantize it; the f32 ones for one token of a small matrix (see
+    /// `NORMED_GEMV_MAX_VALUES`).
+    fn gemv_normalizes(&self, w: &CudaWeight, n_tokens: usize) -> bool {
+        let small = w.n_in * w.n_out <= NORMED_GEMV_MAX_VALUES
+            && w.n_in.is_multiple_of(4)
+            && w.n_in <= kernels::GEMV_NORMED_MAX_IN;
+        self.takes_int8(w) || (n_tokens == 1 && small)
     }
 
     /// Whether `w` is multiplied on integers at decode (see `INT_GEMV_MIN_N_IN`).
@@ -546,12 +571,17 @@ struct Matrices {
     accumulate: i32,
 }
 
-/// The activations of a matrix-vector launch: quantized to int8 (values, block scales), or f32
-/// rows.
+/// The activations of a matrix-vector launch: quantized to int8 (values, block scales), f32 rows,
+/// or one f32 row that the kernel RMS-normalizes itself.
 #[derive(Clone, Copy)]
 enum GemvInput {
     Int8((BlockHandle, BlockHandle)),
     F32(BlockHandle),
+    Normed {
+        x: BlockHandle,
+        weight: BlockHandle,
+        eps: f32,
+    },
 }
 
 /// What a matrix-vector launch does with its products: stores them, adds them to its output, or
@@ -758,9 +788,9 @@ impl Backend for CudaBackend {
         // weight that takes it, and weights of one type go to the matrix-vector kernels together,
         // in one launch.
         let (mut quantized, mut staged) = (None, None);
-        // The norm goes into the integer kernels' quantization, or, where only cuBLAS reads the
-        // rows and in one 16-bit type, into their conversion. Every other path reads normalized
-        // f32 rows, written once here.
+        // The norm goes into the matrix-vector kernels where they take it (`gemv_normalizes`), or,
+        // where only cuBLAS reads the rows and in one 16-bit type, into their conversion. Every
+        // other path reads normalized f32 rows, written once here.
         let input = gemm_input(ws[0].ty);
         let only_16bit_gemms = input != GgmlType::F32 && ws.iter().all(|w| gemm(w) && gemm_input(w.ty) == input);
         let rows = match x {
@@ -775,7 +805,9 @@ impl Backend for CudaBackend {
                 // Where the f32 rows would be: `gemm` finds them staged and does not read them.
                 Some(scratch)
             }
-            _ if ws.iter().any(|w| gemm(w) || !self.takes_int8(w)) => Some(self.input_rows(x, n_tokens, ws[0].n_in)?),
+            _ if ws.iter().any(|w| gemm(w) || !self.gemv_normalizes(w, n_tokens)) => {
+                Some(self.input_rows(x, n_tokens, ws[0].n_in)?)
+            }
             _ => None,
         };
         let x = rows.map_or(x, Input::Rows);
