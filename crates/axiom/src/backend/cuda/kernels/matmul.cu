@@ -167,7 +167,10 @@ GEMV_INT_ALL(q4_k, TY_Q4_K)
 GEMV_INT_ALL(q6_k, TY_Q6_K)
 
 // Float weights: lane-interleaved 16-byte loads, so each warp load is 512 contiguous bytes, with
-// UNROLL loads in flight per lane before the first is used; activations read as float4.
+// UNROLL loads in flight per lane before the first is used; activations read as float4, by plain
+// loads (not __ldg), since the normed kernels below pass a copy in shared memory. (Plain loads
+// also left the one-token bf16 kernel without a spill under its register bound: 8B bf16 decode
+// 219.2 -> 226.2 tok/s.)
 template <int TY>
 __device__ __forceinline__ void widen(uint4 raw, float* y) {
     u32 words[4] = {raw.x, raw.y, raw.z, raw.w};
@@ -240,7 +243,7 @@ __device__ __forceinline__ void float_row(const Weight& w, int row, const float*
 // kernels 7% slower: the norm's weight was loaded once per weight load.)
 #define NORMED_MAX_IN 8192
 __device__ __forceinline__ void normalize_row(float* xs, const float* x, const float* norm, int n, float eps) {
-    __shared__ float partial[8];
+    __shared__ float partial[8];  // a sum per warp of the 256-thread block
     float sum = 0.0f;
     for (int i = 4 * threadIdx.x; i < n; i += 4 * blockDim.x) {
         float4 v = *(const float4*)(x + i);
