@@ -261,26 +261,23 @@ impl CudaBackend {
         staged: &mut Option<GgmlType>,
     ) -> Result<()> {
         let (n_in, n_out) = (w.n_in, w.n_out);
-        let (w_stage, x_stage) = self
-            .staging
-            .ok_or_else(|| Error::Backend("no cuBLAS staging reserved".into()))?;
+        let (w_stage, x_stage) = self.cublas_staging()?;
         // Float weights are read as they are; quantized ones are dequantized to f16 first.
         let input = gemm_input(w.ty);
-        let a = match w.ty {
-            GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => self.ptr(w.q),
-            _ => {
-                let name = format!("dequant_f16_{}", Self::type_suffix(w.ty)?);
-                let chunks = n_out * n_in / 32;
-                let (q, s, m) = self.weight_ptrs(w);
-                let (n_in_i, n_out_i) = (n_in as i32, n_out as i32);
-                self.launch(
-                    &name,
-                    (blocks_for(chunks, 256), 1, 1),
-                    256,
-                    &[&q, &s, &m, &n_in_i, &self.ptr(w_stage), &n_out_i],
-                )?;
-                self.ptr(w_stage)
-            }
+        let a = if input == w.ty {
+            self.ptr(w.q)
+        } else {
+            let name = format!("dequant_f16_{}", Self::type_suffix(w.ty)?);
+            let chunks = n_out * n_in / 32;
+            let (q, s, m) = self.weight_ptrs(w);
+            let (n_in_i, n_out_i) = (n_in as i32, n_out as i32);
+            self.launch(
+                &name,
+                (blocks_for(chunks, 256), 1, 1),
+                256,
+                &[&q, &s, &m, &n_in_i, &self.ptr(w_stage), &n_out_i],
+            )?;
+            self.ptr(w_stage)
         };
         let b = if input == GgmlType::F32 {
             self.ptr(x)
@@ -428,8 +425,13 @@ impl CudaBackend {
     /// Whether `w` is multiplied on integers at decode (see `INT_GEMV_MIN_N_IN`).
     fn takes_int8(&self, w: &CudaWeight) -> bool {
         let large = w.n_in >= INT_GEMV_MIN_N_IN || w.n_in * w.n_out >= INT_GEMV_MIN_VALUES;
-        let quantized = !matches!(w.ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16);
-        self.int8_activations.is_some() && quantized && large
+        self.int8_activations.is_some() && w.ty.block_len() > 1 && large
+    }
+
+    /// The 16-bit staging cuBLAS reads from: (a dequantized weight, the converted activations).
+    fn cublas_staging(&self) -> Result<(BlockHandle, BlockHandle)> {
+        self.staging
+            .ok_or_else(|| Error::Backend("no cuBLAS staging reserved".into()))
     }
 
     /// RMS-normalizes `n_tokens` rows of `dim` into the cuBLAS activation staging, as `ty` (f16 or
@@ -443,9 +445,7 @@ impl CudaBackend {
         dim: usize,
         ty: GgmlType,
     ) -> Result<()> {
-        let (_, x_stage) = self
-            .staging
-            .ok_or_else(|| Error::Backend("no cuBLAS staging reserved".into()))?;
+        let (_, x_stage) = self.cublas_staging()?;
         if n_tokens * dim * 2 > x_stage.len {
             return Err(Error::Backend(format!(
                 "{n_tokens} x {dim} activations exceed the cuBLAS staging of {} bytes",
