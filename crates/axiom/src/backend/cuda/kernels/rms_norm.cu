@@ -3,11 +3,16 @@
 
 // 1 / sqrt(mean(row^2) + eps), reduced over the whole block. The row pointer is restrict so that a
 // thread's loads go out together: a row is a few dependent memory round trips, not one per value.
-__device__ float inverse_rms(const float* __restrict__ row, int dim, float eps) {
+// Meanwhile the norm's weight `w` is sent into L2: in decode the weights' stream has evicted it,
+// and the pass that applies it would wait on memory once more.
+__device__ float inverse_rms(const float* __restrict__ row, const float* w, int dim, float eps) {
     __shared__ float partial[32];
     float sum = 0.0f;
 #pragma unroll 4
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) sum += row[i] * row[i];
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(w + i));
+        sum += row[i] * row[i];
+    }
     sum = warp_sum(sum);
     if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = sum;
     __syncthreads();
@@ -20,7 +25,7 @@ extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __
                                     int dim, float eps) {
     begin_after_inputs();
     u64 base = (u64)blockIdx.x * dim;
-    float scale = inverse_rms(x + base, dim, eps);
+    float scale = inverse_rms(x + base, w, dim, eps);
 #pragma unroll 4
     for (int i = threadIdx.x; i < dim; i += blockDim.x) out[base + i] = x[base + i] * scale * w[i];
 }
@@ -31,7 +36,7 @@ extern "C" __global__ void rms_norm_16(const float* __restrict__ x, const float*
                                        int dim, float eps, int kind) {
     begin_after_inputs();
     u64 base = (u64)blockIdx.x * dim;
-    float scale = inverse_rms(x + base, dim, eps);
+    float scale = inverse_rms(x + base, w, dim, eps);
 #pragma unroll 4
     for (int i = threadIdx.x; i < dim; i += blockDim.x) out[base + i] = to_16bit(x[base + i] * scale * w[i], kind);
 }
@@ -43,6 +48,6 @@ extern "C" __global__ void rms_norm_q8(const float* __restrict__ x, const float*
                                        float* __restrict__ xd, int dim, float eps) {
     begin_after_inputs();
     u64 base = (u64)blockIdx.x * dim;
-    float scale = inverse_rms(x + base, dim, eps);
+    float scale = inverse_rms(x + base, w, dim, eps);
     for (int i = threadIdx.x; i < dim; i += blockDim.x) store_q8(x[base + i] * scale * w[i], xq, xd, base + i);
 }
