@@ -414,11 +414,10 @@ impl CudaBackend {
 
     /// Whether the matrix-vector kernels for `w` normalize an `Input::RmsNormed` themselves: the
     /// integer ones as they quantize it; the f32 ones for one token of a small matrix (see
-    /// `NORMED_GEMV_MAX_VALUES`).
+    /// `NORMED_GEMV_MAX_VALUES`). (Their float4 reads need rows of a multiple of 4 values;
+    /// `upload_weight` admits only multiples of 32.)
     fn gemv_normalizes(&self, w: &CudaWeight, n_tokens: usize) -> bool {
-        let small = w.n_in * w.n_out <= NORMED_GEMV_MAX_VALUES
-            && w.n_in.is_multiple_of(4)
-            && w.n_in <= kernels::GEMV_NORMED_MAX_IN;
+        let small = w.n_in * w.n_out <= NORMED_GEMV_MAX_VALUES && w.n_in <= kernels::GEMV_NORMED_MAX_IN;
         self.takes_int8(w) || (n_tokens == 1 && small)
     }
 

@@ -33,6 +33,17 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
+// The sum of v over the block (whole warps, up to 1024 threads), returned to every thread.
+__device__ __forceinline__ float block_sum(float v) {
+    __shared__ float partial[32];
+    v = warp_sum(v);
+    if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = v;
+    __syncthreads();
+    float total = 0.0f;
+    for (int i = 0; i < blockDim.x / 32; i++) total += partial[i];
+    return total;
+}
+
 __device__ __forceinline__ float warp_max(float v) {
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;

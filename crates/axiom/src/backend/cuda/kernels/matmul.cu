@@ -253,19 +253,13 @@ __device__ __forceinline__ void float_row(const Weight& w, int row, const float*
 // kernels 7% slower: the norm's weight was loaded once per weight load.)
 #define NORMED_MAX_IN 8192
 __device__ __forceinline__ void normalize_row(float* xs, const float* x, const float* norm, int n, float eps) {
-    __shared__ float partial[8];  // a sum per warp of the 256-thread block
     float sum = 0.0f;
     for (int i = 4 * threadIdx.x; i < n; i += 4 * blockDim.x) {
         float4 v = *(const float4*)(x + i);
         *(float4*)(xs + i) = v;
         sum += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
     }
-    sum = warp_sum(sum);
-    if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = sum;
-    __syncthreads();
-    float total = 0.0f;
-    for (int w = 0; w < blockDim.x / 32; w++) total += partial[w];
-    float scale = rsqrtf(total / n + eps);
+    float scale = rsqrtf(block_sum(sum) / n + eps);
     for (int i = 4 * threadIdx.x; i < n; i += 4 * blockDim.x) {  // the values this thread stored
         float4 g = *(const float4*)(norm + i);
         xs[i] *= scale * g.x, xs[i + 1] *= scale * g.y, xs[i + 2] *= scale * g.z, xs[i + 3] *= scale * g.w;

@@ -6,19 +6,13 @@
 // Meanwhile the norm's weight `w` is sent into L2: in decode the weights' stream has evicted it,
 // and the pass that applies it would wait on memory once more.
 __device__ float inverse_rms(const float* __restrict__ row, const float* w, int dim, float eps) {
-    __shared__ float partial[32];
     float sum = 0.0f;
 #pragma unroll 4
     for (int i = threadIdx.x; i < dim; i += blockDim.x) {
         asm volatile("prefetch.global.L2 [%0];" ::"l"(w + i));
         sum += row[i] * row[i];
     }
-    sum = warp_sum(sum);
-    if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = sum;
-    __syncthreads();
-    float total = 0.0f;
-    for (int i = 0; i < blockDim.x / 32; i++) total += partial[i];
-    return rsqrtf(total / dim + eps);
+    return rsqrtf(block_sum(sum) / dim + eps);
 }
 
 extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ out,
