@@ -207,6 +207,75 @@ impl From<BlockHandle> for Input {
     }
 }
 
+/// What attention reads besides the queries: a layer's paged caches, and the step's positions
+/// and pages.
+#[derive(Debug, Clone, Copy)]
+pub struct AttentionKv {
+    pub k_cache: BlockHandle,
+    pub v_cache: BlockHandle,
+    pub positions: BlockHandle,
+    pub pages: PagedKv,
+}
+
+/// `Backend::attend_and_project` in two steps: `attention` into `out`, then `matmul_add`.
+pub fn attend_and_project_in_steps<B: Backend + ?Sized>(
+    b: &B,
+    q: BlockHandle,
+    kv: AttentionKv,
+    wo: &B::Weight,
+    [out, residual, scratch]: [BlockHandle; 3],
+    n_tokens: usize,
+    shape: AttentionShape,
+) -> Result<()> {
+    b.attention(q, kv.k_cache, kv.v_cache, kv.positions, kv.pages, out, n_tokens, shape)?;
+    b.matmul_add(out, wo, residual, scratch, n_tokens)
+}
+
+/// A feed-forward block's three matrices.
+pub struct FeedForward<'a, W> {
+    pub gate: &'a W,
+    pub up: &'a W,
+    pub down: &'a W,
+}
+
+/// Scratch for a feed-forward block of `n_tokens`: `gate`, `up` and `hidden` hold rows of the
+/// block's width, `proj` rows of the model's.
+#[derive(Debug, Clone, Copy)]
+pub struct FeedForwardScratch {
+    pub gate: BlockHandle,
+    pub up: BlockHandle,
+    pub hidden: BlockHandle,
+    pub proj: BlockHandle,
+}
+
+/// `Backend::gate_up_swiglu` in two steps: `matmul_many` into the scratch, then `swiglu`.
+pub fn gate_up_swiglu_in_steps<B: Backend + ?Sized>(
+    b: &B,
+    x: Input,
+    [w_gate, w_up]: [&B::Weight; 2],
+    [gate, up]: [BlockHandle; 2],
+    out: BlockHandle,
+    n_tokens: usize,
+    ffn_dim: usize,
+) -> Result<()> {
+    b.matmul_many(x, &[w_gate, w_up], &[gate, up], n_tokens)?;
+    b.swiglu(gate, up, out, n_tokens * ffn_dim)
+}
+
+/// `Backend::feed_forward` in two steps: `gate_up_swiglu` into `scratch.hidden`, then `matmul_add`.
+pub fn feed_forward_in_steps<B: Backend + ?Sized>(
+    b: &B,
+    x: Input,
+    ffn: FeedForward<'_, B::Weight>,
+    s: FeedForwardScratch,
+    residual: BlockHandle,
+    n_tokens: usize,
+) -> Result<()> {
+    let ffn_dim = ffn.gate.n_out();
+    b.gate_up_swiglu(x, ffn.gate, ffn.up, [s.gate, s.up], s.hidden, n_tokens, ffn_dim)?;
+    b.matmul_add(s.hidden, ffn.down, residual, s.proj, n_tokens)
+}
+
 /// The shape of a backend's weight matrix, `[n_out, n_in]`.
 pub trait Matrix {
     fn n_in(&self) -> usize;
@@ -340,20 +409,33 @@ pub trait Backend {
     }
     /// The feed-forward block's first half, `out = silu(x w_gate^T) * (x w_up^T)` (`n_tokens`
     /// rows of `ffn_dim`). `gate` and `up` are scratch of that size for a backend that takes it in
-    /// steps: the default runs `matmul_many` into them, then `swiglu`.
+    /// steps, as `gate_up_swiglu_in_steps` does (the default).
     #[allow(clippy::too_many_arguments)]
     fn gate_up_swiglu(
         &self,
         x: Input,
         w_gate: &Self::Weight,
         w_up: &Self::Weight,
-        [gate, up]: [BlockHandle; 2],
+        scratch: [BlockHandle; 2],
         out: BlockHandle,
         n_tokens: usize,
         ffn_dim: usize,
     ) -> Result<()> {
-        self.matmul_many(x, &[w_gate, w_up], &[gate, up], n_tokens)?;
-        self.swiglu(gate, up, out, n_tokens * ffn_dim)
+        gate_up_swiglu_in_steps(self, x, [w_gate, w_up], scratch, out, n_tokens, ffn_dim)
+    }
+    /// The whole feed-forward block added to the residual stream: `residual += h w_down^T` with
+    /// `h = silu(x w_gate^T) * (x w_up^T)`, for `n_tokens` rows. A backend may keep `h` in a form
+    /// of its own between the two halves; the default, `feed_forward_in_steps`, writes it to
+    /// `scratch.hidden` with `gate_up_swiglu` and then runs `matmul_add`.
+    fn feed_forward(
+        &self,
+        x: Input,
+        ffn: FeedForward<'_, Self::Weight>,
+        scratch: FeedForwardScratch,
+        residual: BlockHandle,
+        n_tokens: usize,
+    ) -> Result<()> {
+        feed_forward_in_steps(self, x, ffn, scratch, residual, n_tokens)
     }
     /// The rows `x` stands for (`n_tokens` of `dim`): normalized into its scratch first if it is
     /// `Input::RmsNormed`. For the ops that do not normalize as they read.
@@ -432,6 +514,21 @@ pub trait Backend {
         n_tokens: usize,
         shape: AttentionShape,
     ) -> Result<()>;
+    /// The attention block's end: `attention` of `q` over the cache into `out`, then its product
+    /// with `wo` added to the residual stream (`matmul_add`, with `scratch`). A backend may hand
+    /// the attention's output to the projection in a form of its own; the default,
+    /// `attend_and_project_in_steps`, runs the two.
+    fn attend_and_project(
+        &self,
+        q: BlockHandle,
+        kv: AttentionKv,
+        wo: &Self::Weight,
+        [out, residual, scratch]: [BlockHandle; 3],
+        n_tokens: usize,
+        shape: AttentionShape,
+    ) -> Result<()> {
+        attend_and_project_in_steps(self, q, kv, wo, [out, residual, scratch], n_tokens, shape)
+    }
     /// `x[t] += bias` for `n_tokens` rows of `width`.
     fn add_bias(&self, x: BlockHandle, bias: BlockHandle, n_tokens: usize, width: usize) -> Result<()>;
     /// `out = silu(gate) * up`, elementwise over `n` values.

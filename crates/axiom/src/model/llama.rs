@@ -3,7 +3,7 @@
 use super::config::ModelConfig;
 use super::kv_cache::{KvCache, OutOfPages, PagePool, PageUsage};
 use super::weights::{self, TensorSource, Weights};
-use crate::backend::{Backend, BlockHandle, Input, PagedKv};
+use crate::backend::{AttentionKv, Backend, BlockHandle, FeedForward, FeedForwardScratch, Input, PagedKv};
 use crate::format::gguf::GgufFile;
 use crate::{Error, Result};
 
@@ -128,6 +128,17 @@ struct Scratch {
     logits: BlockHandle,
     /// Device argmax of each row of `logits`.
     argmax: BlockHandle,
+}
+
+impl Scratch {
+    fn feed_forward(&self) -> FeedForwardScratch {
+        FeedForwardScratch {
+            gate: self.gate,
+            up: self.up,
+            hidden: self.hidden,
+            proj: self.proj,
+        }
+    }
 }
 
 pub struct Llama<B: Backend> {
@@ -459,20 +470,21 @@ impl<B: Backend> Llama<B> {
             b.rope_kv_write(
                 q, k, s.v, *k_cache, *v_cache, positions, self.freqs, pages, n, shape, c.rope,
             )?;
-            b.attention(q, *k_cache, *v_cache, positions, pages, s.attn, n, shape)?;
-            b.matmul_add(s.attn, &layer.wo, s.x, s.proj, n)?;
+            let kv = AttentionKv {
+                k_cache: *k_cache,
+                v_cache: *v_cache,
+                positions,
+                pages,
+            };
+            b.attend_and_project(q, kv, &layer.wo, [s.attn, s.x, s.proj], n, shape)?;
             // Feed-forward block, the same way.
             let ffn_in = self.normed(s.x, layer.ffn_norm);
-            b.gate_up_swiglu(
-                ffn_in,
-                &layer.w_gate,
-                &layer.w_up,
-                [s.gate, s.up],
-                s.hidden,
-                n,
-                c.ffn_dim,
-            )?;
-            b.matmul_add(s.hidden, &layer.w_down, s.x, s.proj, n)?;
+            let ffn = FeedForward {
+                gate: &layer.w_gate,
+                up: &layer.w_up,
+                down: &layer.w_down,
+            };
+            b.feed_forward(ffn_in, ffn, s.feed_forward(), s.x, n)?;
         }
         Ok(())
     }

@@ -5,7 +5,8 @@
 use super::{paged_queries, random_weight_bytes, PagedCase, PAGED_LENS};
 use axiom::backend::cpu::CpuBackend;
 use axiom::backend::{
-    AttentionShape, Backend, BlockHandle, HostTensor, Input, KvType, PagedKv, Rope, RopeLayout, RopeScaling,
+    AttentionShape, Backend, BlockHandle, FeedForward, FeedForwardScratch, HostTensor, Input, KvType, PagedKv, Rope,
+    RopeLayout, RopeScaling,
 };
 use axiom::chat::Message;
 use axiom::engine::perplexity::perplexity;
@@ -53,6 +54,7 @@ fn get<B: Backend>(b: &B, h: BlockHandle, n: usize) -> Vec<f32> {
     out
 }
 
+#[track_caller]
 pub fn rel_l2(got: &[f32], want: &[f32]) -> f64 {
     assert!(
         got.iter().all(|v| v.is_finite()),
@@ -180,36 +182,70 @@ pub fn matmul_every_type_and_token_count<B: Backend>(
             }
         }
     }
-    // The feed-forward block's gate and up products with the SwiGLU after them, which a backend
-    // may fold into one kernel.
-    for (ty, n_in) in WEIGHT_TYPES.iter().flat_map(|&ty| [(ty, short(ty)), (ty, 2048)]) {
-        let n_out = 37;
+    // The whole feed-forward block added to a residual, which a backend may fold (the SwiGLU into
+    // the gate and up products; the hidden rows kept in 16 bits between the halves).
+    for (ty, dim) in WEIGHT_TYPES.iter().flat_map(|&ty| [(ty, short(ty)), (ty, 2048)]) {
+        let ffn_dim = short(ty);
         let (mut gpu, mut cpu) = pair(&make);
-        let (wg, wc): (Vec<_>, Vec<_>) = (0..2)
-            .map(|_| random_weight(&mut rng, &mut gpu, &mut cpu, ty, n_in, n_out))
-            .unzip();
-        gpu.prepare(64, n_in).unwrap();
-        let norm = randn(&mut rng, n_in);
-        for n_tokens in [1, 3, 8, 9] {
-            let x = randn(&mut rng, n_tokens * n_in);
-            let n = n_tokens * n_out;
-            let (xg, og) = (put(&mut gpu, &x), poisoned(&mut gpu, n));
-            let (xc, oc) = (put(&mut cpu, &x), poisoned(&mut cpu, n));
-            let scratch_gpu = [poisoned(&mut gpu, n), poisoned(&mut gpu, n)];
-            let scratch_cpu = [poisoned(&mut cpu, n), poisoned(&mut cpu, n)];
-            // Normalized on the way in, as the model's feed-forward block takes it.
-            let (ng, nc) = (put(&mut gpu, &norm), put(&mut cpu, &norm));
+        let mut weight = |n_in, n_out| random_weight(&mut rng, &mut gpu, &mut cpu, ty, n_in, n_out);
+        let (gate, up, down) = (weight(dim, ffn_dim), weight(dim, ffn_dim), weight(ffn_dim, dim));
+        gpu.prepare(64, dim.max(ffn_dim)).unwrap();
+        // The norm is scaled so that the gate products are about 1, as in a real model: a backend
+        // may hold the hidden values in f16, and the random weights' scales range from 0.1 (f16) to
+        // 400 (Q6_K), whose products would leave f16's range or sink below its normal numbers.
+        let norm = randn(&mut rng, dim);
+        let (probe, probe_out) = (put(&mut cpu, &randn(&mut rng, dim)), poisoned(&mut cpu, ffn_dim));
+        let nc = put(&mut cpu, &norm);
+        let sc = poisoned(&mut cpu, dim);
+        cpu.matmul_many(normed(probe, nc, sc), &[&gate.1], &[probe_out], 1)
+            .unwrap();
+        let products = get(&cpu, probe_out, ffn_dim);
+        let gate_rms = (products.iter().map(|v| v * v).sum::<f32>() / ffn_dim as f32).sqrt();
+        let norm: Vec<f32> = norm.iter().map(|v| v / gate_rms).collect();
+        let (ng, nc) = (put(&mut gpu, &norm), put(&mut cpu, &norm));
+        for n_tokens in [1, 3, 8, 9, 35] {
+            let (x, residual) = (randn(&mut rng, n_tokens * dim), randn(&mut rng, n_tokens * dim));
+            let (xg, xc) = (put(&mut gpu, &x), put(&mut cpu, &x));
+            let (og, oc) = (put(&mut gpu, &residual), put(&mut cpu, &residual));
             let (sg, sc) = (poisoned(&mut gpu, x.len()), poisoned(&mut cpu, x.len()));
-            gpu.gate_up_swiglu(normed(xg, ng, sg), &wg[0], &wg[1], scratch_gpu, og, n_tokens, n_out)
+            let hidden = n_tokens * ffn_dim;
+            let scratch = |b: &mut dyn FnMut(usize) -> BlockHandle| FeedForwardScratch {
+                gate: b(hidden),
+                up: b(hidden),
+                hidden: b(hidden),
+                proj: b(x.len()),
+            };
+            let scratch_gpu = scratch(&mut |n| poisoned(&mut gpu, n));
+            let scratch_cpu = scratch(&mut |n| poisoned(&mut cpu, n));
+            let ffn_gpu = FeedForward {
+                gate: &gate.0,
+                up: &up.0,
+                down: &down.0,
+            };
+            let ffn_cpu = FeedForward {
+                gate: &gate.1,
+                up: &up.1,
+                down: &down.1,
+            };
+            // Normalized on the way in, as the model's feed-forward block takes it.
+            gpu.feed_forward(normed(xg, ng, sg), ffn_gpu, scratch_gpu, og, n_tokens)
                 .unwrap();
-            cpu.gate_up_swiglu(normed(xc, nc, sc), &wc[0], &wc[1], scratch_cpu, oc, n_tokens, n_out)
+            cpu.feed_forward(normed(xc, nc, sc), ffn_cpu, scratch_cpu, oc, n_tokens)
                 .unwrap();
-            let err = rel_l2(&get(&gpu, og, n), &get(&cpu, oc, n));
-            // Two products multiplied: their errors add.
-            let tol = 2.0 * tolerance(ty, n_in, n_tokens);
+            // The block's own output, without the residual it was added to.
+            let block = |out: Vec<f32>| -> Vec<f32> { out.iter().zip(&residual).map(|(o, r)| o - r).collect() };
+            let got = block(get(&gpu, og, x.len()));
+            let bad = got.iter().position(|v| !v.is_finite());
+            assert!(
+                bad.is_none(),
+                "feed_forward {ty} dim {dim}, hidden {ffn_dim} x {n_tokens} tokens: value {bad:?} is not finite"
+            );
+            let err = rel_l2(&got, &block(get(&cpu, oc, x.len())));
+            // Three products, two of them multiplied: their errors add.
+            let tol = 3.0 * tolerance(ty, dim.max(ffn_dim), n_tokens);
             assert!(
                 err < tol,
-                "gate_up_swiglu {ty} [{n_out}, {n_in}] x {n_tokens}: relative error {err}"
+                "feed_forward {ty} dim {dim}, hidden {ffn_dim} x {n_tokens} tokens: relative error {err}"
             );
         }
     }
@@ -351,6 +387,68 @@ pub fn paged_kv_write_and_attention<B: Backend>(make: impl Fn(KvType) -> B, tole
             );
         }
     }
+}
+
+/// `attend_and_project` (attention, then its product with the output projection added to a
+/// residual) on decodes over a long context, for weights a backend may multiply on integers
+/// (quantizing the attention's output as it writes it) and for one it does not, with an f16
+/// cache. `tolerance(type)` is the relative error allowed.
+pub fn attention_then_output_projection<B: Backend>(make: impl Fn(KvType) -> B, tolerance: impl Fn(GgmlType) -> f64) {
+    let mut rng = ChaCha8Rng::seed_from_u64(5);
+    // Rows of 2048 values, long enough for integer matrix-vector kernels.
+    let shape = AttentionShape {
+        n_heads: 16,
+        n_kv_heads: 4,
+        head_dim: 128,
+    };
+    let (lens, queries, n_out) = ([300, 40], [(0, 299), (1, 39), (0, 100)], 72);
+    let round = |v: Vec<f32>| -> Vec<f32> { v.iter().map(|&x| f16::from_f32(x).to_f32()).collect() };
+    for ty in [GgmlType::Q8_0, GgmlType::Q4K, GgmlType::BF16] {
+        let case = PagedCase::new(&mut rng, 16, &lens);
+        let k: Vec<Vec<f32>> = lens
+            .iter()
+            .map(|l| round(randn(&mut rng, l * shape.kv_width())))
+            .collect();
+        let v: Vec<Vec<f32>> = lens
+            .iter()
+            .map(|l| round(randn(&mut rng, l * shape.kv_width())))
+            .collect();
+        let q = randn(&mut rng, queries.len() * shape.q_width());
+        let residual = randn(&mut rng, queries.len() * n_out);
+        let (mut gpu, mut cpu) = pair(|| make(KvType::F16));
+        let (wg, wc) = random_weight(&mut rng, &mut gpu, &mut cpu, ty, shape.q_width(), n_out);
+        gpu.prepare(64, shape.q_width()).unwrap();
+        let inputs = (&case, &k[..], &v[..], &queries[..], &q[..], shape);
+        let got = projected(&mut gpu, inputs, &wg, &residual);
+        let want = projected(&mut cpu, inputs, &wc, &residual);
+        let err = rel_l2(&got, &want);
+        assert!(
+            err < tolerance(ty),
+            "attend_and_project, {ty} output projection: relative error {err}"
+        );
+    }
+}
+
+/// What `attend_and_project` adds to `residual` for a `PagedCase`'s queries.
+type AttentionInputs<'a> = (
+    &'a PagedCase,
+    &'a [Vec<f32>],
+    &'a [Vec<f32>],
+    &'a [(u32, u32)],
+    &'a [f32],
+    AttentionShape,
+);
+fn projected<B: Backend>(b: &mut B, inputs: AttentionInputs, wo: &B::Weight, residual: &[f32]) -> Vec<f32> {
+    let (case, k, v, queries, q, shape) = inputs;
+    let sum = case
+        .with_cache(b, k, v, queries, q, shape, |b, qh, kv| {
+            let (out, scratch) = (poisoned(b, q.len()), poisoned(b, residual.len()));
+            let stream = put(b, residual);
+            b.attend_and_project(qh, kv, wo, [out, stream, scratch], queries.len(), shape)?;
+            Ok(get(b, stream, residual.len()))
+        })
+        .unwrap();
+    sum.iter().zip(residual).map(|(s, r)| s - r).collect()
 }
 
 /// `rope_kv_write` (RoPE on Q and K, then the cache write) over scrambled pages, seen through the

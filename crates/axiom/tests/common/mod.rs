@@ -3,7 +3,7 @@
 
 pub mod gpu;
 
-use axiom::backend::Backend;
+use axiom::backend::{AttentionKv, AttentionShape, Backend, BlockHandle, PagedKv};
 use axiom::engine::Session;
 use axiom::format::quant::GgmlType;
 use axiom::model::llama::LoadOptions;
@@ -282,35 +282,51 @@ impl PagedCase {
     /// through `kv_write` (one call for every token of every sequence), then runs `attention`
     /// for queries `q` at `(sequence, position)`. Cache memory starts as NaN, so reading a row
     /// nobody wrote poisons the output.
-    #[allow(clippy::too_many_arguments)]
-    pub fn attention<B: axiom::backend::Backend>(
+    pub fn attention<B: Backend>(
         &self,
         b: &mut B,
         k: &[Vec<f32>],
         v: &[Vec<f32>],
         queries: &[(u32, u32)],
         q: &[f32],
-        shape: axiom::backend::AttentionShape,
+        shape: AttentionShape,
     ) -> axiom::Result<Vec<f32>> {
-        use axiom::backend::PagedKv;
+        self.with_cache(b, k, v, queries, q, shape, |b, qh, kv| {
+            let out = put_f32(b, &vec![f32::NAN; q.len()])?;
+            b.attention(
+                qh,
+                kv.k_cache,
+                kv.v_cache,
+                kv.positions,
+                kv.pages,
+                out,
+                queries.len(),
+                shape,
+            )?;
+            let mut got = vec![0f32; q.len()];
+            b.read_f32(out, &mut got)?;
+            Ok(got)
+        })
+    }
+
+    /// The caches and queries of `attention`, handed to `step` as the queries' block and what
+    /// attention reads besides.
+    #[allow(clippy::too_many_arguments)]
+    pub fn with_cache<B: Backend, R>(
+        &self,
+        b: &mut B,
+        k: &[Vec<f32>],
+        v: &[Vec<f32>],
+        queries: &[(u32, u32)],
+        q: &[f32],
+        shape: AttentionShape,
+        step: impl FnOnce(&mut B, BlockHandle, AttentionKv) -> axiom::Result<R>,
+    ) -> axiom::Result<R> {
         let kv_w = shape.kv_width();
-        let put_u32 = |b: &mut B, data: &[u32]| -> axiom::Result<axiom::backend::BlockHandle> {
-            let h = b.alloc(data.len().max(1) * 4)?;
-            b.write_u32(h, data)?;
-            Ok(h)
-        };
-        let put = |b: &mut B, data: &[f32]| -> axiom::Result<axiom::backend::BlockHandle> {
-            let h = b.alloc(data.len() * 4)?;
-            b.write_f32(h, data)?;
-            Ok(h)
-        };
         let cache_bytes = self.n_pages * self.page_size * kv_w * b.kv_type().bytes();
         let nan = vec![u32::MAX; cache_bytes / 4];
         let (kc, vc) = (put_u32(b, &nan)?, put_u32(b, &nan)?);
         let tables = put_u32(b, &self.flat_tables())?;
-        let page_size = self.page_size;
-        let table_width = self.table_width();
-
         let (mut seqs, mut positions, mut ks, mut vs) = (vec![], vec![], vec![], vec![]);
         for (s, (ks_, vs_)) in k.iter().zip(v).enumerate() {
             let len = ks_.len() / kv_w;
@@ -321,36 +337,44 @@ impl PagedCase {
         }
         let written = PagedKv {
             block_tables: tables,
-            table_width,
+            table_width: self.table_width(),
             token_seqs: put_u32(b, &seqs)?,
-            page_size,
+            page_size: self.page_size,
         };
-        let (kh, vh, ph) = (put(b, &ks)?, put(b, &vs)?, put_u32(b, &positions)?);
+        let (kh, vh, ph) = (put_f32(b, &ks)?, put_f32(b, &vs)?, put_u32(b, &positions)?);
         b.kv_write(kh, vh, kc, vc, ph, written, positions.len(), kv_w)?;
 
         let (qseqs, qpos): (Vec<u32>, Vec<u32>) = queries.iter().copied().unzip();
-        let read = PagedKv {
+        let pages = PagedKv {
             token_seqs: put_u32(b, &qseqs)?,
             ..written
         };
-        let (qh, ph) = (put(b, q)?, put_u32(b, &qpos)?);
-        let out = put(b, &vec![f32::NAN; q.len()])?;
-        b.attention(qh, kc, vc, ph, read, out, queries.len(), shape)?;
-        let mut got = vec![0f32; q.len()];
-        b.read_f32(out, &mut got)?;
-        Ok(got)
+        let (qh, positions) = (put_f32(b, q)?, put_u32(b, &qpos)?);
+        let kv = AttentionKv {
+            k_cache: kc,
+            v_cache: vc,
+            positions,
+            pages,
+        };
+        step(b, qh, kv)
     }
+}
+
+fn put_u32<B: Backend>(b: &mut B, data: &[u32]) -> axiom::Result<BlockHandle> {
+    let h = b.alloc(data.len().max(1) * 4)?;
+    b.write_u32(h, data)?;
+    Ok(h)
+}
+
+fn put_f32<B: Backend>(b: &mut B, data: &[f32]) -> axiom::Result<BlockHandle> {
+    let h = b.alloc(data.len() * 4)?;
+    b.write_f32(h, data)?;
+    Ok(h)
 }
 
 /// Attention written the textbook way over one sequence's contiguous K and V: a full score
 /// matrix with an explicit -inf mask.
-pub fn attention_by_matrix(
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    positions: &[u32],
-    s: axiom::backend::AttentionShape,
-) -> Vec<f32> {
+pub fn attention_by_matrix(q: &[f32], k: &[f32], v: &[f32], positions: &[u32], s: AttentionShape) -> Vec<f32> {
     let seq = k.len() / s.kv_width();
     let mut out = vec![0f32; positions.len() * s.q_width()];
     for (t, &pos) in positions.iter().enumerate() {
@@ -387,7 +411,7 @@ pub fn paged_attention_by_matrix(
     v: &[Vec<f32>],
     queries: &[(u32, u32)],
     q: &[f32],
-    shape: axiom::backend::AttentionShape,
+    shape: AttentionShape,
 ) -> Vec<f32> {
     let w = shape.q_width();
     queries

@@ -126,6 +126,7 @@ pub fn kernel_names() -> Vec<String> {
         "flash_attention_64",
         "flash_attention_128",
         "swiglu",
+        "swiglu_16",
         "add",
         "add_bias",
         "convert_f32",

@@ -9,7 +9,10 @@
 pub mod device;
 pub mod kernels;
 
-use super::{Arena, AttentionShape, Backend, BlockHandle, HostTensor, Input, KvType, PagedKv, Rope, RopeLayout};
+use super::{
+    attend_and_project_in_steps, feed_forward_in_steps, gate_up_swiglu_in_steps, Arena, AttentionKv, AttentionShape,
+    Backend, BlockHandle, FeedForward, FeedForwardScratch, HostTensor, Input, KvType, PagedKv, Rope, RopeLayout,
+};
 use crate::format::quant::GgmlType;
 use crate::{Error, Result};
 use cudarc::cublas::{result as cublas, sys as cublas_sys};
@@ -17,7 +20,7 @@ use cudarc::driver::{sys, CudaGraph, CudaSlice, CudaStream};
 pub use device::PinnedF32;
 use device::{driver_error, CudaDevice};
 use kernels::Kernels;
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::ffi::c_void;
 use std::sync::Arc;
 
@@ -56,6 +59,11 @@ const FLASH_MIN_TOKENS: usize = 32;
 const ATTENTION_THREADS: u32 = 256;
 /// Query tokens per flash-attention block.
 const FLASH_QUERY_TILE: usize = 64;
+/// Heads per block, and most rotated pairs of a head, of rope_kv_write.cu.
+const ROPE_HEADS: usize = 4;
+const ROPE_MAX_PAIRS: usize = 128;
+/// The largest second grid dimension CUDA launches.
+const MAX_GRID_Y: u32 = 65535;
 
 /// Splits a step's tokens into runs of one sequence at consecutive positions, at most
 /// `FLASH_QUERY_TILE` long: `(first token, count)` pairs, flattened, for flash_attention.cu.
@@ -139,6 +147,9 @@ pub struct CudaBackend {
     staging: Option<(BlockHandle, BlockHandle)>,
     /// The query tiles of a flash-attention step (two u32 per tile, at most one tile a token).
     flash_tiles: Option<BlockHandle>,
+    /// What `flash_tiles` holds the tiles of, for the layers after the first of a step. Every
+    /// `write_u32`, which is how a step's positions and sequences arrive, forgets it.
+    flash_plan: Cell<Option<FlashPlan>>,
     /// Activations quantized for the integer matrix-vector kernels: int8 values, f32 block scales.
     int8_activations: Option<(BlockHandle, BlockHandle)>,
     largest_weight: usize,
@@ -172,6 +183,7 @@ impl CudaBackend {
             arena: Arena::new(0),
             staging: None,
             flash_tiles: None,
+            flash_plan: Cell::new(None),
             int8_activations: None,
             largest_weight: 0,
             graphs: RefCell::new(Vec::new()),
@@ -248,7 +260,7 @@ impl CudaBackend {
         })
     }
 
-    /// `out = x w^T` (with `accumulate`, `out += x w^T`) through cuBLAS. Its 16-bit input is
+    /// `out = x w^T` through cuBLAS, stored or added as `output` says. Its 16-bit input is
     /// staged: `staged` says which type the staging already holds `x` in, so the weights that
     /// share an input convert it once.
     fn gemm(
@@ -257,7 +269,7 @@ impl CudaBackend {
         w: &CudaWeight,
         out: BlockHandle,
         n_tokens: usize,
-        accumulate: bool,
+        output: GemmOutput,
         staged: &mut Option<GgmlType>,
     ) -> Result<()> {
         let (n_in, n_out) = (w.n_in, w.n_out);
@@ -299,7 +311,12 @@ impl CudaBackend {
             GgmlType::F16 => cublas_sys::cudaDataType_t::CUDA_R_16F,
             _ => cublas_sys::cudaDataType_t::CUDA_R_16BF,
         };
-        let (alpha, beta) = (1.0f32, if accumulate { 1.0f32 } else { 0.0 });
+        let out_type = match output {
+            GemmOutput::Store16 if input != GgmlType::F32 => data_type,
+            GemmOutput::Store16 => return Err(Error::Backend("a 16-bit product of f32 weights".into())),
+            _ => cublas_sys::cudaDataType_t::CUDA_R_32F,
+        };
+        let (alpha, beta) = (1.0f32, if output == GemmOutput::Add { 1.0f32 } else { 0.0 });
         // Row-major out[t][o] = sum_i x[t][i] w[o][i] is, column-major, C(n_out x n_tokens) =
         // W^T(n_out x n_in) X(n_in x n_tokens), with W stored as a column-major n_in x n_out.
         // SAFETY: pointers are arena blocks holding these shapes; the handle is bound to our stream.
@@ -320,7 +337,7 @@ impl CudaBackend {
                 n_in as i32,
                 &beta as *const f32 as *const _,
                 self.ptr(out) as *mut _,
-                cublas_sys::cudaDataType_t::CUDA_R_32F,
+                out_type,
                 n_out as i32,
                 cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
                 cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
@@ -412,6 +429,120 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// `Backend::attention`; with `quantized`, the one-pass kernel also writes its output as
+    /// `quantize_q8` would (the head size then a multiple of 32).
+    fn attend(
+        &self,
+        q: BlockHandle,
+        AttentionKv {
+            k_cache,
+            v_cache,
+            positions,
+            pages,
+        }: AttentionKv,
+        out: BlockHandle,
+        quantized: Option<(BlockHandle, BlockHandle)>,
+        n_tokens: usize,
+        shape: AttentionShape,
+    ) -> Result<()> {
+        if shape.head_dim > 256 || !shape.head_dim.is_multiple_of(8) {
+            return Err(Error::Backend(format!(
+                "head dimension {}: the CUDA attention kernels take multiples of 8 up to 256",
+                shape.head_dim
+            )));
+        }
+        let (nh, nkv, hd) = (shape.n_heads as i32, shape.n_kv_heads as i32, shape.head_dim as i32);
+        let (table_width, page_size) = (pages.table_width as i32, page_size_arg(&pages)?);
+        if let (true, Some(tiles_block)) = (self.takes_flash(shape, n_tokens), self.flash_tiles) {
+            let n_tiles = match self.flash_plan.get() {
+                Some(plan)
+                    if (plan.positions, plan.token_seqs, plan.n_tokens) == (positions, pages.token_seqs, n_tokens) =>
+                {
+                    plan.n_tiles
+                }
+                _ => {
+                    // The step's layout comes back to the host to be cut into tiles, once a step:
+                    // a prefill step is not recorded into a graph, and the copies wait for all
+                    // the work before them.
+                    let (mut host_positions, mut host_seqs) = (vec![0u32; n_tokens], vec![0u32; n_tokens]);
+                    self.read_u32(positions, &mut host_positions)?;
+                    self.read_u32(pages.token_seqs, &mut host_seqs)?;
+                    let tiles = query_tiles(&host_positions, &host_seqs);
+                    let n_tiles = u32::try_from(tiles.len() / 2)
+                        .ok()
+                        .filter(|&n| n <= MAX_GRID_Y)
+                        .ok_or_else(|| Error::Backend(format!("{n_tokens} tokens make too many attention tiles")))?;
+                    self.write_u32(tiles_block, &tiles)?;
+                    self.flash_plan.set(Some(FlashPlan {
+                        positions,
+                        token_seqs: pages.token_seqs,
+                        n_tokens,
+                        n_tiles,
+                    }));
+                    n_tiles
+                }
+            };
+            // Heads first, then tiles: the kernel takes the tiles from the last (see
+            // flash_attention.cu).
+            return self.launch(
+                &format!("flash_attention_{}", shape.head_dim),
+                (shape.n_heads as u32, n_tiles, 1),
+                128,
+                &[
+                    &self.ptr(q),
+                    &self.ptr(k_cache),
+                    &self.ptr(v_cache),
+                    &self.ptr(positions),
+                    &self.ptr(pages.block_tables),
+                    &table_width,
+                    &self.ptr(pages.token_seqs),
+                    &page_size,
+                    &self.ptr(tiles_block),
+                    &self.ptr(out),
+                    &nh,
+                    &nkv,
+                ],
+            );
+        }
+        let n = n_tokens * shape.q_width();
+        let (xq, xd) = match quantized {
+            Some((xq, _)) if n > xq.len => {
+                return Err(Error::Backend(format!(
+                    "{n} outputs exceed the int8 staging of {}",
+                    xq.len
+                )))
+            }
+            Some((xq, xd)) => (self.ptr(xq), self.ptr(xd)),
+            None => (0, 0),
+        };
+        self.launch(
+            &format!("attention_{}", self.kv_suffix()),
+            (n_tokens as u32, shape.n_heads as u32, 1),
+            ATTENTION_THREADS,
+            &[
+                &self.ptr(q),
+                &self.ptr(k_cache),
+                &self.ptr(v_cache),
+                &self.ptr(positions),
+                &self.ptr(pages.block_tables),
+                &table_width,
+                &self.ptr(pages.token_seqs),
+                &page_size,
+                &self.ptr(out),
+                &xq,
+                &xd,
+                &nh,
+                &nkv,
+                &hd,
+            ],
+        )
+    }
+
+    /// Whether attention over `n_tokens` runs on tensor cores (flash_attention.cu).
+    fn takes_flash(&self, shape: AttentionShape, n_tokens: usize) -> bool {
+        self.kv_type == KvType::F16 && matches!(shape.head_dim, 64 | 128) && n_tokens >= FLASH_MIN_TOKENS
+    }
+
     /// Whether the matrix-vector kernels for `w` normalize an `Input::RmsNormed` themselves: the
     /// integer ones as they quantize it; the f32 ones for one token of a small matrix (see
     /// `NORMED_GEMV_MAX_VALUES`). (Their float4 reads need rows of a multiple of 4 values;
@@ -433,8 +564,35 @@ impl CudaBackend {
             .ok_or_else(|| Error::Backend("no cuBLAS staging reserved".into()))
     }
 
+    /// The rows `gemm` takes for `x`. An `Input::RmsNormed` is normalized straight into the 16-bit
+    /// staging as `ty`, and `staged` then says so: the handle returned is its scratch, standing in
+    /// for f32 rows that `gemm` finds staged and does not read.
+    fn stage_16bit(
+        &self,
+        x: Input,
+        n_tokens: usize,
+        dim: usize,
+        ty: GgmlType,
+        staged: &mut Option<GgmlType>,
+    ) -> Result<BlockHandle> {
+        match x {
+            Input::Rows(rows) => Ok(rows),
+            Input::RmsNormed {
+                x,
+                weight,
+                eps,
+                scratch,
+            } => {
+                self.rms_norm_16bit(x, weight, eps, n_tokens, dim, ty)?;
+                *staged = Some(ty);
+                Ok(scratch)
+            }
+        }
+    }
+
     /// RMS-normalizes `n_tokens` rows of `dim` into the cuBLAS activation staging, as `ty` (f16 or
-    /// bf16).
+    /// bf16). `dim` is a weight's row length, so a multiple of 32, as the kernel's float4 reads
+    /// need.
     fn rms_norm_16bit(
         &self,
         x: BlockHandle,
@@ -454,7 +612,7 @@ impl CudaBackend {
         self.launch(
             "rms_norm_16",
             (n_tokens as u32, 1, 1),
-            norm_block(dim),
+            (dim / 4).next_multiple_of(32).clamp(32, 256) as u32,
             &[
                 &self.ptr(x),
                 &self.ptr(weight),
@@ -535,6 +693,18 @@ fn norm_block(dim: usize) -> u32 {
     dim.next_multiple_of(32).clamp(32, 1024) as u32
 }
 
+/// The page size as the kernels take it: a power of two, so that page_row (common.cuh) finds a
+/// position's page by a shift rather than a division.
+fn page_size_arg(pages: &PagedKv) -> Result<i32> {
+    match i32::try_from(pages.page_size) {
+        Ok(size) if size > 0 && (size as u32).is_power_of_two() => Ok(size),
+        _ => Err(Error::Backend(format!(
+            "KV pages of {} positions: the CUDA kernels take powers of two",
+            pages.page_size
+        ))),
+    }
+}
+
 fn blocks_for(n: usize, per_block: usize) -> u32 {
     n.div_ceil(per_block).clamp(1, 65535 * 16) as u32
 }
@@ -590,6 +760,25 @@ enum Epilogue {
     Store,
     Add,
     SwiGlu,
+}
+
+/// The flash-attention tiles of a step: the step's position and sequence blocks, its tokens, and
+/// how many tiles they make.
+#[derive(Clone, Copy)]
+struct FlashPlan {
+    positions: BlockHandle,
+    token_seqs: BlockHandle,
+    n_tokens: usize,
+    n_tiles: u32,
+}
+
+/// What a cuBLAS GEMM does with its product: stores it in f32, adds it to f32 rows (the residual
+/// stream), or stores it in its inputs' 16-bit type.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum GemmOutput {
+    Store,
+    Add,
+    Store16,
 }
 
 /// Weights one matrix-vector launch takes at most (MAX_MATRICES in kernels/matmul.cu).
@@ -687,6 +876,7 @@ impl Backend for CudaBackend {
 
     fn write_u32(&self, dst: BlockHandle, src: &[u32]) -> Result<()> {
         assert!(std::mem::size_of_val(src) <= dst.len);
+        self.flash_plan.set(None);
         // SAFETY: as write_f32.
         unsafe { cudarc::driver::result::memcpy_htod_async(self.ptr(dst), src, self.stream.cu_stream()) }
             .map_err(driver_error("copy to device"))
@@ -793,16 +983,8 @@ impl Backend for CudaBackend {
         let input = gemm_input(ws[0].ty);
         let only_16bit_gemms = input != GgmlType::F32 && ws.iter().all(|w| gemm(w) && gemm_input(w.ty) == input);
         let rows = match x {
-            Input::RmsNormed {
-                x,
-                weight,
-                eps,
-                scratch,
-            } if only_16bit_gemms => {
-                self.rms_norm_16bit(x, weight, eps, n_tokens, ws[0].n_in, input)?;
-                staged = Some(input);
-                // Where the f32 rows would be: `gemm` finds them staged and does not read them.
-                Some(scratch)
+            Input::RmsNormed { .. } if only_16bit_gemms => {
+                Some(self.stage_16bit(x, n_tokens, ws[0].n_in, input, &mut staged)?)
             }
             _ if ws.iter().any(|w| gemm(w) || !self.gemv_normalizes(w, n_tokens)) => {
                 Some(self.input_rows(x, n_tokens, ws[0].n_in)?)
@@ -814,7 +996,7 @@ impl Backend for CudaBackend {
         while i < ws.len() {
             let w = ws[i];
             if let Some(rows) = rows.filter(|_| gemm(w)) {
-                self.gemm(rows, w, outs[i], n_tokens, false, &mut staged)?;
+                self.gemm(rows, w, outs[i], n_tokens, GemmOutput::Store, &mut staged)?;
                 i += 1;
                 continue;
             }
@@ -839,7 +1021,7 @@ impl Backend for CudaBackend {
         n_tokens: usize,
     ) -> Result<()> {
         if n_tokens > gemv_max_tokens(w.ty) {
-            return self.gemm(x, w, out, n_tokens, true, &mut None);
+            return self.gemm(x, w, out, n_tokens, GemmOutput::Add, &mut None);
         }
         self.gemv(x.into(), &[w], &[out], n_tokens, Epilogue::Add, &mut None)
     }
@@ -856,10 +1038,64 @@ impl Backend for CudaBackend {
     ) -> Result<()> {
         let same_shape = (w_gate.ty, w_gate.n_in, w_gate.n_out) == (w_up.ty, w_up.n_in, w_up.n_out);
         if !same_shape || n_tokens > gemv_max_tokens(w_gate.ty) {
-            self.matmul_many(x, &[w_gate, w_up], &scratch, n_tokens)?;
-            return self.swiglu(scratch[0], scratch[1], out, n_tokens * ffn_dim);
+            return gate_up_swiglu_in_steps(self, x, [w_gate, w_up], scratch, out, n_tokens, ffn_dim);
         }
         self.gemv(x, &[w_gate, w_up], &[out], n_tokens, Epilogue::SwiGlu, &mut None)
+    }
+
+    /// Where all three matrices go to cuBLAS in one 16-bit type, the gate and up products are
+    /// written in that type, and SwiGLU reads them and writes the down projection's staged input:
+    /// a prefill step's widest rows never pass through f32 (8B bf16, 2048 tokens: 470 MB a layer
+    /// less to move). Otherwise in steps.
+    fn feed_forward(
+        &self,
+        x: Input,
+        ffn: FeedForward<'_, CudaWeight>,
+        scratch: FeedForwardScratch,
+        residual: BlockHandle,
+        n_tokens: usize,
+    ) -> Result<()> {
+        let input = gemm_input(ffn.gate.ty);
+        let by_cublas = |w: &CudaWeight| n_tokens > gemv_max_tokens(w.ty) && gemm_input(w.ty) == input;
+        let same_shape = (ffn.gate.n_in, ffn.gate.n_out) == (ffn.up.n_in, ffn.up.n_out);
+        if input == GgmlType::F32 || !same_shape || ![ffn.gate, ffn.up, ffn.down].into_iter().all(by_cublas) {
+            return feed_forward_in_steps(self, x, ffn, scratch, residual, n_tokens);
+        }
+        let mut staged = None;
+        let rows = self.stage_16bit(x, n_tokens, ffn.gate.n_in, input, &mut staged)?;
+        self.gemm(rows, ffn.gate, scratch.gate, n_tokens, GemmOutput::Store16, &mut staged)?;
+        self.gemm(rows, ffn.up, scratch.up, n_tokens, GemmOutput::Store16, &mut staged)?;
+        let (_, x_stage) = self.cublas_staging()?;
+        let n = n_tokens * ffn.gate.n_out;
+        if n * 2 > x_stage.len {
+            return Err(Error::Backend(format!(
+                "{n} hidden values exceed the cuBLAS staging of {} bytes",
+                x_stage.len
+            )));
+        }
+        let (n64, kind) = (n as u64, input.id() as i32);
+        self.launch(
+            "swiglu_16",
+            (blocks_for(n.div_ceil(8), 256).min(4096), 1, 1),
+            256,
+            &[
+                &self.ptr(scratch.gate),
+                &self.ptr(scratch.up),
+                &self.ptr(x_stage),
+                &n64,
+                &kind,
+            ],
+        )?;
+        // The down projection reads the staged rows; `scratch.hidden` stands in for their f32 form.
+        let mut staged = Some(input);
+        self.gemm(
+            scratch.hidden,
+            ffn.down,
+            residual,
+            n_tokens,
+            GemmOutput::Add,
+            &mut staged,
+        )
     }
 
     fn rope(
@@ -912,7 +1148,7 @@ impl Backend for CudaBackend {
         kv_width: usize,
     ) -> Result<()> {
         let width = kv_width as i32;
-        let (table_width, page_size) = (pages.table_width as i32, pages.page_size as i32);
+        let (table_width, page_size) = (pages.table_width as i32, page_size_arg(&pages)?);
         self.launch(
             &format!("kv_write_{}", self.kv_suffix()),
             (n_tokens as u32, 1, 1),
@@ -947,12 +1183,20 @@ impl Backend for CudaBackend {
         rope: Rope,
     ) -> Result<()> {
         let (nh, nkv, hd) = (shape.n_heads as i32, shape.n_kv_heads as i32, shape.head_dim as i32);
-        let (table_width, page_size) = (pages.table_width as i32, pages.page_size as i32);
+        let (table_width, page_size) = (pages.table_width as i32, page_size_arg(&pages)?);
         let (dims, halves) = (rope.dims as i32, i32::from(rope.layout == RopeLayout::Halves));
+        if rope.dims > 2 * ROPE_MAX_PAIRS {
+            return Err(Error::Backend(format!(
+                "RoPE over {} dimensions: the CUDA kernel takes up to {}",
+                rope.dims,
+                2 * ROPE_MAX_PAIRS
+            )));
+        }
+        let groups = (shape.n_heads + shape.n_kv_heads).div_ceil(ROPE_HEADS);
         self.launch(
             &format!("rope_kv_write_{}", self.kv_suffix()),
-            (n_tokens as u32, (shape.n_heads + shape.n_kv_heads) as u32, 1),
-            64,
+            (n_tokens as u32, groups as u32, 1),
+            256,
             &[
                 &self.ptr(q),
                 &self.ptr(k),
@@ -985,62 +1229,44 @@ impl Backend for CudaBackend {
         n_tokens: usize,
         shape: AttentionShape,
     ) -> Result<()> {
-        if shape.head_dim > 256 || !shape.head_dim.is_multiple_of(8) {
-            return Err(Error::Backend(format!(
-                "head dimension {}: the CUDA attention kernels take multiples of 8 up to 256",
-                shape.head_dim
-            )));
+        let kv = AttentionKv {
+            k_cache,
+            v_cache,
+            positions,
+            pages,
+        };
+        self.attend(q, kv, out, None, n_tokens, shape)
+    }
+
+    /// Where the output projection runs on integers (decode of a quantized `wo`), the one-pass
+    /// attention kernel quantizes its output for it as it writes it: no launch of its own.
+    fn attend_and_project(
+        &self,
+        q: BlockHandle,
+        kv: AttentionKv,
+        wo: &CudaWeight,
+        [out, residual, scratch]: [BlockHandle; 3],
+        n_tokens: usize,
+        shape: AttentionShape,
+    ) -> Result<()> {
+        let folds = n_tokens <= gemv_max_tokens(wo.ty)
+            && self.takes_int8(wo)
+            && !self.takes_flash(shape, n_tokens)
+            && shape.head_dim.is_multiple_of(32);
+        match self.int8_activations.filter(|_| folds) {
+            Some(staging) => {
+                self.attend(q, kv, out, Some(staging), n_tokens, shape)?;
+                self.gemv(
+                    out.into(),
+                    &[wo],
+                    &[residual],
+                    n_tokens,
+                    Epilogue::Add,
+                    &mut Some(staging),
+                )
+            }
+            None => attend_and_project_in_steps(self, q, kv, wo, [out, residual, scratch], n_tokens, shape),
         }
-        let (nh, nkv, hd) = (shape.n_heads as i32, shape.n_kv_heads as i32, shape.head_dim as i32);
-        let (table_width, page_size) = (pages.table_width as i32, pages.page_size as i32);
-        let flash = self.kv_type == KvType::F16 && matches!(shape.head_dim, 64 | 128) && n_tokens >= FLASH_MIN_TOKENS;
-        if let (true, Some(tiles_block)) = (flash, self.flash_tiles) {
-            // The step's layout comes back to the host to be cut into tiles: a prefill step is
-            // not recorded into a graph, and two small copies are nothing next to its work.
-            let (mut host_positions, mut host_seqs) = (vec![0u32; n_tokens], vec![0u32; n_tokens]);
-            self.read_u32(positions, &mut host_positions)?;
-            self.read_u32(pages.token_seqs, &mut host_seqs)?;
-            let tiles = query_tiles(&host_positions, &host_seqs);
-            self.write_u32(tiles_block, &tiles)?;
-            return self.launch(
-                &format!("flash_attention_{}", shape.head_dim),
-                ((tiles.len() / 2) as u32, shape.n_heads as u32, 1),
-                128,
-                &[
-                    &self.ptr(q),
-                    &self.ptr(k_cache),
-                    &self.ptr(v_cache),
-                    &self.ptr(positions),
-                    &self.ptr(pages.block_tables),
-                    &table_width,
-                    &self.ptr(pages.token_seqs),
-                    &page_size,
-                    &self.ptr(tiles_block),
-                    &self.ptr(out),
-                    &nh,
-                    &nkv,
-                ],
-            );
-        }
-        self.launch(
-            &format!("attention_{}", self.kv_suffix()),
-            (n_tokens as u32, shape.n_heads as u32, 1),
-            ATTENTION_THREADS,
-            &[
-                &self.ptr(q),
-                &self.ptr(k_cache),
-                &self.ptr(v_cache),
-                &self.ptr(positions),
-                &self.ptr(pages.block_tables),
-                &table_width,
-                &self.ptr(pages.token_seqs),
-                &page_size,
-                &self.ptr(out),
-                &nh,
-                &nkv,
-                &hd,
-            ],
-        )
     }
 
     fn swiglu(&self, gate: BlockHandle, up: BlockHandle, out: BlockHandle, n: usize) -> Result<()> {

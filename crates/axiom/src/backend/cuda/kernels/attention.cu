@@ -69,8 +69,8 @@ struct Softmax {
 template <typename T>
 __device__ void attention(const float* __restrict__ q, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
                           const u32* __restrict__ positions, const u32* __restrict__ tables, int table_width,
-                          const u32* __restrict__ token_seqs, int page_size, float* __restrict__ out, int n_heads,
-                          int n_kv_heads, int head_dim) {
+                          const u32* __restrict__ token_seqs, int page_size, float* __restrict__ out, i8* xq,
+                          float* xd, int n_heads, int n_kv_heads, int head_dim) {
     __shared__ float warp_m[ATTN_WARPS], warp_l[ATTN_WARPS];
     __shared__ float warp_acc[ATTN_WARPS][256];
     begin_after_inputs();
@@ -148,17 +148,21 @@ __device__ void attention(const float* __restrict__ q, const T* __restrict__ k_c
             l += warp_l[w] * weight;
             o += warp_acc[w][d] * weight;
         }
-        out[((u64)t * n_heads + h) * head_dim + d] = o / l;
+        u64 i = ((u64)t * n_heads + h) * head_dim + d;
+        out[i] = o / l;
+        // Quantized for an integer output projection, with no launch of its own: a warp holds
+        // one block of 32 (head_dim is then a multiple of 32).
+        if (xq) store_q8(o / l, xq, xd, i);
     }
 }
 
 extern "C" __global__ void attention_f16(const float* q, const u16* k, const u16* v, const u32* pos, const u32* tables,
-                                         int table_width, const u32* token_seqs, int page_size, float* out,
-                                         int n_heads, int n_kv_heads, int head_dim) {
-    attention(q, k, v, pos, tables, table_width, token_seqs, page_size, out, n_heads, n_kv_heads, head_dim);
+                                         int table_width, const u32* token_seqs, int page_size, float* out, i8* xq,
+                                         float* xd, int n_heads, int n_kv_heads, int head_dim) {
+    attention(q, k, v, pos, tables, table_width, token_seqs, page_size, out, xq, xd, n_heads, n_kv_heads, head_dim);
 }
 extern "C" __global__ void attention_f32(const float* q, const float* k, const float* v, const u32* pos,
                                          const u32* tables, int table_width, const u32* token_seqs, int page_size,
-                                         float* out, int n_heads, int n_kv_heads, int head_dim) {
-    attention(q, k, v, pos, tables, table_width, token_seqs, page_size, out, n_heads, n_kv_heads, head_dim);
+                                         float* out, i8* xq, float* xd, int n_heads, int n_kv_heads, int head_dim) {
+    attention(q, k, v, pos, tables, table_width, token_seqs, page_size, out, xq, xd, n_heads, n_kv_heads, head_dim);
 }

@@ -70,11 +70,15 @@ __device__ __forceinline__ void store_q8(float v, i8* xq, float* xd, u64 i) {
 
 // f32 to f16 (kind TY_F16) or bf16 (TY_BF16), the 16-bit inputs of cuBLAS.
 __device__ __forceinline__ u16 to_16bit(float v, int kind) { return kind == TY_BF16 ? f32_to_bf16(v) : f32_to_f16(v); }
+__device__ __forceinline__ float from_16bit(u16 v, int kind) { return kind == TY_BF16 ? bf16_to_f32(v) : f16_to_f32(v); }
 
 // The paged KV cache: a sequence's position p lives in row table[p / page_size] * page_size +
-// p % page_size of each layer's cache, where table is its row of the block tables.
+// p % page_size of each layer's cache, where table is its row of the block tables. The page size
+// is a power of two (the host checks), so these are a shift and a mask: a division by a run-time
+// value is a long run of instructions, and attention finds a row per key.
 __device__ __forceinline__ u64 page_row(const u32* table, int page_size, u32 p) {
-    return (u64)table[p / page_size] * page_size + p % page_size;
+    int shift = __ffs(page_size) - 1;
+    return ((u64)table[p >> shift] << shift) | (p & (page_size - 1));
 }
 
 // Programmatic dependent launch (Hopper and later; a no-op before). The host launches every kernel

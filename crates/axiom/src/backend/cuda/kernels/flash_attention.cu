@@ -1,18 +1,20 @@
 // Causal attention for prefill on tensor cores, flash-attention style: no score matrix in memory.
 // A block takes one head and a tile of up to 64 consecutive query tokens of one sequence (the
 // host lists the tiles: `tiles` holds (first token, count) pairs); each of its 4 warps owns 16
-// query rows. Keys and values stream through shared memory 64 positions at a time, copied by
-// cp.async (all of a tile's copies in flight at once, no registers); S = Q K^T and O += P V are
-// m16n8k16 f16 MMAs with f32 accumulation, their B fragments read by ldmatrix (transposing, for
-// V); the softmax is online, in base 2, with the scale folded into Q. f16 KV cache; head_dim 64
-// or 128.
+// query rows. Keys and values stream through shared memory 32 positions at a time, in two
+// buffers: cp.async copies the next tile while the warps work on this one. S = Q K^T and
+// O += P V are m16n8k16 f16 MMAs with f32 accumulation, their B fragments read by ldmatrix
+// (transposing, for V); the softmax is online, in base 2, with the scale folded into Q. Only the
+// key tiles that reach past a block's first query are masked. Blocks are numbered heads first,
+// last tile first, so that the longest ones start first and the short ones fill the tail. f16 KV
+// cache; head_dim 64 or 128.
 //
 // Fragment layouts of mma.m16n8k16 (lane = 4 * g + c): A holds rows g and g + 8, columns
 // 2c, 2c + 1 and 2c + 8, 2c + 9; B holds column g, rows 2c, 2c + 1 and 2c + 8, 2c + 9; the f32
 // C holds rows g and g + 8, columns 2c and 2c + 1. S's C layout is exactly P's A layout, so the
 // probabilities go from one MMA to the next without leaving registers.
 #define FA_WARPS 4
-#define FA_KEYS 64
+#define FA_KEYS 32
 
 __device__ __forceinline__ void mma_f16(float* d, const u32* a, u32 b0, u32 b1) {
     asm volatile(
@@ -51,6 +53,14 @@ __device__ __forceinline__ void load_tiles(u32* r, const u16* row) {
                      : "r"(shared_address(row)));
 }
 
+// 2^x by the hardware's approximation alone (exp2f adds a rescaling for results below f32's
+// normal range, which a probability there does not need): a few instructions less per score.
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
 // The sum (or max) over the 4 lanes that share a row.
 __device__ __forceinline__ float row_sum(float v) {
     v += __shfl_xor_sync(0xffffffffu, v, 1);
@@ -66,13 +76,13 @@ __device__ void flash_attention(const float* q, const u16* k_cache, const u16* v
                                 const u32* tables, int table_width, const u32* token_seqs, int page_size,
                                 const u32* tiles, float* out, int n_heads, int n_kv_heads) {
     // Rows padded by 16 bytes, so that ldmatrix's eight rows fall in distinct banks.
-    __shared__ __align__(16) u16 ks[FA_KEYS][D + 8];
-    __shared__ __align__(16) u16 vs[FA_KEYS][D + 8];
+    __shared__ __align__(16) u16 ks[2][FA_KEYS][D + 8];
+    __shared__ __align__(16) u16 vs[2][FA_KEYS][D + 8];
     begin_after_inputs();
     const float NEG_INF = __int_as_float(0xff800000u);
-    int h = blockIdx.y;
+    int h = blockIdx.x, tile = gridDim.y - 1 - blockIdx.y;
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
-    u32 first = tiles[2 * blockIdx.x], count = tiles[2 * blockIdx.x + 1];
+    u32 first = tiles[2 * tile], count = tiles[2 * tile + 1];
     u32 pos0 = positions[first];
     u32 n_keys = pos0 + count;  // the tile's last query sees positions 0..n_keys-1
     const u32* table = tables + (u64)token_seqs[first] * table_width;
@@ -80,10 +90,10 @@ __device__ void flash_attention(const float* q, const u16* k_cache, const u16* v
 
     // This lane's rows of the tile, and their positions (-1: past the tile, sees nothing).
     int rows[2] = {16 * warp + g, 16 * warp + g + 8};
-    long long row_pos[2];
+    int row_pos[2];  // (positions are far below 2^31)
     u32 qa[D / 16][4];
     const float scale = rsqrtf((float)D) * 1.4426950408889634f;  // 1/sqrt(D) * log2(e)
-    for (int r = 0; r < 2; r++) row_pos[r] = rows[r] < (int)count ? (long long)(pos0 + rows[r]) : -1;
+    for (int r = 0; r < 2; r++) row_pos[r] = rows[r] < (int)count ? (int)(pos0 + rows[r]) : -1;
     for (int s = 0; s < D / 16; s++) {
         for (int r = 0; r < 2; r++) {
             const float* qr = q + ((u64)(first + rows[r]) * n_heads + h) * D + 16 * s + 2 * c;
@@ -97,34 +107,45 @@ __device__ void flash_attention(const float* q, const u16* k_cache, const u16* v
     for (int n = 0; n < D / 8; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
     float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
 
-    for (u32 kt = 0; kt < n_keys; kt += FA_KEYS) {
-        // Stage the keys and values of positions kt.. (zeros past the last one).
+    // Copies the keys and values of positions kt.. into buffer buf (zeros past the last one).
+    auto stage = [&](int buf, u32 kt) {
         for (int i = threadIdx.x; i < FA_KEYS * (D / 8); i += FA_WARPS * 32) {
             int key = i / (D / 8), d8 = 8 * (i % (D / 8));
             bool valid = kt + key < n_keys;
             u64 at = valid ? page_row(table, page_size, kt + key) * kv_width + kv_off + d8 : 0;
-            copy_async16(&ks[key][d8], k_cache + at, valid);
-            copy_async16(&vs[key][d8], v_cache + at, valid);
+            copy_async16(&ks[buf][key][d8], k_cache + at, valid);
+            copy_async16(&vs[buf][key][d8], v_cache + at, valid);
         }
-        asm volatile("cp.async.wait_all;" ::: "memory");
+        asm volatile("cp.async.commit_group;" ::: "memory");
+    };
+    stage(0, 0);
+    for (u32 kt = 0, buf = 0; kt < n_keys; kt += FA_KEYS, buf ^= 1) {
+        // The next tile's copies go out (an empty group after the last), then this tile's are
+        // awaited.
+        if (kt + FA_KEYS < n_keys)
+            stage(buf ^ 1, kt + FA_KEYS);
+        else
+            asm volatile("cp.async.commit_group;" ::: "memory");
+        asm volatile("cp.async.wait_group 1;" ::: "memory");
         __syncthreads();
+        bool masked = kt + FA_KEYS > pos0;  // some key here is later than the first query
 
-        // S = Q K^T for this warp's 16 rows and the 64 keys, masked causally.
+        // S = Q K^T for this warp's 16 rows and the tile's keys, masked causally.
         float s[FA_KEYS / 8][4];
         float tile_max[2] = {NEG_INF, NEG_INF};
         for (int j = 0; j < FA_KEYS / 8; j++) {
             s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
             for (int st = 0; st < D / 16; st += 2) {
                 // Keys 8j.. against dimensions 16 st.. and 16 (st + 1)..: two MMAs' B fragments.
-                u32 b[4];
-                load_tiles<false>(b, &ks[8 * j + lane % 8][16 * st + 8 * (lane / 8)]);
-                mma_f16(s[j], qa[st], b[0], b[1]);
-                mma_f16(s[j], qa[st + 1], b[2], b[3]);
+                u32 frag[4];
+                load_tiles<false>(frag, &ks[buf][8 * j + lane % 8][16 * st + 8 * (lane / 8)]);
+                mma_f16(s[j], qa[st], frag[0], frag[1]);
+                mma_f16(s[j], qa[st + 1], frag[2], frag[3]);
             }
-            long long p = kt + 8 * j + 2 * c;
+            int p = kt + 8 * j + 2 * c;
             for (int e = 0; e < 4; e++) {
                 int r = e / 2;
-                if (p + (e % 2) > row_pos[r]) s[j][e] = NEG_INF;
+                if (masked && p + (e % 2) > row_pos[r]) s[j][e] = NEG_INF;
                 tile_max[r] = fmaxf(tile_max[r], s[j][e]);
             }
         }
@@ -134,12 +155,12 @@ __device__ void flash_attention(const float* q, const u16* k_cache, const u16* v
         for (int r = 0; r < 2; r++) {
             float m_new = fmaxf(m[r], row_max(tile_max[r]));
             base[r] = m_new == NEG_INF ? 0.0f : m_new;  // a row that has seen nothing stays at zero
-            correction[r] = exp2f(m[r] - base[r]);
+            correction[r] = fast_exp2(m[r] - base[r]);
             m[r] = m_new;
         }
         for (int j = 0; j < FA_KEYS / 8; j++) {
             for (int e = 0; e < 4; e++) {
-                s[j][e] = exp2f(s[j][e] - base[e / 2]);
+                s[j][e] = fast_exp2(s[j][e] - base[e / 2]);
                 partial[e / 2] += s[j][e];
             }
         }
@@ -157,11 +178,11 @@ __device__ void flash_attention(const float* q, const u16* k_cache, const u16* v
                          pack_f16(s[2 * kk + 1][0], s[2 * kk + 1][1]), pack_f16(s[2 * kk + 1][2], s[2 * kk + 1][3])};
             for (int n = 0; n < D / 8; n += 2) {
                 // Keys 16 kk.. (then 16 kk + 8..) against dimensions 8n.. and 8 (n + 1)...
-                u32 b[4];
-                int tile = lane / 8;
-                load_tiles<true>(b, &vs[16 * kk + 8 * (tile % 2) + lane % 8][8 * (n + tile / 2)]);
-                mma_f16(o[n], pa, b[0], b[1]);
-                mma_f16(o[n + 1], pa, b[2], b[3]);
+                u32 frag[4];
+                int quad = lane / 8;
+                load_tiles<true>(frag, &vs[buf][16 * kk + 8 * (quad % 2) + lane % 8][8 * (n + quad / 2)]);
+                mma_f16(o[n], pa, frag[0], frag[1]);
+                mma_f16(o[n + 1], pa, frag[2], frag[3]);
             }
         }
         __syncthreads();
@@ -181,7 +202,7 @@ __device__ void flash_attention(const float* q, const u16* k_cache, const u16* v
 }
 
 #define FLASH_ATTENTION(D)                                                                                      \
-    extern "C" __global__ void __launch_bounds__(FA_WARPS * 32)                                                 \
+    extern "C" __global__ void __launch_bounds__(FA_WARPS * 32, 4)                                               \
         flash_attention_##D(const float* q, const u16* k, const u16* v, const u32* positions, const u32* tables, \
                             int table_width, const u32* token_seqs, int page_size, const u32* tiles, float* out,  \
                             int n_heads, int n_kv_heads) {                                                       \

@@ -1,3 +1,16 @@
+// (cos, sin) of pair i's angle at position pos, pos * freqs[i], in double precision as the CPU
+// reference computes it.
+__device__ __forceinline__ double2 turn(u32 pos, const float* freqs, int i) {
+    double s, c;
+    sincos((double)pos * (double)freqs[i], &s, &c);
+    return make_double2(c, s);
+}
+
+// The pair (x0, x1) rotated by the angle whose (cos, sin) is cs.
+__device__ __forceinline__ float2 rotated(float x0, float x1, double2 cs) {
+    return make_float2((float)(x0 * cs.x - x1 * cs.y), (float)(x0 * cs.y + x1 * cs.x));
+}
+
 // Rotates pairs of a head by pos * freqs[i], the block's threads taking the pairs in turn;
 // `halves` selects the (i, i + dims/2) pairing, else adjacent (2i, 2i+1). `store(a, b, xa, xb)`
 // puts the rotated values of pair (a, b) wherever they go.
@@ -6,12 +19,9 @@ __device__ __forceinline__ void rotate_pairs(const float* head, u32 pos, const f
                                              Store store) {
     int half = dims / 2;
     for (int i = threadIdx.x; i < half; i += blockDim.x) {
-        // The angle in double precision, as the CPU reference computes it.
-        double s, c;
-        sincos((double)pos * (double)freqs[i], &s, &c);
         int a = halves ? i : 2 * i, b = halves ? i + half : 2 * i + 1;
-        float x0 = head[a], x1 = head[b];
-        store(a, b, (float)(x0 * c - x1 * s), (float)(x0 * s + x1 * c));
+        float2 x = rotated(head[a], head[b], turn(pos, freqs, i));
+        store(a, b, x.x, x.y);
     }
 }
 

@@ -1,32 +1,44 @@
 // RoPE on Q and K and the KV-cache write in one launch, for the start of a layer's attention.
-// Grid: (tokens, n_heads + n_kv_heads). A block rotates one query head in place, or one key head
-// in place and into the token's cache row (page_row in common.cuh), copying its value head there
-// too. The cache row is looked up before the rotation, so a key block waits for two rounds of
-// loads (the token's sequence, then its page), not four.
+// Grid: (tokens, groups of ROPE_HEADS heads, query heads then key heads). A block computes its
+// token's angles once, into shared memory (a sincos in double precision is costly, and every head
+// of a token turns by the same angles), then rotates its heads in place, key heads also into the
+// token's cache row (page_row in common.cuh), and copies their value heads there.
+#define ROPE_HEADS 4
+#define ROPE_MAX_PAIRS 128
 template <typename T>
 __device__ void rope_kv_write(float* q, float* k, const float* v, T* k_cache, T* v_cache, const u32* positions,
                               const float* freqs, const u32* tables, int table_width, const u32* token_seqs,
                               int page_size, int n_heads, int n_kv_heads, int head_dim, int dims, int halves) {
+    __shared__ double2 turns[ROPE_MAX_PAIRS];
     begin_after_inputs();
-    int t = blockIdx.x, h = blockIdx.y;
+    int t = blockIdx.x, half = dims / 2;
+    int h0 = blockIdx.y * ROPE_HEADS, h1 = min(h0 + ROPE_HEADS, n_heads + n_kv_heads);
     u32 pos = positions[t];
-    if (h < n_heads) {
-        rotate_head(q + ((u64)t * n_heads + h) * head_dim, pos, freqs, dims, halves);
-        return;
+    for (int i = threadIdx.x; i < half; i += blockDim.x) turns[i] = turn(pos, freqs, i);
+    // The token's cache row, where this block has key heads.
+    u64 row = h1 > n_heads ? page_row(tables + (u64)token_seqs[t] * table_width, page_size, pos) : 0;
+    u64 kv_row = row * n_kv_heads * head_dim, kv_src = (u64)t * n_kv_heads * head_dim;
+    __syncthreads();
+    for (int p = threadIdx.x; p < (h1 - h0) * half; p += blockDim.x) {
+        int h = h0 + p / half, i = p % half;
+        int a = halves ? i : 2 * i, b = halves ? i + half : 2 * i + 1;
+        bool key = h >= n_heads;
+        float* head = key ? k + kv_src + (u64)(h - n_heads) * head_dim : q + ((u64)t * n_heads + h) * head_dim;
+        float2 x = rotated(head[a], head[b], turns[i]);
+        head[a] = x.x;
+        head[b] = x.y;
+        if (key) {
+            T* cached = k_cache + kv_row + (u64)(h - n_heads) * head_dim;
+            put(cached + a, x.x);
+            put(cached + b, x.y);
+        }
     }
-    int kh = h - n_heads;
-    u64 src = ((u64)t * n_kv_heads + kh) * head_dim;
-    const u32* table = tables + (u64)token_seqs[t] * table_width;
-    u64 dst = page_row(table, page_size, pos) * n_kv_heads * head_dim + (u64)kh * head_dim;
-    float* head = k + src;
-    rotate_pairs(head, pos, freqs, dims, halves, [&](int a, int b, float xa, float xb) {
-        head[a] = xa;
-        head[b] = xb;
-        put(k_cache + dst + a, xa);
-        put(k_cache + dst + b, xb);
-    });
-    for (int i = dims + threadIdx.x; i < head_dim; i += blockDim.x) put(k_cache + dst + i, head[i]);
-    for (int i = threadIdx.x; i < head_dim; i += blockDim.x) put(v_cache + dst + i, v[src + i]);
+    // The key heads' dimensions past the rotated ones, and the value heads, as they are.
+    int first = (max(h0, n_heads) - n_heads) * head_dim, last = (h1 - n_heads) * head_dim;
+    for (int j = first + threadIdx.x; j < last; j += blockDim.x) {
+        if (j % head_dim >= dims) put(k_cache + kv_row + j, k[kv_src + j]);
+        put(v_cache + kv_row + j, v[kv_src + j]);
+    }
 }
 
 #define ROPE_KV_WRITE(NAME, T)                                                                                     \
