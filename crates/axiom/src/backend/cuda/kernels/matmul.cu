@@ -285,7 +285,18 @@ GEMV_ALL(q4_1, TY_Q4_1, quant_row)
 GEMV_ALL(q4_k, TY_Q4_K, quant_row)
 GEMV_ALL(q6_k, TY_Q6_K, quant_row)
 
-// Whole-matrix dequantization to f16, for prefill through cuBLAS: one thread per 32-value chunk.
+// Sixteen values as f16 in two 16-byte stores (p is 32-byte aligned: a run starts at a multiple
+// of 16 values of a row of a multiple of 32).
+__device__ __forceinline__ void store_f16x16(u16* p, const float* y) {
+    u32 words[8];
+    for (int k = 0; k < 8; k++) words[k] = (u32)f32_to_f16(y[2 * k]) | ((u32)f32_to_f16(y[2 * k + 1]) << 16);
+    ((uint4*)p)[0] = make_uint4(words[0], words[1], words[2], words[3]);
+    ((uint4*)p)[1] = make_uint4(words[4], words[5], words[6], words[7]);
+}
+
+// Whole-matrix dequantization to f16, for prefill through cuBLAS: one thread per 32-value chunk,
+// each run of 16 stored in two 16-byte stores. (Stored value by value, it wrote about 0.2 TB/s,
+// and 8B Q8_0 prefill of 512 tokens ran at 5.7k tok/s on the H200; so, at 21.9k.)
 template <int TY>
 __device__ void dequant_f16(Weight w, u16* out, int n_out) {
     begin_after_inputs();
@@ -296,10 +307,8 @@ __device__ void dequant_f16(Weight w, u16* out, int n_out) {
         float y[32];
         chunk<TY>(w, row, (int)(g % (w.n_in / 32)), y, &at0, &at1);
         u16* o = out + row * w.n_in;
-        for (int j = 0; j < 16; j++) {
-            o[at0 + j] = f32_to_f16(y[j]);
-            o[at1 + j] = f32_to_f16(y[16 + j]);
-        }
+        store_f16x16(o + at0, y);
+        store_f16x16(o + at1, y + 16);
     }
 }
 
