@@ -201,6 +201,8 @@ __device__ void flash_attention(const float* q, const u16* k_cache, const u16* v
     }
 }
 
+// Four blocks a multiprocessor: held to 128 registers, with a small spill, instead of 166 and three
+// blocks (a layer of 2048 tokens on the H200: 225 -> 206 us).
 #define FLASH_ATTENTION(D)                                                                                      \
     extern "C" __global__ void __launch_bounds__(FA_WARPS * 32, 4)                                               \
         flash_attention_##D(const float* q, const u16* k, const u16* v, const u32* positions, const u32* tables, \

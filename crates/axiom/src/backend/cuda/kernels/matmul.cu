@@ -295,8 +295,8 @@ __device__ __forceinline__ void store_f16x16(u16* p, const float* y) {
 }
 
 // Whole-matrix dequantization to f16, for prefill through cuBLAS: one thread per 32-value chunk,
-// each run of 16 stored in two 16-byte stores. (Stored value by value, it wrote about 0.2 TB/s,
-// and 8B Q8_0 prefill of 512 tokens ran at 5.7k tok/s on the H200; so, at 21.9k.)
+// each run of 16 stored in two 16-byte stores. (Stored value by value, it wrote about 0.2 TB/s:
+// 8B Q8_0 prefill of 512 tokens ran at 5.7k tok/s on the H200, against 21.9k now.)
 template <int TY>
 __device__ void dequant_f16(Weight w, u16* out, int n_out) {
     begin_after_inputs();
