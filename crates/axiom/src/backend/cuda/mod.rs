@@ -612,7 +612,7 @@ impl CudaBackend {
         self.launch(
             "rms_norm_16",
             (n_tokens as u32, 1, 1),
-            (dim / 4).next_multiple_of(32).clamp(32, 256) as u32,
+            norm_16_block(dim),
             &[
                 &self.ptr(x),
                 &self.ptr(weight),
@@ -691,6 +691,12 @@ fn gemm_input(ty: GgmlType) -> GgmlType {
 /// warps, up to 1024.
 fn norm_block(dim: usize) -> u32 {
     dim.next_multiple_of(32).clamp(32, 1024) as u32
+}
+
+/// Threads for a block of rms_norm_16, which normalizes one of prefill's many rows: a thread a
+/// float4, in whole warps, up to 256, so that many rows are in flight at once.
+fn norm_16_block(dim: usize) -> u32 {
+    (dim / 4).next_multiple_of(32).clamp(32, 256) as u32
 }
 
 /// The page size as the kernels take it: a power of two, so that page_row (common.cuh) finds a
