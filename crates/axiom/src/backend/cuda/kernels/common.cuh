@@ -92,3 +92,15 @@ __device__ __forceinline__ void begin_after_inputs() {
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }
+
+// Lets the next kernel's blocks start before this one ends (a no-op before Hopper): they run up to
+// their own wait. Only the kernels that quantize activations call it (the norm or the attention
+// before an integer matrix-vector product), right after their wait, so the next kernel takes only
+// multiprocessors they leave idle, and no more than two kernels are in flight. The product reads
+// its first weights before its wait (`int_row`), so that read overlaps the quantization. The host
+// asks for it where it pays (`starts_next_early` in cuda/mod.rs).
+__device__ __forceinline__ void start_dependents() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}

@@ -49,10 +49,12 @@ extern "C" __global__ void rms_norm_16(const float4* __restrict__ x, const float
 
 // rms_norm with the normalized row quantized as quantize_q8 does, for an integer matrix-vector
 // product: the norm of its input and the quantization in one pass. dim is a multiple of 32, so
-// each warp's 32 values are one quantization block.
+// each warp's 32 values are one quantization block. With start_next, the product's blocks start
+// meanwhile (start_dependents).
 extern "C" __global__ void rms_norm_q8(const float* __restrict__ x, const float* __restrict__ w, i8* __restrict__ xq,
-                                       float* __restrict__ xd, int dim, float eps) {
+                                       float* __restrict__ xd, int dim, float eps, int start_next) {
     begin_after_inputs();
+    if (start_next) start_dependents();
     u64 base = (u64)blockIdx.x * dim;
     float scale = inverse_rms(x + base, w, dim, eps);
     for (int i = threadIdx.x; i < dim; i += blockDim.x) store_q8(x[base + i] * scale * w[i], xq, xd, base + i);
