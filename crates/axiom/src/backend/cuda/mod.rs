@@ -674,7 +674,7 @@ impl CudaBackend {
 /// Whether the kernel that quantizes an integer matrix-vector kernel's activations lets that
 /// kernel's blocks start early, to read their first weights meanwhile (`start_dependents` in
 /// common.cuh; only Q8_0's `int_row` reads before its wait). 8B decode on the H200, same call:
-/// Q8_0 344 -> 373 tok/s; Q4_K 469 -> 432-438, whether its kernels read before their wait or not.
+/// Q8_0 344 -> 373 tok/s; Q4_K 469 -> 429-438, whether its kernels read before their wait or not.
 /// The other types were not measured.
 fn starts_next_early(ty: GgmlType) -> bool {
     ty == GgmlType::Q8_0
