@@ -82,11 +82,13 @@ __device__ __forceinline__ u64 page_row(const u32* table, int page_size, u32 p) 
 }
 
 // Programmatic dependent launch (Hopper and later; a no-op before). The host launches every kernel
-// so that the GPU may prepare it while the one before is finishing, and each kernel starts with
-// this wait for the one before to finish and its writes to be visible: nothing may be read or
-// written before it. No kernel signals its dependents early (griddepcontrol.launch_dependents):
-// blocks of the next kernel then sit on the multiprocessors while this one runs, which made
-// SmolLM2's decode 28% slower on the H200, where the wait alone made it 5% faster.
+// so that the GPU may prepare it while the one before is finishing, and each kernel waits here for
+// the one before to finish and its writes to be visible: before the wait, nothing may be written,
+// and nothing read that the step writes (weights may be: ReadsBeforeWait in matmul.cu). Kernels
+// signal their dependents early only where it was measured to pay (start_dependents below): when
+// every kernel did so right after its wait, blocks of the next kernel sat on the multiprocessors
+// while this one ran, which made SmolLM2's decode 28% slower on the H200, where the wait alone made
+// it 5% faster.
 __device__ __forceinline__ void begin_after_inputs() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
