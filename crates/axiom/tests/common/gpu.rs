@@ -183,9 +183,17 @@ pub fn matmul_every_type_and_token_count<B: Backend>(
         }
     }
     // The whole feed-forward block added to a residual, which a backend may fold (the SwiGLU into
-    // the gate and up products; the hidden rows kept in 16 bits between the halves).
-    for (ty, dim) in WEIGHT_TYPES.iter().flat_map(|&ty| [(ty, short(ty)), (ty, 2048)]) {
-        let ffn_dim = short(ty);
+    // the gate and up products; the hidden rows kept in 16 bits between the halves). Short and
+    // long rows on either side: a backend may multiply long rows on quantized activations.
+    let widths = |ty| {
+        [
+            (short(ty), short(ty)),
+            (2048, short(ty)),
+            (short(ty), 2048),
+            (2048, 2048),
+        ]
+    };
+    for (ty, (dim, ffn_dim)) in WEIGHT_TYPES.iter().flat_map(|&ty| widths(ty).map(|w| (ty, w))) {
         let (mut gpu, mut cpu) = pair(&make);
         let mut weight = |n_in, n_out| random_weight(&mut rng, &mut gpu, &mut cpu, ty, n_in, n_out);
         let (gate, up, down) = (weight(dim, ffn_dim), weight(dim, ffn_dim), weight(ffn_dim, dim));

@@ -648,14 +648,14 @@ impl CudaBackend {
         match x {
             Input::Rows(x) => self.launch(
                 "quantize_q8",
-                (blocks_for(n, 256), 1, 1),
+                (blocks_for(n / 4, 256), 1, 1),
                 256,
                 &[&self.ptr(x), &xq_ptr, &xd_ptr, &(n as u64), &start_next],
             )?,
             Input::RmsNormed { x, weight, eps, .. } => self.launch(
                 "rms_norm_q8",
                 (n_tokens as u32, 1, 1),
-                norm_block(n_in),
+                norm_q8_block(n_in)?,
                 &[
                     &self.ptr(x),
                     &self.ptr(weight),
@@ -712,6 +712,18 @@ fn gemm_input(ty: GgmlType) -> GgmlType {
 /// warps, up to 1024.
 fn norm_block(dim: usize) -> u32 {
     dim.next_multiple_of(32).clamp(32, 1024) as u32
+}
+
+/// Threads for a block of rms_norm_q8, which holds its row in registers: a float4 a thread, in
+/// whole warps, up to 1024, and up to four float4 a thread (NORM_Q8_LOADS).
+fn norm_q8_block(dim: usize) -> Result<u32> {
+    const MAX_DIM: usize = 4 * 4 * 1024;
+    if dim > MAX_DIM {
+        return Err(Error::Backend(format!(
+            "rows of {dim} values: the CUDA norm before integer products takes up to {MAX_DIM}"
+        )));
+    }
+    Ok((dim / 4).next_multiple_of(32).clamp(32, 1024) as u32)
 }
 
 /// Threads for a block of rms_norm_16, which normalizes one of prefill's many rows: a thread a

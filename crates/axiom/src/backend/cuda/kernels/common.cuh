@@ -58,6 +58,21 @@ __device__ __forceinline__ void store_q8(float v, i8* xq, float* xd, u64 i) {
     if (i % 32 == 0) xd[i / 32] = d;
 }
 
+// store_q8 for four neighbouring values held by one thread, values 4 * i4 to 4 * i4 + 3: eight
+// neighbouring lanes hold a block of 32 (i4 % 8 is the lane's place in it), and one 4-byte store
+// writes a thread's quants. Every lane of the warp takes part (the shuffles); those with `valid`
+// store.
+__device__ __forceinline__ void store_q8x4(float4 v, bool valid, u32* xq, float* xd, u64 i4) {
+    float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
+    for (int o = 4; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    float d = amax / 127.0f;
+    auto quant = [d](float x) { return (u32)(u8)(i8)(d == 0.0f ? 0 : __float2int_rn(x / d)); };
+    if (valid) {
+        xq[i4] = quant(v.x) | quant(v.y) << 8 | quant(v.z) << 16 | quant(v.w) << 24;
+        if (i4 % 8 == 0) xd[i4 / 8] = d;
+    }
+}
+
 // GGUF type ids, as in format/quant.rs.
 #define TY_F32 0
 #define TY_F16 1
@@ -84,11 +99,11 @@ __device__ __forceinline__ u64 page_row(const u32* table, int page_size, u32 p) 
 // Programmatic dependent launch (Hopper and later; a no-op before). The host launches every kernel
 // so that the GPU may prepare it while the one before is finishing, and each kernel waits here for
 // the one before to finish and its writes to be visible: before the wait, nothing may be written,
-// and nothing read that the step writes (weights may be: ReadsBeforeWait in matmul.cu). Kernels
-// signal their dependents early only where it was measured to pay (start_dependents below): when
-// every kernel did so right after its wait, blocks of the next kernel sat on the multiprocessors
-// while this one ran, which made SmolLM2's decode 28% slower on the H200, where the wait alone made
-// it 5% faster.
+// and nothing read that the step writes (weights may be: ReadsBeforeWait in matmul.cu, the norms'
+// weights in rms_norm_q8 and normalize_row). Kernels signal their dependents early only where it
+// was measured to pay (start_dependents below): when every kernel did so right after its wait,
+// blocks of the next kernel sat on the multiprocessors while this one ran, which made SmolLM2's
+// decode 28% slower on the H200, where the wait alone made it 5% faster.
 __device__ __forceinline__ void begin_after_inputs() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");

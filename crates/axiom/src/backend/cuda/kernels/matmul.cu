@@ -114,13 +114,14 @@ __device__ __forceinline__ int dp4a(u32 a, u32 b, int c) {
     return d;
 }
 
-// The activations quantized by store_q8 (common.cuh), a thread each; n is a multiple of 32, so a
-// warp's lanes are all in or all out. With start_next, as rms_norm_q8.
-extern "C" __global__ void quantize_q8(const float* x, i8* xq, float* xd, u64 n, int start_next) {
+// The activations quantized by store_q8x4 (common.cuh), four values a thread; n is a multiple of
+// 32. With start_next, as rms_norm_q8.
+extern "C" __global__ void quantize_q8(const float4* x, u32* xq, float* xd, u64 n, int start_next) {
     begin_after_inputs();
     if (start_next) start_dependents();
-    u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x;
-    if (i < n) store_q8(x[i], xq, xd, i);
+    u64 i4 = blockIdx.x * (u64)blockDim.x + threadIdx.x;
+    bool valid = i4 < n / 4;
+    store_q8x4(valid ? x[i4] : make_float4(0.0f, 0.0f, 0.0f, 0.0f), valid, xq, xd, i4);
 }
 
 // Whether a type's runs have offsets (minimums): only then is the activations' sum needed.
@@ -270,18 +271,23 @@ __device__ __forceinline__ void float_row(const Weight& w, int row, const float*
 // normalizes its own copy of the row (n_in a multiple of 4, at most NORMED_MAX_IN) into shared
 // memory, and its warps read it from there. That costs less than a launch of its own and a trip
 // of the row through memory. (Normalizing in each warp as it reads, instead, made the bf16
-// kernels 7% slower: the norm's weight was loaded once per weight load.)
+// kernels 7% slower: the norm's weight was loaded once per weight load.) The kernel's wait is
+// here: a thread's first four values of the norm's weight, which no kernel writes, are loaded
+// before it, so a small model's rows (up to 1024 values) need no second trip from memory.
 #define NORMED_MAX_IN 8192
 __device__ __forceinline__ void normalize_row(float* xs, const float* x, const float* norm, int n, float eps) {
+    int first = 4 * threadIdx.x;
+    float4 g_first = first < n ? *(const float4*)(norm + first) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    begin_after_inputs();
     float sum = 0.0f;
-    for (int i = 4 * threadIdx.x; i < n; i += 4 * blockDim.x) {
+    for (int i = first; i < n; i += 4 * blockDim.x) {
         float4 v = *(const float4*)(x + i);
         *(float4*)(xs + i) = v;
         sum += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
     }
     float scale = rsqrtf(block_sum(sum) / n + eps);
-    for (int i = 4 * threadIdx.x; i < n; i += 4 * blockDim.x) {  // the values this thread stored
-        float4 g = *(const float4*)(norm + i);
+    for (int i = first; i < n; i += 4 * blockDim.x) {  // the values this thread stored
+        float4 g = i == first ? g_first : *(const float4*)(norm + i);
         xs[i] *= scale * g.x, xs[i + 1] *= scale * g.y, xs[i + 2] *= scale * g.z, xs[i + 3] *= scale * g.w;
     }
     __syncthreads();
@@ -291,7 +297,6 @@ __device__ __forceinline__ void normalize_row(float* xs, const float* x, const f
     extern "C" __global__ void __launch_bounds__(256, 6)                                                        \
         KIND##_normed_##NAME(Matrices mats, int n_in, const float* x, const float* norm, float eps) {          \
         __shared__ __align__(16) float xs[NORMED_MAX_IN];                                                      \
-        begin_after_inputs();                                                                                  \
         normalize_row(xs, x, norm, n_in, eps);                                                                 \
         gemv_rows<TY, 1, GLU>(mats, n_in, [&](const Weight& w, int row, float* acc) { ROW<TY, 1>(w, row, xs, acc); }); \
     }
