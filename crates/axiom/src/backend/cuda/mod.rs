@@ -655,7 +655,7 @@ impl CudaBackend {
             Input::RmsNormed { x, weight, eps, .. } => self.launch(
                 "rms_norm_q8",
                 (n_tokens as u32, 1, 1),
-                norm_q8_block(n_in)?,
+                norm_block(n_in)?,
                 &[
                     &self.ptr(x),
                     &self.ptr(weight),
@@ -708,19 +708,13 @@ fn gemm_input(ty: GgmlType) -> GgmlType {
     }
 }
 
-/// Threads for a block that normalizes one row of `dim` (rms_norm.cu): a thread a value, in whole
-/// warps, up to 1024.
-fn norm_block(dim: usize) -> u32 {
-    dim.next_multiple_of(32).clamp(32, 1024) as u32
-}
-
-/// Threads for a block of rms_norm_q8, which holds its row in registers: a float4 a thread, in
-/// whole warps, up to 1024, and up to four float4 a thread (NORM_Q8_LOADS).
-fn norm_q8_block(dim: usize) -> Result<u32> {
+/// Threads for a block of rms_norm or rms_norm_q8, which hold their row in registers: a float4 a
+/// thread, in whole warps, up to 1024, and up to four float4 a thread (NORM_LOADS).
+fn norm_block(dim: usize) -> Result<u32> {
     const MAX_DIM: usize = 4 * 4 * 1024;
-    if dim > MAX_DIM {
+    if !dim.is_multiple_of(4) || dim > MAX_DIM {
         return Err(Error::Backend(format!(
-            "rows of {dim} values: the CUDA norm before integer products takes up to {MAX_DIM}"
+            "rows of {dim} values: the CUDA RMS norm takes multiples of 4 up to {MAX_DIM}"
         )));
     }
     Ok((dim / 4).next_multiple_of(32).clamp(32, 1024) as u32)
@@ -996,7 +990,7 @@ impl Backend for CudaBackend {
         dim: usize,
         eps: f32,
     ) -> Result<()> {
-        let block = norm_block(dim);
+        let block = norm_block(dim)?;
         let dim = dim as i32;
         self.launch(
             "rms_norm",

@@ -1,27 +1,49 @@
-// RMSNorm, out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * w: one block per row, of up to 1024 threads
-// in whole warps (the host sizes it to the row).
+// RMSNorm, out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * w: one block per row.
 
-// 1 / sqrt(mean(row^2) + eps), reduced over the whole block. The row pointer is restrict so that a
-// thread's loads go out together: a row is a few dependent memory round trips, not one per value.
-// Meanwhile the norm's weight `w` is sent into L2: in decode the weights' stream has evicted it,
-// and the pass that applies it would wait on memory once more.
-__device__ float inverse_rms(const float* __restrict__ row, const float* w, int dim, float eps) {
-    float sum = 0.0f;
-#pragma unroll 4
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(w + i));
-        sum += row[i] * row[i];
+// The one-token norms lie on decode's critical path, twice a layer, so a block holds its row in
+// registers, a float4 a thread at a time, up to NORM_LOADS of them (rows of a multiple of 4 values,
+// up to 16384 in 1024 threads: the host sizes the block, norm_block), and the row makes one trip
+// from memory. The norm's weight is not written during a step, so it is loaded before the wait,
+// while the kernel before is finishing. 8B decode on the H200, same call: Q8_0 373 -> 390 tok/s,
+// Q4_K 466 -> 486 (rms_norm_q8), against the row read a second time after the reduction, with the
+// weight only sent into L2 before the wait. (Held a value a thread in slots of 32 lanes, as
+// store_q8 takes them: Q8_0 378, Q4_K no gain.) With start_next, the next kernel's blocks start
+// once this one's have passed the wait (start_dependents). Every lane calls `store(i4, v, valid)`
+// with float4 i4 of the normalized row.
+#define NORM_LOADS 4
+template <typename Store>
+__device__ __forceinline__ void held_rms_norm(const float4* __restrict__ row, const float4* __restrict__ w, int dim,
+                                              float eps, int start_next, Store store) {
+    int n4 = dim / 4;
+    float4 wv[NORM_LOADS], xv[NORM_LOADS];
+    const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int k = 0; k < NORM_LOADS; k++) {
+        int i = k * blockDim.x + threadIdx.x;
+        wv[k] = i < n4 ? w[i] : zero;
     }
-    return rsqrtf(block_sum(sum) / dim + eps);
+    begin_after_inputs();
+    if (start_next) start_dependents();
+    float sum = 0.0f;
+    for (int k = 0; k < NORM_LOADS; k++) {
+        int i = k * blockDim.x + threadIdx.x;
+        xv[k] = i < n4 ? row[i] : zero;
+        sum += xv[k].x * xv[k].x + xv[k].y * xv[k].y + xv[k].z * xv[k].z + xv[k].w * xv[k].w;
+    }
+    float scale = rsqrtf(block_sum(sum) / dim + eps);
+    for (int k = 0; k < NORM_LOADS && k * blockDim.x < n4; k++) {
+        int i = k * blockDim.x + threadIdx.x;
+        float4 v = make_float4(xv[k].x * scale * wv[k].x, xv[k].y * scale * wv[k].y, xv[k].z * scale * wv[k].z,
+                               xv[k].w * scale * wv[k].w);
+        store(i, v, i < n4);
+    }
 }
 
-extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ out,
+extern "C" __global__ void rms_norm(const float4* __restrict__ x, const float4* __restrict__ w, float4* __restrict__ out,
                                     int dim, float eps) {
-    begin_after_inputs();
-    u64 base = (u64)blockIdx.x * dim;
-    float scale = inverse_rms(x + base, w, dim, eps);
-#pragma unroll 4
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) out[base + i] = x[base + i] * scale * w[i];
+    u64 base = (u64)blockIdx.x * (dim / 4);
+    held_rms_norm(x + base, w, dim, eps, 0, [&](int i4, float4 v, bool valid) {
+        if (valid) out[base + i4] = v;
+    });
 }
 
 // rms_norm written in 16 bits (f16 or bf16, `kind` as in to_16bit), the input of cuBLAS GEMMs: the
@@ -47,39 +69,13 @@ extern "C" __global__ void rms_norm_16(const float4* __restrict__ x, const float
     }
 }
 
-// rms_norm with the normalized row quantized as quantize_q8 does, for an integer matrix-vector
-// product: the norm of its input and the quantization in one pass. It lies on decode's critical
-// path twice a layer, so a thread holds its values (a float4 at a time, up to NORM_Q8_LOADS of
-// them: rows of up to 16384 values in 1024 threads), and the row makes one trip from memory. The
-// norm's weight is not written during a step, so it is loaded before the wait, while the kernel
-// before is finishing. 8B decode on the H200, same call: Q8_0 373 -> 390 tok/s, Q4_K 466 -> 486,
-// against the row read a second time after the reduction, with the weight only sent into L2
-// before the wait. (Held a value a thread, as store_q8 takes them: Q8_0 378, Q4_K no gain.) dim is
-// a multiple of 32. With start_next, the product's blocks start meanwhile (start_dependents).
-#define NORM_Q8_LOADS 4
+// rms_norm with the normalized row quantized as quantize_q8 does (store_q8x4), for an integer
+// matrix-vector product: the norm of its input and the quantization in one pass. dim is a
+// multiple of 32. With start_next, the product's blocks start meanwhile.
 extern "C" __global__ void rms_norm_q8(const float4* __restrict__ x, const float4* __restrict__ w, u32* __restrict__ xq,
                                        float* __restrict__ xd, int dim, float eps, int start_next) {
-    int n4 = dim / 4;
-    float4 wv[NORM_Q8_LOADS], xv[NORM_Q8_LOADS];
-    const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    for (int k = 0; k < NORM_Q8_LOADS; k++) {
-        int i = k * blockDim.x + threadIdx.x;
-        wv[k] = i < n4 ? w[i] : zero;
-    }
-    begin_after_inputs();
-    if (start_next) start_dependents();
-    u64 base = (u64)blockIdx.x * n4;
-    float sum = 0.0f;
-    for (int k = 0; k < NORM_Q8_LOADS; k++) {
-        int i = k * blockDim.x + threadIdx.x;
-        xv[k] = i < n4 ? x[base + i] : zero;
-        sum += xv[k].x * xv[k].x + xv[k].y * xv[k].y + xv[k].z * xv[k].z + xv[k].w * xv[k].w;
-    }
-    float scale = rsqrtf(block_sum(sum) / dim + eps);
-    for (int k = 0; k < NORM_Q8_LOADS && k * blockDim.x < n4; k++) {
-        int i = k * blockDim.x + threadIdx.x;
-        float4 v = make_float4(xv[k].x * scale * wv[k].x, xv[k].y * scale * wv[k].y, xv[k].z * scale * wv[k].z,
-                               xv[k].w * scale * wv[k].w);
-        store_q8x4(v, i < n4, xq, xd, base + i);
-    }
+    u64 base = (u64)blockIdx.x * (dim / 4);
+    held_rms_norm(x + base, w, dim, eps, start_next, [&](int i4, float4 v, bool valid) {
+        store_q8x4(v, valid, xq, xd, base + i4);
+    });
 }
