@@ -1384,4 +1384,16 @@ mod tests {
         assert_eq!(query_tiles(&positions, &seqs), vec![0, 64, 64, 6, 70, 1, 71, 2]);
         assert!(query_tiles(&[], &[]).is_empty());
     }
+
+    #[test]
+    fn norm_blocks_hold_rows_of_multiples_of_four_up_to_16384() {
+        assert_eq!(norm_block(48).unwrap(), 32);
+        assert_eq!(norm_block(576).unwrap(), 160);
+        assert_eq!(norm_block(4096).unwrap(), 1024);
+        assert_eq!(norm_block(16384).unwrap(), 1024);
+        for dim in [4098, 16388] {
+            let err = norm_block(dim).unwrap_err().to_string();
+            assert!(err.contains(&dim.to_string()), "{err}");
+        }
+    }
 }
