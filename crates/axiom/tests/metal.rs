@@ -34,7 +34,7 @@ fn paged_kv_write_and_attention_match_the_cpu_reference() {
 
 #[test]
 fn attention_then_output_projection_matches_the_cpu_reference() {
-    gpu::attention_then_output_projection(metal, |_| 1e-5);
+    gpu::attention_then_output_projection(metal, |_, _| 1e-5);
 }
 
 #[test]

@@ -401,7 +401,10 @@ pub fn paged_kv_write_and_attention<B: Backend>(make: impl Fn(KvType) -> B, tole
 /// residual) on decodes over a long context, for weights a backend may multiply on integers
 /// (quantizing the attention's output as it writes it) and for one it does not, with an f16
 /// cache. `tolerance(type)` is the relative error allowed.
-pub fn attention_then_output_projection<B: Backend>(make: impl Fn(KvType) -> B, tolerance: impl Fn(GgmlType) -> f64) {
+pub fn attention_then_output_projection<B: Backend>(
+    make: impl Fn(KvType) -> B,
+    tolerance: impl Fn(GgmlType, usize) -> f64,
+) {
     let mut rng = ChaCha8Rng::seed_from_u64(5);
     // Rows of 2048 values, long enough for integer matrix-vector kernels.
     let shape = AttentionShape {
@@ -409,31 +412,39 @@ pub fn attention_then_output_projection<B: Backend>(make: impl Fn(KvType) -> B, 
         n_kv_heads: 4,
         head_dim: 128,
     };
-    let (lens, queries, n_out) = ([300, 40], [(0, 299), (1, 39), (0, 100)], 72);
+    let (lens, n_out) = ([300, 40], 72);
+    // Three queries, as decode steps ask; then a prefill step of 80 tokens over both sequences.
+    let steps: [Vec<(u32, u32)>; 2] = [
+        vec![(0, 299), (1, 39), (0, 100)],
+        (260..300).map(|p| (0, p)).chain((0..40).map(|p| (1, p))).collect(),
+    ];
     let round = |v: Vec<f32>| -> Vec<f32> { v.iter().map(|&x| f16::from_f32(x).to_f32()).collect() };
-    for ty in [GgmlType::Q8_0, GgmlType::Q4K, GgmlType::BF16] {
-        let case = PagedCase::new(&mut rng, 16, &lens);
-        let k: Vec<Vec<f32>> = lens
-            .iter()
-            .map(|l| round(randn(&mut rng, l * shape.kv_width())))
-            .collect();
-        let v: Vec<Vec<f32>> = lens
-            .iter()
-            .map(|l| round(randn(&mut rng, l * shape.kv_width())))
-            .collect();
-        let q = randn(&mut rng, queries.len() * shape.q_width());
-        let residual = randn(&mut rng, queries.len() * n_out);
-        let (mut gpu, mut cpu) = pair(|| make(KvType::F16));
-        let (wg, wc) = random_weight(&mut rng, &mut gpu, &mut cpu, ty, shape.q_width(), n_out);
-        gpu.prepare(64, shape.q_width()).unwrap();
-        let inputs = (&case, &k[..], &v[..], &queries[..], &q[..], shape);
-        let got = projected(&mut gpu, inputs, &wg, &residual);
-        let want = projected(&mut cpu, inputs, &wc, &residual);
-        let err = rel_l2(&got, &want);
-        assert!(
-            err < tolerance(ty),
-            "attend_and_project, {ty} output projection: relative error {err}"
-        );
+    for queries in &steps {
+        for ty in [GgmlType::Q8_0, GgmlType::Q4K, GgmlType::BF16] {
+            let case = PagedCase::new(&mut rng, 16, &lens);
+            let k: Vec<Vec<f32>> = lens
+                .iter()
+                .map(|l| round(randn(&mut rng, l * shape.kv_width())))
+                .collect();
+            let v: Vec<Vec<f32>> = lens
+                .iter()
+                .map(|l| round(randn(&mut rng, l * shape.kv_width())))
+                .collect();
+            let q = randn(&mut rng, queries.len() * shape.q_width());
+            let residual = randn(&mut rng, queries.len() * n_out);
+            let (mut gpu, mut cpu) = pair(|| make(KvType::F16));
+            let (wg, wc) = random_weight(&mut rng, &mut gpu, &mut cpu, ty, shape.q_width(), n_out);
+            gpu.prepare(128, shape.q_width()).unwrap();
+            let inputs = (&case, &k[..], &v[..], &queries[..], &q[..], shape);
+            let got = projected(&mut gpu, inputs, &wg, &residual);
+            let want = projected(&mut cpu, inputs, &wc, &residual);
+            let err = rel_l2(&got, &want);
+            assert!(
+                err < tolerance(ty, queries.len()),
+                "attend_and_project of {} tokens, {ty} output projection: relative error {err}",
+                queries.len()
+            );
+        }
     }
 }
 

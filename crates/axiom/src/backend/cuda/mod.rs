@@ -59,8 +59,11 @@ const FLASH_MIN_TOKENS: usize = 32;
 const ATTENTION_THREADS: u32 = 256;
 /// Query tokens per flash-attention block.
 const FLASH_QUERY_TILE: usize = 64;
-/// Heads per block, and most rotated pairs of a head, of rope_kv_write.cu.
+/// Heads per block of rope_kv_write.cu in steps of few tokens, so that a decode step's heads
+/// spread over blocks (one pair a thread); steps of `FLASH_MIN_TOKENS` or more take each token's
+/// heads in one block, which computes their angles once for all of them.
 const ROPE_HEADS: usize = 4;
+/// The most rotated pairs of a head (rope_kv_write.cu).
 const ROPE_MAX_PAIRS: usize = 128;
 /// The largest second grid dimension CUDA launches.
 const MAX_GRID_Y: u32 = 65535;
@@ -435,12 +438,7 @@ impl CudaBackend {
     fn attend(
         &self,
         q: BlockHandle,
-        AttentionKv {
-            k_cache,
-            v_cache,
-            positions,
-            pages,
-        }: AttentionKv,
+        kv: AttentionKv,
         out: BlockHandle,
         quantized_for: Option<((BlockHandle, BlockHandle), &CudaWeight)>,
         n_tokens: usize,
@@ -452,59 +450,17 @@ impl CudaBackend {
                 shape.head_dim
             )));
         }
+        if self.takes_flash(shape, n_tokens) {
+            return self.flash_attention(q, kv, self.ptr(out), GgmlType::F32, n_tokens, shape);
+        }
+        let AttentionKv {
+            k_cache,
+            v_cache,
+            positions,
+            pages,
+        } = kv;
         let (nh, nkv, hd) = (shape.n_heads as i32, shape.n_kv_heads as i32, shape.head_dim as i32);
         let (table_width, page_size) = (pages.table_width as i32, page_size_arg(&pages)?);
-        if let (true, Some(tiles_block)) = (self.takes_flash(shape, n_tokens), self.flash_tiles) {
-            let n_tiles = match self.flash_plan.get() {
-                Some(plan)
-                    if (plan.positions, plan.token_seqs, plan.n_tokens) == (positions, pages.token_seqs, n_tokens) =>
-                {
-                    plan.n_tiles
-                }
-                _ => {
-                    // The step's layout comes back to the host to be cut into tiles, once a step:
-                    // a prefill step is not recorded into a graph, and the copies wait for all
-                    // the work before them.
-                    let (mut host_positions, mut host_seqs) = (vec![0u32; n_tokens], vec![0u32; n_tokens]);
-                    self.read_u32(positions, &mut host_positions)?;
-                    self.read_u32(pages.token_seqs, &mut host_seqs)?;
-                    let tiles = query_tiles(&host_positions, &host_seqs);
-                    let n_tiles = u32::try_from(tiles.len() / 2)
-                        .ok()
-                        .filter(|&n| n <= MAX_GRID_Y)
-                        .ok_or_else(|| Error::Backend(format!("{n_tokens} tokens make too many attention tiles")))?;
-                    self.write_u32(tiles_block, &tiles)?;
-                    self.flash_plan.set(Some(FlashPlan {
-                        positions,
-                        token_seqs: pages.token_seqs,
-                        n_tokens,
-                        n_tiles,
-                    }));
-                    n_tiles
-                }
-            };
-            // Heads first, then tiles: the kernel takes the tiles from the last (see
-            // flash_attention.cu).
-            return self.launch(
-                &format!("flash_attention_{}", shape.head_dim),
-                (shape.n_heads as u32, n_tiles, 1),
-                128,
-                &[
-                    &self.ptr(q),
-                    &self.ptr(k_cache),
-                    &self.ptr(v_cache),
-                    &self.ptr(positions),
-                    &self.ptr(pages.block_tables),
-                    &table_width,
-                    &self.ptr(pages.token_seqs),
-                    &page_size,
-                    &self.ptr(tiles_block),
-                    &self.ptr(out),
-                    &nh,
-                    &nkv,
-                ],
-            );
-        }
         let n = n_tokens * shape.q_width();
         let (xq, xd, start_next) = match quantized_for {
             Some(((xq, _), _)) if n > xq.len => {
@@ -540,9 +496,85 @@ impl CudaBackend {
         )
     }
 
+    /// Attention on tensor cores (flash_attention.cu), its output written at `out` as `out_type`:
+    /// f32, or f16 or bf16 for a cuBLAS GEMM to read.
+    fn flash_attention(
+        &self,
+        q: BlockHandle,
+        AttentionKv {
+            k_cache,
+            v_cache,
+            positions,
+            pages,
+        }: AttentionKv,
+        out: u64,
+        out_type: GgmlType,
+        n_tokens: usize,
+        shape: AttentionShape,
+    ) -> Result<()> {
+        let tiles_block = self
+            .flash_tiles
+            .ok_or_else(|| Error::Backend("no flash-attention tiles reserved".into()))?;
+        let n_tiles = match self.flash_plan.get() {
+            Some(plan)
+                if (plan.positions, plan.token_seqs, plan.n_tokens) == (positions, pages.token_seqs, n_tokens) =>
+            {
+                plan.n_tiles
+            }
+            _ => {
+                // The step's layout comes back to the host to be cut into tiles, once a step: a
+                // prefill step is not recorded into a graph, and the copies wait for all the work
+                // before them.
+                let (mut host_positions, mut host_seqs) = (vec![0u32; n_tokens], vec![0u32; n_tokens]);
+                self.read_u32(positions, &mut host_positions)?;
+                self.read_u32(pages.token_seqs, &mut host_seqs)?;
+                let tiles = query_tiles(&host_positions, &host_seqs);
+                let n_tiles = u32::try_from(tiles.len() / 2)
+                    .ok()
+                    .filter(|&n| n <= MAX_GRID_Y)
+                    .ok_or_else(|| Error::Backend(format!("{n_tokens} tokens make too many attention tiles")))?;
+                self.write_u32(tiles_block, &tiles)?;
+                self.flash_plan.set(Some(FlashPlan {
+                    positions,
+                    token_seqs: pages.token_seqs,
+                    n_tokens,
+                    n_tiles,
+                }));
+                n_tiles
+            }
+        };
+        let (nh, nkv) = (shape.n_heads as i32, shape.n_kv_heads as i32);
+        let (table_width, page_size) = (pages.table_width as i32, page_size_arg(&pages)?);
+        // Heads first, then tiles: the kernel takes the tiles from the last (see
+        // flash_attention.cu).
+        self.launch(
+            &format!("flash_attention_{}", shape.head_dim),
+            (shape.n_heads as u32, n_tiles, 1),
+            128,
+            &[
+                &self.ptr(q),
+                &self.ptr(k_cache),
+                &self.ptr(v_cache),
+                &self.ptr(positions),
+                &self.ptr(pages.block_tables),
+                &table_width,
+                &self.ptr(pages.token_seqs),
+                &page_size,
+                &self.ptr(tiles_block),
+                &out,
+                &(out_type.id() as i32),
+                &nh,
+                &nkv,
+            ],
+        )
+    }
+
     /// Whether attention over `n_tokens` runs on tensor cores (flash_attention.cu).
     fn takes_flash(&self, shape: AttentionShape, n_tokens: usize) -> bool {
-        self.kv_type == KvType::F16 && matches!(shape.head_dim, 64 | 128) && n_tokens >= FLASH_MIN_TOKENS
+        self.kv_type == KvType::F16
+            && matches!(shape.head_dim, 64 | 128)
+            && n_tokens >= FLASH_MIN_TOKENS
+            && self.flash_tiles.is_some()
     }
 
     /// Whether the matrix-vector kernels for `w` normalize an `Input::RmsNormed` themselves: the
@@ -1225,7 +1257,13 @@ impl Backend for CudaBackend {
                 2 * ROPE_MAX_PAIRS
             )));
         }
-        let groups = (shape.n_heads + shape.n_kv_heads).div_ceil(ROPE_HEADS);
+        let heads = shape.n_heads + shape.n_kv_heads;
+        let group = if n_tokens >= FLASH_MIN_TOKENS {
+            heads
+        } else {
+            ROPE_HEADS
+        };
+        let groups = heads.div_ceil(group);
         self.launch(
             &format!("rope_kv_write_{}", self.kv_suffix()),
             (n_tokens as u32, groups as u32, 1),
@@ -1247,6 +1285,7 @@ impl Backend for CudaBackend {
                 &hd,
                 &dims,
                 &halves,
+                &(group as i32),
             ],
         )
     }
@@ -1272,7 +1311,8 @@ impl Backend for CudaBackend {
     }
 
     /// Where the output projection runs on integers (decode of a quantized `wo`), the one-pass
-    /// attention kernel quantizes its output for it as it writes it: no launch of its own.
+    /// attention kernel quantizes its output for it as it writes it: no launch of its own. Where
+    /// it runs through cuBLAS after flash attention (prefill), attention writes its 16-bit input.
     fn attend_and_project(
         &self,
         q: BlockHandle,
@@ -1282,6 +1322,21 @@ impl Backend for CudaBackend {
         n_tokens: usize,
         shape: AttentionShape,
     ) -> Result<()> {
+        let input = gemm_input(wo.ty);
+        if self.takes_flash(shape, n_tokens) && n_tokens > gemv_max_tokens(wo.ty) && input != GgmlType::F32 {
+            // Flash attention writes its output in the 16-bit type cuBLAS reads, straight into the
+            // staging: no f32 round trip and no conversion pass.
+            let (_, x_stage) = self.cublas_staging()?;
+            let n = n_tokens * shape.q_width();
+            if n * 2 > x_stage.len {
+                return Err(Error::Backend(format!(
+                    "{n} attention outputs exceed the cuBLAS staging of {} bytes",
+                    x_stage.len
+                )));
+            }
+            self.flash_attention(q, kv, self.ptr(x_stage), input, n_tokens, shape)?;
+            return self.gemm(out, wo, residual, n_tokens, GemmOutput::Add, &mut Some(input));
+        }
         let folds = n_tokens <= gemv_max_tokens(wo.ty)
             && self.takes_int8(wo)
             && !self.takes_flash(shape, n_tokens)

@@ -7,7 +7,8 @@
 // (transposing, for V); the softmax is online, in base 2, with the scale folded into Q. Only the
 // key tiles that reach past a block's first query are masked. Blocks are numbered heads first,
 // last tile first, so that the longest ones start first and the short ones fill the tail. f16 KV
-// cache; head_dim 64 or 128.
+// cache; head_dim 64 or 128. The output goes out in f32, or in the f16 or bf16 (`out_type`) that
+// the output projection's GEMM reads.
 //
 // Fragment layouts of mma.m16n8k16 (lane = 4 * g + c): A holds rows g and g + 8, columns
 // 2c, 2c + 1 and 2c + 8, 2c + 9; B holds column g, rows 2c, 2c + 1 and 2c + 8, 2c + 9; the f32
@@ -34,23 +35,22 @@ __device__ __forceinline__ u32 shared_address(const void* p) {
 }
 
 // 16 bytes from global to shared memory without passing through registers; zeros where !valid.
-__device__ __forceinline__ void copy_async16(void* dst, const void* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(shared_address(dst)), "l"(src),
-                 "r"(valid ? 16 : 0));
+__device__ __forceinline__ void copy_async16(u32 dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
 }
 
 // Four 8x8 tiles of 16-bit values from shared memory, lane l giving the address of row l % 8 of
 // tile l / 8; TRANSPOSE hands each lane its values as if the tiles were transposed.
 template <bool TRANSPOSE>
-__device__ __forceinline__ void load_tiles(u32* r, const u16* row) {
+__device__ __forceinline__ void load_tiles(u32* r, u32 address) {
     if (TRANSPOSE)
         asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
                      : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                     : "r"(shared_address(row)));
+                     : "r"(address));
     else
         asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
                      : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                     : "r"(shared_address(row)));
+                     : "r"(address));
 }
 
 // 2^x by the hardware's approximation alone (exp2f adds a rescaling for results below f32's
@@ -71,11 +71,19 @@ __device__ __forceinline__ float row_max(float v) {
     return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
 }
 
+// How far (in log2 units) a row's scores may rise above the base its exponentials are taken
+// against before the sums are rescaled: probabilities up to 2^8 are still exact enough in f16 and
+// far from its range, and a rescale (a multiply of every output value) becomes rare after a
+// row's first keys.
+#define FA_RESCALE_ABOVE 8.0f
+
 template <int D>
 __device__ void flash_attention(const float* q, const u16* k_cache, const u16* v_cache, const u32* positions,
                                 const u32* tables, int table_width, const u32* token_seqs, int page_size,
-                                const u32* tiles, float* out, int n_heads, int n_kv_heads) {
-    // Rows padded by 16 bytes, so that ldmatrix's eight rows fall in distinct banks.
+                                const u32* tiles, void* out, int out_type, int n_heads, int n_kv_heads) {
+    // Rows padded by 16 bytes, so that ldmatrix's eight rows fall in distinct banks. Shared memory
+    // is addressed by 32-bit offsets from these bases, the constant parts folded into immediates.
+    constexpr u32 ROW = (D + 8) * 2, BUFFER = FA_KEYS * ROW;  // bytes
     __shared__ __align__(16) u16 ks[2][FA_KEYS][D + 8];
     __shared__ __align__(16) u16 vs[2][FA_KEYS][D + 8];
     begin_after_inputs();
@@ -105,19 +113,36 @@ __device__ void flash_attention(const float* q, const u16* k_cache, const u16* v
 
     float o[D / 8][4];
     for (int n = 0; n < D / 8; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    // m: the base of each row's exponentials (at most FA_RESCALE_ABOVE below its largest score).
     float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
 
+    // A thread copies the same 16 bytes of every COPY_STEP-th key of a tile: its shared offsets and
+    // cache columns stay, only the keys' cache rows change.
+    constexpr int CHUNKS = D / 8, COPY_STEP = FA_WARPS * 32 / CHUNKS, COPIES = FA_KEYS / COPY_STEP;
+    const u32 k_shared = shared_address(ks), v_shared = shared_address(vs);
+    const u32 copy_key = threadIdx.x / CHUNKS, copy_to = copy_key * ROW + 16 * (threadIdx.x % CHUNKS);
+    const u16* k_from = k_cache + kv_off + 8 * (threadIdx.x % CHUNKS);
+    const u16* v_from = v_cache + kv_off + 8 * (threadIdx.x % CHUNKS);
     // Copies the keys and values of positions kt.. into buffer buf (zeros past the last one).
-    auto stage = [&](int buf, u32 kt) {
-        for (int i = threadIdx.x; i < FA_KEYS * (D / 8); i += FA_WARPS * 32) {
-            int key = i / (D / 8), d8 = 8 * (i % (D / 8));
-            bool valid = kt + key < n_keys;
-            u64 at = valid ? page_row(table, page_size, kt + key) * kv_width + kv_off + d8 : 0;
-            copy_async16(&ks[buf][key][d8], k_cache + at, valid);
-            copy_async16(&vs[buf][key][d8], v_cache + at, valid);
+    auto stage = [&](u32 buf, u32 kt) {
+        u32 cache_rows[COPIES];  // the table lookups first, so that their loads overlap
+        for (int i = 0; i < COPIES; i++) {
+            u32 p = kt + copy_key + i * COPY_STEP;
+            cache_rows[i] = (u32)page_row(table, page_size, p < n_keys ? p : 0);
+        }
+        for (int i = 0; i < COPIES; i++) {
+            bool valid = kt + copy_key + i * COPY_STEP < n_keys;
+            u32 to = buf * BUFFER + copy_to + i * COPY_STEP * ROW;
+            u64 at = (u64)cache_rows[i] * kv_width;
+            copy_async16(k_shared + to, k_from + at, valid);
+            copy_async16(v_shared + to, v_from + at, valid);
         }
         asm volatile("cp.async.commit_group;" ::: "memory");
     };
+    // Where this lane's ldmatrix rows start: keys (lane % 8) at dimensions 8 (lane / 8).., for
+    // S; keys 8 (lane / 8 % 2) + lane % 8 at dimensions 8 (lane / 16).., for V (transposed).
+    const u32 k_lane = k_shared + (lane % 8) * ROW + 16 * (lane / 8);
+    const u32 v_lane = v_shared + (8 * (lane / 8 % 2) + lane % 8) * ROW + 16 * (lane / 16);
     stage(0, 0);
     for (u32 kt = 0, buf = 0; kt < n_keys; kt += FA_KEYS, buf ^= 1) {
         // The next tile's copies go out (an empty group after the last), then this tile's are
@@ -130,18 +155,20 @@ __device__ void flash_attention(const float* q, const u16* k_cache, const u16* v
         __syncthreads();
         bool masked = kt + FA_KEYS > pos0;  // some key here is later than the first query
 
-        // S = Q K^T for this warp's 16 rows and the tile's keys, masked causally.
+        // S = Q K^T for this warp's 16 rows and the tile's keys: dimensions outside, keys inside,
+        // so that the MMAs next to each other accumulate into different tiles.
         float s[FA_KEYS / 8][4];
+        for (int j = 0; j < FA_KEYS / 8; j++) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+        const u32 k_tile = k_lane + buf * BUFFER;
+        for (int st = 0; st < D / 16; st += 2) {
+            // Keys 8j.. against dimensions 16 st.. and 16 (st + 1)..: two MMAs' B fragments.
+            u32 frag[FA_KEYS / 8][4];
+            for (int j = 0; j < FA_KEYS / 8; j++) load_tiles<false>(frag[j], k_tile + 8 * j * ROW + 32 * st);
+            for (int j = 0; j < FA_KEYS / 8; j++) mma_f16(s[j], qa[st], frag[j][0], frag[j][1]);
+            for (int j = 0; j < FA_KEYS / 8; j++) mma_f16(s[j], qa[st + 1], frag[j][2], frag[j][3]);
+        }
         float tile_max[2] = {NEG_INF, NEG_INF};
         for (int j = 0; j < FA_KEYS / 8; j++) {
-            s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
-            for (int st = 0; st < D / 16; st += 2) {
-                // Keys 8j.. against dimensions 16 st.. and 16 (st + 1)..: two MMAs' B fragments.
-                u32 frag[4];
-                load_tiles<false>(frag, &ks[buf][8 * j + lane % 8][16 * st + 8 * (lane / 8)]);
-                mma_f16(s[j], qa[st], frag[0], frag[1]);
-                mma_f16(s[j], qa[st + 1], frag[2], frag[3]);
-            }
             int p = kt + 8 * j + 2 * c;
             for (int e = 0; e < 4; e++) {
                 int r = e / 2;
@@ -150,37 +177,48 @@ __device__ void flash_attention(const float* q, const u16* k_cache, const u16* v
             }
         }
 
-        // Online softmax: rescale what was summed so far to the new maximum.
-        float base[2], correction[2], partial[2] = {0.0f, 0.0f};
+        // Online softmax. A row's base rises only when its scores pass it by FA_RESCALE_ABOVE,
+        // and then what was summed so far is rescaled to the new one, for the whole warp at once.
+        bool rises = false;
         for (int r = 0; r < 2; r++) {
-            float m_new = fmaxf(m[r], row_max(tile_max[r]));
-            base[r] = m_new == NEG_INF ? 0.0f : m_new;  // a row that has seen nothing stays at zero
-            correction[r] = fast_exp2(m[r] - base[r]);
-            m[r] = m_new;
+            tile_max[r] = row_max(tile_max[r]);
+            rises |= tile_max[r] > m[r] + FA_RESCALE_ABOVE;
         }
+        if (__any_sync(0xffffffffu, rises)) {
+            float correction[2];
+            for (int r = 0; r < 2; r++) {
+                float m_new = fmaxf(m[r], tile_max[r]);
+                // 0 for a row's first keys (from -inf); a row still without any stays at zero.
+                correction[r] = m_new == NEG_INF ? 1.0f : fast_exp2(m[r] - m_new);
+                m[r] = m_new;
+                l[r] *= correction[r];
+            }
+            for (int n = 0; n < D / 8; n++) {
+                o[n][0] *= correction[0];
+                o[n][1] *= correction[0];
+                o[n][2] *= correction[1];
+                o[n][3] *= correction[1];
+            }
+        }
+        float base[2], partial[2] = {0.0f, 0.0f};
+        for (int r = 0; r < 2; r++) base[r] = m[r] == NEG_INF ? 0.0f : m[r];  // a row that has seen nothing stays at zero
         for (int j = 0; j < FA_KEYS / 8; j++) {
             for (int e = 0; e < 4; e++) {
                 s[j][e] = fast_exp2(s[j][e] - base[e / 2]);
                 partial[e / 2] += s[j][e];
             }
         }
-        for (int r = 0; r < 2; r++) l[r] = l[r] * correction[r] + partial[r];
-        for (int n = 0; n < D / 8; n++) {
-            o[n][0] *= correction[0];
-            o[n][1] *= correction[0];
-            o[n][2] *= correction[1];
-            o[n][3] *= correction[1];
-        }
+        for (int r = 0; r < 2; r++) l[r] += partial[r];
 
         // O += P V, P straight from S's registers.
+        const u32 v_tile = v_lane + buf * BUFFER;
         for (int kk = 0; kk < FA_KEYS / 16; kk++) {
             u32 pa[4] = {pack_f16(s[2 * kk][0], s[2 * kk][1]), pack_f16(s[2 * kk][2], s[2 * kk][3]),
                          pack_f16(s[2 * kk + 1][0], s[2 * kk + 1][1]), pack_f16(s[2 * kk + 1][2], s[2 * kk + 1][3])};
             for (int n = 0; n < D / 8; n += 2) {
                 // Keys 16 kk.. (then 16 kk + 8..) against dimensions 8n.. and 8 (n + 1)...
                 u32 frag[4];
-                int quad = lane / 8;
-                load_tiles<true>(frag, &vs[buf][16 * kk + 8 * (quad % 2) + lane % 8][8 * (n + quad / 2)]);
+                load_tiles<true>(frag, v_tile + 16 * kk * ROW + 16 * n);
                 mma_f16(o[n], pa, frag[0], frag[1]);
                 mma_f16(o[n + 1], pa, frag[2], frag[3]);
             }
@@ -191,25 +229,29 @@ __device__ void flash_attention(const float* q, const u16* k_cache, const u16* v
     float total[2] = {row_sum(l[0]), row_sum(l[1])};  // every lane shuffles, before any leaves
     for (int r = 0; r < 2; r++) {
         if (row_pos[r] < 0) continue;
-        float* orow = out + ((u64)(first + rows[r]) * n_heads + h) * D;
-        for (int n = 0; n < D / 8; n++) {
-            float2 v;
-            v.x = o[n][2 * r] / total[r];
-            v.y = o[n][2 * r + 1] / total[r];
-            *(float2*)(orow + 8 * n + 2 * c) = v;
+        u64 at = ((u64)(first + rows[r]) * n_heads + h) * D + 2 * c;
+        float inv = 1.0f / total[r];
+        if (out_type == TY_F32) {
+            for (int n = 0; n < D / 8; n++)
+                *(float2*)((float*)out + at + 8 * n) = make_float2(o[n][2 * r] * inv, o[n][2 * r + 1] * inv);
+        } else {
+            for (int n = 0; n < D / 8; n++)
+                *(u32*)((u16*)out + at + 8 * n) =
+                    to_16bit(o[n][2 * r] * inv, out_type) | (u32)to_16bit(o[n][2 * r + 1] * inv, out_type) << 16;
         }
     }
 }
 
-// Four blocks a multiprocessor: held to 128 registers, with a small spill, instead of 166 and three
-// blocks (a layer of 2048 tokens on the H200: 225 -> 206 us).
+// Four blocks a multiprocessor: held to 128 registers, with a 20-byte spill, instead of 166 and
+// three blocks (a layer of 2048 tokens on the H200: 159.6 against 160.5 us; 206 against 225 before
+// the loop's shared addresses became immediates).
 #define FLASH_ATTENTION(D)                                                                                      \
     extern "C" __global__ void __launch_bounds__(FA_WARPS * 32, 4)                                               \
         flash_attention_##D(const float* q, const u16* k, const u16* v, const u32* positions, const u32* tables, \
-                            int table_width, const u32* token_seqs, int page_size, const u32* tiles, float* out,  \
-                            int n_heads, int n_kv_heads) {                                                       \
-        flash_attention<D>(q, k, v, positions, tables, table_width, token_seqs, page_size, tiles, out, n_heads,  \
-                           n_kv_heads);                                                                          \
+                            int table_width, const u32* token_seqs, int page_size, const u32* tiles, void* out,   \
+                            int out_type, int n_heads, int n_kv_heads) {                                         \
+        flash_attention<D>(q, k, v, positions, tables, table_width, token_seqs, page_size, tiles, out, out_type, \
+                           n_heads, n_kv_heads);                                                                 \
     }
 FLASH_ATTENTION(64)
 FLASH_ATTENTION(128)

@@ -1,18 +1,18 @@
 // RoPE on Q and K and the KV-cache write in one launch, for the start of a layer's attention.
-// Grid: (tokens, groups of ROPE_HEADS heads, query heads then key heads). A block computes its
+// Grid: (tokens, groups of `group` heads, query heads then key heads). A block computes its
 // token's angles once, into shared memory (a sincos in double precision is costly, and every head
 // of a token turns by the same angles), then rotates its heads in place, key heads also into the
 // token's cache row (page_row in common.cuh), and copies their value heads there.
-#define ROPE_HEADS 4
 #define ROPE_MAX_PAIRS 128
 template <typename T>
 __device__ void rope_kv_write(float* q, float* k, const float* v, T* k_cache, T* v_cache, const u32* positions,
                               const float* freqs, const u32* tables, int table_width, const u32* token_seqs,
-                              int page_size, int n_heads, int n_kv_heads, int head_dim, int dims, int halves) {
+                              int page_size, int n_heads, int n_kv_heads, int head_dim, int dims, int halves,
+                              int group) {
     __shared__ double2 turns[ROPE_MAX_PAIRS];
     begin_after_inputs();
     int t = blockIdx.x, half = dims / 2;
-    int h0 = blockIdx.y * ROPE_HEADS, h1 = min(h0 + ROPE_HEADS, n_heads + n_kv_heads);
+    int h0 = blockIdx.y * group, h1 = min(h0 + group, n_heads + n_kv_heads);
     u32 pos = positions[t];
     for (int i = threadIdx.x; i < half; i += blockDim.x) turns[i] = turn(pos, freqs, i);
     // The token's cache row, where this block has key heads.
@@ -45,9 +45,10 @@ __device__ void rope_kv_write(float* q, float* k, const float* v, T* k_cache, T*
     extern "C" __global__ void rope_kv_write_##NAME(float* q, float* k, const float* v, T* kc, T* vc,              \
                                                     const u32* positions, const float* freqs, const u32* tables,   \
                                                     int table_width, const u32* token_seqs, int page_size,         \
-                                                    int n_heads, int n_kv_heads, int head_dim, int dims, int halves) { \
+                                                    int n_heads, int n_kv_heads, int head_dim, int dims, int halves, \
+                                                    int group) {                                                   \
         rope_kv_write(q, k, v, kc, vc, positions, freqs, tables, table_width, token_seqs, page_size, n_heads,      \
-                      n_kv_heads, head_dim, dims, halves);                                                         \
+                      n_kv_heads, head_dim, dims, halves, group);                                                  \
     }
 ROPE_KV_WRITE(f16, u16)
 ROPE_KV_WRITE(f32, float)
