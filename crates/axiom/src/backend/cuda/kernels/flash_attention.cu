@@ -123,13 +123,18 @@ __device__ void flash_attention(const float* q, const u16* k_cache, const u16* v
     const u32 copy_key = threadIdx.x / CHUNKS, copy_to = copy_key * ROW + 16 * (threadIdx.x % CHUNKS);
     const u16* k_from = k_cache + kv_off + 8 * (threadIdx.x % CHUNKS);
     const u16* v_from = v_cache + kv_off + 8 * (threadIdx.x % CHUNKS);
-    // Copies the keys and values of positions kt.. into buffer buf (zeros past the last one).
-    auto stage = [&](u32 buf, u32 kt) {
-        u32 cache_rows[COPIES];  // the table lookups first, so that their loads overlap
+    // The cache rows of the keys a thread copies next, looked up a tile before the copies: the
+    // table's loads then have a tile's work to arrive in.
+    u32 cache_rows[COPIES];
+    auto look_up = [&](u32 kt) {
         for (int i = 0; i < COPIES; i++) {
             u32 p = kt + copy_key + i * COPY_STEP;
             cache_rows[i] = (u32)page_row(table, page_size, p < n_keys ? p : 0);
         }
+    };
+    // Copies the keys and values of positions kt.. (looked up) into buffer buf (zeros past the
+    // last one).
+    auto stage = [&](u32 buf, u32 kt) {
         for (int i = 0; i < COPIES; i++) {
             bool valid = kt + copy_key + i * COPY_STEP < n_keys;
             u32 to = buf * BUFFER + copy_to + i * COPY_STEP * ROW;
@@ -143,13 +148,16 @@ __device__ void flash_attention(const float* q, const u16* k_cache, const u16* v
     // S; keys 8 (lane / 8 % 2) + lane % 8 at dimensions 8 (lane / 16).., for V (transposed).
     const u32 k_lane = k_shared + (lane % 8) * ROW + 16 * (lane / 8);
     const u32 v_lane = v_shared + (8 * (lane / 8 % 2) + lane % 8) * ROW + 16 * (lane / 16);
+    look_up(0);
     stage(0, 0);
+    look_up(FA_KEYS);
     for (u32 kt = 0, buf = 0; kt < n_keys; kt += FA_KEYS, buf ^= 1) {
         // The next tile's copies go out (an empty group after the last), then this tile's are
         // awaited.
-        if (kt + FA_KEYS < n_keys)
+        if (kt + FA_KEYS < n_keys) {
             stage(buf ^ 1, kt + FA_KEYS);
-        else
+            look_up(kt + 2 * FA_KEYS);
+        } else
             asm volatile("cp.async.commit_group;" ::: "memory");
         asm volatile("cp.async.wait_group 1;" ::: "memory");
         __syncthreads();
@@ -159,13 +167,20 @@ __device__ void flash_attention(const float* q, const u16* k_cache, const u16* v
         // so that the MMAs next to each other accumulate into different tiles.
         float s[FA_KEYS / 8][4];
         for (int j = 0; j < FA_KEYS / 8; j++) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+        // The fragments of the next dimensions load while these multiply.
         const u32 k_tile = k_lane + buf * BUFFER;
+        u32 kf[2][FA_KEYS / 8][4];
+        // Keys 8j.. against dimensions 16 st.. and 16 (st + 1)..: two MMAs' B fragments.
+        auto load_keys = [&](u32 (*f)[4], int st) {
+            for (int j = 0; j < FA_KEYS / 8; j++) load_tiles<false>(f[j], k_tile + 8 * j * ROW + 32 * st);
+        };
+        load_keys(kf[0], 0);
+#pragma unroll
         for (int st = 0; st < D / 16; st += 2) {
-            // Keys 8j.. against dimensions 16 st.. and 16 (st + 1)..: two MMAs' B fragments.
-            u32 frag[FA_KEYS / 8][4];
-            for (int j = 0; j < FA_KEYS / 8; j++) load_tiles<false>(frag[j], k_tile + 8 * j * ROW + 32 * st);
-            for (int j = 0; j < FA_KEYS / 8; j++) mma_f16(s[j], qa[st], frag[j][0], frag[j][1]);
-            for (int j = 0; j < FA_KEYS / 8; j++) mma_f16(s[j], qa[st + 1], frag[j][2], frag[j][3]);
+            if (st + 2 < D / 16) load_keys(kf[(st / 2 + 1) % 2], st + 2);
+            u32(*f)[4] = kf[st / 2 % 2];
+            for (int j = 0; j < FA_KEYS / 8; j++) mma_f16(s[j], qa[st], f[j][0], f[j][1]);
+            for (int j = 0; j < FA_KEYS / 8; j++) mma_f16(s[j], qa[st + 1], f[j][2], f[j][3]);
         }
         float tile_max[2] = {NEG_INF, NEG_INF};
         for (int j = 0; j < FA_KEYS / 8; j++) {
@@ -201,7 +216,8 @@ __device__ void flash_attention(const float* q, const u16* k_cache, const u16* v
             }
         }
         float base[2], partial[2] = {0.0f, 0.0f};
-        for (int r = 0; r < 2; r++) base[r] = m[r] == NEG_INF ? 0.0f : m[r];  // a row that has seen nothing stays at zero
+        // A row that has seen nothing stays at zero.
+        for (int r = 0; r < 2; r++) base[r] = m[r] == NEG_INF ? 0.0f : m[r];
         for (int j = 0; j < FA_KEYS / 8; j++) {
             for (int e = 0; e < 4; e++) {
                 s[j][e] = fast_exp2(s[j][e] - base[e / 2]);
@@ -210,18 +226,29 @@ __device__ void flash_attention(const float* q, const u16* k_cache, const u16* v
         }
         for (int r = 0; r < 2; r++) l[r] += partial[r];
 
-        // O += P V, P straight from S's registers.
-        const u32 v_tile = v_lane + buf * BUFFER;
+        // O += P V, P straight from S's registers; each step's V fragments load during the step
+        // before.
+        u32 pa[FA_KEYS / 16][4];
         for (int kk = 0; kk < FA_KEYS / 16; kk++) {
-            u32 pa[4] = {pack_f16(s[2 * kk][0], s[2 * kk][1]), pack_f16(s[2 * kk][2], s[2 * kk][3]),
-                         pack_f16(s[2 * kk + 1][0], s[2 * kk + 1][1]), pack_f16(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-            for (int n = 0; n < D / 8; n += 2) {
-                // Keys 16 kk.. (then 16 kk + 8..) against dimensions 8n.. and 8 (n + 1)...
-                u32 frag[4];
-                load_tiles<true>(frag, v_tile + 16 * kk * ROW + 16 * n);
-                mma_f16(o[n], pa, frag[0], frag[1]);
-                mma_f16(o[n + 1], pa, frag[2], frag[3]);
-            }
+            pa[kk][0] = pack_f16(s[2 * kk][0], s[2 * kk][1]);
+            pa[kk][1] = pack_f16(s[2 * kk][2], s[2 * kk][3]);
+            pa[kk][2] = pack_f16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+            pa[kk][3] = pack_f16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+        }
+        // Step i: keys 16 kk.. (then 16 kk + 8..) against dimensions 8n.. and 8 (n + 1)...
+        constexpr int V_STEPS = FA_KEYS / 16 * (D / 16);
+        const u32 v_tile = v_lane + buf * BUFFER;
+        auto load_values = [&](u32* f, int i) {
+            load_tiles<true>(f, v_tile + i / (D / 16) * 16 * ROW + i % (D / 16) * 32);
+        };
+        u32 vf[2][4];
+        load_values(vf[0], 0);
+#pragma unroll
+        for (int i = 0; i < V_STEPS; i++) {
+            if (i + 1 < V_STEPS) load_values(vf[(i + 1) % 2], i + 1);
+            int kk = i / (D / 16), n = 2 * (i % (D / 16));
+            mma_f16(o[n], pa[kk], vf[i % 2][0], vf[i % 2][1]);
+            mma_f16(o[n + 1], pa[kk], vf[i % 2][2], vf[i % 2][3]);
         }
         __syncthreads();
     }
@@ -242,11 +269,11 @@ __device__ void flash_attention(const float* q, const u16* k_cache, const u16* v
     }
 }
 
-// Four blocks a multiprocessor: held to 128 registers, with a 20-byte spill, instead of 166 and
-// three blocks (a layer of 2048 tokens on the H200: 159.6 against 160.5 us; 206 against 225 before
-// the loop's shared addresses became immediates).
+// Three blocks a multiprocessor (166 registers), so that the fragments of the next MMAs load
+// during these without spilling: a layer of 2048 tokens on the H200 takes 143.5 us, against 149.7
+// held to 128 registers and four blocks without the early loads (155 with them, spilling).
 #define FLASH_ATTENTION(D)                                                                                      \
-    extern "C" __global__ void __launch_bounds__(FA_WARPS * 32, 4)                                               \
+    extern "C" __global__ void __launch_bounds__(FA_WARPS * 32, 3)                                               \
         flash_attention_##D(const float* q, const u16* k, const u16* v, const u32* positions, const u32* tables, \
                             int table_width, const u32* token_seqs, int page_size, const u32* tiles, void* out,   \
                             int out_type, int n_heads, int n_kv_heads) {                                         \
