@@ -63,6 +63,8 @@ const FLASH_QUERY_TILE: usize = 64;
 /// spread over blocks (one pair a thread); steps of `FLASH_MIN_TOKENS` or more take each token's
 /// heads in one block, which computes their angles once for all of them.
 const ROPE_HEADS: usize = 4;
+/// The most float4 a thread of the RMS norms holds (NORM_LOADS in rms_norm.cu).
+const NORM_LOADS: usize = 4;
 /// The most rotated pairs of a head (rope_kv_write.cu).
 const ROPE_MAX_PAIRS: usize = 128;
 /// The largest second grid dimension CUDA launches.
@@ -646,7 +648,7 @@ impl CudaBackend {
         self.launch(
             "rms_norm_16",
             (n_tokens as u32, 1, 1),
-            norm_16_block(dim),
+            norm_16_block(dim)?,
             &[
                 &self.ptr(x),
                 &self.ptr(weight),
@@ -743,19 +745,28 @@ fn gemm_input(ty: GgmlType) -> GgmlType {
 /// Threads for a block of rms_norm or rms_norm_q8, which hold their row in registers: a float4 a
 /// thread, in whole warps, up to 1024, and up to four float4 a thread (NORM_LOADS).
 fn norm_block(dim: usize) -> Result<u32> {
-    const MAX_DIM: usize = 4 * 4 * 1024;
+    check_norm_row(dim)?;
+    Ok((dim / 4).next_multiple_of(32).clamp(32, 1024) as u32)
+}
+
+/// Threads for a block of rms_norm_16, which normalizes one of prefill's many rows: as few whole
+/// warps as hold the row, `NORM_LOADS` float4 a thread, so that many rows are in flight at once
+/// (rows of 4096 values: 256 threads).
+fn norm_16_block(dim: usize) -> Result<u32> {
+    check_norm_row(dim)?;
+    Ok((dim / 4).div_ceil(NORM_LOADS).next_multiple_of(32).clamp(32, 1024) as u32)
+}
+
+/// The rows the RMS norms hold (`held_rms_norm` in rms_norm.cu): float4 loads, at most
+/// `NORM_LOADS` of them for each of a block's 1024 threads.
+fn check_norm_row(dim: usize) -> Result<()> {
+    const MAX_DIM: usize = 4 * NORM_LOADS * 1024;
     if !dim.is_multiple_of(4) || dim > MAX_DIM {
         return Err(Error::Backend(format!(
             "rows of {dim} values: the CUDA RMS norm takes multiples of 4 up to {MAX_DIM}"
         )));
     }
-    Ok((dim / 4).next_multiple_of(32).clamp(32, 1024) as u32)
-}
-
-/// Threads for a block of rms_norm_16, which normalizes one of prefill's many rows: a thread a
-/// float4, in whole warps, up to 256, so that many rows are in flight at once.
-fn norm_16_block(dim: usize) -> u32 {
-    (dim / 4).next_multiple_of(32).clamp(32, 256) as u32
+    Ok(())
 }
 
 /// The page size as the kernels take it: a power of two, so that page_row (common.cuh) finds a
@@ -1446,9 +1457,15 @@ mod tests {
         assert_eq!(norm_block(576).unwrap(), 160);
         assert_eq!(norm_block(4096).unwrap(), 1024);
         assert_eq!(norm_block(16384).unwrap(), 1024);
+        assert_eq!(norm_16_block(48).unwrap(), 32);
+        assert_eq!(norm_16_block(576).unwrap(), 64);
+        assert_eq!(norm_16_block(4096).unwrap(), 256);
+        assert_eq!(norm_16_block(16384).unwrap(), 1024);
         for dim in [4098, 16388] {
-            let err = norm_block(dim).unwrap_err().to_string();
-            assert!(err.contains(&dim.to_string()), "{err}");
+            for block in [norm_block, norm_16_block] {
+                let err = block(dim).unwrap_err().to_string();
+                assert!(err.contains(&dim.to_string()), "{err}");
+            }
         }
     }
 }

@@ -52,9 +52,10 @@ __device__ __forceinline__ float warp_max(float v) {
 // Activations quantized for the integer matrix-vector kernels (matmul.cu): value i of an aligned
 // block of 32, held one per lane of a warp, becomes round(v / d) with d = max |v| / 127 over the
 // block, d stored once per block.
+__device__ __forceinline__ i8 quantize_by(float v, float d) { return (i8)(d == 0.0f ? 0 : __float2int_rn(v / d)); }
 __device__ __forceinline__ void store_q8(float v, i8* xq, float* xd, u64 i) {
     float d = warp_max(fabsf(v)) / 127.0f;
-    xq[i] = (i8)(d == 0.0f ? 0 : __float2int_rn(v / d));
+    xq[i] = quantize_by(v, d);
     if (i % 32 == 0) xd[i / 32] = d;
 }
 
@@ -66,7 +67,7 @@ __device__ __forceinline__ void store_q8x4(float4 v, bool valid, u32* xq, float*
     float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
     for (int o = 4; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
     float d = amax / 127.0f;
-    auto quant = [d](float x) { return (u32)(u8)(i8)(d == 0.0f ? 0 : __float2int_rn(x / d)); };
+    auto quant = [d](float x) { return (u32)(u8)quantize_by(x, d); };
     if (valid) {
         xq[i4] = quant(v.x) | quant(v.y) << 8 | quant(v.z) << 16 | quant(v.w) << 24;
         if (i4 % 8 == 0) xd[i4 / 8] = d;

@@ -1,10 +1,10 @@
+__device__ __forceinline__ float silu_times(float g, float u) { return g / (1.0f + expf(-g)) * u; }
+
 // out = silu(gate) * up
 extern "C" __global__ void swiglu(const float* gate, const float* up, float* out, u64 n) {
     begin_after_inputs();
-    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
-        float g = gate[i];
-        out[i] = g / (1.0f + expf(-g)) * up[i];
-    }
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
+        out[i] = silu_times(gate[i], up[i]);
 }
 
 // swiglu on 16-bit gate and up products, written in their type (`kind` as in to_16bit): the
@@ -18,16 +18,12 @@ extern "C" __global__ void swiglu_16(const u16* gate, const u16* up, u16* out, u
             const u16 *g = (const u16*)&g4, *u = (const u16*)&u4;
             uint4 o4;
             u16* o = (u16*)&o4;
-            for (int j = 0; j < 8; j++) {
-                float gv = from_16bit(g[j], kind);
-                o[j] = to_16bit(gv / (1.0f + expf(-gv)) * from_16bit(u[j], kind), kind);
-            }
+            for (int j = 0; j < 8; j++)
+                o[j] = to_16bit(silu_times(from_16bit(g[j], kind), from_16bit(u[j], kind)), kind);
             *(uint4*)(out + i) = o4;
         } else {
-            for (u64 j = i; j < n; j++) {
-                float gv = from_16bit(gate[j], kind);
-                out[j] = to_16bit(gv / (1.0f + expf(-gv)) * from_16bit(up[j], kind), kind);
-            }
+            for (u64 j = i; j < n; j++)
+                out[j] = to_16bit(silu_times(from_16bit(gate[j], kind), from_16bit(up[j], kind)), kind);
         }
     }
 }

@@ -47,26 +47,17 @@ extern "C" __global__ void rms_norm(const float4* __restrict__ x, const float4* 
 }
 
 // rms_norm written in 16 bits (f16 or bf16, `kind` as in to_16bit), the input of cuBLAS GEMMs: the
-// norm and the conversion in one pass. Only prefill's many rows take it, so a block is small (up
-// to 256 threads, a float4 each in turn; dim is a multiple of 4) and many rows are in flight:
-// 2048 rows of 4096 took 16 us on the H200 (ncu), against 35 with blocks of a thread a value.
+// norm and the conversion in one pass. Only prefill's many rows take it, so a block is as small as
+// holds its row (up to NORM_LOADS float4 a thread: the host sizes it, norm_16_block) and many rows
+// are in flight.
 extern "C" __global__ void rms_norm_16(const float4* __restrict__ x, const float4* __restrict__ w,
                                        uint2* __restrict__ out, int dim, float eps, int kind) {
-    begin_after_inputs();
-    int n4 = dim / 4;
-    const float4* row = x + (u64)blockIdx.x * n4;
-    float sum = 0.0f;
-    for (int i = threadIdx.x; i < n4; i += blockDim.x) {
-        float4 v = row[i];
-        sum += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-    }
-    float scale = rsqrtf(block_sum(sum) / dim + eps);
-    for (int i = threadIdx.x; i < n4; i += blockDim.x) {
-        float4 v = row[i], g = w[i];
-        out[(u64)blockIdx.x * n4 + i] =
-            make_uint2((u32)to_16bit(v.x * scale * g.x, kind) | ((u32)to_16bit(v.y * scale * g.y, kind) << 16),
-                       (u32)to_16bit(v.z * scale * g.z, kind) | ((u32)to_16bit(v.w * scale * g.w, kind) << 16));
-    }
+    u64 base = (u64)blockIdx.x * (dim / 4);
+    held_rms_norm(x + base, w, dim, eps, 0, [&](int i4, float4 v, bool valid) {
+        if (valid)
+            out[base + i4] = make_uint2((u32)to_16bit(v.x, kind) | ((u32)to_16bit(v.y, kind) << 16),
+                                        (u32)to_16bit(v.z, kind) | ((u32)to_16bit(v.w, kind) << 16));
+    });
 }
 
 // rms_norm with the normalized row quantized as quantize_q8 does (store_q8x4), for an integer
