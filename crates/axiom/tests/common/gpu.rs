@@ -398,9 +398,9 @@ pub fn paged_kv_write_and_attention<B: Backend>(make: impl Fn(KvType) -> B, tole
 }
 
 /// `attend_and_project` (attention, then its product with the output projection added to a
-/// residual) on decodes over a long context, for weights a backend may multiply on integers
-/// (quantizing the attention's output as it writes it) and for one it does not, with an f16
-/// cache. `tolerance(type)` is the relative error allowed.
+/// residual) on decodes over a long context and on a prefill step, for weights a backend may
+/// multiply on integers (quantizing the attention's output as it writes it) and for one it does
+/// not, with an f16 cache. `tolerance(type, tokens)` is the relative error allowed.
 pub fn attention_then_output_projection<B: Backend>(
     make: impl Fn(KvType) -> B,
     tolerance: impl Fn(GgmlType, usize) -> f64,

@@ -63,10 +63,10 @@ const FLASH_QUERY_TILE: usize = 64;
 /// spread over blocks (one pair a thread); steps of `FLASH_MIN_TOKENS` or more take each token's
 /// heads in one block, which computes their angles once for all of them.
 const ROPE_HEADS: usize = 4;
-/// The most float4 a thread of the RMS norms holds (NORM_LOADS in rms_norm.cu).
-const NORM_LOADS: usize = 4;
 /// The most rotated pairs of a head (rope_kv_write.cu).
 const ROPE_MAX_PAIRS: usize = 128;
+/// The most float4 a thread of the RMS norms holds (NORM_LOADS in rms_norm.cu).
+const NORM_LOADS: usize = 4;
 /// The largest second grid dimension CUDA launches.
 const MAX_GRID_Y: u32 = 65535;
 

@@ -124,7 +124,8 @@ __device__ void flash_attention(const float* q, const u16* k_cache, const u16* v
     const u16* k_from = k_cache + kv_off + 8 * (threadIdx.x % CHUNKS);
     const u16* v_from = v_cache + kv_off + 8 * (threadIdx.x % CHUNKS);
     // The cache rows of the keys a thread copies next, looked up a tile before the copies: the
-    // table's loads then have a tile's work to arrive in.
+    // table's loads then have a tile's work to arrive in. (A layer's cache has far fewer than 2^32
+    // rows.)
     u32 cache_rows[COPIES];
     auto look_up = [&](u32 kt) {
         for (int i = 0; i < COPIES; i++) {
