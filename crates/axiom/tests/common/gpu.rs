@@ -116,7 +116,21 @@ pub fn matmul_every_type_and_token_count<B: Backend>(
 ) {
     let mut rng = ChaCha8Rng::seed_from_u64(1);
     let short = |ty: GgmlType| if ty.block_len() == 256 { 512 } else { 96 };
-    for (ty, n_in) in WEIGHT_TYPES.iter().flat_map(|&ty| [(ty, short(ty)), (ty, 2048)]) {
+    // K-quant rows of 4352 (17 super-blocks) also: longer than the 4096 values a CUDA Q4_K warp
+    // stages at once, and ending in a half tile of its interleaved layout.
+    let long = |ty: GgmlType| {
+        if ty.block_len() == 256 {
+            &[2048, 4352][..]
+        } else {
+            &[2048][..]
+        }
+    };
+    let cases = WEIGHT_TYPES.iter().flat_map(|&ty| {
+        std::iter::once(short(ty))
+            .chain(long(ty).iter().copied())
+            .map(move |n| (ty, n))
+    });
+    for (ty, n_in) in cases {
         let n_out = 37;
         let (mut gpu, mut cpu) = pair(&make);
         let (wg, wc) = random_weight(&mut rng, &mut gpu, &mut cpu, ty, n_in, n_out);

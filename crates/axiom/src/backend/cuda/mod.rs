@@ -100,15 +100,16 @@ pub struct CudaWeight {
 super::impl_matrix!(CudaWeight);
 
 /// A weight's fields in the split layout the kernels read (kernels/dequant.cuh): every row's
-/// quants contiguous, so a lane loads 16 or 32 aligned bytes at once, and the small per-block
-/// fields in side arrays. Float weights stay as they are.
+/// quants contiguous, so a lane loads 16 or 32 aligned bytes at once (Q4_K's interleaved:
+/// `interleave_row`), and the small per-block fields in side arrays. Float weights stay as they
+/// are.
 struct SplitWeight {
     q: Vec<u8>,
     s: Vec<u8>,
     m: Vec<u8>,
 }
 
-fn split_weight(ty: GgmlType, bytes: &[u8]) -> SplitWeight {
+fn split_weight(ty: GgmlType, bytes: &[u8], n_in: usize) -> SplitWeight {
     let (mut q, mut s, mut m) = (Vec::with_capacity(bytes.len()), Vec::new(), Vec::new());
     let blocks = bytes.chunks_exact(ty.block_bytes());
     match ty {
@@ -125,10 +126,17 @@ fn split_weight(ty: GgmlType, bytes: &[u8]) -> SplitWeight {
             m.extend_from_slice(&b[2..4]);
             q.extend_from_slice(&b[4..20]);
         }),
-        GgmlType::Q4K => blocks.for_each(|b| {
-            s.extend_from_slice(&b[0..16]);
-            q.extend_from_slice(&b[16..144]);
-        }),
+        GgmlType::Q4K => {
+            let mut row = Vec::with_capacity(n_in / 2);
+            for row_blocks in bytes.chunks_exact(n_in / 256 * ty.block_bytes()) {
+                row.clear();
+                for b in row_blocks.chunks_exact(ty.block_bytes()) {
+                    s.extend_from_slice(&b[0..16]);
+                    row.extend_from_slice(&b[16..144]);
+                }
+                interleave_row(&row, Q4K_GROUP_BYTES, &mut q);
+            }
+        }
         GgmlType::Q6K => blocks.for_each(|b| {
             q.extend_from_slice(&b[0..128]);
             m.extend_from_slice(&b[128..192]);
@@ -138,6 +146,29 @@ fn split_weight(ty: GgmlType, bytes: &[u8]) -> SplitWeight {
         _ => q.extend_from_slice(bytes),
     }
     SplitWeight { q, s, m }
+}
+
+/// Units per tile of the interleaved layout (INTERLEAVE_UNITS in kernels/common.cuh).
+const INTERLEAVE_UNITS: usize = 8;
+/// A Q4_K lane's unit of quants: 32 bytes, two sub-blocks.
+const Q4K_GROUP_BYTES: usize = 32;
+
+/// Appends a row of units of `unit_bytes` (a multiple of 16) in the interleaved order of
+/// kernels/common.cuh: tiles of `INTERLEAVE_UNITS` units, each stored 16-byte piece by piece.
+fn interleave_row(row: &[u8], unit_bytes: usize, out: &mut Vec<u8>) {
+    for tile in row.chunks(unit_bytes * INTERLEAVE_UNITS) {
+        for piece in (0..unit_bytes).step_by(16) {
+            for unit in tile.chunks_exact(unit_bytes) {
+                out.extend_from_slice(&unit[piece..piece + 16]);
+            }
+        }
+    }
+}
+
+/// Whether the integer kernels for `ty` take their activations interleaved (`q8_slot` in
+/// kernels/common.cuh): Q4_K's, whose lanes take 64 values each.
+fn interleaves_activations(ty: GgmlType) -> bool {
+    ty == GgmlType::Q4K
 }
 
 pub struct CudaBackend {
@@ -384,7 +415,7 @@ impl CudaBackend {
     /// The matrix-vector kernels for `ws` (one type, at most `MAX_MATRICES`; with
     /// `Epilogue::SwiGlu`, gate and up) in groups of up to 8 tokens: on int8 activations for the
     /// weights that take them, quantized (and normalized) here unless `quantized` already holds
-    /// them, else on the f32 rows.
+    /// them in the layout they read, else on the f32 rows.
     fn gemv(
         &self,
         x: Input,
@@ -392,15 +423,15 @@ impl CudaBackend {
         outs: &[BlockHandle],
         n_tokens: usize,
         epilogue: Epilogue,
-        quantized: &mut Option<(BlockHandle, BlockHandle)>,
+        quantized: &mut Option<Quantized>,
     ) -> Result<()> {
         let w = ws[0];
         let suffix = Self::type_suffix(w.ty)?;
         let n_in = w.n_in as i32;
         let input = match self.int8_activations.filter(|_| self.takes_int8(w)) {
             Some(staging) => GemvInput::Int8(match *quantized {
-                Some(q) => q,
-                None => *quantized.insert(self.quantize_activations(x, staging, n_tokens, w)?),
+                Some(q) if q.interleaved == interleaves_activations(w.ty) => q,
+                _ => *quantized.insert(self.quantize_activations(x, staging, n_tokens, w)?),
             }),
             None => match x {
                 Input::RmsNormed { x, weight, eps, .. } if self.gemv_normalizes(w, n_tokens) => {
@@ -413,7 +444,7 @@ impl CudaBackend {
         for (done, t) in token_groups(n_tokens) {
             let (mats, blocks) = self.matrices(ws, outs, epilogue, done, t);
             match input {
-                GemvInput::Int8((xq, xd)) => {
+                GemvInput::Int8(Quantized { xq, xd, .. }) => {
                     let xqs = self.ptr(xq.slice(done * w.n_in, t * w.n_in));
                     let xds = self.ptr(xd.slice(done * w.n_in / 8, t * w.n_in / 8));
                     let name = kernels::gemv_kernel(true, glu, suffix, t);
@@ -464,15 +495,20 @@ impl CudaBackend {
         let (nh, nkv, hd) = (shape.n_heads as i32, shape.n_kv_heads as i32, shape.head_dim as i32);
         let (table_width, page_size) = (pages.table_width as i32, page_size_arg(&pages)?);
         let n = n_tokens * shape.q_width();
-        let (xq, xd, start_next) = match quantized_for {
+        let (xq, xd, interleave, start_next) = match quantized_for {
             Some(((xq, _), _)) if n > xq.len => {
                 return Err(Error::Backend(format!(
                     "{n} outputs exceed the int8 staging of {}",
                     xq.len
                 )))
             }
-            Some(((xq, xd), w)) => (self.ptr(xq), self.ptr(xd), i32::from(starts_next_early(w.ty))),
-            None => (0, 0, 0),
+            Some(((xq, xd), w)) => (
+                self.ptr(xq),
+                self.ptr(xd),
+                i32::from(interleaves_activations(w.ty)),
+                i32::from(starts_next_early(w.ty)),
+            ),
+            None => (0, 0, 0, 0),
         };
         self.launch(
             &format!("attention_{}", self.kv_suffix()),
@@ -490,6 +526,7 @@ impl CudaBackend {
                 &self.ptr(out),
                 &xq,
                 &xd,
+                &interleave,
                 &start_next,
                 &nh,
                 &nkv,
@@ -661,14 +698,14 @@ impl CudaBackend {
     }
 
     /// Quantizes `n_tokens` rows of activations for `w` into `staging` (int8 values, f32 scale
-    /// per 32), normalizing them first if `x` says so.
+    /// per 32) in the layout `w`'s kernels read, normalizing them first if `x` says so.
     fn quantize_activations(
         &self,
         x: Input,
         (xq, xd): (BlockHandle, BlockHandle),
         n_tokens: usize,
         w: &CudaWeight,
-    ) -> Result<(BlockHandle, BlockHandle)> {
+    ) -> Result<Quantized> {
         let n_in = w.n_in;
         let n = n_tokens * n_in;
         if n > xq.len {
@@ -678,13 +715,22 @@ impl CudaBackend {
             )));
         }
         let (xq_ptr, xd_ptr) = (self.ptr(xq), self.ptr(xd));
-        let start_next = i32::from(starts_next_early(w.ty));
+        let interleaved = interleaves_activations(w.ty);
+        let (interleave, start_next) = (i32::from(interleaved), i32::from(starts_next_early(w.ty)));
         match x {
             Input::Rows(x) => self.launch(
                 "quantize_q8",
                 (blocks_for(n / 4, 256), 1, 1),
                 256,
-                &[&self.ptr(x), &xq_ptr, &xd_ptr, &(n as u64), &start_next],
+                &[
+                    &self.ptr(x),
+                    &xq_ptr,
+                    &xd_ptr,
+                    &(n as u64),
+                    &(n_in as i32),
+                    &interleave,
+                    &start_next,
+                ],
             )?,
             Input::RmsNormed { x, weight, eps, .. } => self.launch(
                 "rms_norm_q8",
@@ -697,21 +743,22 @@ impl CudaBackend {
                     &xd_ptr,
                     &(n_in as i32),
                     &eps,
+                    &interleave,
                     &start_next,
                 ],
             )?,
         }
-        Ok((xq, xd))
+        Ok(Quantized { xq, xd, interleaved })
     }
 }
 
 /// Whether the kernel that quantizes an integer matrix-vector kernel's activations lets that
 /// kernel's blocks start early, to read their first weights meanwhile (`start_dependents` in
-/// common.cuh; only Q8_0's `int_row` reads before its wait). 8B decode on the H200, same call:
-/// Q8_0 344 -> 373 tok/s; Q4_K 469 -> 429-438, whether its kernels read before their wait or not.
-/// The other types were not measured.
+/// common.cuh; the types whose kernels read before their wait, `ReadsBeforeWait` in matmul.cu).
+/// 8B decode on the H200, same call: Q8_0 344 -> 373 tok/s. (Q4_K's chunk-a-lane kernel lost by
+/// it, 469 -> 429-438; its staged kernel gains.) The other types were not measured.
 fn starts_next_early(ty: GgmlType) -> bool {
-    ty == GgmlType::Q8_0
+    matches!(ty, GgmlType::Q8_0 | GgmlType::Q4K)
 }
 
 /// `n_tokens` split into groups the matrix-vector kernels take (8, 4, 2 or 1 tokens):
@@ -816,11 +863,20 @@ struct Matrices {
     accumulate: i32,
 }
 
-/// The activations of a matrix-vector launch: quantized to int8 (values, block scales), f32 rows,
-/// or one f32 row that the kernel RMS-normalizes itself.
+/// Activations quantized for the integer matrix-vector kernels: int8 values, f32 block scales,
+/// and whether the values are interleaved (`interleaves_activations`).
+#[derive(Clone, Copy)]
+struct Quantized {
+    xq: BlockHandle,
+    xd: BlockHandle,
+    interleaved: bool,
+}
+
+/// The activations of a matrix-vector launch: quantized to int8, f32 rows, or one f32 row that
+/// the kernel RMS-normalizes itself.
 #[derive(Clone, Copy)]
 enum GemvInput {
-    Int8((BlockHandle, BlockHandle)),
+    Int8(Quantized),
     F32(BlockHandle),
     Normed {
         x: BlockHandle,
@@ -916,7 +972,7 @@ impl Backend for CudaBackend {
                 t.name
             )));
         }
-        let split = split_weight(t.ty, t.bytes);
+        let split = split_weight(t.ty, t.bytes, n_in);
         let mut upload = |data: &[u8]| -> Result<Option<BlockHandle>> {
             if data.is_empty() {
                 return Ok(None);
@@ -1355,13 +1411,19 @@ impl Backend for CudaBackend {
         match self.int8_activations.filter(|_| folds) {
             Some(staging) => {
                 self.attend(q, kv, out, Some((staging, wo)), n_tokens, shape)?;
+                let (xq, xd) = staging;
+                let quantized = Quantized {
+                    xq,
+                    xd,
+                    interleaved: interleaves_activations(wo.ty),
+                };
                 self.gemv(
                     out.into(),
                     &[wo],
                     &[residual],
                     n_tokens,
                     Epilogue::Add,
-                    &mut Some(staging),
+                    &mut Some(quantized),
                 )
             }
             None => attend_and_project_in_steps(self, q, kv, wo, [out, residual, scratch], n_tokens, shape),
@@ -1449,6 +1511,23 @@ mod tests {
         seqs.extend([1, 2, 2]);
         assert_eq!(query_tiles(&positions, &seqs), vec![0, 64, 64, 6, 70, 1, 71, 2]);
         assert!(query_tiles(&[], &[]).is_empty());
+    }
+
+    #[test]
+    fn interleaved_rows_are_tiles_stored_piece_by_piece() {
+        // Twelve 32-byte units, byte j of unit u = 32 u + j: a tile of eight, then one of four.
+        let row: Vec<u8> = (0..12 * 32).map(|i| i as u8).collect();
+        let mut out = Vec::new();
+        interleave_row(&row, 32, &mut out);
+        let pieces: Vec<u8> = out.chunks_exact(16).map(|p| p[0]).collect();
+        let piece = |unit: u8, k: u8| 32 * unit + 16 * k;
+        let mut expected: Vec<u8> = Vec::new();
+        expected.extend((0..8).map(|u| piece(u, 0)));
+        expected.extend((0..8).map(|u| piece(u, 1)));
+        expected.extend((8..12).map(|u| piece(u, 0)));
+        expected.extend((8..12).map(|u| piece(u, 1)));
+        assert_eq!(pieces, expected);
+        assert!(out.chunks_exact(16).all(|p| p.windows(2).all(|w| w[1] == w[0] + 1)));
     }
 
     #[test]

@@ -49,27 +49,56 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
+// Interleaved rows. Q4_K's integer kernel (q4k_row in matmul.cu) gives each lane a 32-byte group
+// of quants, 64 values, and the 64 int8 activations they multiply: stored in order, a warp's 16-byte
+// loads would lie 32 or 64 bytes apart, and L1 would be the limit. So Q4_K quants are repacked at
+// load (`interleave_row` in cuda/mod.rs) and the activations they take are written in the same
+// order: a row's units (a group of quants, or 64 activations) in tiles of INTERLEAVE_UNITS, each
+// tile stored 16-byte piece by piece: piece k of unit u at k * width + u of its tile, width the
+// tile's units (a row's last tile may be narrower). Eight lanes' loads of one piece are then 128
+// contiguous bytes.
+#define INTERLEAVE_UNITS 8
+__device__ __forceinline__ int tile_width(int unit, int n_units) {
+    return min(INTERLEAVE_UNITS, n_units - (unit & ~(INTERLEAVE_UNITS - 1)));
+}
+// The 16-byte piece where unit `unit`'s first piece lies, for units of `pieces` pieces; its piece k
+// follows k * tile_width pieces later.
+__device__ __forceinline__ int unit_start(int unit, int pieces) {
+    int first = unit & ~(INTERLEAVE_UNITS - 1);
+    return first * pieces + unit - first;
+}
+
 // Activations quantized for the integer matrix-vector kernels (matmul.cu): value i of an aligned
 // block of 32, held one per lane of a warp, becomes round(v / d) with d = max |v| / 127 over the
-// block, d stored once per block.
+// block, d stored once per block. The values lie in xq in order, or interleaved for Q4_K in units
+// of 64 (`q8_slot`); their scales always in order.
 __device__ __forceinline__ i8 quantize_by(float v, float d) { return (i8)(d == 0.0f ? 0 : __float2int_rn(v / d)); }
-__device__ __forceinline__ void store_q8(float v, i8* xq, float* xd, u64 i) {
+
+// Where value v of a row of n activations lies in xq (n a multiple of 256 when interleaved).
+__device__ __forceinline__ int q8_slot(int v, int n, bool interleave) {
+    if (!interleave) return v;
+    int unit = v / 64;
+    return 16 * (unit_start(unit, 4) + v % 64 / 16 * tile_width(unit, n / 64)) + v % 16;
+}
+
+// Value i (of all rows) into xq at `slot` (q8_slot of its row, plus the row's start).
+__device__ __forceinline__ void store_q8(float v, i8* xq, float* xd, u64 i, u64 slot) {
     float d = warp_max(fabsf(v)) / 127.0f;
-    xq[i] = quantize_by(v, d);
+    xq[slot] = quantize_by(v, d);
     if (i % 32 == 0) xd[i / 32] = d;
 }
 
-// store_q8 for four neighbouring values held by one thread, values 4 * i4 to 4 * i4 + 3: eight
-// neighbouring lanes hold a block of 32 (i4 % 8 is the lane's place in it), and one 4-byte store
-// writes a thread's quants. Every lane of the warp takes part (the shuffles); those with `valid`
-// store.
-__device__ __forceinline__ void store_q8x4(float4 v, bool valid, u32* xq, float* xd, u64 i4) {
+// store_q8 for four neighbouring values held by one thread, values 4 * i4 to 4 * i4 + 3, stored in
+// word slot4 of xq: eight neighbouring lanes hold a block of 32 (i4 % 8 is the lane's place in it),
+// and one 4-byte store writes a thread's quants. Every lane of the warp takes part (the shuffles);
+// those with `valid` store.
+__device__ __forceinline__ void store_q8x4(float4 v, bool valid, u32* xq, float* xd, u64 i4, u64 slot4) {
     float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
     for (int o = 4; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
     float d = amax / 127.0f;
     auto quant = [d](float x) { return (u32)(u8)quantize_by(x, d); };
     if (valid) {
-        xq[i4] = quant(v.x) | quant(v.y) << 8 | quant(v.z) << 16 | quant(v.w) << 24;
+        xq[slot4] = quant(v.x) | quant(v.y) << 8 | quant(v.z) << 16 | quant(v.w) << 24;
         if (i4 % 8 == 0) xd[i4 / 8] = d;
     }
 }
@@ -121,4 +150,15 @@ __device__ __forceinline__ void start_dependents() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
+}
+
+__device__ __forceinline__ u32 shared_address(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 s; cvta.to.shared.u64 s, %1; cvt.u32.u64 %0, s; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+// 16 bytes from global to shared memory without passing through registers; zeros where !valid.
+__device__ __forceinline__ void copy_async16(u32 dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
 }

@@ -1,8 +1,9 @@
 // Quantized weights on the GPU are stored split by field, so that every load is wide, aligned and
-// coalesced (see `SplitWeight` in cuda/mod.rs): the quants of a row are contiguous (`q`), and the
-// per-block scales, minimums or packed K-quant metadata sit in side arrays (`s`, `m`). A row of
-// n values is decoded as n/32 chunks; chunk c yields 32 values in two runs of 16, starting at
-// `at0` and `at1` within the row. Values are exactly the reference dequantization's.
+// coalesced (see `SplitWeight` in cuda/mod.rs): the quants of a row are contiguous (`q`; Q4_K's
+// interleaved, common.cuh), and the per-block scales, minimums or packed K-quant metadata sit in
+// side arrays (`s`, `m`). A row of n values is decoded as n/32 chunks; chunk c yields 32 values in
+// two runs of 16, starting at `at0` and `at1` within the row. Values are exactly the reference
+// dequantization's.
 
 struct Weight {
     const u8* q;  // quants, row-major
@@ -82,8 +83,9 @@ template <> __device__ __forceinline__ IntChunk int_chunk<TY_Q4_1>(const Weight&
 }
 
 // Q4_K: chunk c is 16 bytes of a super-block's 128 quant bytes; the 32-byte group g = (c%8)/2
-// holds sub-blocks 2g (low nibbles) and 2g+1 (high), and this chunk is their half h = c%2.
-// Metadata per super-block: d, dmin (f16) and the 12 bytes of packed 6-bit scales and mins.
+// holds sub-blocks 2g (low nibbles) and 2g+1 (high), and this chunk is their half h = c%2, piece
+// h of the row's group c/2 in the interleaved layout (common.cuh). Metadata per super-block: d,
+// dmin (f16) and the 12 bytes of packed 6-bit scales and mins.
 template <> __device__ __forceinline__ IntChunk int_chunk<TY_Q4_K>(const Weight& w, u64 row, int c) {
     int sb = c / 8, g = (c % 8) / 2, h = c % 2;
     const u8* meta = w.s + (row * (w.n_in / 256) + sb) * 16;
@@ -93,7 +95,9 @@ template <> __device__ __forceinline__ IntChunk int_chunk<TY_Q4_K>(const Weight&
     scale_min_k4(2 * g + 1, meta + 4, &sc1, &m1);
     int at0 = 256 * sb + 64 * g + 16 * h;
     IntChunk k = {{}, {d * sc0, d * sc1}, {-dmin * m0, -dmin * m1}, {at0, at0 + 32}};
-    split_nibbles(*(const uint4*)(w.q + row * (w.n_in / 2) + 16 * c), k.q);
+    int group = c / 2, n_groups = w.n_in / 64;
+    const uint4* q = (const uint4*)(w.q + row * (w.n_in / 2));
+    split_nibbles(q[unit_start(group, 2) + h * tile_width(group, n_groups)], k.q);
     return k;
 }
 

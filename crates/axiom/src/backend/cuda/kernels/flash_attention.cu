@@ -28,17 +28,6 @@ __device__ __forceinline__ u32 pack_f16(float lo, float hi) {
     return (u32)f32_to_f16(lo) | ((u32)f32_to_f16(hi) << 16);
 }
 
-__device__ __forceinline__ u32 shared_address(const void* p) {
-    u32 a;
-    asm("{ .reg .u64 s; cvta.to.shared.u64 s, %1; cvt.u32.u64 %0, s; }" : "=r"(a) : "l"(p));
-    return a;
-}
-
-// 16 bytes from global to shared memory without passing through registers; zeros where !valid.
-__device__ __forceinline__ void copy_async16(u32 dst, const void* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
-}
-
 // Four 8x8 tiles of 16-bit values from shared memory, lane l giving the address of row l % 8 of
 // tile l / 8; TRANSPOSE hands each lane its values as if the tiles were transposed.
 template <bool TRANSPOSE>

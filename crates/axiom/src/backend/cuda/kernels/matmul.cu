@@ -114,14 +114,17 @@ __device__ __forceinline__ int dp4a(u32 a, u32 b, int c) {
     return d;
 }
 
-// The activations quantized by store_q8x4 (common.cuh), four values a thread; n is a multiple of
-// 32. With start_next, as rms_norm_q8.
-extern "C" __global__ void quantize_q8(const float4* x, u32* xq, float* xd, u64 n, int start_next) {
+// The activations quantized by store_q8x4 (common.cuh), four values a thread: rows of n_in (a
+// multiple of 32; of 256 with `interleave`), n values in all. With start_next, as rms_norm_q8.
+extern "C" __global__ void quantize_q8(const float4* x, u32* xq, float* xd, u64 n, int n_in, int interleave,
+                                       int start_next) {
     begin_after_inputs();
     if (start_next) start_dependents();
     u64 i4 = blockIdx.x * (u64)blockDim.x + threadIdx.x;
     bool valid = i4 < n / 4;
-    store_q8x4(valid ? x[i4] : make_float4(0.0f, 0.0f, 0.0f, 0.0f), valid, xq, xd, i4);
+    u64 row_start = 4 * i4 / n_in * n_in;
+    u64 slot4 = (row_start + q8_slot((int)(4 * i4 - row_start), n_in, interleave)) / 4;
+    store_q8x4(valid ? x[i4] : make_float4(0.0f, 0.0f, 0.0f, 0.0f), valid, xq, xd, i4, slot4);
 }
 
 // Whether a type's runs have offsets (minimums): only then is the activations' sum needed.
@@ -147,16 +150,19 @@ __device__ __forceinline__ void dot_chunk(const IntChunk& k, const i8* xq, const
     }
 }
 
-// Whether a type's kernels read each lane's first chunk before the wait for the kernel before
+// Whether a type's kernels read weights before the wait for the kernel before
 // (begin_after_inputs): weights are not written during a step, so the read overlaps that kernel
-// where it lets this one start early (start_dependents). Only Q8_0: in that form Q4_K's kernels
-// took more registers (the GLU one 39 against 32), and 8B Q4_K decode fell from 468 to 419 tok/s
-// on the H200.
-template <int TY> struct ReadsBeforeWait { static const bool value = TY == TY_Q8_0; };
+// where it lets this one start early (start_dependents). Q8_0 reads each lane's first chunk, Q4_K
+// copies its first stage (q4k_row).
+template <int TY> struct ReadsBeforeWait { static const bool value = TY == TY_Q8_0 || TY == TY_Q4_K; };
+
+template <int T>
+__device__ __forceinline__ void q4k_row(const Weight& w, int row, const i8* xq, const float* xd, float* acc);
 
 // (Decoding two or four chunks before using any was measured slower on the H200.)
 template <int TY, int T>
 __device__ __forceinline__ void int_row(const Weight& w, int row, const i8* xq, const float* xd, float* acc) {
+    if constexpr (TY == TY_Q4_K) return q4k_row<T>(w, row, xq, xd, acc);
     for (int t = 0; t < T; t++) acc[t] = 0.0f;
     if (!ReadsBeforeWait<TY>::value) {
         for (int c = threadIdx.x % 32; c < w.n_in / 32; c += 32)
@@ -169,6 +175,105 @@ __device__ __forceinline__ void int_row(const Weight& w, int row, const i8* xq, 
     for (; c < n_chunks; c += 32) {
         dot_chunk<TY, T>(k, xq, xd, w.n_in, acc);
         if (c + 32 < n_chunks) k = int_chunk<TY>(w, row, c + 32);
+    }
+}
+
+// Q4_K has its own kernel: a lane takes a 32-byte group of quants, 64 values (sub-blocks 2j and
+// 2j+1 of a super-block, low and high nibbles), and applies each sub-block's scale and minimum
+// once to its integer dot product: half the instructions per weight byte of the chunk-a-lane
+// loop above. Quants and activations are interleaved (common.cuh), so every warp load is
+// contiguous. A warp's quants and metadata pass through shared memory by cp.async, a stage of
+// Q4K_STAGE_GROUPS groups while the one before is used; the first stage is copied before the
+// wait. 8B Q4_K decode on the H200, same call: 489-490 tok/s with the chunk loop, 503 with this
+// kernel. (Earlier builds: a group a lane in the natural layout 457, L1-bound; interleaved without
+// staging 494; one staged build gave 533, its code lost before it landed: docs/performance.md.)
+#define GEMV_WARPS 8
+#define Q4K_STAGE_GROUPS 64
+#define Q4K_STAGE_QUANT_PIECES (Q4K_STAGE_GROUPS * 2)
+#define Q4K_STAGE_PIECES (Q4K_STAGE_QUANT_PIECES + Q4K_STAGE_GROUPS / 4)
+
+// dp4a with a's bytes unsigned (Q4_K's quants, 0..15) and b's signed.
+__device__ __forceinline__ int dp4a_unsigned(u32 a, u32 b, int c) {
+    int d;
+    asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+// The scale and minimum of sub-block j of a super-block whose metadata is `meta` (d and dmin in
+// x, the 12 bytes of packed 6-bit scales and minimums in y, z, w), as scale_min_k4 in dequant.cuh.
+__device__ __forceinline__ void q4k_scale_min(uint4 meta, int j, float* scale, float* min) {
+    int shift = 8 * (j % 4);
+    u32 lo = meta.y >> shift, mid = meta.z >> shift, hi = meta.w >> shift;
+    u32 sc = j < 4 ? lo & 63 : (hi & 15) | (lo >> 6 & 3) << 4;
+    u32 m = j < 4 ? mid & 63 : (hi >> 4 & 15) | (mid >> 6 & 3) << 4;
+    *scale = f16_to_f32((u16)meta.x) * (float)sc;
+    *min = f16_to_f32((u16)(meta.x >> 16)) * (float)m;
+}
+
+// The dot product of 32 quants (the low or high nibbles of q0 then q1) with 32 activations.
+__device__ __forceinline__ int q4k_dot(uint4 q0, uint4 q1, int shift, uint4 x0, uint4 x1) {
+    const u32 m = 0x0f0f0f0fu;
+    int dot = dp4a_unsigned(q0.x >> shift & m, x0.x, 0);
+    dot = dp4a_unsigned(q0.y >> shift & m, x0.y, dot);
+    dot = dp4a_unsigned(q0.z >> shift & m, x0.z, dot);
+    dot = dp4a_unsigned(q0.w >> shift & m, x0.w, dot);
+    dot = dp4a_unsigned(q1.x >> shift & m, x1.x, dot);
+    dot = dp4a_unsigned(q1.y >> shift & m, x1.y, dot);
+    dot = dp4a_unsigned(q1.z >> shift & m, x1.z, dot);
+    return dp4a_unsigned(q1.w >> shift & m, x1.w, dot);
+}
+
+__device__ __forceinline__ int sum32(uint4 x0, uint4 x1) {
+    const u32 ones = 0x01010101u;
+    int s = dp4a(ones, x0.x, dp4a(ones, x0.y, dp4a(ones, x0.z, dp4a(ones, x0.w, 0))));
+    return dp4a(ones, x1.x, dp4a(ones, x1.y, dp4a(ones, x1.z, dp4a(ones, x1.w, s))));
+}
+
+template <int T>
+__device__ __forceinline__ void q4k_row(const Weight& w, int row, const i8* xq, const float* xd, float* acc) {
+    __shared__ __align__(16) uint4 stage[GEMV_WARPS][2][Q4K_STAGE_PIECES];
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32, n_groups = w.n_in / 64;
+    const uint4* quants = (const uint4*)(w.q + (u64)row * (w.n_in / 2));
+    const uint4* metas = (const uint4*)(w.s + (u64)row * (w.n_in / 256) * 16);
+    // A stage's groups start at a multiple of Q4K_STAGE_GROUPS, so whole tiles: its quant pieces
+    // lie together, interleaved as in memory.
+    auto copy_stage = [&](int first) {
+        int n = min(Q4K_STAGE_GROUPS, n_groups - first);
+        u32 to = shared_address(stage[warp][first / Q4K_STAGE_GROUPS % 2]);
+        for (int i = lane; i < 2 * n; i += 32) copy_async16(to + 16 * i, quants + 2 * first + i, true);
+        if (lane < n / 4) copy_async16(to + 16 * (Q4K_STAGE_QUANT_PIECES + lane), metas + first / 4 + lane, true);
+        asm volatile("cp.async.commit_group;" ::: "memory");
+    };
+    for (int t = 0; t < T; t++) acc[t] = 0.0f;
+    copy_stage(0);
+    begin_after_inputs();
+    for (int first = 0; first < n_groups; first += Q4K_STAGE_GROUPS) {
+        if (first + Q4K_STAGE_GROUPS < n_groups) {
+            copy_stage(first + Q4K_STAGE_GROUPS);
+            asm volatile("cp.async.wait_group 1;" ::: "memory");
+        } else {
+            asm volatile("cp.async.wait_group 0;" ::: "memory");
+        }
+        __syncwarp();
+        const uint4* staged = stage[warp][first / Q4K_STAGE_GROUPS % 2];
+        for (int g = first + lane; g < min(first + Q4K_STAGE_GROUPS, n_groups); g += 32) {
+            int width = tile_width(g, n_groups);
+            const uint4* q = staged + unit_start(g - first, 2);
+            uint4 q0 = q[0], q1 = q[width];
+            uint4 meta = staged[Q4K_STAGE_QUANT_PIECES + (g - first) / 4];
+            float scale_lo, min_lo, scale_hi, min_hi;
+            q4k_scale_min(meta, 2 * (g % 4), &scale_lo, &min_lo);
+            q4k_scale_min(meta, 2 * (g % 4) + 1, &scale_hi, &min_hi);
+            for (int t = 0; t < T; t++) {
+                const uint4* x = (const uint4*)(xq + (u64)t * w.n_in) + unit_start(g, 4);
+                uint4 x0 = x[0], x1 = x[width], x2 = x[2 * width], x3 = x[3 * width];
+                float2 d = ((const float2*)(xd + (u64)t * (w.n_in / 32)))[g];
+                float lo = scale_lo * (float)q4k_dot(q0, q1, 0, x0, x1) - min_lo * (float)sum32(x0, x1);
+                float hi = scale_hi * (float)q4k_dot(q0, q1, 4, x2, x3) - min_hi * (float)sum32(x2, x3);
+                acc[t] += d.x * lo + d.y * hi;
+            }
+        }
+        __syncwarp();  // every lane is done with this stage before it is copied over
     }
 }
 

@@ -62,11 +62,12 @@ extern "C" __global__ void rms_norm_16(const float4* __restrict__ x, const float
 
 // rms_norm with the normalized row quantized as quantize_q8 does (store_q8x4), for an integer
 // matrix-vector product: the norm of its input and the quantization in one pass. dim is a
-// multiple of 32. With start_next, the product's blocks start meanwhile.
+// multiple of 32 (of 256 with `interleave`, for Q4_K: q8_slot). With start_next, the product's
+// blocks start meanwhile.
 extern "C" __global__ void rms_norm_q8(const float4* __restrict__ x, const float4* __restrict__ w, u32* __restrict__ xq,
-                                       float* __restrict__ xd, int dim, float eps, int start_next) {
+                                       float* __restrict__ xd, int dim, float eps, int interleave, int start_next) {
     u64 base = (u64)blockIdx.x * (dim / 4);
     held_rms_norm(x + base, w, dim, eps, start_next, [&](int i4, float4 v, bool valid) {
-        store_q8x4(v, valid, xq, xd, base + i4);
+        store_q8x4(v, valid, xq, xd, base + i4, base + q8_slot(4 * i4, dim, interleave) / 4);
     });
 }
