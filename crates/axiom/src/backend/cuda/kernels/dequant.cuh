@@ -27,14 +27,17 @@ struct IntChunk {
 __device__ __forceinline__ u32 nibbles_minus_8(u32 x) { return (x & 0x07070707u) | ((~x & 0x08080808u) * 0x1f); }
 __device__ __forceinline__ u32 six_bits_minus_32(u32 x) { return (x & 0x1f1f1f1fu) | ((~x & 0x20202020u) * 7); }
 
-__device__ __forceinline__ void scale_min_k4(int j, const u8* q, int* sc, int* m) {
-    if (j < 4) {
-        *sc = q[j] & 63;
-        *m = q[j + 4] & 63;
-    } else {
-        *sc = (q[j + 4] & 15) | ((q[j - 4] >> 6) << 4);
-        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-    }
+// The scale and minimum of sub-block j of a Q4_K super-block whose 16 bytes of metadata are `meta`:
+// d and dmin (f16) in x, then 12 bytes of 6-bit scales and minimums in y, z, w, those of
+// sub-blocks 0-3 in the low six bits of y's (scales) and z's (minimums) bytes, those of 4-7 in w's
+// nibbles with their top two bits in the top bits of y's and z's bytes.
+__device__ __forceinline__ void q4k_scale_min(uint4 meta, int j, float* scale, float* min) {
+    int shift = 8 * (j % 4);
+    u32 lo = meta.y >> shift, mid = meta.z >> shift, hi = meta.w >> shift;
+    u32 sc = j < 4 ? lo & 63 : (hi & 15) | (lo >> 6 & 3) << 4;
+    u32 m = j < 4 ? mid & 63 : (hi >> 4 & 15) | (mid >> 6 & 3) << 4;
+    *scale = f16_to_f32((u16)meta.x) * (float)sc;
+    *min = f16_to_f32((u16)(meta.x >> 16)) * (float)m;
 }
 
 __device__ __forceinline__ void words(uint4 raw, u32* w) {
@@ -88,13 +91,12 @@ template <> __device__ __forceinline__ IntChunk int_chunk<TY_Q4_1>(const Weight&
 // dmin (f16) and the 12 bytes of packed 6-bit scales and mins.
 template <> __device__ __forceinline__ IntChunk int_chunk<TY_Q4_K>(const Weight& w, u64 row, int c) {
     int sb = c / 8, g = (c % 8) / 2, h = c % 2;
-    const u8* meta = w.s + (row * (w.n_in / 256) + sb) * 16;
-    float d = f16_to_f32(load_u16(meta)), dmin = f16_to_f32(load_u16(meta + 2));
-    int sc0, m0, sc1, m1;
-    scale_min_k4(2 * g, meta + 4, &sc0, &m0);
-    scale_min_k4(2 * g + 1, meta + 4, &sc1, &m1);
+    uint4 meta = ((const uint4*)w.s)[row * (w.n_in / 256) + sb];
+    float scale0, min0, scale1, min1;
+    q4k_scale_min(meta, 2 * g, &scale0, &min0);
+    q4k_scale_min(meta, 2 * g + 1, &scale1, &min1);
     int at0 = 256 * sb + 64 * g + 16 * h;
-    IntChunk k = {{}, {d * sc0, d * sc1}, {-dmin * m0, -dmin * m1}, {at0, at0 + 32}};
+    IntChunk k = {{}, {scale0, scale1}, {-min0, -min1}, {at0, at0 + 32}};
     int group = c / 2, n_groups = w.n_in / 64;
     const uint4* q = (const uint4*)(w.q + row * (w.n_in / 2));
     split_nibbles(q[unit_start(group, 2) + h * tile_width(group, n_groups)], k.q);

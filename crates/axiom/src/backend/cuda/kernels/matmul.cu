@@ -199,17 +199,6 @@ __device__ __forceinline__ int dp4a_unsigned(u32 a, u32 b, int c) {
     return d;
 }
 
-// The scale and minimum of sub-block j of a super-block whose metadata is `meta` (d and dmin in
-// x, the 12 bytes of packed 6-bit scales and minimums in y, z, w), as scale_min_k4 in dequant.cuh.
-__device__ __forceinline__ void q4k_scale_min(uint4 meta, int j, float* scale, float* min) {
-    int shift = 8 * (j % 4);
-    u32 lo = meta.y >> shift, mid = meta.z >> shift, hi = meta.w >> shift;
-    u32 sc = j < 4 ? lo & 63 : (hi & 15) | (lo >> 6 & 3) << 4;
-    u32 m = j < 4 ? mid & 63 : (hi >> 4 & 15) | (mid >> 6 & 3) << 4;
-    *scale = f16_to_f32((u16)meta.x) * (float)sc;
-    *min = f16_to_f32((u16)(meta.x >> 16)) * (float)m;
-}
-
 // The dot product of 32 quants (the low or high nibbles of q0 then q1) with 32 activations.
 __device__ __forceinline__ int q4k_dot(uint4 q0, uint4 q1, int shift, uint4 x0, uint4 x1) {
     const u32 m = 0x0f0f0f0fu;
