@@ -148,6 +148,10 @@ fn split_weight(ty: GgmlType, bytes: &[u8], n_in: usize) -> SplitWeight {
     SplitWeight { q, s, m }
 }
 
+/// Rows a warp of the one-token Q4_K integer matrix-vector kernel takes (Q4K_ROWS in
+/// kernels/matmul.cu).
+const Q4K_ROWS_PER_WARP: usize = 2;
+
 /// Units per tile of the interleaved layout (INTERLEAVE_UNITS in kernels/common.cuh).
 const INTERLEAVE_UNITS: usize = 8;
 /// A Q4_K lane's unit of quants: 32 bytes, two sub-blocks.
@@ -384,14 +388,14 @@ impl CudaBackend {
 
     /// The kernel argument for `ws` (one type, at most `MAX_MATRICES`), writing token rows
     /// `first..first + count` of `outs` (with `Epilogue::SwiGlu`, ws is gate and up, and outs one
-    /// output); and the blocks their rows need.
+    /// output); and the blocks their rows need, a warp taking `rows_per_warp` rows of a matrix.
     fn matrices(
         &self,
         ws: &[&CudaWeight],
         outs: &[BlockHandle],
         epilogue: Epilogue,
-        first: usize,
-        count: usize,
+        (first, count): (usize, usize),
+        rows_per_warp: usize,
     ) -> (Matrices, u32) {
         let mut m = Matrices {
             count: ws.len() as i32,
@@ -403,11 +407,14 @@ impl CudaBackend {
             m.n_out[i] = w.n_out as i32;
             m.out[i] = self.ptr(out.slice(first * w.n_out * 4, count * w.n_out * 4));
         }
-        // Eight warps per block, one row each; with SwiGLU, rows of the gate and the up matrix in
-        // pairs.
+        // Eight warps per block; with SwiGLU, warps of the gate and the up matrix in pairs.
         let blocks = match epilogue {
-            Epilogue::SwiGlu => ws[0].n_out.div_ceil(4),
-            _ => ws.iter().map(|w| w.n_out).sum::<usize>().div_ceil(8),
+            Epilogue::SwiGlu => ws[0].n_out.div_ceil(4 * rows_per_warp),
+            _ => ws
+                .iter()
+                .map(|w| w.n_out.div_ceil(rows_per_warp))
+                .sum::<usize>()
+                .div_ceil(8),
         };
         (m, blocks as u32)
     }
@@ -442,7 +449,11 @@ impl CudaBackend {
         };
         let glu = epilogue == Epilogue::SwiGlu;
         for (done, t) in token_groups(n_tokens) {
-            let (mats, blocks) = self.matrices(ws, outs, epilogue, done, t);
+            let rows_per_warp = match input {
+                GemvInput::Int8(_) if w.ty == GgmlType::Q4K && t == 1 => Q4K_ROWS_PER_WARP,
+                _ => 1,
+            };
+            let (mats, blocks) = self.matrices(ws, outs, epilogue, (done, t), rows_per_warp);
             match input {
                 GemvInput::Int8(Quantized { xq, xd, .. }) => {
                     let xqs = self.ptr(xq.slice(done * w.n_in, t * w.n_in));

@@ -49,7 +49,7 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
-// Interleaved rows. Q4_K's integer kernel (q4k_row in matmul.cu) gives each lane a 32-byte group
+// Interleaved rows. Q4_K's integer kernel (q4k_rows in matmul.cu) gives each lane a 32-byte group
 // of quants, 64 values, and the 64 int8 activations they multiply: stored in order, a warp's 16-byte
 // loads would lie 32 or 64 bytes apart, and L1 would be the limit. So Q4_K quants are repacked at
 // load (`interleave_row` in cuda/mod.rs) and the activations they take are written in the same

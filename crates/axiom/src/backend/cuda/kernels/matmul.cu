@@ -29,7 +29,7 @@ struct Matrices {
     int accumulate;
 };
 
-// This warp's row (ok is false for a warp past the last row).
+// This warp's first row (ok is false for a warp past the last row).
 struct Picked {
     Weight w;
     float* out;
@@ -38,53 +38,62 @@ struct Picked {
     bool ok;
 };
 
-// The loop is unrolled so that the parameters are indexed by constants: a run-time index would
-// copy them to local memory, and the weights' pointers with them.
-template <bool GLU>
+// A matrix's rows are taken R at a time, so a warp's rows never straddle two matrices. The loop is
+// unrolled so that the parameters are indexed by constants: a run-time index would copy them to
+// local memory, and the weights' pointers with them.
+template <bool GLU, int R>
 __device__ __forceinline__ Picked pick_row(const Matrices& mats, int n_in) {
     int warp = threadIdx.x / 32;
     if (GLU) {
-        int r = blockIdx.x * 4 + warp % 4, i = warp / 4;
+        int r = (blockIdx.x * 4 + warp % 4) * R, i = warp / 4;
         Weight w = i == 0 ? Weight{mats.q[0], mats.s[0], mats.m[0], n_in} : Weight{mats.q[1], mats.s[1], mats.m[1], n_in};
         return Picked{w, mats.out[0], mats.n_out[0], r, r < mats.n_out[0]};
     }
-    int r = blockIdx.x * 8 + warp;
+    int k = blockIdx.x * 8 + warp;  // this warp's place among all matrices' warps
 #pragma unroll
     for (int i = 0; i < MAX_MATRICES; i++) {
-        if (i < mats.count && r < mats.n_out[i])
-            return Picked{Weight{mats.q[i], mats.s[i], mats.m[i], n_in}, mats.out[i], mats.n_out[i], r, true};
-        r -= mats.n_out[i];
+        int warps = (mats.n_out[i] + R - 1) / R;
+        if (i < mats.count && k < warps)
+            return Picked{Weight{mats.q[i], mats.s[i], mats.m[i], n_in}, mats.out[i], mats.n_out[i], k * R, true};
+        k -= warps;
     }
     return Picked{Weight{nullptr, nullptr, nullptr, n_in}, nullptr, 0, 0, false};
 }
 
 // Every matrix-vector kernel, after its PDL wait (or with it inside `row_dot`: ReadsBeforeWait):
-// `row_dot(w, row, acc)` leaves a warp's per-lane partial dot products of one row with the T
-// tokens' activations in acc.
-template <int TY, int T, bool GLU, typename RowDot>
+// `row_dot(w, row, n_rows, acc)` leaves a warp's per-lane partial dot products of R rows from
+// `row` on with the T tokens' activations in acc (row r's for token t at r * T + t); rows past
+// n_rows are not stored.
+template <int TY, int T, bool GLU, int R, typename RowDot>
 __device__ __forceinline__ void gemv_rows(const Matrices& mats, int n_in, RowDot row_dot) {
-    __shared__ float up[4][T];
-    Picked p = pick_row<GLU>(mats, n_in);
+    __shared__ float up[4][R * T];
+    Picked p = pick_row<GLU, R>(mats, n_in);
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    float acc[T];
+    float acc[R * T];
+    int n_rows = R == 1 ? 1 : min(R, p.n_out - p.row);
     if (p.ok) {
-        row_dot(p.w, p.row, acc);
-        for (int t = 0; t < T; t++) acc[t] = warp_sum(acc[t]);
+        row_dot(p.w, p.row, n_rows, acc);
+        for (int i = 0; i < R * T; i++) acc[i] = warp_sum(acc[i]);
     }
     if (!GLU) {
         if (p.ok && lane == 0)
-            for (int t = 0; t < T; t++) {
-                float* o = p.out + (u64)t * p.n_out + p.row;
-                *o = mats.accumulate ? *o + acc[t] : acc[t];
-            }
+            for (int r = 0; r < n_rows; r++)
+                for (int t = 0; t < T; t++) {
+                    float* o = p.out + (u64)t * p.n_out + p.row + r;
+                    *o = mats.accumulate ? *o + acc[r * T + t] : acc[r * T + t];
+                }
         return;
     }
     // The up warps hand their sums to the gate warps.
     if (p.ok && warp >= 4 && lane == 0)
-        for (int t = 0; t < T; t++) up[warp % 4][t] = acc[t];
+        for (int i = 0; i < R * T; i++) up[warp % 4][i] = acc[i];
     __syncthreads();
     if (p.ok && warp < 4 && lane == 0)
-        for (int t = 0; t < T; t++) p.out[(u64)t * p.n_out + p.row] = acc[t] / (1.0f + expf(-acc[t])) * up[warp][t];
+        for (int r = 0; r < n_rows; r++)
+            for (int t = 0; t < T; t++) {
+                float gate = acc[r * T + t];
+                p.out[(u64)t * p.n_out + p.row + r] = gate / (1.0f + expf(-gate)) * up[warp][r * T + t];
+            }
 }
 
 // Quantized weights on f32 activations: each lane expands its 32-value chunks to floats.
@@ -153,16 +162,22 @@ __device__ __forceinline__ void dot_chunk(const IntChunk& k, const i8* xq, const
 // Whether a type's kernels read weights before the wait for the kernel before
 // (begin_after_inputs): weights are not written during a step, so the read overlaps that kernel
 // where it lets this one start early (start_dependents). Q8_0 reads each lane's first chunk, Q4_K
-// copies its first stage (q4k_row).
+// copies its first stage (q4k_rows).
 template <int TY> struct ReadsBeforeWait { static const bool value = TY == TY_Q8_0 || TY == TY_Q4_K; };
 
-template <int T>
-__device__ __forceinline__ void q4k_row(const Weight& w, int row, const i8* xq, const float* xd, float* acc);
+// Rows a warp of the one-token Q4_K integer kernel takes (q4k_rows; Q4K_ROWS_PER_WARP in
+// cuda/mod.rs). With more tokens, one: two rows would take over 96 registers.
+#define Q4K_ROWS 2
+template <int TY, int T> struct RowsPerWarp { static const int value = TY == TY_Q4_K && T == 1 ? Q4K_ROWS : 1; };
+template <int T, int R>
+__device__ __forceinline__ void q4k_rows(const Weight& w, int row, int n_rows, const i8* xq, const float* xd,
+                                         float* acc);
 
 // (Decoding two or four chunks before using any was measured slower on the H200.)
 template <int TY, int T>
-__device__ __forceinline__ void int_row(const Weight& w, int row, const i8* xq, const float* xd, float* acc) {
-    if constexpr (TY == TY_Q4_K) return q4k_row<T>(w, row, xq, xd, acc);
+__device__ __forceinline__ void int_row(const Weight& w, int row, int n_rows, const i8* xq, const float* xd,
+                                        float* acc) {
+    if constexpr (TY == TY_Q4_K) return q4k_rows<T, RowsPerWarp<TY, T>::value>(w, row, n_rows, xq, xd, acc);
     for (int t = 0; t < T; t++) acc[t] = 0.0f;
     if (!ReadsBeforeWait<TY>::value) {
         for (int c = threadIdx.x % 32; c < w.n_in / 32; c += 32)
@@ -182,15 +197,15 @@ __device__ __forceinline__ void int_row(const Weight& w, int row, const i8* xq, 
 // 2j+1 of a super-block, low and high nibbles), and applies each sub-block's scale and minimum
 // once to its integer dot product: half the instructions per weight byte of the chunk-a-lane
 // loop above. Quants and activations are interleaved (common.cuh), so every warp load is
-// contiguous. A warp's quants and metadata pass through shared memory by cp.async, a stage of
-// Q4K_STAGE_GROUPS groups while the one before is used; the first stage is copied before the
-// wait. 8B Q4_K decode on the H200, same call: 489-490 tok/s with the chunk loop, 503 with this
-// kernel. (Earlier builds: a group a lane in the natural layout 457, L1-bound; interleaved without
-// staging 494; one staged build gave 533, its code lost before it landed: docs/performance.md.)
+// contiguous. A warp takes Q4K_ROWS rows (for one token), so that each activation load serves them all and a
+// warp's fixed cost (its start, the round trip to memory, the reductions) is spread over more
+// bytes. Its quants and metadata pass through shared memory by cp.async, a stage of
+// Q4K_STAGED_GROUPS groups across its rows while the one before is used; the first stage is copied
+// before the wait. 8B Q4_K decode on the H200, same call: 489-490 tok/s with the chunk loop, 503
+// with this kernel a row a warp, 532-533 with two rows a warp (four: 389, at 93 registers).
+// (Earlier builds, and the stage shapes and occupancies that lost: docs/performance.md.)
 #define GEMV_WARPS 8
-#define Q4K_STAGE_GROUPS 64
-#define Q4K_STAGE_QUANT_PIECES (Q4K_STAGE_GROUPS * 2)
-#define Q4K_STAGE_PIECES (Q4K_STAGE_QUANT_PIECES + Q4K_STAGE_GROUPS / 4)
+#define Q4K_STAGED_GROUPS 64  // a stage of all of a warp's rows
 
 // dp4a with a's bytes unsigned (Q4_K's quants, 0..15) and b's signed.
 __device__ __forceinline__ int dp4a_unsigned(u32 a, u32 b, int c) {
@@ -218,48 +233,56 @@ __device__ __forceinline__ int sum32(uint4 x0, uint4 x1) {
     return dp4a(ones, x1.x, dp4a(ones, x1.y, dp4a(ones, x1.z, dp4a(ones, x1.w, s))));
 }
 
-template <int T>
-__device__ __forceinline__ void q4k_row(const Weight& w, int row, const i8* xq, const float* xd, float* acc) {
-    __shared__ __align__(16) uint4 stage[GEMV_WARPS][2][Q4K_STAGE_PIECES];
+template <int T, int R>
+__device__ __forceinline__ void q4k_rows(const Weight& w, int row, int n_rows, const i8* xq, const float* xd,
+                                         float* acc) {
+    constexpr int stage_groups = Q4K_STAGED_GROUPS / R, quant_pieces = 2 * stage_groups;
+    __shared__ __align__(16) uint4 stage[GEMV_WARPS][2][R][quant_pieces + stage_groups / 4];
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32, n_groups = w.n_in / 64;
-    const uint4* quants = (const uint4*)(w.q + (u64)row * (w.n_in / 2));
-    const uint4* metas = (const uint4*)(w.s + (u64)row * (w.n_in / 256) * 16);
-    // A stage's groups start at a multiple of Q4K_STAGE_GROUPS, so whole tiles: its quant pieces
-    // lie together, interleaved as in memory.
+    // A stage's groups start at a multiple of stage_groups, so whole tiles: its quant pieces
+    // lie together, interleaved as in memory. A warp short of rows copies its last one again.
     auto copy_stage = [&](int first) {
-        int n = min(Q4K_STAGE_GROUPS, n_groups - first);
-        u32 to = shared_address(stage[warp][first / Q4K_STAGE_GROUPS % 2]);
-        for (int i = lane; i < 2 * n; i += 32) copy_async16(to + 16 * i, quants + 2 * first + i, true);
-        if (lane < n / 4) copy_async16(to + 16 * (Q4K_STAGE_QUANT_PIECES + lane), metas + first / 4 + lane, true);
+        int n = min(stage_groups, n_groups - first);
+        for (int r = 0; r < R; r++) {
+            u64 from = row + min(r, n_rows - 1);
+            const uint4* quants = (const uint4*)(w.q + from * (w.n_in / 2));
+            const uint4* metas = (const uint4*)(w.s + from * (w.n_in / 256) * 16);
+            u32 to = shared_address(stage[warp][first / stage_groups % 2][r]);
+            for (int i = lane; i < 2 * n; i += 32) copy_async16(to + 16 * i, quants + 2 * first + i, true);
+            if (lane < n / 4) copy_async16(to + 16 * (quant_pieces + lane), metas + first / 4 + lane, true);
+        }
         asm volatile("cp.async.commit_group;" ::: "memory");
     };
-    for (int t = 0; t < T; t++) acc[t] = 0.0f;
+    for (int i = 0; i < R * T; i++) acc[i] = 0.0f;
     copy_stage(0);
     begin_after_inputs();
-    for (int first = 0; first < n_groups; first += Q4K_STAGE_GROUPS) {
-        if (first + Q4K_STAGE_GROUPS < n_groups) {
-            copy_stage(first + Q4K_STAGE_GROUPS);
+    for (int first = 0; first < n_groups; first += stage_groups) {
+        if (first + stage_groups < n_groups) {
+            copy_stage(first + stage_groups);
             asm volatile("cp.async.wait_group 1;" ::: "memory");
         } else {
             asm volatile("cp.async.wait_group 0;" ::: "memory");
         }
         __syncwarp();
-        const uint4* staged = stage[warp][first / Q4K_STAGE_GROUPS % 2];
-        for (int g = first + lane; g < min(first + Q4K_STAGE_GROUPS, n_groups); g += 32) {
+        for (int g = first + lane; g < min(first + stage_groups, n_groups); g += 32) {
             int width = tile_width(g, n_groups);
-            const uint4* q = staged + unit_start(g - first, 2);
-            uint4 q0 = q[0], q1 = q[width];
-            uint4 meta = staged[Q4K_STAGE_QUANT_PIECES + (g - first) / 4];
-            float scale_lo, min_lo, scale_hi, min_hi;
-            q4k_scale_min(meta, 2 * (g % 4), &scale_lo, &min_lo);
-            q4k_scale_min(meta, 2 * (g % 4) + 1, &scale_hi, &min_hi);
             for (int t = 0; t < T; t++) {
                 const uint4* x = (const uint4*)(xq + (u64)t * w.n_in) + unit_start(g, 4);
                 uint4 x0 = x[0], x1 = x[width], x2 = x[2 * width], x3 = x[3 * width];
                 float2 d = ((const float2*)(xd + (u64)t * (w.n_in / 32)))[g];
-                float lo = scale_lo * (float)q4k_dot(q0, q1, 0, x0, x1) - min_lo * (float)sum32(x0, x1);
-                float hi = scale_hi * (float)q4k_dot(q0, q1, 4, x2, x3) - min_hi * (float)sum32(x2, x3);
-                acc[t] += d.x * lo + d.y * hi;
+                int sum_lo = sum32(x0, x1), sum_hi = sum32(x2, x3);
+                for (int r = 0; r < R; r++) {
+                    const uint4* staged = stage[warp][first / stage_groups % 2][r];
+                    const uint4* q = staged + unit_start(g - first, 2);
+                    uint4 q0 = q[0], q1 = q[width];
+                    uint4 meta = staged[quant_pieces + (g - first) / 4];
+                    float scale_lo, min_lo, scale_hi, min_hi;
+                    q4k_scale_min(meta, 2 * (g % 4), &scale_lo, &min_lo);
+                    q4k_scale_min(meta, 2 * (g % 4) + 1, &scale_hi, &min_hi);
+                    float lo = scale_lo * (float)q4k_dot(q0, q1, 0, x0, x1) - min_lo * (float)sum_lo;
+                    float hi = scale_hi * (float)q4k_dot(q0, q1, 4, x2, x3) - min_hi * (float)sum_hi;
+                    acc[r * T + t] += d.x * lo + d.y * hi;
+                }
             }
         }
         __syncwarp();  // every lane is done with this stage before it is copied over
@@ -269,7 +292,9 @@ __device__ __forceinline__ void q4k_row(const Weight& w, int row, const i8* xq, 
 #define GEMV_INT(NAME, TY, T, GLU, KIND)                                                                       \
     extern "C" __global__ void KIND##_##NAME##_##T(Matrices mats, int n_in, const i8* xq, const float* xd) {           \
         if (!ReadsBeforeWait<TY>::value) begin_after_inputs();                                                 \
-        gemv_rows<TY, T, GLU>(mats, n_in, [&](const Weight& w, int row, float* acc) { int_row<TY, T>(w, row, xq, xd, acc); }); \
+        gemv_rows<TY, T, GLU, RowsPerWarp<TY, T>::value>(mats, n_in, [&](const Weight& w, int row, int n_rows, float* acc) { \
+            int_row<TY, T>(w, row, n_rows, xq, xd, acc);                                                       \
+        });                                                                                                    \
     }
 #define GEMV_INT_ALL(NAME, TY)                                                                                  \
     GEMV_INT(NAME, TY, 1, false, gemv_int) GEMV_INT(NAME, TY, 2, false, gemv_int) GEMV_INT(NAME, TY, 4, false, gemv_int) \
@@ -354,7 +379,7 @@ __device__ __forceinline__ void float_row(const Weight& w, int row, const float*
     extern "C" __global__ void __launch_bounds__(256, T == 1 ? 6 : 1)                                          \
         KIND##_##NAME##_##T(Matrices mats, int n_in, const float* x) {                                         \
         begin_after_inputs();                                                                                  \
-        gemv_rows<TY, T, GLU>(mats, n_in, [&](const Weight& w, int row, float* acc) { ROW<TY, T>(w, row, x, acc); }); \
+        gemv_rows<TY, T, GLU, 1>(mats, n_in, [&](const Weight& w, int row, int, float* acc) { ROW<TY, T>(w, row, x, acc); }); \
     }
 #define GEMV_EACH(NAME, TY, ROW)                                                                                \
     GEMV(NAME, TY, ROW, 1, false, gemv) GEMV(NAME, TY, ROW, 2, false, gemv) GEMV(NAME, TY, ROW, 4, false, gemv)  \
@@ -392,7 +417,7 @@ __device__ __forceinline__ void normalize_row(float* xs, const float* x, const f
         KIND##_normed_##NAME(Matrices mats, int n_in, const float* x, const float* norm, float eps) {          \
         __shared__ __align__(16) float xs[NORMED_MAX_IN];                                                      \
         normalize_row(xs, x, norm, n_in, eps);                                                                 \
-        gemv_rows<TY, 1, GLU>(mats, n_in, [&](const Weight& w, int row, float* acc) { ROW<TY, 1>(w, row, xs, acc); }); \
+        gemv_rows<TY, 1, GLU, 1>(mats, n_in, [&](const Weight& w, int row, int, float* acc) { ROW<TY, 1>(w, row, xs, acc); }); \
     }
 #define GEMV_ALL(NAME, TY, ROW) GEMV_EACH(NAME, TY, ROW) GEMV_NORMED(NAME, TY, ROW, false, gemv) GEMV_NORMED(NAME, TY, ROW, true, gemv_glu)
 GEMV_ALL(f32, TY_F32, float_row)
