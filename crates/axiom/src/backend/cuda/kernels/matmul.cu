@@ -197,13 +197,14 @@ __device__ __forceinline__ void int_row(const Weight& w, int row, int n_rows, co
 // 2j+1 of a super-block, low and high nibbles), and applies each sub-block's scale and minimum
 // once to its integer dot product: half the instructions per weight byte of the chunk-a-lane
 // loop above. Quants and activations are interleaved (common.cuh), so every warp load is
-// contiguous. A warp takes Q4K_ROWS rows (for one token), so that each activation load serves them all and a
-// warp's fixed cost (its start, the round trip to memory, the reductions) is spread over more
-// bytes. Its quants and metadata pass through shared memory by cp.async, a stage of
-// Q4K_STAGED_GROUPS groups across its rows while the one before is used; the first stage is copied
-// before the wait. 8B Q4_K decode on the H200, same call: 489-490 tok/s with the chunk loop, 503
-// with this kernel a row a warp, 532-533 with two rows a warp (four: 389, at 93 registers).
-// (Earlier builds, and the stage shapes and occupancies that lost: docs/performance.md.)
+// contiguous. For one token a warp takes Q4K_ROWS rows, so that each activation load serves them
+// all and a warp's fixed cost (its start, the round trip to memory, the reductions) is spread
+// over more bytes. Its quants and metadata pass through shared memory by cp.async, a stage of
+// Q4K_STAGED_GROUPS groups across its rows while the one before is used; the first stage is
+// copied before the wait. 8B Q4_K decode on the H200, same call: 489-490 tok/s with the chunk
+// loop, 503-506 with this kernel a row a warp, 537-538 with two rows a warp (four: 389, at 93
+// registers). (Earlier builds, and the stage shapes and occupancies that lost:
+// docs/performance.md.)
 #define GEMV_WARPS 8
 #define Q4K_STAGED_GROUPS 64  // a stage of all of a warp's rows
 
