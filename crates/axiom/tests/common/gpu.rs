@@ -196,6 +196,47 @@ pub fn matmul_every_type_and_token_count<B: Backend>(
             }
         }
     }
+    // Tall matrices, more rows than a GPU's warps hold at once (a persistent kernel walks several
+    // rows a warp), in an odd count: products, products added to a residual, and gate and up
+    // with their SwiGLU.
+    for ty in [GgmlType::Q4K, GgmlType::Q8_0] {
+        let (n_in, n_out) = (2048, 24577);
+        let (mut gpu, mut cpu) = pair(&make);
+        let (gate, up) = (
+            random_weight(&mut rng, &mut gpu, &mut cpu, ty, n_in, n_out),
+            random_weight(&mut rng, &mut gpu, &mut cpu, ty, n_in, n_out),
+        );
+        gpu.prepare(64, n_in).unwrap();
+        for n_tokens in [1, 3] {
+            let n = n_tokens * n_out;
+            let tol = tolerance(ty, n_in, n_tokens);
+            let x = randn(&mut rng, n_tokens * n_in);
+            let (xg, xc) = (put(&mut gpu, &x), put(&mut cpu, &x));
+            let check = |gpu: &B, cpu: &CpuBackend, what: &str, og, oc, tol: f64| {
+                let err = rel_l2(&get(gpu, og, n), &get(cpu, oc, n));
+                assert!(err < tol, "{what} {ty} [{n_out}, {n_in}] x {n_tokens}: relative error {err}");
+            };
+            let (og, oc) = (poisoned(&mut gpu, n), poisoned(&mut cpu, n));
+            gpu.matmul(xg, &gate.0, og, n_tokens).unwrap();
+            cpu.matmul(xc, &gate.1, oc, n_tokens).unwrap();
+            check(&gpu, &cpu, "tall matmul", og, oc, tol);
+            let residual = randn(&mut rng, n);
+            let (og, oc) = (put(&mut gpu, &residual), put(&mut cpu, &residual));
+            let (sg, sc) = (poisoned(&mut gpu, n), poisoned(&mut cpu, n));
+            gpu.matmul_add(xg, &up.0, og, sg, n_tokens).unwrap();
+            cpu.matmul_add(xc, &up.1, oc, sc, n_tokens).unwrap();
+            check(&gpu, &cpu, "tall matmul_add", og, oc, tol);
+            let scratch_g = [poisoned(&mut gpu, n), poisoned(&mut gpu, n)];
+            let scratch_c = [poisoned(&mut cpu, n), poisoned(&mut cpu, n)];
+            let (og, oc) = (poisoned(&mut gpu, n), poisoned(&mut cpu, n));
+            gpu.gate_up_swiglu(xg.into(), &gate.0, &up.0, scratch_g, og, n_tokens, n_out)
+                .unwrap();
+            cpu.gate_up_swiglu(xc.into(), &gate.1, &up.1, scratch_c, oc, n_tokens, n_out)
+                .unwrap();
+            // Two products multiplied: their errors add.
+            check(&gpu, &cpu, "tall gate_up_swiglu", og, oc, 2.0 * tol);
+        }
+    }
     // The whole feed-forward block added to a residual, which a backend may fold (the SwiGLU into
     // the gate and up products; the hidden rows kept in 16 bits between the halves). Short and
     // long rows on either side: a backend may multiply long rows on quantized activations.

@@ -130,8 +130,10 @@ __device__ __forceinline__ u64 page_row(const u32* table, int page_size, u32 p) 
 // so that the GPU may prepare it while the one before is finishing, and each kernel waits here for
 // the one before to finish and its writes to be visible: before the wait, nothing may be written,
 // and nothing read that the step writes (weights may be: ReadsBeforeWait in matmul.cu, the norms'
-// weights in rms_norm_q8 and normalize_row). Kernels signal their dependents early only where it
-// was measured to pay (start_dependents below): when every kernel did so right after its wait,
+// weights in rms_norm_q8 and normalize_row; and so may the positions and block tables: the host
+// copies them in before the step's kernels, and a kernel never starts before a copy ahead of it
+// has finished: rope_kv_write). Kernels signal their dependents early only where it was measured
+// to pay (start_dependents below): when every kernel did so right after its wait,
 // blocks of the next kernel sat on the multiprocessors while this one ran, which made SmolLM2's
 // decode 28% slower on the H200, where the wait alone made it 5% faster.
 __device__ __forceinline__ void begin_after_inputs() {
@@ -141,11 +143,14 @@ __device__ __forceinline__ void begin_after_inputs() {
 }
 
 // Lets the next kernel's blocks start before this one ends (a no-op before Hopper): they run up to
-// their own wait. Only the kernels that quantize activations call it (the norm or the attention
-// before an integer matrix-vector product), right after their wait, so the next kernel takes only
-// multiprocessors they leave idle, and no more than two kernels are in flight. The product reads
-// its first weights before its wait (`int_row`), so that read overlaps the quantization. The host
-// asks for it where it pays (`starts_next_early` in cuda/mod.rs).
+// their own wait. The kernels that quantize activations call it (the norm or the attention before
+// an integer matrix-vector product), right after their wait, so the next kernel takes only
+// multiprocessors they leave idle. The product reads its first weights before its wait
+// (`int_row`), so that read overlaps the quantization. The host asks for it where it pays
+// (`starts_next_early` in cuda/mod.rs). The one-token products that read before their wait call it
+// first thing, for the few blocks of the small kernel after them (ReadsBeforeWait in matmul.cu):
+// then three kernels may be in flight, so a kernel's code before its wait may run while the one two
+// before it is still running.
 __device__ __forceinline__ void start_dependents() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");

@@ -162,7 +162,10 @@ __device__ __forceinline__ void dot_chunk(const IntChunk& k, const i8* xq, const
 // Whether a type's kernels read weights before the wait for the kernel before
 // (begin_after_inputs): weights are not written during a step, so the read overlaps that kernel
 // where it lets this one start early (start_dependents). Q8_0 reads each lane's first chunk, Q4_K
-// copies its first stage (q4k_rows).
+// copies its first stage (q4k_rows). Their one-token kernels also let the kernel after them start
+// early, from their first instruction: its blocks (a norm, RoPE, a quantization, argmax; a few
+// blocks each) then wait on the multiprocessors for this one's end instead of being launched at
+// it. 8B decode on the H200, same call: Q4_K 530 -> 561 tok/s, Q8_0 387.5 -> 390.6.
 template <int TY> struct ReadsBeforeWait { static const bool value = TY == TY_Q8_0 || TY == TY_Q4_K; };
 
 // Rows a warp of the one-token Q4_K integer kernel takes (q4k_rows; Q4K_ROWS_PER_WARP in
@@ -293,6 +296,7 @@ __device__ __forceinline__ void q4k_rows(const Weight& w, int row, int n_rows, c
 #define GEMV_INT(NAME, TY, T, GLU, KIND)                                                                       \
     extern "C" __global__ void KIND##_##NAME##_##T(Matrices mats, int n_in, const i8* xq, const float* xd) {           \
         if (!ReadsBeforeWait<TY>::value) begin_after_inputs();                                                 \
+        if (T == 1 && ReadsBeforeWait<TY>::value) start_dependents();                                          \
         gemv_rows<TY, T, GLU, RowsPerWarp<TY, T>::value>(mats, n_in, [&](const Weight& w, int row, int n_rows, float* acc) { \
             int_row<TY, T>(w, row, n_rows, xq, xd, acc);                                                       \
         });                                                                                                    \
