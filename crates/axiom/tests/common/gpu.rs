@@ -214,7 +214,10 @@ pub fn matmul_every_type_and_token_count<B: Backend>(
             let (xg, xc) = (put(&mut gpu, &x), put(&mut cpu, &x));
             let check = |gpu: &B, cpu: &CpuBackend, what: &str, og, oc, tol: f64| {
                 let err = rel_l2(&get(gpu, og, n), &get(cpu, oc, n));
-                assert!(err < tol, "{what} {ty} [{n_out}, {n_in}] x {n_tokens}: relative error {err}");
+                assert!(
+                    err < tol,
+                    "{what} {ty} [{n_out}, {n_in}] x {n_tokens}: relative error {err}"
+                );
             };
             let (og, oc) = (poisoned(&mut gpu, n), poisoned(&mut cpu, n));
             gpu.matmul(xg, &gate.0, og, n_tokens).unwrap();
