@@ -196,9 +196,9 @@ pub fn matmul_every_type_and_token_count<B: Backend>(
             }
         }
     }
-    // Tall matrices, more rows than a GPU's warps hold at once (a persistent kernel walks several
-    // rows a warp), in an odd count: products, products added to a residual, and gate and up
-    // with their SwiGLU.
+    // Tall matrices, more rows than a GPU's warps hold at once (the blocks come in several waves,
+    // or a persistent kernel walks several rows a warp), in an odd count: products, products
+    // added to a residual, and gate and up with their SwiGLU.
     for ty in [GgmlType::Q4K, GgmlType::Q8_0] {
         let (n_in, n_out) = (2048, 24577);
         let (mut gpu, mut cpu) = pair(&make);
