@@ -470,10 +470,9 @@ impl CudaBackend {
         };
         let glu = epilogue == Epilogue::SwiGlu;
         for (done, t) in token_groups(n_tokens) {
-            let rows_per_warp = match input {
-                GemvInput::Int8(_) if w.ty == GgmlType::Q4K && t == 1 => Q4K_ROWS_PER_WARP,
-                _ => 1,
-            };
+            // Q4_K's one-token integer kernels take two rows a warp and spread their blocks.
+            let q4k_one_token = matches!(input, GemvInput::Int8(_)) && w.ty == GgmlType::Q4K && t == 1;
+            let rows_per_warp = if q4k_one_token { Q4K_ROWS_PER_WARP } else { 1 };
             let (mats, blocks) = self.matrices(ws, outs, epilogue, (done, t), rows_per_warp);
             match input {
                 GemvInput::Int8(Quantized { xq, xd, .. }) => {
@@ -481,7 +480,7 @@ impl CudaBackend {
                     let xds = self.ptr(xd.slice(done * w.n_in / 8, t * w.n_in / 8));
                     let name = kernels::gemv_kernel(true, glu, suffix, t);
                     let shared = match &self.q4k_spread {
-                        Some(spread) if w.ty == GgmlType::Q4K && t == 1 => spread[usize::from(glu)].padding(blocks),
+                        Some(spread) if q4k_one_token => spread[usize::from(glu)].padding(blocks),
                         _ => 0,
                     };
                     self.launch_shared(&name, (blocks, 1, 1), 256, shared, &[&mats, &n_in, &xqs, &xds])?
