@@ -61,26 +61,34 @@ __device__ __forceinline__ Picked pick_row(const Matrices& mats, int n_in) {
 }
 
 // Every matrix-vector kernel, after its PDL wait (or with it inside `row_dot`: ReadsBeforeWait):
-// `row_dot(w, row, n_rows, acc)` leaves a warp's per-lane partial dot products of R rows from
-// `row` on with the T tokens' activations in acc (row r's for token t at r * T + t); rows past
-// n_rows are not stored.
+// `row_dot(w, row, n_rows, acc, inputs_ready)` leaves a warp's per-lane partial dot products of R
+// rows from `row` on with the T tokens' activations in acc (row r's for token t at r * T + t);
+// rows past n_rows are not stored. It calls inputs_ready() once, after the wait, which then loads
+// the values an accumulating product adds to: their trip to memory overlaps the products instead
+// of following them.
 template <int TY, int T, bool GLU, int R, typename RowDot>
 __device__ __forceinline__ void gemv_rows(const Matrices& mats, int n_in, RowDot row_dot) {
     __shared__ float up[4][R * T];
     Picked p = pick_row<GLU, R>(mats, n_in);
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    float acc[R * T];
+    float acc[R * T], prior[R * T];
     int n_rows = R == 1 ? 1 : min(R, p.n_out - p.row);
+    auto out = [&](int r, int t) { return p.out + (u64)t * p.n_out + p.row + r; };
+    auto inputs_ready = [&] {
+        if (!GLU && mats.accumulate && lane == 0)
+            for (int r = 0; r < n_rows; r++)
+                for (int t = 0; t < T; t++) prior[r * T + t] = *out(r, t);
+    };
     if (p.ok) {
-        row_dot(p.w, p.row, n_rows, acc);
+        row_dot(p.w, p.row, n_rows, acc, inputs_ready);
         for (int i = 0; i < R * T; i++) acc[i] = warp_sum(acc[i]);
     }
     if (!GLU) {
         if (p.ok && lane == 0)
             for (int r = 0; r < n_rows; r++)
                 for (int t = 0; t < T; t++) {
-                    float* o = p.out + (u64)t * p.n_out + p.row + r;
-                    *o = mats.accumulate ? *o + acc[r * T + t] : acc[r * T + t];
+                    float sum = acc[r * T + t];
+                    *out(r, t) = mats.accumulate ? prior[r * T + t] + sum : sum;
                 }
         return;
     }
@@ -172,17 +180,19 @@ template <int TY> struct ReadsBeforeWait { static const bool value = TY == TY_Q8
 // cuda/mod.rs). With more tokens, one: two rows would take over 96 registers.
 #define Q4K_ROWS 2
 template <int TY, int T> struct RowsPerWarp { static const int value = TY == TY_Q4_K && T == 1 ? Q4K_ROWS : 1; };
-template <int T, int R>
+template <int T, int R, typename Ready>
 __device__ __forceinline__ void q4k_rows(const Weight& w, int row, int n_rows, const i8* xq, const float* xd,
-                                         float* acc);
+                                         float* acc, Ready inputs_ready);
 
 // (Decoding two or four chunks before using any was measured slower on the H200.)
-template <int TY, int T>
+template <int TY, int T, typename Ready>
 __device__ __forceinline__ void int_row(const Weight& w, int row, int n_rows, const i8* xq, const float* xd,
-                                        float* acc) {
-    if constexpr (TY == TY_Q4_K) return q4k_rows<T, RowsPerWarp<TY, T>::value>(w, row, n_rows, xq, xd, acc);
+                                        float* acc, Ready inputs_ready) {
+    if constexpr (TY == TY_Q4_K)
+        return q4k_rows<T, RowsPerWarp<TY, T>::value>(w, row, n_rows, xq, xd, acc, inputs_ready);
     for (int t = 0; t < T; t++) acc[t] = 0.0f;
     if (!ReadsBeforeWait<TY>::value) {
+        inputs_ready();
         for (int c = threadIdx.x % 32; c < w.n_in / 32; c += 32)
             dot_chunk<TY, T>(int_chunk<TY>(w, row, c), xq, xd, w.n_in, acc);
         return;
@@ -190,6 +200,7 @@ __device__ __forceinline__ void int_row(const Weight& w, int row, int n_rows, co
     int c = threadIdx.x % 32, n_chunks = w.n_in / 32;
     IntChunk k = c < n_chunks ? int_chunk<TY>(w, row, c) : IntChunk{};
     begin_after_inputs();
+    inputs_ready();
     for (; c < n_chunks; c += 32) {
         dot_chunk<TY, T>(k, xq, xd, w.n_in, acc);
         if (c + 32 < n_chunks) k = int_chunk<TY>(w, row, c + 32);
@@ -237,9 +248,15 @@ __device__ __forceinline__ int sum32(uint4 x0, uint4 x1) {
     return dp4a(ones, x1.x, dp4a(ones, x1.y, dp4a(ones, x1.z, dp4a(ones, x1.w, s))));
 }
 
-template <int T, int R>
+// A group's activations for one token: four 16-byte pieces and the two blocks' scales.
+struct GroupActivations {
+    uint4 x0, x1, x2, x3;
+    float2 d;
+};
+
+template <int T, int R, typename Ready>
 __device__ __forceinline__ void q4k_rows(const Weight& w, int row, int n_rows, const i8* xq, const float* xd,
-                                         float* acc) {
+                                         float* acc, Ready inputs_ready) {
     constexpr int stage_groups = Q4K_STAGED_GROUPS / R, quant_pieces = 2 * stage_groups;
     __shared__ __align__(16) uint4 stage[GEMV_WARPS][2][R][quant_pieces + stage_groups / 4];
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32, n_groups = w.n_in / 64;
@@ -257,10 +274,25 @@ __device__ __forceinline__ void q4k_rows(const Weight& w, int row, int n_rows, c
         }
         asm volatile("cp.async.commit_group;" ::: "memory");
     };
+    auto activations = [&](int g, int t) {
+        int width = tile_width(g, n_groups);
+        const uint4* x = (const uint4*)(xq + (u64)t * w.n_in) + unit_start(g, 4);
+        return GroupActivations{x[0], x[width], x[2 * width], x[3 * width],
+                                ((const float2*)(xd + (u64)t * (w.n_in / 32)))[g]};
+    };
+    // With one group a lane a stage (one token, two rows), a lane's activations are loaded before
+    // it waits for the stage's quants, so that their trip overlaps the copy's. With the residual
+    // loaded at the wait too (inputs_ready), 8B Q4_K decode on the H200, same call: 574-581 ->
+    // 611-614 tok/s (588 with only this, 578 with only the residual; 72 registers against 66, three
+    // blocks a multiprocessor either way; copying the second stage before the wait as well: 577).
+    constexpr bool early = T == 1 && stage_groups == 32;
     for (int i = 0; i < R * T; i++) acc[i] = 0.0f;
     copy_stage(0);
     begin_after_inputs();
+    inputs_ready();
     for (int first = 0; first < n_groups; first += stage_groups) {
+        GroupActivations ahead;
+        if (early) ahead = activations(min(first + lane, n_groups - 1), 0);
         if (first + stage_groups < n_groups) {
             copy_stage(first + stage_groups);
             asm volatile("cp.async.wait_group 1;" ::: "memory");
@@ -271,9 +303,7 @@ __device__ __forceinline__ void q4k_rows(const Weight& w, int row, int n_rows, c
         for (int g = first + lane; g < min(first + stage_groups, n_groups); g += 32) {
             int width = tile_width(g, n_groups);
             for (int t = 0; t < T; t++) {
-                const uint4* x = (const uint4*)(xq + (u64)t * w.n_in) + unit_start(g, 4);
-                uint4 x0 = x[0], x1 = x[width], x2 = x[2 * width], x3 = x[3 * width];
-                float2 d = ((const float2*)(xd + (u64)t * (w.n_in / 32)))[g];
+                auto [x0, x1, x2, x3, d] = early ? ahead : activations(g, t);
                 int sum_lo = sum32(x0, x1), sum_hi = sum32(x2, x3);
                 for (int r = 0; r < R; r++) {
                     const uint4* staged = stage[warp][first / stage_groups % 2][r];
@@ -297,8 +327,8 @@ __device__ __forceinline__ void q4k_rows(const Weight& w, int row, int n_rows, c
     extern "C" __global__ void KIND##_##NAME##_##T(Matrices mats, int n_in, const i8* xq, const float* xd) {           \
         if (!ReadsBeforeWait<TY>::value) begin_after_inputs();                                                 \
         if (T == 1 && ReadsBeforeWait<TY>::value) start_dependents();                                          \
-        gemv_rows<TY, T, GLU, RowsPerWarp<TY, T>::value>(mats, n_in, [&](const Weight& w, int row, int n_rows, float* acc) { \
-            int_row<TY, T>(w, row, n_rows, xq, xd, acc);                                                       \
+        gemv_rows<TY, T, GLU, RowsPerWarp<TY, T>::value>(mats, n_in, [&](const Weight& w, int row, int n_rows, float* acc, auto ready) { \
+            int_row<TY, T>(w, row, n_rows, xq, xd, acc, ready);                                                \
         });                                                                                                    \
     }
 #define GEMV_INT_ALL(NAME, TY)                                                                                  \
@@ -384,7 +414,10 @@ __device__ __forceinline__ void float_row(const Weight& w, int row, const float*
     extern "C" __global__ void __launch_bounds__(256, T == 1 ? 6 : 1)                                          \
         KIND##_##NAME##_##T(Matrices mats, int n_in, const float* x) {                                         \
         begin_after_inputs();                                                                                  \
-        gemv_rows<TY, T, GLU, 1>(mats, n_in, [&](const Weight& w, int row, int, float* acc) { ROW<TY, T>(w, row, x, acc); }); \
+        gemv_rows<TY, T, GLU, 1>(mats, n_in, [&](const Weight& w, int row, int, float* acc, auto ready) {      \
+            ready();                                                                                           \
+            ROW<TY, T>(w, row, x, acc);                                                                        \
+        });                                                                                                    \
     }
 #define GEMV_EACH(NAME, TY, ROW)                                                                                \
     GEMV(NAME, TY, ROW, 1, false, gemv) GEMV(NAME, TY, ROW, 2, false, gemv) GEMV(NAME, TY, ROW, 4, false, gemv)  \
@@ -422,7 +455,10 @@ __device__ __forceinline__ void normalize_row(float* xs, const float* x, const f
         KIND##_normed_##NAME(Matrices mats, int n_in, const float* x, const float* norm, float eps) {          \
         __shared__ __align__(16) float xs[NORMED_MAX_IN];                                                      \
         normalize_row(xs, x, norm, n_in, eps);                                                                 \
-        gemv_rows<TY, 1, GLU, 1>(mats, n_in, [&](const Weight& w, int row, int, float* acc) { ROW<TY, 1>(w, row, xs, acc); }); \
+        gemv_rows<TY, 1, GLU, 1>(mats, n_in, [&](const Weight& w, int row, int, float* acc, auto ready) {      \
+            ready();                                                                                           \
+            ROW<TY, 1>(w, row, xs, acc);                                                                       \
+        });                                                                                                    \
     }
 #define GEMV_ALL(NAME, TY, ROW) GEMV_EACH(NAME, TY, ROW) GEMV_NORMED(NAME, TY, ROW, false, gemv) GEMV_NORMED(NAME, TY, ROW, true, gemv_glu)
 GEMV_ALL(f32, TY_F32, float_row)
