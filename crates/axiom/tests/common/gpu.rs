@@ -410,7 +410,8 @@ fn rms_norm_rows<B: Backend>(rng: &mut ChaCha8Rng, gpu: &mut B, cpu: &mut CpuBac
 /// kv_write then attention through scrambled block tables, with f16 and f32 caches: head_dim 48
 /// over [`PAGED_LENS`]; head_dim 64 and 128 with a 600-token prefill (several query and key tiles
 /// for a tiled kernel) next to decodes; and decodes alone over that context (the path a decode
-/// step takes), head_dim 48 and 128. `tolerance(kv_type, head_dim)` is the relative error allowed.
+/// step takes), head_dim 48 and 128, also one at a time. `tolerance(kv_type, head_dim)` is the
+/// relative error allowed.
 pub fn paged_kv_write_and_attention<B: Backend>(make: impl Fn(KvType) -> B, tolerance: impl Fn(KvType, usize) -> f64) {
     let mut rng = ChaCha8Rng::seed_from_u64(3);
     let long_lens = [600, 20];
@@ -422,6 +423,9 @@ pub fn paged_kv_write_and_attention<B: Backend>(make: impl Fn(KvType) -> B, tole
         (128, &long_lens[..], long_queries),
         (48, &long_lens[..], decodes.clone()),
         (128, &long_lens[..], decodes),
+        // One token a step, as a single sequence decodes.
+        (48, &long_lens[..], vec![(1, 19)]),
+        (128, &long_lens[..], vec![(0, 599)]),
     ];
     for kv_type in [KvType::F16, KvType::F32] {
         // An f16 cache holds rounded K and V: give the reference the same values.

@@ -73,8 +73,6 @@ __device__ void attention(const float* __restrict__ q, const T* __restrict__ k_c
                           float* xd, int interleave, int start_next, int n_heads, int n_kv_heads, int head_dim) {
     __shared__ float warp_m[ATTN_WARPS], warp_l[ATTN_WARPS];
     __shared__ float warp_acc[ATTN_WARPS][256];
-    begin_after_inputs();
-    if (start_next) start_dependents();
     int t = blockIdx.x, h = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     int chunks = head_dim / 8, lanes = 1;
     while (lanes < chunks) lanes *= 2;
@@ -82,6 +80,25 @@ __device__ void attention(const float* __restrict__ q, const T* __restrict__ k_c
     int group = warp * groups_per_warp + lane / lanes, c = lane % lanes;
     bool active = c < chunks;  // lanes past the head's last chunk only take part in the shuffles
     u64 kv_width = (u64)n_kv_heads * head_dim, kv_off = (u64)(h / (n_heads / n_kv_heads)) * head_dim + 8 * c;
+    int n_ctx = positions[t] + 1;
+    const u32* table = tables + (u64)token_seqs[t] * table_width;
+    auto load = [&](int p, Raw8<T>& k, Raw8<T>& v) {
+        u64 row = page_row(table, page_size, p) * kv_width + kv_off;
+        k = load_raw8(k_cache + row);
+        v = load_raw8(v_cache + row);
+    };
+    // In a step of one token only its own row of the cache is written by the step (before this
+    // kernel, by rope_kv_write): the rows before it, written by earlier steps, are loaded before
+    // the wait, the first batch of them.
+    bool early = gridDim.x == 1;
+    auto loaded_early = [&](int base, int p) { return early && base == 0 && p < n_ctx - 1; };
+    Raw8<T> k_raw[ATTN_BATCH], v_raw[ATTN_BATCH];
+    for (int b = 0; b < ATTN_BATCH; b++) {
+        int p = b * n_groups + group;
+        if (active && loaded_early(0, p)) load(p, k_raw[b], v_raw[b]);
+    }
+    begin_after_inputs();
+    if (start_next) start_dependents();
 
     float qc[8] = {};
     if (active) {
@@ -91,21 +108,14 @@ __device__ void attention(const float* __restrict__ q, const T* __restrict__ k_c
         qc[0] = a.x * scale, qc[1] = a.y * scale, qc[2] = a.z * scale, qc[3] = a.w * scale;
         qc[4] = b.x * scale, qc[5] = b.y * scale, qc[6] = b.z * scale, qc[7] = b.w * scale;
     }
-    int n_ctx = positions[t] + 1;
-    const u32* table = tables + (u64)token_seqs[t] * table_width;
 
     Softmax sm = {__int_as_float(0xff800000u), 0.0f, {}};
     // Every lane runs the same number of batches, so that the shuffles inside meet; a batch's
     // position b of this group is base + b * n_groups + group.
     for (int base = 0; base < n_ctx; base += ATTN_BATCH * n_groups) {
-        Raw8<T> k_raw[ATTN_BATCH], v_raw[ATTN_BATCH];
         for (int b = 0; b < ATTN_BATCH; b++) {
             int p = base + b * n_groups + group;
-            if (active && p < n_ctx) {
-                u64 row = page_row(table, page_size, p) * kv_width + kv_off;
-                k_raw[b] = load_raw8(k_cache + row);
-                v_raw[b] = load_raw8(v_cache + row);
-            }
+            if (active && p < n_ctx && !loaded_early(base, p)) load(p, k_raw[b], v_raw[b]);
         }
         float s[ATTN_BATCH], m_new = sm.m;
         for (int b = 0; b < ATTN_BATCH; b++) {

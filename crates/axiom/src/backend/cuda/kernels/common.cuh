@@ -132,7 +132,8 @@ __device__ __forceinline__ u64 page_row(const u32* table, int page_size, u32 p) 
 // and nothing read that the step writes (weights may be: ReadsBeforeWait in matmul.cu, the norms'
 // weights in rms_norm_q8 and normalize_row; and so may the positions and block tables: the host
 // copies them in before the step's kernels, and a kernel never starts before a copy ahead of it
-// has finished: rope_kv_write). Kernels signal their dependents early only where it was measured
+// has finished: rope_kv_write; and with them, in a step of one token, the cache rows before its
+// position, which only earlier steps wrote: attention). Kernels signal their dependents early only where it was measured
 // to pay (start_dependents below): when every kernel did so right after its wait,
 // blocks of the next kernel sat on the multiprocessors while this one ran, which made SmolLM2's
 // decode 28% slower on the H200, where the wait alone made it 5% faster.
