@@ -89,7 +89,8 @@ __device__ void attention(const float* __restrict__ q, const T* __restrict__ k_c
     };
     // In a step of one token only its own row of the cache is written by the step (before this
     // kernel, by rope_kv_write): the rows before it, written by earlier steps, are loaded before
-    // the wait, the first batch of them.
+    // the wait, the first batch of them. (8B decode on the H200, same call: Q4_K 612.5 -> 617.8
+    // tok/s, Q8_0 398.3 -> 400.9.)
     bool early = gridDim.x == 1;
     auto loaded_early = [&](int base, int p) { return early && base == 0 && p < n_ctx - 1; };
     Raw8<T> k_raw[ATTN_BATCH], v_raw[ATTN_BATCH];
