@@ -27,11 +27,12 @@
 
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <string>
 #include <vector>
 
-typedef unsigned int u32;
+// The engine's own helpers: warp_sum, block_sum, begin_after_inputs, start_dependents.
+#include "../crates/axiom/src/backend/cuda/kernels/common.cuh"
+
 #define CHECK(x)                                                                             \
     do {                                                                                     \
         cudaError_t e = (x);                                                                 \
@@ -51,7 +52,7 @@ struct Sync {
 };
 
 __device__ __forceinline__ void wait_inputs(Sync s) {
-    if (s.mode == SYNC_PDL) asm volatile("griddepcontrol.wait;" ::: "memory");
+    if (s.mode == SYNC_PDL) begin_after_inputs();
     if (s.mode == SYNC_COUNTER) {
         if (threadIdx.x == 0) {
             u32 seen;
@@ -73,29 +74,12 @@ __device__ __forceinline__ void signal_done(Sync s) {
     }
 }
 
-__device__ __forceinline__ void start_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
-
 __device__ __forceinline__ uint4 load_stream(const uint4* p) {
     uint4 v;
     asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                  : "l"(p));
     return v;
-}
-
-__device__ __forceinline__ float warp_sum(float v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
-__device__ __forceinline__ float block_sum(float v) {
-    __shared__ float partial[8];
-    v = warp_sum(v);
-    if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = v;
-    __syncthreads();
-    float total = 0.0f;
-    for (int i = 0; i < 8; i++) total += partial[i];
-    return total;
 }
 
 __device__ __forceinline__ u32 fold(uint4 v) { return v.x ^ v.y ^ v.z ^ v.w; }
