@@ -148,9 +148,9 @@ fn split_weight(ty: GgmlType, bytes: &[u8], n_in: usize) -> SplitWeight {
     SplitWeight { q, s, m }
 }
 
-/// Rows a warp of the one-token Q4_K integer matrix-vector kernel takes (Q4K_ROWS in
+/// Rows a warp of the one-token Q4_K integer matrix-vector kernel takes (as Q4K_ROWS in
 /// kernels/matmul.cu).
-const Q4K_ROWS_PER_WARP: usize = 2;
+const Q4K_ROWS: usize = 2;
 
 /// Units per tile of the interleaved layout (INTERLEAVE_UNITS in kernels/common.cuh).
 const INTERLEAVE_UNITS: usize = 8;
@@ -209,7 +209,8 @@ impl CudaBackend {
         // A stream of our own: the legacy default stream cannot be captured into graphs.
         let stream = device.ctx.new_stream().map_err(driver_error("stream"))?;
         let kernels = Kernels::load(&device.ctx, device.arch, device.driver_version)?;
-        let spread = |glu| EvenSpread::new(&device, kernels.get(&kernels::gemv_kernel(true, glu, "q4_k", 1))?);
+        let q4k = Self::type_suffix(GgmlType::Q4K)?;
+        let spread = |glu| EvenSpread::new(&device, kernels.get(&kernels::gemv_kernel(true, glu, q4k, 1))?);
         let q4k_spread = match (spread(false)?, spread(true)?) {
             (Some(products), Some(swiglu)) => Some(Box::new([products, swiglu])),
             _ => None,
@@ -472,7 +473,7 @@ impl CudaBackend {
         for (done, t) in token_groups(n_tokens) {
             // Q4_K's one-token integer kernels take two rows a warp and spread their blocks.
             let q4k_one_token = matches!(input, GemvInput::Int8(_)) && w.ty == GgmlType::Q4K && t == 1;
-            let rows_per_warp = if q4k_one_token { Q4K_ROWS_PER_WARP } else { 1 };
+            let rows_per_warp = if q4k_one_token { Q4K_ROWS } else { 1 };
             let (mats, blocks) = self.matrices(ws, outs, epilogue, (done, t), rows_per_warp);
             match input {
                 GemvInput::Int8(Quantized { xq, xd, .. }) => {
