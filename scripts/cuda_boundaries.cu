@@ -30,7 +30,8 @@
 #include <string>
 #include <vector>
 
-// The engine's own helpers: warp_sum, block_sum, begin_after_inputs, start_dependents.
+// The engine's own helpers: warp_sum, block_sum, load_stream, begin_after_inputs,
+// start_dependents.
 #include "../crates/axiom/src/backend/cuda/kernels/common.cuh"
 
 #define CHECK(x)                                                                             \
@@ -72,14 +73,6 @@ __device__ __forceinline__ void signal_done(Sync s) {
         __threadfence();
         atomicAdd(s.done, 1u);
     }
-}
-
-__device__ __forceinline__ uint4 load_stream(const uint4* p) {
-    uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p));
-    return v;
 }
 
 __device__ __forceinline__ u32 fold(uint4 v) { return v.x ^ v.y ^ v.z ^ v.w; }

@@ -359,16 +359,6 @@ __device__ __forceinline__ void widen(uint4 raw, float* y) {
     }
 }
 
-// A weight load. Each weight is read once a token, so it is not kept in L1 (no_allocate), which
-// leaves L1 to the activations that every warp reads again: 8B bf16 decode 224.7 -> 227.9 tok/s.
-__device__ __forceinline__ uint4 load_stream(const uint4* p) {
-    uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p));
-    return v;
-}
-
 template <int TY, int T>
 __device__ __forceinline__ void float_row(const Weight& w, int row, const float* x, float* acc) {
     int n_in = w.n_in;
