@@ -38,6 +38,11 @@ fn attention_then_output_projection_matches_the_cpu_reference() {
 }
 
 #[test]
+fn rope_attention_then_output_projection_matches_the_cpu_reference() {
+    gpu::rope_attention_then_output_projection(metal, |_, kv_type| if kv_type == KvType::F16 { 1e-4 } else { 1e-5 });
+}
+
+#[test]
 fn rope_kv_write_matches_the_cpu_reference() {
     gpu::rope_kv_write_then_attention(metal);
 }

@@ -217,6 +217,40 @@ pub struct AttentionKv {
     pub pages: PagedKv,
 }
 
+/// A step's new query, key and value rows as the Q, K and V products wrote them (before RoPE),
+/// and what rotates them: `freqs` holds `rope.dims / 2` inverse frequencies (f32).
+#[derive(Debug, Clone, Copy)]
+pub struct NewRows {
+    pub q: BlockHandle,
+    pub k: BlockHandle,
+    pub v: BlockHandle,
+    pub freqs: BlockHandle,
+    pub rope: Rope,
+}
+
+/// `Backend::rope_attend_and_project` in two steps: `rope_kv_write`, then `attend_and_project`.
+pub fn rope_attend_and_project_in_steps<B: Backend + ?Sized>(
+    b: &B,
+    new: NewRows,
+    kv: AttentionKv,
+    wo: &B::Weight,
+    buffers: [BlockHandle; 3],
+    n_tokens: usize,
+    shape: AttentionShape,
+) -> Result<()> {
+    let NewRows { q, k, v, freqs, rope } = new;
+    let AttentionKv {
+        k_cache,
+        v_cache,
+        positions,
+        pages,
+    } = kv;
+    b.rope_kv_write(
+        q, k, v, k_cache, v_cache, positions, freqs, pages, n_tokens, shape, rope,
+    )?;
+    b.attend_and_project(q, kv, wo, buffers, n_tokens, shape)
+}
+
 /// `Backend::attend_and_project` in two steps: `attention` into `out`, then `matmul_add`.
 pub fn attend_and_project_in_steps<B: Backend + ?Sized>(
     b: &B,
@@ -528,6 +562,21 @@ pub trait Backend {
         shape: AttentionShape,
     ) -> Result<()> {
         attend_and_project_in_steps(self, q, kv, wo, [out, residual, scratch], n_tokens, shape)
+    }
+    /// A layer's attention block from its Q, K and V rows on: `rope_kv_write` of `new` into the
+    /// caches, then `attend_and_project`. `new.q` and `new.k` are scratch, left rotated or not. A
+    /// backend may rotate the rows and store them in the caches within attention; the default,
+    /// `rope_attend_and_project_in_steps`, runs the two.
+    fn rope_attend_and_project(
+        &self,
+        new: NewRows,
+        kv: AttentionKv,
+        wo: &Self::Weight,
+        buffers: [BlockHandle; 3],
+        n_tokens: usize,
+        shape: AttentionShape,
+    ) -> Result<()> {
+        rope_attend_and_project_in_steps(self, new, kv, wo, buffers, n_tokens, shape)
     }
     /// `x[t] += bias` for `n_tokens` rows of `width`.
     fn add_bias(&self, x: BlockHandle, bias: BlockHandle, n_tokens: usize, width: usize) -> Result<()>;

@@ -3,7 +3,7 @@
 use super::config::ModelConfig;
 use super::kv_cache::{KvCache, OutOfPages, PagePool, PageUsage};
 use super::weights::{self, TensorSource, Weights};
-use crate::backend::{AttentionKv, Backend, BlockHandle, FeedForward, FeedForwardScratch, Input, PagedKv};
+use crate::backend::{AttentionKv, Backend, BlockHandle, FeedForward, FeedForwardScratch, Input, NewRows, PagedKv};
 use crate::format::gguf::GgufFile;
 use crate::{Error, Result};
 
@@ -467,16 +467,20 @@ impl<B: Backend> Llama<B> {
                 }
                 None => (s.q, s.k),
             };
-            b.rope_kv_write(
-                q, k, s.v, *k_cache, *v_cache, positions, self.freqs, pages, n, shape, c.rope,
-            )?;
+            let new = NewRows {
+                q,
+                k,
+                v: s.v,
+                freqs: self.freqs,
+                rope: c.rope,
+            };
             let kv = AttentionKv {
                 k_cache: *k_cache,
                 v_cache: *v_cache,
                 positions,
                 pages,
             };
-            b.attend_and_project(q, kv, &layer.wo, [s.attn, s.x, s.proj], n, shape)?;
+            b.rope_attend_and_project(new, kv, &layer.wo, [s.attn, s.x, s.proj], n, shape)?;
             // Feed-forward block, the same way.
             let ffn_in = self.normed(s.x, layer.ffn_norm);
             let ffn = FeedForward {

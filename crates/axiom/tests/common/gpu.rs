@@ -5,8 +5,8 @@
 use super::{paged_queries, random_weight_bytes, PagedCase, PAGED_LENS};
 use axiom::backend::cpu::CpuBackend;
 use axiom::backend::{
-    AttentionShape, Backend, BlockHandle, FeedForward, FeedForwardScratch, HostTensor, Input, KvType, PagedKv, Rope,
-    RopeLayout, RopeScaling,
+    AttentionShape, Backend, BlockHandle, FeedForward, FeedForwardScratch, HostTensor, Input, KvType, NewRows, PagedKv,
+    Rope, RopeLayout, RopeScaling,
 };
 use axiom::chat::Message;
 use axiom::engine::perplexity::perplexity;
@@ -530,6 +530,134 @@ fn projected<B: Backend>(b: &mut B, inputs: AttentionInputs, wo: &B::Weight, res
         })
         .unwrap();
     sum.iter().zip(residual).map(|(s, r)| s - r).collect()
+}
+
+/// `rope_attend_and_project` (RoPE and the cache write of a step's new rows, then attention and
+/// its output projection added to a residual) on steps of one token, which a backend may fold
+/// into attention, and on a step of three tokens over two sequences; then attention of fresh
+/// queries at the same positions, which reads back the rows the step stored. Both RoPE layouts,
+/// part of each head rotated, f16 and f32 caches; an output projection a backend may multiply on
+/// integers (rows of 2048) and an f32 one. `tolerance(type, cache)` is the relative error allowed
+/// on what the projection adds. The reference's cache is f32: with an f16 one, the rows given are
+/// rounded to f16 first, but the rotated keys are rounded only by the backend under test.
+pub fn rope_attention_then_output_projection<B: Backend>(
+    make: impl Fn(KvType) -> B,
+    tolerance: impl Fn(GgmlType, KvType) -> f64,
+) {
+    let mut rng = ChaCha8Rng::seed_from_u64(6);
+    let n_out = 72;
+    // (heads, KV heads, head_dim, rotated dimensions, output projection's type); query widths of
+    // a multiple of 32, as every backend's weights take.
+    let cases = [
+        (16, 4, 128, 128, GgmlType::Q4K),
+        (9, 3, 64, 48, GgmlType::F32),
+        (12, 4, 48, 32, GgmlType::F32),
+    ];
+    // (sequence, position) of each new token; sequence 0 holds 300 earlier rows, 1 holds 5.
+    let steps: [&[(u32, u32)]; 4] = [&[(0, 20)], &[(0, 300)], &[(1, 5)], &[(0, 300), (0, 301), (1, 5)]];
+    for (n_heads, n_kv_heads, head_dim, dims, ty) in cases {
+        let shape = AttentionShape {
+            n_heads,
+            n_kv_heads,
+            head_dim,
+        };
+        for (kv_type, layout, queries) in [KvType::F16, KvType::F32]
+            .into_iter()
+            .flat_map(|kv| [RopeLayout::Adjacent, RopeLayout::Halves].map(|l| (kv, l)))
+            .flat_map(|(kv, l)| steps.map(|q| (kv, l, q)))
+        {
+            let rope = Rope {
+                layout,
+                theta: 10000.0,
+                dims,
+                scaling: RopeScaling::None,
+            };
+            let case = PagedCase::new(&mut rng, 16, &[302, 6]);
+            // The earlier rows: the first `position` of each sequence in the step.
+            let held = |s: u32| {
+                queries
+                    .iter()
+                    .filter(|q| q.0 == s)
+                    .map(|q| q.1 as usize)
+                    .min()
+                    .unwrap_or(0)
+            };
+            let round = |v: Vec<f32>| -> Vec<f32> {
+                match kv_type {
+                    KvType::F16 => v.iter().map(|&x| f16::from_f32(x).to_f32()).collect(),
+                    KvType::F32 => v,
+                }
+            };
+            let kv_w = shape.kv_width();
+            let k: Vec<Vec<f32>> = (0..2).map(|s| round(randn(&mut rng, held(s) * kv_w))).collect();
+            let v: Vec<Vec<f32>> = (0..2).map(|s| round(randn(&mut rng, held(s) * kv_w))).collect();
+            let n = queries.len();
+            let mut new: Vec<Vec<f32>> = [shape.q_width(), kv_w, kv_w, shape.q_width()]
+                .iter()
+                .map(|w| randn(&mut rng, n * w))
+                .collect();
+            new[2] = round(std::mem::take(&mut new[2]));
+            let residual = randn(&mut rng, n * n_out);
+            let (mut gpu, mut cpu) = pair(|| make(kv_type));
+            let (wg, wc) = random_weight(&mut rng, &mut gpu, &mut cpu, ty, shape.q_width(), n_out);
+            gpu.prepare(128, shape.q_width()).unwrap();
+            let inputs = (&case, &k[..], &v[..], queries, &new[0][..], shape);
+            let (added_gpu, read_gpu) = rope_step(&mut gpu, inputs, rope, [&new[1], &new[2], &new[3]], &wg, &residual);
+            let (added_cpu, read_cpu) = rope_step(&mut cpu, inputs, rope, [&new[1], &new[2], &new[3]], &wc, &residual);
+            let what = format!("{ty} projection, head_dim {head_dim}, {kv_type:?} cache, {layout:?}, {n} tokens");
+            let err = rel_l2(&added_gpu, &added_cpu);
+            assert!(
+                err < tolerance(ty, kv_type),
+                "rope_attend_and_project, {what}: relative error {err}"
+            );
+            let err = rel_l2(&read_gpu, &read_cpu);
+            let allowed = if kv_type == KvType::F16 { 1e-4 } else { 1e-5 };
+            assert!(
+                err < allowed,
+                "attention over what rope_attend_and_project stored, {what}: relative error {err}"
+            );
+        }
+    }
+}
+
+/// What `rope_attend_and_project` adds to `residual` for a `PagedCase`'s queries (the new rows
+/// `k`, `v` and, as the case's queries, `q`), and what attention of `q_after` reads afterwards.
+fn rope_step<B: Backend>(
+    b: &mut B,
+    inputs: AttentionInputs,
+    rope: Rope,
+    [k, v, q_after]: [&[f32]; 3],
+    wo: &B::Weight,
+    residual: &[f32],
+) -> (Vec<f32>, Vec<f32>) {
+    let (case, k_cache, v_cache, queries, q, shape) = inputs;
+    let (sum, read) = case
+        .with_cache(b, k_cache, v_cache, queries, q, shape, |b, qh, kv| {
+            let new = NewRows {
+                q: qh,
+                k: put(b, k),
+                v: put(b, v),
+                freqs: put(b, &rope.inverse_frequencies()),
+                rope,
+            };
+            let (out, scratch) = (poisoned(b, q.len()), poisoned(b, residual.len()));
+            let stream = put(b, residual);
+            b.rope_attend_and_project(new, kv, wo, [out, stream, scratch], queries.len(), shape)?;
+            let (q_after, read) = (put(b, q_after), poisoned(b, q.len()));
+            b.attention(
+                q_after,
+                kv.k_cache,
+                kv.v_cache,
+                kv.positions,
+                kv.pages,
+                read,
+                queries.len(),
+                shape,
+            )?;
+            Ok((get(b, stream, residual.len()), get(b, read, q.len())))
+        })
+        .unwrap();
+    (sum.iter().zip(residual).map(|(s, r)| s - r).collect(), read)
 }
 
 /// `rope_kv_write` (RoPE on Q and K, then the cache write) over scrambled pages, seen through the

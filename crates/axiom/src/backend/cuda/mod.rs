@@ -10,8 +10,9 @@ pub mod device;
 pub mod kernels;
 
 use super::{
-    attend_and_project_in_steps, feed_forward_in_steps, gate_up_swiglu_in_steps, Arena, AttentionKv, AttentionShape,
-    Backend, BlockHandle, FeedForward, FeedForwardScratch, HostTensor, Input, KvType, PagedKv, Rope, RopeLayout,
+    feed_forward_in_steps, gate_up_swiglu_in_steps, rope_attend_and_project_in_steps, Arena, AttentionKv,
+    AttentionShape, Backend, BlockHandle, FeedForward, FeedForwardScratch, HostTensor, Input, KvType, NewRows, PagedKv,
+    Rope, RopeLayout,
 };
 use crate::format::quant::GgmlType;
 use crate::{Error, Result};
@@ -474,9 +475,15 @@ impl CudaBackend {
             // Q4_K's one-token integer kernels take two rows a warp and spread their blocks.
             let q4k_one_token = matches!(input, GemvInput::Int8(_)) && w.ty == GgmlType::Q4K && t == 1;
             let rows_per_warp = if q4k_one_token { Q4K_ROWS } else { 1 };
-            let (mats, blocks) = self.matrices(ws, outs, epilogue, (done, t), rows_per_warp);
+            let (mut mats, blocks) = self.matrices(ws, outs, epilogue, (done, t), rows_per_warp);
             match input {
-                GemvInput::Int8(Quantized { xq, xd, .. }) => {
+                GemvInput::Int8(Quantized {
+                    xq,
+                    xd,
+                    by_quiet_kernel,
+                    ..
+                }) => {
+                    mats.copy_whole = i32::from(by_quiet_kernel);
                     let xqs = self.ptr(xq.slice(done * w.n_in, t * w.n_in));
                     let xds = self.ptr(xd.slice(done * w.n_in / 8, t * w.n_in / 8));
                     let name = kernels::gemv_kernel(true, glu, suffix, t);
@@ -503,10 +510,12 @@ impl CudaBackend {
 
     /// `Backend::attention`; with `quantized_for`, the one-pass kernel also writes its output into
     /// that staging as `quantize_activations` would for that weight (the head size then a multiple
-    /// of 32).
+    /// of 32). With `new` (a step of one token), it also rotates the query and the new key and
+    /// stores the token's cache row, as `rope_kv_write` would before it.
     fn attend(
         &self,
         q: BlockHandle,
+        new: Option<NewRows>,
         kv: AttentionKv,
         out: BlockHandle,
         quantized_for: Option<((BlockHandle, BlockHandle), &CudaWeight)>,
@@ -522,6 +531,15 @@ impl CudaBackend {
         if self.takes_flash(shape, n_tokens) {
             return self.flash_attention(q, kv, self.ptr(out), GgmlType::F32, n_tokens, shape);
         }
+        let (k_new, v_new, freqs, (dims, halves)) = match new {
+            Some(new) => (
+                self.ptr(new.k),
+                self.ptr(new.v),
+                self.ptr(new.freqs),
+                rope_args(new.rope)?,
+            ),
+            None => (0, 0, 0, (0, 0)),
+        };
         let AttentionKv {
             k_cache,
             v_cache,
@@ -559,6 +577,11 @@ impl CudaBackend {
                 &table_width,
                 &self.ptr(pages.token_seqs),
                 &page_size,
+                &k_new,
+                &v_new,
+                &freqs,
+                &dims,
+                &halves,
                 &self.ptr(out),
                 &xq,
                 &xd,
@@ -569,6 +592,66 @@ impl CudaBackend {
                 &hd,
             ],
         )
+    }
+
+    /// Where the output projection runs on integers (decode of a quantized `wo`), the one-pass
+    /// attention kernel quantizes its output for it as it writes it: no launch of its own. Where
+    /// it runs through cuBLAS after flash attention (prefill), attention writes its 16-bit input.
+    /// `new` as for `attend`.
+    #[allow(clippy::too_many_arguments)]
+    fn attend_then_project(
+        &self,
+        q: BlockHandle,
+        new: Option<NewRows>,
+        kv: AttentionKv,
+        wo: &CudaWeight,
+        [out, residual, scratch]: [BlockHandle; 3],
+        n_tokens: usize,
+        shape: AttentionShape,
+    ) -> Result<()> {
+        let input = gemm_input(wo.ty);
+        if self.takes_flash(shape, n_tokens) && n_tokens > gemv_max_tokens(wo.ty) && input != GgmlType::F32 {
+            // Flash attention writes its output in the 16-bit type cuBLAS reads, straight into the
+            // staging: no f32 round trip and no conversion pass.
+            let (_, x_stage) = self.cublas_staging()?;
+            let n = n_tokens * shape.q_width();
+            if n * 2 > x_stage.len {
+                return Err(Error::Backend(format!(
+                    "{n} attention outputs exceed the cuBLAS staging of {} bytes",
+                    x_stage.len
+                )));
+            }
+            self.flash_attention(q, kv, self.ptr(x_stage), input, n_tokens, shape)?;
+            return self.gemm(out, wo, residual, n_tokens, GemmOutput::Add, &mut Some(input));
+        }
+        let folds = n_tokens <= gemv_max_tokens(wo.ty)
+            && self.takes_int8(wo)
+            && !self.takes_flash(shape, n_tokens)
+            && shape.head_dim.is_multiple_of(32);
+        match self.int8_activations.filter(|_| folds) {
+            Some(staging) => {
+                self.attend(q, new, kv, out, Some((staging, wo)), n_tokens, shape)?;
+                let (xq, xd) = staging;
+                let quantized = Quantized {
+                    xq,
+                    xd,
+                    interleaved: interleaves_activations(wo.ty),
+                    by_quiet_kernel: n_tokens == 1,
+                };
+                self.gemv(
+                    out.into(),
+                    &[wo],
+                    &[residual],
+                    n_tokens,
+                    Epilogue::Add,
+                    &mut Some(quantized),
+                )
+            }
+            None => {
+                self.attend(q, new, kv, out, None, n_tokens, shape)?;
+                self.matmul_add(out, wo, residual, scratch, n_tokens)
+            }
+        }
     }
 
     /// Attention on tensor cores (flash_attention.cu), its output written at `out` as `out_type`:
@@ -784,7 +867,12 @@ impl CudaBackend {
                 ],
             )?,
         }
-        Ok(Quantized { xq, xd, interleaved })
+        Ok(Quantized {
+            xq,
+            xd,
+            interleaved,
+            by_quiet_kernel: false,
+        })
     }
 }
 
@@ -918,6 +1006,18 @@ fn check_norm_row(dim: usize) -> Result<()> {
 
 /// The page size as the kernels take it: a power of two, so that page_row (common.cuh) finds a
 /// position's page by a shift rather than a division.
+/// The rotated dimensions and whether pairs are halves apart, as the RoPE kernels take them.
+fn rope_args(rope: Rope) -> Result<(i32, i32)> {
+    if rope.dims > 2 * ROPE_MAX_PAIRS {
+        return Err(Error::Backend(format!(
+            "RoPE over {} dimensions: the CUDA kernels take up to {}",
+            rope.dims,
+            2 * ROPE_MAX_PAIRS
+        )));
+    }
+    Ok((rope.dims as i32, i32::from(rope.layout == RopeLayout::Halves)))
+}
+
 fn page_size_arg(pages: &PagedKv) -> Result<i32> {
     match i32::try_from(pages.page_size) {
         Ok(size) if size > 0 && (size as u32).is_power_of_two() => Ok(size),
@@ -961,15 +1061,20 @@ struct Matrices {
     n_out: [i32; MAX_MATRICES],
     count: i32,
     accumulate: i32,
+    copy_whole: i32,
 }
 
 /// Activations quantized for the integer matrix-vector kernels: int8 values, f32 block scales,
-/// and whether the values are interleaved (`interleaves_activations`).
+/// and whether the values are interleaved (`interleaves_activations`). `by_quiet_kernel`: written
+/// by a kernel that reads little memory after its wait (one-token attention, whose cache reads
+/// come before it), so the product may copy more of its rows before its own wait (`copy_whole`
+/// in matmul.cu).
 #[derive(Clone, Copy)]
 struct Quantized {
     xq: BlockHandle,
     xd: BlockHandle,
     interleaved: bool,
+    by_quiet_kernel: bool,
 }
 
 /// The activations of a matrix-vector launch: quantized to int8, f32 rows, or one f32 row that
@@ -1416,14 +1521,7 @@ impl Backend for CudaBackend {
     ) -> Result<()> {
         let (nh, nkv, hd) = (shape.n_heads as i32, shape.n_kv_heads as i32, shape.head_dim as i32);
         let (table_width, page_size) = (pages.table_width as i32, page_size_arg(&pages)?);
-        let (dims, halves) = (rope.dims as i32, i32::from(rope.layout == RopeLayout::Halves));
-        if rope.dims > 2 * ROPE_MAX_PAIRS {
-            return Err(Error::Backend(format!(
-                "RoPE over {} dimensions: the CUDA kernel takes up to {}",
-                rope.dims,
-                2 * ROPE_MAX_PAIRS
-            )));
-        }
+        let (dims, halves) = rope_args(rope)?;
         let heads = shape.n_heads + shape.n_kv_heads;
         let group = if n_tokens >= FLASH_MIN_TOKENS {
             heads
@@ -1474,60 +1572,37 @@ impl Backend for CudaBackend {
             positions,
             pages,
         };
-        self.attend(q, kv, out, None, n_tokens, shape)
+        self.attend(q, None, kv, out, None, n_tokens, shape)
     }
 
-    /// Where the output projection runs on integers (decode of a quantized `wo`), the one-pass
-    /// attention kernel quantizes its output for it as it writes it: no launch of its own. Where
-    /// it runs through cuBLAS after flash attention (prefill), attention writes its 16-bit input.
     fn attend_and_project(
         &self,
         q: BlockHandle,
         kv: AttentionKv,
         wo: &CudaWeight,
-        [out, residual, scratch]: [BlockHandle; 3],
+        buffers: [BlockHandle; 3],
         n_tokens: usize,
         shape: AttentionShape,
     ) -> Result<()> {
-        let input = gemm_input(wo.ty);
-        if self.takes_flash(shape, n_tokens) && n_tokens > gemv_max_tokens(wo.ty) && input != GgmlType::F32 {
-            // Flash attention writes its output in the 16-bit type cuBLAS reads, straight into the
-            // staging: no f32 round trip and no conversion pass.
-            let (_, x_stage) = self.cublas_staging()?;
-            let n = n_tokens * shape.q_width();
-            if n * 2 > x_stage.len {
-                return Err(Error::Backend(format!(
-                    "{n} attention outputs exceed the cuBLAS staging of {} bytes",
-                    x_stage.len
-                )));
-            }
-            self.flash_attention(q, kv, self.ptr(x_stage), input, n_tokens, shape)?;
-            return self.gemm(out, wo, residual, n_tokens, GemmOutput::Add, &mut Some(input));
+        self.attend_then_project(q, None, kv, wo, buffers, n_tokens, shape)
+    }
+
+    /// In a step of one token, the attention kernel rotates the query and the key and stores the
+    /// token's cache row itself: no rope_kv_write launch, and one kernel boundary less a layer.
+    /// Steps of more tokens rotate and store first (their tokens read each other's rows).
+    fn rope_attend_and_project(
+        &self,
+        new: NewRows,
+        kv: AttentionKv,
+        wo: &CudaWeight,
+        buffers: [BlockHandle; 3],
+        n_tokens: usize,
+        shape: AttentionShape,
+    ) -> Result<()> {
+        if n_tokens != 1 {
+            return rope_attend_and_project_in_steps(self, new, kv, wo, buffers, n_tokens, shape);
         }
-        let folds = n_tokens <= gemv_max_tokens(wo.ty)
-            && self.takes_int8(wo)
-            && !self.takes_flash(shape, n_tokens)
-            && shape.head_dim.is_multiple_of(32);
-        match self.int8_activations.filter(|_| folds) {
-            Some(staging) => {
-                self.attend(q, kv, out, Some((staging, wo)), n_tokens, shape)?;
-                let (xq, xd) = staging;
-                let quantized = Quantized {
-                    xq,
-                    xd,
-                    interleaved: interleaves_activations(wo.ty),
-                };
-                self.gemv(
-                    out.into(),
-                    &[wo],
-                    &[residual],
-                    n_tokens,
-                    Epilogue::Add,
-                    &mut Some(quantized),
-                )
-            }
-            None => attend_and_project_in_steps(self, q, kv, wo, [out, residual, scratch], n_tokens, shape),
-        }
+        self.attend_then_project(new.q, Some(new), kv, wo, buffers, n_tokens, shape)
     }
 
     fn swiglu(&self, gate: BlockHandle, up: BlockHandle, out: BlockHandle, n: usize) -> Result<()> {

@@ -11,6 +11,11 @@
 // its running maximum, sum and weighted values. The groups meet only at the end, through shuffles
 // inside each warp and shared memory across warps. A decode step is thus a few memory round trips
 // whatever its context.
+//
+// In a step of one token, attention may also take the token's own key and value rows as the
+// products wrote them (`NewToken`): it then rotates the query and the key itself (RoPE), uses
+// them from shared memory for the token's own position, and one block of each KV head's group
+// stores the token's cache row, so that no rope_kv_write runs before it.
 #define ATTN_THREADS 256
 #define ATTN_WARPS (ATTN_THREADS / 32)
 #define ATTN_BATCH 4
@@ -31,6 +36,21 @@ __device__ __forceinline__ Raw8<u16> load_raw8(const u16* p) { return {__ldg((co
 __device__ __forceinline__ Raw8<float> load_raw8(const float* p) {
     return {__ldg((const float4*)p), __ldg((const float4*)p + 1)};
 }
+
+// The inverse of widen8: 8 values as a cache row holds them (they are already of the cache's type).
+__device__ __forceinline__ void narrow8(const float* v, Raw8<u16>& raw) {
+    u32 w[4];
+    for (int j = 0; j < 4; j++) w[j] = (u32)f32_to_f16(v[2 * j]) | (u32)f32_to_f16(v[2 * j + 1]) << 16;
+    raw.a = make_uint4(w[0], w[1], w[2], w[3]);
+}
+__device__ __forceinline__ void narrow8(const float* v, Raw8<float>& raw) {
+    raw.a = make_float4(v[0], v[1], v[2], v[3]);
+    raw.b = make_float4(v[4], v[5], v[6], v[7]);
+}
+
+// A value as the cache stores it.
+__device__ __forceinline__ float cached_value(float v, const u16*) { return f16_to_f32(f32_to_f16(v)); }
+__device__ __forceinline__ float cached_value(float v, const float*) { return v; }
 
 __device__ __forceinline__ void widen8(Raw8<u16> raw, float* v) {
     u32 w[4] = {raw.a.x, raw.a.y, raw.a.z, raw.a.w};
@@ -66,30 +86,51 @@ struct Softmax {
     }
 };
 
+// The one token's key and value rows (f32, before RoPE), and the rotation: pairs by `halves` (as
+// rope_kv_write) over the first `dims` dimensions by position * freqs[i]. k null: the cache
+// already holds the token's row (rope_kv_write ran).
+struct NewToken {
+    const float* k;
+    const float* v;
+    const float* freqs;
+    int dims, halves;
+};
+
 template <typename T>
-__device__ void attention(const float* __restrict__ q, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
+__device__ void attention(const float* __restrict__ q, T* __restrict__ k_cache, T* __restrict__ v_cache,
                           const u32* __restrict__ positions, const u32* __restrict__ tables, int table_width,
-                          const u32* __restrict__ token_seqs, int page_size, float* __restrict__ out, i8* xq,
-                          float* xd, int interleave, int start_next, int n_heads, int n_kv_heads, int head_dim) {
+                          const u32* __restrict__ token_seqs, int page_size, NewToken fresh, float* __restrict__ out,
+                          i8* xq, float* xd, int interleave, int start_next, int n_heads, int n_kv_heads,
+                          int head_dim) {
     __shared__ float warp_m[ATTN_WARPS], warp_l[ATTN_WARPS];
     __shared__ float warp_acc[ATTN_WARPS][256];
+    __shared__ double2 turns[ROPE_MAX_PAIRS];
+    __shared__ __align__(16) float own_q[256], own_k[256], own_v[256];
     int t = blockIdx.x, h = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     int chunks = head_dim / 8, lanes = 1;
     while (lanes < chunks) lanes *= 2;
     int groups_per_warp = 32 / lanes, n_groups = ATTN_WARPS * groups_per_warp;
     int group = warp * groups_per_warp + lane / lanes, c = lane % lanes;
     bool active = c < chunks;  // lanes past the head's last chunk only take part in the shuffles
-    u64 kv_width = (u64)n_kv_heads * head_dim, kv_off = (u64)(h / (n_heads / n_kv_heads)) * head_dim + 8 * c;
+    int group_size = n_heads / n_kv_heads;
+    u64 kv_width = (u64)n_kv_heads * head_dim, kv_head = (u64)(h / group_size) * head_dim, kv_off = kv_head + 8 * c;
     int n_ctx = positions[t] + 1;
     const u32* table = tables + (u64)token_seqs[t] * table_width;
+    bool rotates = fresh.k != nullptr;
     auto load = [&](int p, Raw8<T>& k, Raw8<T>& v) {
+        if (rotates && p == n_ctx - 1) {  // the token's own row, rotated below
+            narrow8(own_k + 8 * c, k);
+            narrow8(own_v + 8 * c, v);
+            return;
+        }
         u64 row = page_row(table, page_size, p) * kv_width + kv_off;
         k = load_raw8(k_cache + row);
         v = load_raw8(v_cache + row);
     };
-    // In a step of one token only its own row of the cache is written by the step (before this
-    // kernel, by rope_kv_write): the rows before it, written by earlier steps, are loaded before
-    // the wait, the first batch of them. (8B decode on the H200, same call: Q4_K 612.5 -> 617.8
+    // In a step of one token only its own row of the cache is written by the step (by
+    // rope_kv_write before this kernel, or by this one, which then never reads it back from
+    // memory): the rows before it, written by earlier steps, are loaded before the wait, the first
+    // batch of them. (8B decode on the H200, same call: Q4_K 612.5 -> 617.8
     // tok/s, Q8_0 398.3 -> 400.9.)
     bool early = gridDim.x == 1;
     auto loaded_early = [&](int base, int p) { return early && base == 0 && p < n_ctx - 1; };
@@ -98,12 +139,49 @@ __device__ void attention(const float* __restrict__ q, const T* __restrict__ k_c
         int p = b * n_groups + group;
         if (active && loaded_early(0, p)) load(p, k_raw[b], v_raw[b]);
     }
+    // The angles and the token's cache row come from the frequencies, the positions and the block
+    // tables: all found before the wait (common.cuh).
+    int half = fresh.dims / 2;
+    u64 own_row = 0;
+    if (rotates) {
+        for (int i = threadIdx.x; i < half; i += ATTN_THREADS) turns[i] = turn(n_ctx - 1, fresh.freqs, i);
+        own_row = page_row(table, page_size, n_ctx - 1) * kv_width + kv_head;
+    }
     begin_after_inputs();
     if (start_next) start_dependents();
 
+    if (rotates) {
+        const float* qh = q + ((u64)t * n_heads + h) * head_dim;
+        const float* kh = fresh.k + (u64)t * kv_width + kv_head;
+        const float* vh = fresh.v + (u64)t * kv_width + kv_head;
+        for (int d = threadIdx.x; d < head_dim; d += ATTN_THREADS) {
+            own_q[d] = qh[d];
+            own_k[d] = d < fresh.dims ? kh[d] : cached_value(kh[d], k_cache);
+            own_v[d] = cached_value(vh[d], v_cache);
+        }
+        __syncthreads();
+        // The query's pairs, then the key's, each rotated by one thread; the key as the cache
+        // holds it, so that this position weighs the same as when later steps read it back.
+        for (int p = threadIdx.x; p < 2 * half; p += ATTN_THREADS) {
+            bool key = p >= half;
+            int i = p % half, a = fresh.halves ? i : 2 * i, b = fresh.halves ? i + half : 2 * i + 1;
+            float* head = key ? own_k : own_q;
+            float2 x = rotated(head[a], head[b], turns[i]);
+            head[a] = key ? cached_value(x.x, k_cache) : x.x;
+            head[b] = key ? cached_value(x.y, k_cache) : x.y;
+        }
+        __syncthreads();
+        // The first query head of each KV head's group stores the token's row.
+        if (h % group_size == 0)
+            for (int d = threadIdx.x; d < head_dim; d += ATTN_THREADS) {
+                put(k_cache + own_row + d, own_k[d]);
+                put(v_cache + own_row + d, own_v[d]);
+            }
+    }
+
     float qc[8] = {};
     if (active) {
-        const float* qh = q + ((u64)t * n_heads + h) * head_dim + 8 * c;
+        const float* qh = (rotates ? own_q : q + ((u64)t * n_heads + h) * head_dim) + 8 * c;
         float scale = rsqrtf((float)head_dim);
         float4 a = *(const float4*)qh, b = *((const float4*)qh + 1);
         qc[0] = a.x * scale, qc[1] = a.y * scale, qc[2] = a.z * scale, qc[3] = a.w * scale;
@@ -171,17 +249,13 @@ __device__ void attention(const float* __restrict__ q, const T* __restrict__ k_c
     }
 }
 
-extern "C" __global__ void attention_f16(const float* q, const u16* k, const u16* v, const u32* pos, const u32* tables,
-                                         int table_width, const u32* token_seqs, int page_size, float* out, i8* xq,
-                                         float* xd, int interleave, int start_next, int n_heads, int n_kv_heads,
-                                         int head_dim) {
-    attention(q, k, v, pos, tables, table_width, token_seqs, page_size, out, xq, xd, interleave, start_next, n_heads,
-              n_kv_heads, head_dim);
-}
-extern "C" __global__ void attention_f32(const float* q, const float* k, const float* v, const u32* pos,
-                                         const u32* tables, int table_width, const u32* token_seqs, int page_size,
-                                         float* out, i8* xq, float* xd, int interleave, int start_next, int n_heads,
-                                         int n_kv_heads, int head_dim) {
-    attention(q, k, v, pos, tables, table_width, token_seqs, page_size, out, xq, xd, interleave, start_next, n_heads,
-              n_kv_heads, head_dim);
-}
+#define ATTENTION(NAME, T)                                                                                        \
+    extern "C" __global__ void attention_##NAME(                                                                  \
+        const float* q, T* k, T* v, const u32* pos, const u32* tables, int table_width, const u32* token_seqs,     \
+        int page_size, const float* k_new, const float* v_new, const float* freqs, int dims, int halves,          \
+        float* out, i8* xq, float* xd, int interleave, int start_next, int n_heads, int n_kv_heads, int head_dim) { \
+        attention(q, k, v, pos, tables, table_width, token_seqs, page_size, NewToken{k_new, v_new, freqs, dims, halves}, \
+                  out, xq, xd, interleave, start_next, n_heads, n_kv_heads, head_dim);                              \
+    }
+ATTENTION(f16, u16)
+ATTENTION(f32, float)

@@ -27,6 +27,9 @@ struct Matrices {
     int count;
     // Whether the products are added to out (the residual stream) instead of stored; not with GLU.
     int accumulate;
+    // Whether the one-token Q4_K kernel copies all of a row pair that its two stages hold before
+    // its wait (q4k_rows), where the kernel before reads little memory after its own.
+    int copy_whole;
 };
 
 // This warp's first row (ok is false for a warp past the last row).
@@ -182,14 +185,14 @@ template <int TY> struct ReadsBeforeWait { static const bool value = TY == TY_Q8
 template <int TY, int T> struct RowsPerWarp { static const int value = TY == TY_Q4_K && T == 1 ? Q4K_ROWS : 1; };
 template <int T, int R, typename Ready>
 __device__ __forceinline__ void q4k_rows(const Weight& w, int row, int n_rows, const i8* xq, const float* xd,
-                                         float* acc, Ready inputs_ready);
+                                         float* acc, Ready inputs_ready, bool copy_whole);
 
 // (Decoding two or four chunks before using any was measured slower on the H200.)
 template <int TY, int T, typename Ready>
 __device__ __forceinline__ void int_row(const Weight& w, int row, int n_rows, const i8* xq, const float* xd,
-                                        float* acc, Ready inputs_ready) {
+                                        float* acc, Ready inputs_ready, bool copy_whole) {
     if constexpr (TY == TY_Q4_K)
-        return q4k_rows<T, RowsPerWarp<TY, T>::value>(w, row, n_rows, xq, xd, acc, inputs_ready);
+        return q4k_rows<T, RowsPerWarp<TY, T>::value>(w, row, n_rows, xq, xd, acc, inputs_ready, copy_whole);
     for (int t = 0; t < T; t++) acc[t] = 0.0f;
     if (!ReadsBeforeWait<TY>::value) {
         inputs_ready();
@@ -256,7 +259,7 @@ struct GroupActivations {
 
 template <int T, int R, typename Ready>
 __device__ __forceinline__ void q4k_rows(const Weight& w, int row, int n_rows, const i8* xq, const float* xd,
-                                         float* acc, Ready inputs_ready) {
+                                         float* acc, Ready inputs_ready, bool copy_whole) {
     constexpr int stage_groups = Q4K_STAGED_GROUPS / R, quant_pieces = 2 * stage_groups;
     __shared__ __align__(16) uint4 stage[GEMV_WARPS][2][R][quant_pieces + stage_groups / 4];
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32, n_groups = w.n_in / 64;
@@ -287,13 +290,22 @@ __device__ __forceinline__ void q4k_rows(const Weight& w, int row, int n_rows, c
     // blocks a multiprocessor either way; copying the second stage before the wait as well: 577).
     constexpr bool early = T == 1 && stage_groups == 32;
     for (int i = 0; i < R * T; i++) acc[i] = 0.0f;
+    // Where the kernel before reads little memory after its wait (one-token attention), a row pair
+    // of two stages is copied whole before this one's: the second copy overlaps that kernel too.
+    // Before kernels that read after their wait (the norms), it slows them more than it gains.
+    // (8B Q4_K decode on the H200, same calls: 640.2 -> 643.8 and 637.6 -> 643.0 tok/s; with Q,
+    // K and V so too, 625.8 against 637.6.)
+    bool whole = copy_whole && T == 1 && n_groups > stage_groups && n_groups <= 2 * stage_groups;
     copy_stage(0);
+    if (whole) copy_stage(stage_groups);
     begin_after_inputs();
     inputs_ready();
     for (int first = 0; first < n_groups; first += stage_groups) {
         GroupActivations ahead;
         if (early) ahead = activations(min(first + lane, n_groups - 1), 0);
-        if (first + stage_groups < n_groups) {
+        if (whole && first == 0) {
+            asm volatile("cp.async.wait_group 1;" ::: "memory");
+        } else if (first + stage_groups < n_groups) {
             copy_stage(first + stage_groups);
             asm volatile("cp.async.wait_group 1;" ::: "memory");
         } else {
@@ -328,7 +340,7 @@ __device__ __forceinline__ void q4k_rows(const Weight& w, int row, int n_rows, c
         if (!ReadsBeforeWait<TY>::value) begin_after_inputs();                                                 \
         if (T == 1 && ReadsBeforeWait<TY>::value) start_dependents();                                          \
         gemv_rows<TY, T, GLU, RowsPerWarp<TY, T>::value>(mats, n_in, [&](const Weight& w, int row, int n_rows, float* acc, auto ready) { \
-            int_row<TY, T>(w, row, n_rows, xq, xd, acc, ready);                                                \
+            int_row<TY, T>(w, row, n_rows, xq, xd, acc, ready, mats.copy_whole);                                \
         });                                                                                                    \
     }
 #define GEMV_INT_ALL(NAME, TY)                                                                                  \
