@@ -7,7 +7,7 @@
 //
 //     nvcc -O3 -gencode=arch=compute_90,code=sm_90 scripts/cuda_boundaries.cu -o /tmp/boundaries
 //     /tmp/boundaries [--layout split|fused|products] [--sync pdl|counter|none]
-//                     [--shared-kb N] [--accumulate] [--l2-prefetch-mb N]
+//                     [--shared-kb N] [--accumulate] [--l2-prefetch-mb N] [--small-prefetch-mb N]
 //
 // --layout: split, the nine launches a layer of axiom's decode; fused, five (the norms and the
 //   quantization read by the products after their wait, RoPE inside attention); products, the
@@ -20,9 +20,11 @@
 // --accumulate: the products add to their output (read, add, store), as wo and down do.
 // --l2-prefetch-mb: each product's blocks, when done, prefetch this much of the next product's
 //   rows into L2 (cp.async.bulk.prefetch.L2), spread over its blocks.
+// --small-prefetch-mb: each small kernel, before its wait, prefetches this much of the next
+//   product's rows the same way (while the DRAM would otherwise idle).
 //
 // It prints the copy roofline (one kernel reading every byte) and a token's time over 20 graph
-// replays. Figures: docs/performance.md, seventeenth session.
+// replays. Figures: docs/performance.md, seventeenth and eighteenth sessions.
 #include <cuda_runtime.h>
 
 #include <cstdio>
@@ -84,6 +86,14 @@ struct Prefetch {
     u32 block_bytes, bytes;
 };
 
+// Issues `next`'s prefetches, spread over this kernel's threads.
+__device__ __forceinline__ void prefetch_l2(Prefetch next) {
+    for (int j = blockIdx.x + threadIdx.x * gridDim.x; j < next.blocks; j += blockDim.x * gridDim.x)
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(next.rows + (size_t)j * next.block_bytes),
+                     "r"(next.bytes)
+                     : "memory");
+}
+
 // A product: block b streams words [b * block_words, (b + 1) * block_words), four a thread read
 // before the wait; after it, `prologue` activations are read and reduced first (a fused norm or
 // quantization), then the rest streamed; a warp's sum is stored, or added with `accumulate`.
@@ -119,16 +129,14 @@ __global__ void __launch_bounds__(256) product(const uint4* w, int block_words, 
         float* o = out + blockIdx.x * 8 + t / 32;
         *o = accumulate ? *o + sum : sum;
     }
-    if (next.bytes)
-        for (int j = blockIdx.x + t * gridDim.x; j < next.blocks; j += 256 * gridDim.x)
-            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(next.rows + (size_t)j * next.block_bytes),
-                         "r"(next.bytes)
-                         : "memory");
+    if (next.bytes) prefetch_l2(next);
     signal_done(s);
 }
 
 // A small kernel: reads n_in values of the last output `rounds` times over, writes n_out.
-__global__ void __launch_bounds__(256) small_kernel(const float* in, int n_in, float* out, int n_out, int rounds, Sync s) {
+__global__ void __launch_bounds__(256) small_kernel(const float* in, int n_in, float* out, int n_out, int rounds,
+                                                    Prefetch next, Sync s) {
+    if (next.bytes) prefetch_l2(next);
     wait_inputs(s);
     start_dependents();
     float v = 0.0f;
@@ -159,7 +167,7 @@ struct Launch {
 int main(int argc, char** argv) {
     std::string layout = "split", sync = "pdl";
     int shared_kb = 0, accumulate = 0;
-    double prefetch_mb = 0.0;
+    double prefetch_mb = 0.0, small_prefetch_mb = 0.0;
     for (int a = 1; a < argc; a++) {
         std::string arg = argv[a];
         bool has_value = a + 1 < argc;
@@ -167,6 +175,7 @@ int main(int argc, char** argv) {
         else if (arg == "--sync" && has_value) sync = argv[++a];
         else if (arg == "--shared-kb" && has_value) shared_kb = atoi(argv[++a]);
         else if (arg == "--l2-prefetch-mb" && has_value) prefetch_mb = atof(argv[++a]);
+        else if (arg == "--small-prefetch-mb" && has_value) small_prefetch_mb = atof(argv[++a]);
         else if (arg == "--accumulate") accumulate = 1;
         else {
             fprintf(stderr, "unknown argument %s (see the comment at the top)\n", arg.c_str());
@@ -223,8 +232,9 @@ int main(int argc, char** argv) {
     CHECK(cudaEventCreate(&start));
     CHECK(cudaEventCreate(&end));
     float ms;
-    printf("%.3f GB a token in %zu launches; layout %s, sync %s, shared %d KB%s, L2 prefetch %.0f MB\n", bytes / 1e9,
-           seq.size(), layout.c_str(), sync.c_str(), shared_kb, accumulate ? ", accumulating" : "", prefetch_mb);
+    printf("%.3f GB a token in %zu launches; layout %s, sync %s, shared %d KB%s, L2 prefetch %.0f MB, by small kernels %.0f MB\n",
+           bytes / 1e9, seq.size(), layout.c_str(), sync.c_str(), shared_kb, accumulate ? ", accumulating" : "",
+           prefetch_mb, small_prefetch_mb);
     for (int k = 0; k < 3; k++) {  // the first warms up
         CHECK(cudaEventRecord(start, stream));
         read_all<<<132 * 8, 512, 0, stream>>>(w, bytes / 16, x_a);
@@ -253,21 +263,24 @@ int main(int argc, char** argv) {
         config.stream = stream;
         config.attrs = &overlap;
         config.numAttrs = 1;
-        if (l.is_product) {
-            Prefetch next{nullptr, 0, 0, 0};
-            for (size_t j = k + 1; j < seq.size() && prefetch_mb > 0; j++)
+        // The next product's first `mb` MB, as a share of each of its blocks' slices.
+        auto next_product = [&](double mb) {
+            for (size_t j = k + 1; j < seq.size() && mb > 0; j++)
                 if (seq[j].is_product) {
                     u32 block_bytes = 16 * seq[j].block_words;
-                    double share = prefetch_mb * 1e6 / ((double)block_bytes * seq[j].blocks);
+                    double share = mb * 1e6 / ((double)block_bytes * seq[j].blocks);
                     u32 each = (u32)(share >= 1.0 ? block_bytes : share * block_bytes) / 16 * 16;
-                    next = Prefetch{(const char*)w + seq[j].offset, seq[j].blocks, block_bytes, each};
-                    break;
+                    return Prefetch{(const char*)w + seq[j].offset, seq[j].blocks, block_bytes, each};
                 }
+            return Prefetch{nullptr, 0, 0, 0};
+        };
+        if (l.is_product) {
             config.dynamicSmemBytes = shared_kb * 1024;
             CHECK(cudaLaunchKernelEx(&config, product, (const uint4*)((const char*)w + l.offset), l.block_words,
-                                     (const float*)in, out, l.prologue, accumulate, next, s));
+                                     (const float*)in, out, l.prologue, accumulate, next_product(prefetch_mb), s));
         } else {
-            CHECK(cudaLaunchKernelEx(&config, small_kernel, (const float*)in, l.n_in, out, l.n_out, l.rounds, s));
+            CHECK(cudaLaunchKernelEx(&config, small_kernel, (const float*)in, l.n_in, out, l.n_out, l.rounds,
+                                     next_product(small_prefetch_mb), s));
         }
         finished += l.blocks;
     }
