@@ -553,7 +553,7 @@ pub fn rope_attention_then_output_projection<B: Backend>(
         (9, 3, 64, 48, GgmlType::F32),
         (12, 4, 48, 32, GgmlType::F32),
     ];
-    // (sequence, position) of each new token; sequence 0 holds 300 earlier rows, 1 holds 5.
+    // (sequence, position) of each new token; each sequence holds the rows before its first.
     let steps: [&[(u32, u32)]; 4] = [&[(0, 20)], &[(0, 300)], &[(1, 5)], &[(0, 300), (0, 301), (1, 5)]];
     for (n_heads, n_kv_heads, head_dim, dims, ty) in cases {
         let shape = AttentionShape {
@@ -573,7 +573,7 @@ pub fn rope_attention_then_output_projection<B: Backend>(
                 scaling: RopeScaling::None,
             };
             let case = PagedCase::new(&mut rng, 16, &[302, 6]);
-            // The earlier rows: the first `position` of each sequence in the step.
+            // The rows a sequence holds: as many as its first new token's position.
             let held = |s: u32| {
                 queries
                     .iter()
