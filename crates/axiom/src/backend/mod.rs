@@ -239,14 +239,18 @@ pub fn rope_attend_and_project_in_steps<B: Backend + ?Sized>(
     shape: AttentionShape,
 ) -> Result<()> {
     let NewRows { q, k, v, freqs, rope } = new;
-    let AttentionKv {
-        k_cache,
-        v_cache,
-        positions,
-        pages,
-    } = kv;
     b.rope_kv_write(
-        q, k, v, k_cache, v_cache, positions, freqs, pages, n_tokens, shape, rope,
+        q,
+        k,
+        v,
+        kv.k_cache,
+        kv.v_cache,
+        kv.positions,
+        freqs,
+        kv.pages,
+        n_tokens,
+        shape,
+        rope,
     )?;
     b.attend_and_project(q, kv, wo, buffers, n_tokens, shape)
 }

@@ -1004,8 +1004,6 @@ fn check_norm_row(dim: usize) -> Result<()> {
     Ok(())
 }
 
-/// The page size as the kernels take it: a power of two, so that page_row (common.cuh) finds a
-/// position's page by a shift rather than a division.
 /// The rotated dimensions and whether pairs are halves apart, as the RoPE kernels take them.
 fn rope_args(rope: Rope) -> Result<(i32, i32)> {
     if rope.dims > 2 * ROPE_MAX_PAIRS {
@@ -1018,6 +1016,8 @@ fn rope_args(rope: Rope) -> Result<(i32, i32)> {
     Ok((rope.dims as i32, i32::from(rope.layout == RopeLayout::Halves)))
 }
 
+/// The page size as the kernels take it: a power of two, so that page_row (common.cuh) finds a
+/// position's page by a shift rather than a division.
 fn page_size_arg(pages: &PagedKv) -> Result<i32> {
     match i32::try_from(pages.page_size) {
         Ok(size) if size > 0 && (size as u32).is_power_of_two() => Ok(size),
