@@ -171,9 +171,17 @@ fn interleave_row(row: &[u8], unit_bytes: usize, out: &mut Vec<u8>) {
 }
 
 /// Whether the integer kernels for `ty` take their activations interleaved (`q8_slot` in
-/// kernels/common.cuh): Q4_K's, whose lanes take 64 values each.
+/// kernels/common.cuh): Q4_K's, whose lanes take 64 values each. Their scales then come with each
+/// block's sum (`store_q8_scale`).
 fn interleaves_activations(ty: GgmlType) -> bool {
     ty == GgmlType::Q4K
+}
+
+/// Bytes of block scales for `n` activations quantized for `ty`'s integer kernels: an f32 per 32
+/// values, and for interleaved ones the block's sum beside it.
+fn q8_scale_bytes(ty: GgmlType, n: usize) -> usize {
+    let per_block = if interleaves_activations(ty) { 8 } else { 4 };
+    n / 32 * per_block
 }
 
 pub struct CudaBackend {
@@ -485,7 +493,8 @@ impl CudaBackend {
                 }) => {
                     mats.copy_whole = i32::from(by_quiet_kernel);
                     let xqs = self.ptr(xq.slice(done * w.n_in, t * w.n_in));
-                    let xds = self.ptr(xd.slice(done * w.n_in / 8, t * w.n_in / 8));
+                    let scale_bytes = q8_scale_bytes(w.ty, w.n_in);
+                    let xds = self.ptr(xd.slice(done * scale_bytes, t * scale_bytes));
                     let name = kernels::gemv_kernel(true, glu, suffix, t);
                     let shared = match &self.q4k_spread {
                         Some(spread) if q4k_one_token => spread[usize::from(glu)].padding(blocks),
@@ -1648,7 +1657,9 @@ impl Backend for CudaBackend {
         }
         if self.int8_activations.is_none() {
             let values = GEMV_MAX_TOKENS.min(max_tokens) * max_n_in;
-            self.int8_activations = Some((self.alloc(values)?, self.alloc(values / 32 * 4)?));
+            // Scales sized for the larger layout, Q4_K's (with the sums).
+            let scales = q8_scale_bytes(GgmlType::Q4K, values);
+            self.int8_activations = Some((self.alloc(values)?, self.alloc(scales)?));
         }
         if self.flash_tiles.is_none() && max_tokens >= FLASH_MIN_TOKENS {
             self.flash_tiles = Some(self.alloc(max_tokens * 8)?);

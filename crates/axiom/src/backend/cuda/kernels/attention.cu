@@ -245,7 +245,7 @@ __device__ void attention(const float* __restrict__ q, T* __restrict__ k_cache, 
         // one block of 32 (head_dim is then a multiple of 32).
         if (xq) {
             int n_in = n_heads * head_dim;
-            store_q8(o / l, xq, xd, i, (u64)t * n_in + q8_slot(h * head_dim + d, n_in, interleave));
+            store_q8(o / l, xq, xd, i, (u64)t * n_in + q8_slot(h * head_dim + d, n_in, interleave), interleave);
         }
     }
 }

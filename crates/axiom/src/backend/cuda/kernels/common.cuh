@@ -44,6 +44,11 @@ __device__ __forceinline__ float block_sum(float v) {
     return total;
 }
 
+__device__ __forceinline__ int warp_sum_int(int v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
 __device__ __forceinline__ float warp_max(float v) {
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
@@ -71,7 +76,9 @@ __device__ __forceinline__ int unit_start(int unit, int pieces) {
 // Activations quantized for the integer matrix-vector kernels (matmul.cu): value i of an aligned
 // block of 32, held one per lane of a warp, becomes round(v / d) with d = max |v| / 127 over the
 // block, d stored once per block. The values lie in xq in order, or interleaved for Q4_K in units
-// of 64 (`q8_slot`); their scales always in order.
+// of 64 (`q8_slot`); their scales always in order, in xd. For Q4_K (`sums`), each block's scale is
+// followed by the sum of its quantized values (an int in the next float's bits), which Q4_K's
+// minimums multiply: summed once here rather than by every warp for every pair of rows.
 __device__ __forceinline__ i8 quantize_by(float v, float d) { return (i8)(d == 0.0f ? 0 : __float2int_rn(v / d)); }
 
 // Where value v of a row of n activations lies in xq (n a multiple of 256 when interleaved).
@@ -81,25 +88,38 @@ __device__ __forceinline__ int q8_slot(int v, int n, bool interleave) {
     return 16 * (unit_start(unit, 4) + v % 64 / 16 * tile_width(unit, n / 64)) + v % 16;
 }
 
+// Block b's scale into xd (with `sums`, its sum after it).
+__device__ __forceinline__ void store_q8_scale(float* xd, u64 b, float d, int sum, bool sums) {
+    xd[sums ? 2 * b : b] = d;
+    if (sums) xd[2 * b + 1] = __int_as_float(sum);
+}
+
 // Value i (of all rows) into xq at `slot` (q8_slot of its row, plus the row's start).
-__device__ __forceinline__ void store_q8(float v, i8* xq, float* xd, u64 i, u64 slot) {
+__device__ __forceinline__ void store_q8(float v, i8* xq, float* xd, u64 i, u64 slot, bool sums) {
     float d = warp_max(fabsf(v)) / 127.0f;
-    xq[slot] = quantize_by(v, d);
-    if (i % 32 == 0) xd[i / 32] = d;
+    i8 q = quantize_by(v, d);
+    xq[slot] = q;
+    int sum = sums ? warp_sum_int(q) : 0;
+    if (i % 32 == 0) store_q8_scale(xd, i / 32, d, sum, sums);
 }
 
 // store_q8 for four neighbouring values held by one thread, values 4 * i4 to 4 * i4 + 3, stored in
 // word slot4 of xq: eight neighbouring lanes hold a block of 32 (i4 % 8 is the lane's place in it),
 // and one 4-byte store writes a thread's quants. Every lane of the warp takes part (the shuffles);
 // those with `valid` store.
-__device__ __forceinline__ void store_q8x4(float4 v, bool valid, u32* xq, float* xd, u64 i4, u64 slot4) {
+__device__ __forceinline__ void store_q8x4(float4 v, bool valid, u32* xq, float* xd, u64 i4, u64 slot4, bool sums) {
     float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
     for (int o = 4; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
     float d = amax / 127.0f;
-    auto quant = [d](float x) { return (u32)(u8)quantize_by(x, d); };
+    i8 q[4] = {quantize_by(v.x, d), quantize_by(v.y, d), quantize_by(v.z, d), quantize_by(v.w, d)};
+    int sum = 0;
+    if (sums) {
+        sum = q[0] + q[1] + q[2] + q[3];
+        for (int o = 4; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    }
     if (valid) {
-        xq[slot4] = quant(v.x) | quant(v.y) << 8 | quant(v.z) << 16 | quant(v.w) << 24;
-        if (i4 % 8 == 0) xd[i4 / 8] = d;
+        xq[slot4] = (u32)(u8)q[0] | (u32)(u8)q[1] << 8 | (u32)(u8)q[2] << 16 | (u32)(u8)q[3] << 24;
+        if (i4 % 8 == 0) store_q8_scale(xd, i4 / 8, d, sum, sums);
     }
 }
 

@@ -68,6 +68,6 @@ extern "C" __global__ void rms_norm_q8(const float4* __restrict__ x, const float
                                        float* __restrict__ xd, int dim, float eps, int interleave, int start_next) {
     u64 base = (u64)blockIdx.x * (dim / 4);
     held_rms_norm(x + base, w, dim, eps, start_next, [&](int i4, float4 v, bool valid) {
-        store_q8x4(v, valid, xq, xd, base + i4, base + q8_slot(4 * i4, dim, interleave) / 4);
+        store_q8x4(v, valid, xq, xd, base + i4, base + q8_slot(4 * i4, dim, interleave) / 4, interleave);
     });
 }
