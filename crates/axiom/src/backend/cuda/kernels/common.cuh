@@ -28,7 +28,9 @@ __device__ __forceinline__ u16 f32_to_bf16(float f) {
 
 __device__ __forceinline__ u16 load_u16(const u8* p) { return (u16)p[0] | ((u16)p[1] << 8); }
 
-__device__ __forceinline__ float warp_sum(float v) {
+// The sum of v over the warp (float or int), returned to every lane.
+template <typename T>
+__device__ __forceinline__ T warp_sum(T v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
 }
@@ -42,11 +44,6 @@ __device__ __forceinline__ float block_sum(float v) {
     float total = 0.0f;
     for (int i = 0; i < blockDim.x / 32; i++) total += partial[i];
     return total;
-}
-
-__device__ __forceinline__ int warp_sum_int(int v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
 }
 
 __device__ __forceinline__ float warp_max(float v) {
@@ -99,7 +96,7 @@ __device__ __forceinline__ void store_q8(float v, i8* xq, float* xd, u64 i, u64 
     float d = warp_max(fabsf(v)) / 127.0f;
     i8 q = quantize_by(v, d);
     xq[slot] = q;
-    int sum = sums ? warp_sum_int(q) : 0;
+    int sum = sums ? warp_sum((int)q) : 0;
     if (i % 32 == 0) store_q8_scale(xd, i / 32, d, sum, sums);
 }
 
