@@ -99,11 +99,13 @@ __device__ __forceinline__ void gemv_rows(const Matrices& mats, int n_in, RowDot
     if (p.ok && warp >= 4 && lane == 0)
         for (int i = 0; i < R * T; i++) up[warp % 4][i] = acc[i];
     __syncthreads();
+    // silu by the fast exponential and division (a few ulp): the exact ones' range checks and slow
+    // paths were most of the epilogue's instructions.
     if (p.ok && warp < 4 && lane == 0)
         for (int r = 0; r < n_rows; r++)
             for (int t = 0; t < T; t++) {
                 float gate = acc[r * T + t];
-                p.out[(u64)t * p.n_out + p.row + r] = gate / (1.0f + expf(-gate)) * up[warp][r * T + t];
+                p.out[(u64)t * p.n_out + p.row + r] = __fdividef(gate, 1.0f + __expf(-gate)) * up[warp][r * T + t];
             }
 }
 
@@ -227,7 +229,10 @@ __device__ __forceinline__ void int_row(const Weight& w, int row, int n_rows, co
 // scale bytes picked by masks fixed for the lane (Q4kPair), the 6-bit scales applied on integers,
 // and the activations' block sums taken from the quantization (store_q8_scale) instead of summed
 // by every warp: 644 -> 660 -> 664 tok/s (same call), 231 -> 166 instructions a group of a row
-// pair.
+// pair. So is a warp's fixed cost, which was as large as its groups' arithmetic (ncu: 792
+// instructions a warp of gate/up): each lane's copy and activation addresses are found once, the
+// copies unrolled under predicates instead of run as loops over a stage: 792 -> 658, 665 -> 675
+// tok/s; with the activations' addresses and SwiGLU's division cheaper, 680.
 #define GEMV_WARPS 8
 #define Q4K_STAGED_GROUPS 64  // a stage of all of a warp's rows
 
@@ -288,19 +293,28 @@ template <int T, int R, typename Ready>
 __device__ __forceinline__ void q4k_rows(const Weight& w, int row, int n_rows, const i8* xq, const float* xd,
                                          float* acc, Ready inputs_ready, bool copy_whole) {
     constexpr int stage_groups = Q4K_STAGED_GROUPS / R, quant_pieces = 2 * stage_groups;
-    __shared__ __align__(16) uint4 stage[GEMV_WARPS][2][R][quant_pieces + stage_groups / 4];
+    constexpr int row_pieces = quant_pieces + stage_groups / 4;  // a staged row: quants, then metadata
+    __shared__ __align__(16) uint4 stage[GEMV_WARPS][2][R][row_pieces];
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32, n_groups = w.n_in / 64;
-    // A stage's groups start at a multiple of stage_groups, so whole tiles: its quant pieces
-    // lie together, interleaved as in memory. A warp short of rows copies its last one again.
+    // Each lane's first source and destination of every row, found once: a warp short of rows
+    // copies its last one again. A stage's groups start at a multiple of stage_groups, so whole
+    // tiles: its quant pieces lie together, interleaved as in memory.
+    const uint4 *quants[R], *metas[R];
+    for (int r = 0; r < R; r++) {
+        u64 from = row + min(r, n_rows - 1);
+        quants[r] = (const uint4*)(w.q + from * (w.n_in / 2)) + lane;
+        metas[r] = (const uint4*)(w.s + from * (w.n_in / 256) * 16) + lane;
+    }
+    u32 staged_at = shared_address(stage[warp][0][0]) + 16 * lane;
     auto copy_stage = [&](int first) {
-        int n = min(stage_groups, n_groups - first);
+        int pieces = 2 * min(stage_groups, n_groups - first);
+        u32 to = staged_at + first / stage_groups % 2 * (R * row_pieces * 16);
+#pragma unroll
         for (int r = 0; r < R; r++) {
-            u64 from = row + min(r, n_rows - 1);
-            const uint4* quants = (const uint4*)(w.q + from * (w.n_in / 2));
-            const uint4* metas = (const uint4*)(w.s + from * (w.n_in / 256) * 16);
-            u32 to = shared_address(stage[warp][first / stage_groups % 2][r]);
-            for (int i = lane; i < 2 * n; i += 32) copy_async16(to + 16 * i, quants + 2 * first + i, true);
-            if (lane < n / 4) copy_async16(to + 16 * (quant_pieces + lane), metas + first / 4 + lane, true);
+#pragma unroll
+            for (int k = 0; k < quant_pieces; k += 32)
+                if (lane + k < pieces) copy_async16(to + 16 * (r * row_pieces + k), quants[r] + 2 * first + k, true);
+            if (lane < pieces / 8) copy_async16(to + 16 * (r * row_pieces + quant_pieces), metas[r] + first / 4, true);
         }
         asm volatile("cp.async.commit_group;" ::: "memory");
     };
@@ -316,6 +330,10 @@ __device__ __forceinline__ void q4k_rows(const Weight& w, int row, int n_rows, c
     // 611-614 tok/s (588 with only this, 578 with only the residual; 72 registers against 66, three
     // blocks a multiprocessor either way; copying the second stage before the wait as well: 577).
     constexpr bool early = T == 1 && stage_groups == 32;
+    // Where a lane's group lies in a stage's tiles of activations, found once: a stage starts at
+    // a multiple of INTERLEAVE_UNITS groups, four pieces a group (unit_start).
+    const uint4* x_lane = (const uint4*)xq + unit_start(lane, 4);
+    const float4* scales_lane = (const float4*)xd + lane;
     for (int i = 0; i < R * T; i++) acc[i] = 0.0f;
     const Q4kPair pair(lane);
     // Where the kernel before reads little memory after its wait (one-token attention), a row pair
@@ -330,7 +348,11 @@ __device__ __forceinline__ void q4k_rows(const Weight& w, int row, int n_rows, c
     inputs_ready();
     for (int first = 0; first < n_groups; first += stage_groups) {
         GroupActivations ahead;
-        if (early) ahead = activations(min(first + lane, n_groups - 1), 0);
+        if (early && first + lane < n_groups) {
+            int width = tile_width(first + lane, n_groups);
+            const uint4* x = x_lane + 4 * first;
+            ahead = GroupActivations{x[0], x[width], x[2 * width], x[3 * width], scales_lane[first]};
+        }
         if (whole && first == 0) {
             asm volatile("cp.async.wait_group 1;" ::: "memory");
         } else if (first + stage_groups < n_groups) {
@@ -340,7 +362,10 @@ __device__ __forceinline__ void q4k_rows(const Weight& w, int row, int n_rows, c
             asm volatile("cp.async.wait_group 0;" ::: "memory");
         }
         __syncwarp();
-        for (int g = first + lane; g < min(first + stage_groups, n_groups); g += 32) {
+#pragma unroll 1
+        for (int k = 0; k < stage_groups; k += 32) {
+            int g = first + lane + k;
+            if (g >= n_groups) break;
             int width = tile_width(g, n_groups);
             for (int t = 0; t < T; t++) {
                 auto [x0, x1, x2, x3, scales_sums] = early ? ahead : activations(g, t);
