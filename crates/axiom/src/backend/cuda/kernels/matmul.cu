@@ -324,11 +324,13 @@ __device__ __forceinline__ void q4k_rows(const Weight& w, int row, int n_rows, c
         }
         asm volatile("cp.async.commit_group;" ::: "memory");
     };
+    // A group's activations from its first piece (the others `width` pieces apart) and its scales.
+    auto group_at = [](const uint4* x, int width, float4 scales_sums) {
+        return GroupActivations{x[0], x[width], x[2 * width], x[3 * width], scales_sums};
+    };
     auto activations = [&](int g, int t) {
-        int width = tile_width(g, n_groups);
         const uint4* x = (const uint4*)(xq + (u64)t * w.n_in) + unit_start(g, 4);
-        return GroupActivations{x[0], x[width], x[2 * width], x[3 * width],
-                                ((const float4*)(xd + (u64)t * (w.n_in / 16)))[g]};
+        return group_at(x, tile_width(g, n_groups), ((const float4*)(xd + (u64)t * (w.n_in / 16)))[g]);
     };
     // With one group a lane a stage (one token, two rows), a lane's activations are loaded before
     // it waits for the stage's quants, so that their trip overlaps the copy's. With the residual
@@ -354,11 +356,8 @@ __device__ __forceinline__ void q4k_rows(const Weight& w, int row, int n_rows, c
     inputs_ready();
     for (int first = 0; first < n_groups; first += stage_groups) {
         GroupActivations ahead;
-        if (early && first + lane < n_groups) {
-            int width = tile_width(first + lane, n_groups);
-            const uint4* x = x_lane + 4 * first;
-            ahead = GroupActivations{x[0], x[width], x[2 * width], x[3 * width], scales_lane[first]};
-        }
+        if (early && first + lane < n_groups)
+            ahead = group_at(x_lane + 4 * first, tile_width(first + lane, n_groups), scales_lane[first]);
         if (whole && first == 0) {
             asm volatile("cp.async.wait_group 1;" ::: "memory");
         } else if (first + stage_groups < n_groups) {
