@@ -188,12 +188,12 @@ fn main() {
     }
 }
 
-/// A loaded model on whichever backend was chosen.
+/// A loaded model on whichever backend was chosen (boxed: sessions differ in size by backend).
 enum Loaded {
-    Cpu(Session<CpuBackend>),
-    Cuda(Session<CudaBackend>),
+    Cpu(Box<Session<CpuBackend>>),
+    Cuda(Box<Session<CudaBackend>>),
     #[cfg(any(target_vendor = "apple", axiom_metal_check))]
-    Metal(Session<axiom::backend::metal::MetalBackend>),
+    Metal(Box<Session<axiom::backend::metal::MetalBackend>>),
 }
 
 /// Runs `$body` with `$session` bound to the loaded session (`&loaded`: a reference to it),
@@ -202,21 +202,39 @@ enum Loaded {
 macro_rules! with_session {
     (&$loaded:expr, $session:ident => $body:block) => {
         match &$loaded {
-            $crate::Loaded::Cpu($session) => $body,
-            $crate::Loaded::Cuda($session) => $body,
+            $crate::Loaded::Cpu(boxed) => {
+                let $session = &**boxed;
+                $body
+            }
+            $crate::Loaded::Cuda(boxed) => {
+                let $session = &**boxed;
+                $body
+            }
             #[cfg(any(target_vendor = "apple", axiom_metal_check))]
-            $crate::Loaded::Metal($session) => $body,
+            $crate::Loaded::Metal(boxed) => {
+                let $session = &**boxed;
+                $body
+            }
         }
     };
     ($loaded:expr, $session:ident => $body:block) => {
         match $loaded {
-            #[allow(unused_mut)]
-            $crate::Loaded::Cpu(mut $session) => $body,
-            #[allow(unused_mut)]
-            $crate::Loaded::Cuda(mut $session) => $body,
+            $crate::Loaded::Cpu(boxed) => {
+                #[allow(unused_mut)]
+                let mut $session = *boxed;
+                $body
+            }
+            $crate::Loaded::Cuda(boxed) => {
+                #[allow(unused_mut)]
+                let mut $session = *boxed;
+                $body
+            }
             #[cfg(any(target_vendor = "apple", axiom_metal_check))]
-            #[allow(unused_mut)]
-            $crate::Loaded::Metal(mut $session) => $body,
+            $crate::Loaded::Metal(boxed) => {
+                #[allow(unused_mut)]
+                let mut $session = *boxed;
+                $body
+            }
         }
     };
 }
@@ -301,7 +319,7 @@ fn load_session(args: &ModelArgs, options: LoadOptions, out: Output) -> Result<L
             let backend = CudaBackend::new(0)
                 .context("starting the CUDA backend")?
                 .with_kv_type(kv_type(args));
-            Loaded::Cuda(Session::load(&path, backend, options).with_context(context)?)
+            Loaded::Cuda(Box::new(Session::load(&path, backend, options).with_context(context)?))
         }
         #[cfg(any(target_vendor = "apple", axiom_metal_check))]
         Chosen::Metal => {
@@ -309,11 +327,13 @@ fn load_session(args: &ModelArgs, options: LoadOptions, out: Output) -> Result<L
             let backend = axiom::backend::metal::MetalBackend::new()
                 .context("starting the Metal backend")?
                 .with_kv_type(kv_type(args));
-            Loaded::Metal(Session::load(&path, backend, options).with_context(context)?)
+            Loaded::Metal(Box::new(Session::load(&path, backend, options).with_context(context)?))
         }
         Chosen::Cpu => {
             check_host_memory(&path, &options, kv_type(args))?;
-            Loaded::Cpu(Session::load(&path, cpu_backend(args)?, options).with_context(context)?)
+            Loaded::Cpu(Box::new(
+                Session::load(&path, cpu_backend(args)?, options).with_context(context)?,
+            ))
         }
     };
     if !out.quiet && std::io::stderr().is_terminal() {

@@ -106,3 +106,9 @@ fn smollm2_on_cuda_matches_transformers() {
 fn every_architecture_on_cuda_matches_transformers() {
     gpu::every_architecture_matches_transformers(cuda);
 }
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: cargo test --release --test cuda -- --ignored"]
+fn greedy_decode_on_cuda_matches_host_argmax() {
+    gpu::greedy_decode_matches_host_argmax(cuda(KvType::F16));
+}

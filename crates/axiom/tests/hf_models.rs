@@ -27,6 +27,11 @@ fn every_architecture_matches_transformers_in_f32() {
 }
 
 #[test]
+fn greedy_decode_matches_host_argmax() {
+    common::gpu::greedy_decode_matches_host_argmax(CpuBackend::new(2));
+}
+
+#[test]
 fn configs_that_change_the_math_are_refused() {
     use axiom::model::ModelConfig;
     let base: serde_json::Value =

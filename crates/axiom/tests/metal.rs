@@ -56,3 +56,8 @@ fn smollm2_on_metal_matches_transformers() {
 fn every_architecture_on_metal_matches_transformers() {
     gpu::every_architecture_matches_transformers(metal);
 }
+
+#[test]
+fn greedy_decode_on_metal_matches_host_argmax() {
+    gpu::greedy_decode_matches_host_argmax(metal(KvType::F16));
+}

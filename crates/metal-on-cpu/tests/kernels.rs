@@ -127,10 +127,11 @@ fn elementwise_ops_match_the_reference() {
 fn argmax_takes_the_first_of_equal_maxima() {
     let mut rng = rng();
     let width = 1001;
-    let mut x = randn(&mut rng, 3 * width);
+    let mut x = randn(&mut rng, 4 * width);
     x[width + 700] = 5.0;
     x[width + 300] = 5.0; // a tie in another simdgroup's stripe: the lower index wins
-    x[2 * width..].fill(f32::NEG_INFINITY); // nothing above -inf: index 0
+    x[2 * width..3 * width].fill(f32::NEG_INFINITY); // nothing above -inf: index 0
+    x[3 * width..].fill(f32::NAN); // nor here: still a token id
     let want: Vec<u32> = x
         .chunks(width)
         .map(|row| {
@@ -140,7 +141,7 @@ fn argmax_takes_the_first_of_equal_maxima() {
         })
         .collect();
     for threads in [32, 96, 256] {
-        let mut got = vec![u32::MAX; 3];
+        let mut got = vec![u32::MAX; 4];
         metal_on_cpu::argmax(&x, &mut got, threads);
         assert_eq!(got, want, "{threads} threads");
     }

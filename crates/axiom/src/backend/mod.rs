@@ -341,6 +341,8 @@ pub trait Backend {
     /// Host memory for what `read_f32` brings back every step (the logits): page-locked on CUDA,
     /// where the copy then goes straight into it instead of through the driver's staging buffer.
     type HostF32: std::ops::DerefMut<Target = [f32]>;
+    /// A greedy choice on its way to the host (see `queue_argmax`).
+    type PendingArgmax;
 
     /// What the backend runs on, for logs and `axiom bench`.
     fn device_name(&self) -> String;
@@ -589,6 +591,13 @@ pub trait Backend {
     /// `x += y`, elementwise over `n` values.
     fn add(&self, x: BlockHandle, y: BlockHandle, n: usize) -> Result<()>;
     /// `out[r]` = the index of the largest value of row r of `x` (`n_rows` rows of `width`; the
-    /// lowest index on ties): greedy decoding without bringing the logits back.
+    /// lowest index on ties, 0 where nothing is above -inf): greedy decoding without bringing
+    /// the logits back.
     fn argmax(&self, x: BlockHandle, out: BlockHandle, n_rows: usize, width: usize) -> Result<()>;
+    /// `argmax` of one row, whose index also goes to the host without the host waiting for it
+    /// here, so that it can submit the next step first; `wait_argmax` gives it. (A backend that
+    /// computes as work is submitted, the CPU, has it at once.)
+    fn queue_argmax(&self, x: BlockHandle, out: BlockHandle, width: usize) -> Result<Self::PendingArgmax>;
+    /// Waits for a queued argmax (not for the work submitted after it).
+    fn wait_argmax(&self, pending: Self::PendingArgmax) -> Result<u32>;
 }

@@ -1,11 +1,14 @@
 //! `axiom bench`: prompt processing and generation throughput, measured like llama-bench.
 //!
 //! `pp N`: N tokens in one batch from an empty cache, logits for the last only. `tg N`: N tokens
-//! one at a time from an empty cache. Each test runs once to warm up, then `repetitions` times.
+//! one at a time from an empty cache, decoded greedily as `axiom run` does at temperature 0 (each
+//! chosen on the device, which runs a step ahead of the host; llama-bench instead brings each
+//! step's logits back and waits for them). Each test runs once to warm up, then `repetitions`
+//! times.
 
 use crate::backend::Backend;
-use crate::model::{Llama, LogitRows};
-use crate::Result;
+use crate::model::{GreedyDecode, Llama, LogitRows};
+use crate::{Error, Result};
 use rand::{Rng, SeedableRng};
 use std::time::Instant;
 
@@ -42,10 +45,13 @@ pub struct BenchResult {
 
 pub fn run_test<B: Backend>(model: &mut Llama<B>, test: Test, repetitions: usize) -> Result<BenchResult> {
     let n = test.tokens();
+    if n == 0 {
+        return Err(Error::InvalidArgument(format!("{} runs no tokens", test.name())));
+    }
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(n as u64);
     let vocab = model.config.vocab_size as u32;
     let tokens: Vec<u32> = (0..n).map(|_| rng.random_range(0..vocab)).collect();
-    let mut kv = model.new_kv_cache(n.max(1));
+    let mut kv = model.new_kv_cache(n);
     let mut samples = Vec::with_capacity(repetitions);
     for rep in 0..=repetitions {
         model.truncate_kv(&mut kv, 0);
@@ -53,8 +59,9 @@ pub fn run_test<B: Backend>(model: &mut Llama<B>, test: Test, repetitions: usize
         match test {
             Test::Prompt(_) => model.forward(&tokens, &mut kv, LogitRows::Last, |_, _| {})?,
             Test::Generation(_) => {
-                for t in &tokens {
-                    model.forward(std::slice::from_ref(t), &mut kv, LogitRows::Last, |_, _| {})?;
+                let mut decode = GreedyDecode::new(model, &mut kv, &tokens[..1])?;
+                for i in 1..=n {
+                    decode.next_token(i < n)?;
                 }
             }
         }

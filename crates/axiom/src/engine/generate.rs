@@ -3,7 +3,7 @@
 
 use super::sampler::Sampler;
 use crate::backend::Backend;
-use crate::model::{KvCache, Llama};
+use crate::model::{GreedyDecode, KvCache, Llama};
 use crate::tokenizer::{TextStream, Tokenizer};
 use crate::{Error, Result};
 use std::time::{Duration, Instant};
@@ -38,6 +38,9 @@ pub struct Generation {
 
 /// Generates after `prompt` (appended to whatever `kv` already holds), calling `on_text` with
 /// each piece of text as soon as it is certain (never part of a stop string or a character).
+///
+/// Greedy sampling without penalties chooses each token on the device, a step ahead of the host
+/// ([`GreedyDecode`]); other sampling brings each step's logits back.
 pub fn generate<B: Backend>(
     model: &mut Llama<B>,
     tokenizer: &Tokenizer,
@@ -45,7 +48,7 @@ pub fn generate<B: Backend>(
     prompt: &[u32],
     sampler: &mut Sampler,
     options: &GenerateOptions,
-    mut on_text: impl FnMut(&str),
+    on_text: impl FnMut(&str),
 ) -> Result<Generation> {
     if prompt.is_empty() {
         return Err(Error::InvalidArgument("the prompt has no tokens".into()));
@@ -57,24 +60,104 @@ pub fn generate<B: Backend>(
             context: kv.capacity(),
         });
     }
+    let capacity = kv.capacity();
     let start = Instant::now();
-    model.forward_last(prompt, kv)?;
-    let prompt_time = start.elapsed();
+    if sampler.config().is_plain_greedy() {
+        let decode = GreedyDecode::new(model, kv, prompt)?;
+        let prompt_time = start.elapsed();
+        decode_loop(
+            Tokens::Greedy(decode),
+            tokenizer,
+            capacity,
+            options,
+            on_text,
+            prompt_time,
+        )
+    } else {
+        model.forward_last(prompt, kv)?;
+        let prompt_time = start.elapsed();
+        let history = prompt.to_vec();
+        let tokens = Tokens::Sampled {
+            model,
+            kv,
+            sampler,
+            history,
+        };
+        decode_loop(tokens, tokenizer, capacity, options, on_text, prompt_time)
+    }
+}
 
+/// Where [`generate`]'s tokens come from.
+enum Tokens<'a, B: Backend> {
+    Greedy(GreedyDecode<'a, B>),
+    /// From the logits of the last step, on the host.
+    Sampled {
+        model: &'a mut Llama<B>,
+        kv: &'a mut KvCache,
+        sampler: &'a mut Sampler,
+        /// Prompt and generated tokens, for the penalties.
+        history: Vec<u32>,
+    },
+}
+
+impl<B: Backend> Tokens<'_, B> {
+    /// Tokens the sequence holds before the next one.
+    fn sequence_len(&self) -> usize {
+        match self {
+            Tokens::Greedy(decode) => decode.sequence_len(),
+            Tokens::Sampled { kv, .. } => kv.len(),
+        }
+    }
+
+    /// The next token; `will_run` says whether it will be run whatever it is (greedy decoding
+    /// queues its step before the token arrives).
+    fn next(&mut self, will_run: bool) -> Result<u32> {
+        match self {
+            Tokens::Greedy(decode) => decode.next_token(will_run),
+            Tokens::Sampled {
+                model,
+                sampler,
+                history,
+                ..
+            } => Ok(sampler.sample(model.last_logits(), history)),
+        }
+    }
+
+    /// Runs the token `next` gave, unless it already runs.
+    fn run(&mut self, token: u32) -> Result<()> {
+        match self {
+            Tokens::Greedy(_) => Ok(()),
+            Tokens::Sampled { model, kv, history, .. } => {
+                history.push(token);
+                model.forward_last(&[token], kv).map(|_| ())
+            }
+        }
+    }
+}
+
+fn decode_loop<B: Backend>(
+    mut source: Tokens<B>,
+    tokenizer: &Tokenizer,
+    capacity: usize,
+    options: &GenerateOptions,
+    mut on_text: impl FnMut(&str),
+    prompt_time: Duration,
+) -> Result<Generation> {
     let start = Instant::now();
-    let mut history = prompt.to_vec();
     let mut tokens = Vec::new();
     let mut stream = TextStream::default();
     let mut stops = StopMatcher::new(options.stop.clone());
     let mut stop_reason = StopReason::MaxTokens;
     while tokens.len() < options.max_tokens {
-        let token = sampler.sample(model.last_logits(), &history);
+        // The limits are known before the token: only an end of generation, a stop string or a
+        // cancel can leave a greedy step queued for nothing.
+        let room = source.sequence_len() < capacity;
+        let token = source.next(tokens.len() + 1 < options.max_tokens && room)?;
         if tokenizer.is_end_of_generation(token) {
             stop_reason = StopReason::EndOfGeneration;
             break;
         }
         tokens.push(token);
-        history.push(token);
         if let Some(piece) = stream.push(tokenizer, token)? {
             if stops.push(&piece, &mut on_text) {
                 stop_reason = StopReason::StopString;
@@ -84,7 +167,7 @@ pub fn generate<B: Backend>(
         if tokens.len() == options.max_tokens {
             break;
         }
-        if kv.len() == kv.capacity() {
+        if !room {
             stop_reason = StopReason::ContextFull;
             break;
         }
@@ -96,8 +179,9 @@ pub fn generate<B: Backend>(
             stop_reason = StopReason::Cancelled;
             break;
         }
-        model.forward_last(&[token], kv)?;
+        source.run(token)?;
     }
+    drop(source);
     if stop_reason != StopReason::StopString {
         if let Some(rest) = stream.finish(tokenizer)? {
             if stops.push(&rest, &mut on_text) {

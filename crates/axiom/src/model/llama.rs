@@ -7,6 +7,9 @@ use crate::backend::{AttentionKv, Backend, BlockHandle, FeedForward, FeedForward
 use crate::format::gguf::GgufFile;
 use crate::{Error, Result};
 
+mod greedy;
+pub use greedy::GreedyDecode;
+
 /// Which rows of a forward call need logits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LogitRows {
@@ -82,6 +85,15 @@ struct PagedCache {
     v: Vec<BlockHandle>,
     /// Page ids per sequence row of a step.
     table_width: usize,
+}
+
+/// Where a step's token ids come from.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Ids {
+    Host,
+    /// Left in the step inputs by the step before ([`GreedyDecode`]): one sequence, one token,
+    /// which its `kv` does not hold yet.
+    OnDevice,
 }
 
 /// A step's inputs, all u32, packed in one block so they travel to the device in one copy:
@@ -312,11 +324,14 @@ impl<B: Backend> Llama<B> {
         for (step, chunk) in tokens.chunks(self.max_batch).enumerate() {
             let offset = step * self.max_batch;
             let from = first_scored.saturating_sub(offset).min(chunk.len());
-            self.step(&mut [SeqStep {
-                kv: &mut *kv,
-                tokens: chunk,
-                want: Want::Nothing,
-            }])?;
+            self.step(
+                &mut [SeqStep {
+                    kv: &mut *kv,
+                    tokens: chunk,
+                    want: Want::Nothing,
+                }],
+                Ids::Host,
+            )?;
             self.output_rows.clear();
             self.output_rows.extend((from..chunk.len()).map(|row| OutputRow {
                 row,
@@ -335,7 +350,7 @@ impl<B: Backend> Llama<B> {
     /// Runs one step of several sequences together (at most `max_batch` tokens and `max_seqs`
     /// sequences in all), then calls `sink(step index, output)` for each one that wants one.
     pub fn forward_batch(&mut self, steps: &mut [SeqStep], sink: impl FnMut(usize, StepOutput)) -> Result<()> {
-        self.step(steps)?;
+        self.step(steps, Ids::Host)?;
         self.output_rows.clear();
         let mut end = 0;
         for (owner, s) in steps.iter().enumerate() {
@@ -369,7 +384,7 @@ impl<B: Backend> Llama<B> {
     /// few tokens is recorded as a graph the first time (where the backend has graphs) and
     /// replayed after: it reads everything that changes from the step inputs, so one recording
     /// serves every step of that many tokens.
-    fn step(&mut self, steps: &mut [SeqStep]) -> Result<()> {
+    fn step(&mut self, steps: &mut [SeqStep], ids: Ids) -> Result<()> {
         let n: usize = steps.iter().map(|s| s.tokens.len()).sum();
         if n == 0 || n > self.max_batch || steps.len() > self.max_seqs {
             return Err(Error::InvalidArgument(format!(
@@ -390,7 +405,7 @@ impl<B: Backend> Llama<B> {
             }
             self.pages.grow(s.kv, len)?;
         }
-        self.write_inputs(steps)?;
+        self.write_inputs(steps, ids)?;
         if let Some(&(_, graph)) = self.graphs.iter().find(|(k, _)| *k == n) {
             self.backend.replay(graph)?;
         } else if self.backend.begin_capture(n)? {
@@ -402,15 +417,18 @@ impl<B: Backend> Llama<B> {
         } else {
             self.layers(n)?;
         }
-        for s in steps.iter_mut() {
-            s.kv.push_tokens(s.tokens);
-            self.pages.index_full_pages(s.kv);
+        if ids == Ids::Host {
+            for s in steps.iter_mut() {
+                s.kv.push_tokens(s.tokens);
+                self.pages.index_full_pages(s.kv);
+            }
         }
         Ok(())
     }
 
-    /// Packs the step's ids, positions, sequence rows and block tables and sends them in one copy.
-    fn write_inputs(&mut self, steps: &[SeqStep]) -> Result<()> {
+    /// Packs the step's ids, positions, sequence rows and block tables and sends them in one copy
+    /// (all but the ids where those are on the device already).
+    fn write_inputs(&mut self, steps: &[SeqStep], ids: Ids) -> Result<()> {
         let (batch, width) = (self.max_batch, self.cache.table_width);
         let host = &mut self.inputs.host;
         host.clear();
@@ -433,7 +451,10 @@ impl<B: Backend> Llama<B> {
             host.extend_from_slice(&s.kv.pages);
             host.resize(3 * batch + (i + 1) * width, 0);
         }
-        self.backend.write_u32(self.inputs.block, host)
+        let skip = if ids == Ids::OnDevice { batch } else { 0 };
+        let block = self.inputs.block;
+        self.backend
+            .write_u32(block.slice(skip * 4, block.len - skip * 4), &host[skip..])
     }
 
     /// The layer loop, written once.
@@ -503,10 +524,19 @@ impl<B: Backend> Llama<B> {
         }
     }
 
+    /// Final norm and LM head of `n` rows of the last step from `first`, into `scratch.logits`.
+    fn lm_head(&self, first: usize, n: usize) -> Result<()> {
+        let dim = self.config.dim;
+        let x = self.scratch.x.slice(first * dim * 4, n * dim * 4);
+        let input = self.normed(x, self.weights.output_norm);
+        self.backend
+            .matmul_many(input, &[self.weights.lm_head()], &[self.scratch.logits], n)
+    }
+
     /// Final norm and LM head for `output_rows` (ascending rows of the last step), each run of
     /// consecutive rows that want the same a few at a time; calls `sink(owner, output)`.
     fn outputs_for(&mut self, mut sink: impl FnMut(usize, StepOutput)) -> Result<()> {
-        let (dim, vocab) = (self.config.dim, self.config.vocab_size);
+        let vocab = self.config.vocab_size;
         let (b, s, rows) = (&self.backend, &self.scratch, &self.output_rows);
         let mut ids = [0u32; LOGIT_ROWS_PER_STEP];
         let mut i = 0;
@@ -519,9 +549,7 @@ impl<B: Backend> Llama<B> {
             {
                 n += 1;
             }
-            let x = s.x.slice(first * dim * 4, n * dim * 4);
-            let input = self.normed(x, self.weights.output_norm);
-            b.matmul_many(input, &[self.weights.lm_head()], &[s.logits], n)?;
+            self.lm_head(first, n)?;
             if want == Want::Argmax {
                 b.argmax(s.logits, s.argmax, n, vocab)?;
                 b.read_u32(s.argmax, &mut ids[..n])?;

@@ -7,4 +7,4 @@ pub mod weights;
 
 pub use config::ModelConfig;
 pub use kv_cache::{KvCache, OutOfPages, PageUsage};
-pub use llama::{Llama, LoadOptions, LogitRows, SeqStep, StepOutput, Want, PAGE_SIZE};
+pub use llama::{GreedyDecode, Llama, LoadOptions, LogitRows, SeqStep, StepOutput, Want, PAGE_SIZE};

@@ -10,10 +10,11 @@ use axiom::backend::{
 };
 use axiom::chat::Message;
 use axiom::engine::perplexity::perplexity;
+use axiom::engine::sampler::argmax;
 use axiom::engine::Session;
 use axiom::format::quant::GgmlType;
 use axiom::model::llama::LoadOptions;
-use axiom::model::LogitRows;
+use axiom::model::{GreedyDecode, LogitRows};
 use half::f16;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -377,20 +378,33 @@ pub fn embed_rms_norm_rope_swiglu_add_argmax<B: Backend>(make: impl Fn() -> B) {
     cpu.add(ac, bc, n).unwrap();
     assert!(rel_l2(&get(&gpu, ag, n), &get(&cpu, ac, n)) < 1e-7, "add");
 
-    // Argmax of rows wider than a block, with a tie placed so the lower index must win.
-    let (rows, width) = (3, 49_157);
+    // Argmax of rows wider than a block, with a tie placed so the lower index must win, and a
+    // row of NaN, which must still give a token id (the next greedy step embeds it unchecked).
+    let (rows, width) = (4, 49_157);
     let mut x = randn(&mut rng, rows * width);
     x[width + 100] = 5.0;
     x[width + 40_000] = 5.0;
+    x[3 * width..].fill(f32::NAN);
     let (xg, xc) = (put(&mut gpu, &x), put(&mut cpu, &x));
-    let (og, oc) = (put_u32(&mut gpu, &[u32::MAX; 3]), put_u32(&mut cpu, &[u32::MAX; 3]));
+    let (og, oc) = (put_u32(&mut gpu, &[u32::MAX; 4]), put_u32(&mut cpu, &[u32::MAX; 4]));
     gpu.argmax(xg, og, rows, width).unwrap();
     cpu.argmax(xc, oc, rows, width).unwrap();
-    let (mut got, mut want) = ([0u32; 3], [0u32; 3]);
+    let (mut got, mut want) = ([0u32; 4], [0u32; 4]);
     gpu.read_u32(og, &mut got).unwrap();
     cpu.read_u32(oc, &mut want).unwrap();
     assert_eq!(got, want, "argmax");
-    assert_eq!(want[1], 100);
+    assert_eq!((want[1], want[3]), (100, 0));
+
+    // Queued argmaxes of rows 1 and 3 (the index written to the device too), waited for in
+    // either order, and again over work queued since.
+    let row = |r: usize| xg.slice(r * width * 4, width * 4);
+    let first = gpu.queue_argmax(row(1), og, width).unwrap();
+    let second = gpu.queue_argmax(row(3), og.slice(4, 4), width).unwrap();
+    gpu.argmax(xg, og.slice(8, 8), 2, width).unwrap();
+    assert_eq!(gpu.wait_argmax(second).unwrap(), want[3], "queued argmax");
+    assert_eq!(gpu.wait_argmax(first).unwrap(), want[1], "queued argmax");
+    gpu.read_u32(og, &mut got).unwrap();
+    assert_eq!(got, [want[1], want[3], want[0], want[1]], "queued argmax on the device");
 }
 
 /// `rms_norm` on `n` random rows of `dim`.
@@ -745,7 +759,7 @@ pub fn smollm2_matches_transformers<B: Backend>(backend: B) {
         let mut kv = s.model.new_kv_cache(512);
         let logits = s.model.forward_last(&prompt, &mut kv).unwrap().to_vec();
         s.model.free_kv_cache(kv);
-        let first = axiom::engine::sampler::argmax(&logits);
+        let first = argmax(&logits);
         assert_eq!(
             first as u64,
             case["greedy64_ids"][0].as_u64().unwrap(),
@@ -812,4 +826,52 @@ pub fn every_architecture_matches_transformers<B: Backend>(make: impl Fn(KvType)
             assert!(err < bound, "{name} {kv_type:?}: {err}");
         }
     }
+}
+
+/// Greedy decoding with the device a step ahead of the host ([`GreedyDecode`]) chooses what the
+/// host's argmax of each step's logits chooses, and a decode stopped with a step queued leaves
+/// the KV cache as if that step had never run: resumed, it goes on with the same tokens.
+pub fn greedy_decode_matches_host_argmax<B: Backend>(backend: B) {
+    // Steps of at most 5 tokens: the 8-token prompt runs in two, its last token in row 2.
+    let mut s = Session::load(
+        &super::hf_fixture("llama"),
+        backend,
+        LoadOptions {
+            max_batch: 5,
+            kv_tokens: 128,
+            max_seqs: 1,
+        },
+    )
+    .unwrap();
+    let vocab = s.model.config.vocab_size as u32;
+    let prompt: Vec<u32> = (0..8).map(|i| (i * 37 + 5) % vocab).collect();
+    let n = 40;
+    let mut kv = s.model.new_kv_cache(128);
+    let mut want = Vec::new();
+    let mut logits = s.model.forward_last(&prompt, &mut kv).unwrap().to_vec();
+    for i in 0..n {
+        want.push(argmax(&logits));
+        if i + 1 < n {
+            logits = s.model.forward_last(&[want[i]], &mut kv).unwrap().to_vec();
+        }
+    }
+    s.model.free_kv_cache(kv);
+
+    let mut kv = s.model.new_kv_cache(128);
+    let mut got = Vec::new();
+    let mut decode = GreedyDecode::new(&mut s.model, &mut kv, &prompt).unwrap();
+    for _ in 0..24 {
+        got.push(decode.next_token(true).unwrap());
+    }
+    drop(decode);
+    // 8 + 23 tokens and the 24th, whose queued step took a third page, dropped.
+    assert_eq!(kv.tokens(), [&prompt[..], &want[..23]].concat());
+    assert_eq!(s.model.page_usage().used, 2);
+    let mut decode = GreedyDecode::new(&mut s.model, &mut kv, &got[23..]).unwrap();
+    for i in 24..n {
+        got.push(decode.next_token(i + 1 < n).unwrap());
+    }
+    drop(decode);
+    assert_eq!(got, want);
+    assert_eq!(kv.len(), prompt.len() + n - 1);
 }

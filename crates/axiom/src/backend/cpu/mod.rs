@@ -396,6 +396,7 @@ fn disjoint(outputs: &[BlockHandle], inputs: &[BlockHandle]) -> Result<()> {
 impl Backend for CpuBackend {
     type Weight = CpuWeight;
     type HostF32 = Vec<f32>;
+    type PendingArgmax = u32;
 
     fn kv_type(&self) -> KvType {
         self.kv_type
@@ -681,6 +682,15 @@ impl Backend for CpuBackend {
             *o = crate::engine::sampler::argmax(row);
         }
         Ok(())
+    }
+
+    fn queue_argmax(&self, x: BlockHandle, out: BlockHandle, width: usize) -> Result<u32> {
+        self.argmax(x, out, 1, width)?;
+        Ok(self.view::<u32>(out, 1)[0])
+    }
+
+    fn wait_argmax(&self, chosen: u32) -> Result<u32> {
+        Ok(chosen)
     }
 
     fn add(&self, x: BlockHandle, y: BlockHandle, n: usize) -> Result<()> {

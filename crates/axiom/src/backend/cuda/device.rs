@@ -2,7 +2,7 @@
 //! runs on machines without CUDA.
 
 use crate::{Error, Result};
-use cudarc::driver::{sys, CudaContext, PinnedHostSlice};
+use cudarc::driver::{sys, CudaContext, DeviceRepr, PinnedHostSlice, ValidAsZeroBits};
 use std::sync::Arc;
 
 pub struct CudaDevice {
@@ -77,41 +77,58 @@ fn nvrtc_arch(major: i32, minor: i32) -> Result<&'static str> {
     })
 }
 
-/// Page-locked host floats: the GPU copies into them directly, where a copy into ordinary
+/// Page-locked host memory: the GPU copies into it directly, where a copy into ordinary
 /// (pageable) memory goes through the driver's staging buffer and a second, CPU-side copy.
-pub struct PinnedF32 {
-    memory: PinnedHostSlice<f32>,
-    ptr: *mut f32,
+pub struct Pinned<T: DeviceRepr> {
+    memory: PinnedHostSlice<T>,
+    ptr: *mut T,
 }
 
-// SAFETY: the memory is owned by `memory` and only reached through `&self` / `&mut self`.
-unsafe impl Send for PinnedF32 {}
-unsafe impl Sync for PinnedF32 {}
+pub type PinnedF32 = Pinned<f32>;
 
-impl PinnedF32 {
-    pub fn new(ctx: &Arc<CudaContext>, len: usize) -> Result<PinnedF32> {
+// SAFETY: the memory is owned by `memory` and only reached through `&self` / `&mut self`.
+unsafe impl<T: DeviceRepr> Send for Pinned<T> {}
+unsafe impl<T: DeviceRepr> Sync for Pinned<T> {}
+
+impl<T: DeviceRepr + ValidAsZeroBits> Pinned<T> {
+    pub fn new(ctx: &Arc<CudaContext>, len: usize) -> Result<Pinned<T>> {
+        Self::with_flags(ctx, len, 0)
+    }
+
+    /// Memory that kernels write directly, at the returned device address: no copy after them.
+    pub fn mapped(ctx: &Arc<CudaContext>, len: usize) -> Result<(Pinned<T>, sys::CUdeviceptr)> {
+        let pinned = Self::with_flags(ctx, len, sys::CU_MEMHOSTALLOC_DEVICEMAP)?;
+        let mut device = 0;
+        // SAFETY: `pinned` was allocated with the device-map flag in the current context.
+        unsafe { sys::cuMemHostGetDevicePointer_v2(&mut device, pinned.ptr.cast(), 0) }
+            .result()
+            .map_err(driver_error("mapped host memory"))?;
+        Ok((pinned, device))
+    }
+
+    fn with_flags(ctx: &Arc<CudaContext>, len: usize, flags: u32) -> Result<Pinned<T>> {
         // Not write-combined (cudarc's default): the CPU reads this memory.
         // SAFETY: the memory is zeroed below before anything reads it.
-        let mut memory = unsafe { ctx.alloc_pinned_with_flags::<f32>(len, 0) }
-            .map_err(|e| Error::OutOfMemory(format!("{len} floats of page-locked host memory: {e}")))?;
+        let mut memory = unsafe { ctx.alloc_pinned_with_flags::<T>(len, flags) }
+            .map_err(|e| Error::OutOfMemory(format!("{len} values of page-locked host memory: {e}")))?;
         let ptr = memory.as_mut_ptr().map_err(driver_error("pinned memory"))?;
-        // SAFETY: `len` floats were just allocated at `ptr`.
+        // SAFETY: `len` values were just allocated at `ptr`, and all-zero bits are one of them.
         unsafe { std::ptr::write_bytes(ptr, 0, len) };
-        Ok(PinnedF32 { memory, ptr })
+        Ok(Pinned { memory, ptr })
     }
 }
 
-impl std::ops::Deref for PinnedF32 {
-    type Target = [f32];
-    fn deref(&self) -> &[f32] {
-        // SAFETY: `ptr` holds `memory.len()` initialised floats for as long as `memory` lives;
-        // copies into it are synchronized before `read_f32` returns.
+impl<T: DeviceRepr> std::ops::Deref for Pinned<T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        // SAFETY: `ptr` holds `memory.len()` initialised values for as long as `memory` lives;
+        // copies into it are waited for before the backend hands it back.
         unsafe { std::slice::from_raw_parts(self.ptr, self.memory.len()) }
     }
 }
 
-impl std::ops::DerefMut for PinnedF32 {
-    fn deref_mut(&mut self) -> &mut [f32] {
+impl<T: DeviceRepr> std::ops::DerefMut for Pinned<T> {
+    fn deref_mut(&mut self) -> &mut [T] {
         // SAFETY: as for Deref; `&mut self` makes this the only reference.
         unsafe { std::slice::from_raw_parts_mut(self.ptr, self.memory.len()) }
     }

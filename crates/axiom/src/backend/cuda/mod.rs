@@ -17,9 +17,9 @@ use super::{
 use crate::format::quant::GgmlType;
 use crate::{Error, Result};
 use cudarc::cublas::{result as cublas, sys as cublas_sys};
-use cudarc::driver::{sys, CudaGraph, CudaSlice, CudaStream};
+use cudarc::driver::{sys, CudaEvent, CudaGraph, CudaSlice, CudaStream};
 pub use device::PinnedF32;
-use device::{driver_error, CudaDevice};
+use device::{driver_error, CudaDevice, Pinned};
 use kernels::Kernels;
 use std::cell::{Cell, RefCell};
 use std::ffi::c_void;
@@ -29,6 +29,11 @@ const ALIGN: usize = 256;
 /// Tokens up to which a matmul of quantized weights uses the matrix-vector kernels rather than
 /// cuBLAS (which needs the whole matrix dequantized first).
 const GEMV_MAX_TOKENS: usize = 8;
+
+/// Rows one `argmax` launch takes at most (it keeps a key and a count for each).
+const ARGMAX_ROWS: usize = 32;
+/// Values one of its blocks takes (ARGMAX_PER_BLOCK in kernels/argmax.cu).
+const ARGMAX_PER_BLOCK: usize = 2048;
 
 /// Tokens up to which a matmul of weights of type `ty` uses the matrix-vector kernels. Float
 /// weights go to cuBLAS from two tokens on: there is nothing to dequantize, and the kernels'
@@ -203,6 +208,12 @@ pub struct CudaBackend {
     int8_activations: Option<(BlockHandle, BlockHandle)>,
     largest_weight: usize,
     graphs: RefCell<Vec<CudaGraph>>,
+    /// Each row's key and arrival count for `argmax` (kernels/argmax.cu), zero between launches:
+    /// past the arena's end, in the same allocation.
+    argmax_state: sys::CUdeviceptr,
+    /// Where finished queued argmaxes landed, for the next ones (allocating page-locked memory
+    /// takes longer than a decode step).
+    argmax_slots: RefCell<Vec<ArgmaxSlot>>,
     /// How Q4_K's one-token kernels (products, SwiGLU) spread their blocks; none where a
     /// multiprocessor's shared memory holds only one of their blocks. (Boxed: the backend is moved
     /// about by value.)
@@ -246,6 +257,8 @@ impl CudaBackend {
             int8_activations: None,
             largest_weight: 0,
             graphs: RefCell::new(Vec::new()),
+            argmax_state: 0,
+            argmax_slots: RefCell::new(Vec::new()),
             q4k_spread,
             capture_max_tokens: GEMV_MAX_TOKENS,
             kv_type: KvType::F16,
@@ -278,6 +291,23 @@ impl CudaBackend {
     fn weight_ptrs(&self, w: &CudaWeight) -> (u64, u64, u64) {
         let field = |b: Option<BlockHandle>| b.map_or(0, |b| self.ptr(b));
         (self.ptr(w.q), field(w.s), field(w.m))
+    }
+
+    /// `argmax` of `rows` rows (at most ARGMAX_ROWS) at device addresses, the indices also to
+    /// `chosen` where it is not 0.
+    fn launch_argmax(&self, x: u64, out: u64, rows: usize, width: usize, chosen: u64) -> Result<()> {
+        let n = i32::try_from(width)
+            .ok()
+            .filter(|&n| n > 0)
+            .ok_or_else(|| Error::InvalidArgument(format!("argmax over {width} values")))?;
+        let keys = self.argmax_state;
+        let arrivals = keys + (ARGMAX_ROWS * 8) as u64;
+        self.launch(
+            "argmax",
+            (width.div_ceil(ARGMAX_PER_BLOCK) as u32, rows as u32, 1),
+            256,
+            &[&x, &n, &out, &chosen, &keys, &arrivals],
+        )
     }
 
     fn launch(&self, name: &str, grid: (u32, u32, u32), block: u32, args: &[&dyn KernelArg]) -> Result<()> {
@@ -1130,9 +1160,24 @@ enum GemmOutput {
 /// Weights one matrix-vector launch takes at most (MAX_MATRICES in kernels/matmul.cu).
 const MAX_MATRICES: usize = 3;
 
+/// Host memory a queued argmax writes its index to, and the event recorded after it.
+pub struct ArgmaxSlot {
+    host: Pinned<u32>,
+    device: u64,
+    done: CudaEvent,
+}
+
+impl Drop for ArgmaxSlot {
+    /// The kernel may still be on its way to writing the memory about to be freed.
+    fn drop(&mut self) {
+        let _ = self.done.synchronize();
+    }
+}
+
 impl Backend for CudaBackend {
     type Weight = CudaWeight;
     type HostF32 = PinnedF32;
+    type PendingArgmax = ArgmaxSlot;
 
     fn device_name(&self) -> String {
         format!("CUDA {} ({})", self.device.name, self.device.arch)
@@ -1152,12 +1197,19 @@ impl Backend for CudaBackend {
                 "the model needs {bytes} bytes of GPU memory, {free} are free"
             )));
         }
+        let arena_end = bytes.next_multiple_of(ALIGN);
+        let argmax_state = ARGMAX_ROWS * 12;
         // SAFETY: plain allocation on our stream.
-        let memory = unsafe { self.stream.alloc::<u8>(bytes.max(ALIGN)) }.map_err(driver_error("allocation"))?;
+        let memory =
+            unsafe { self.stream.alloc::<u8>(arena_end + argmax_state) }.map_err(driver_error("allocation"))?;
         let (ptr, _sync) = cudarc::driver::DevicePtr::device_ptr(&memory, &self.stream);
         self.base = ptr;
         drop(_sync);
         self.memory = Some(memory);
+        self.argmax_state = ptr + arena_end as u64;
+        // SAFETY: within the allocation just made, on its stream.
+        unsafe { cudarc::driver::result::memset_d8_async(self.argmax_state, 0, argmax_state, self.stream.cu_stream()) }
+            .map_err(driver_error("memset"))?;
         self.arena = Arena::new(bytes);
         Ok(())
     }
@@ -1625,13 +1677,33 @@ impl Backend for CudaBackend {
     }
 
     fn argmax(&self, x: BlockHandle, out: BlockHandle, n_rows: usize, width: usize) -> Result<()> {
-        let n = width as i32;
-        self.launch(
-            "argmax",
-            (n_rows as u32, 1, 1),
-            1024,
-            &[&self.ptr(x), &n, &self.ptr(out)],
-        )
+        for first in (0..n_rows).step_by(ARGMAX_ROWS) {
+            let rows = (n_rows - first).min(ARGMAX_ROWS);
+            let x = self.ptr(x) + (first * width * 4) as u64;
+            self.launch_argmax(x, self.ptr(out) + first as u64 * 4, rows, width, 0)?;
+        }
+        Ok(())
+    }
+
+    fn queue_argmax(&self, x: BlockHandle, out: BlockHandle, width: usize) -> Result<ArgmaxSlot> {
+        let slot = match self.argmax_slots.borrow_mut().pop() {
+            Some(slot) => slot,
+            None => {
+                let (host, device) = Pinned::mapped(&self.device.ctx, 1)?;
+                let done = self.device.ctx.new_event(None).map_err(driver_error("event"))?;
+                ArgmaxSlot { host, device, done }
+            }
+        };
+        self.launch_argmax(self.ptr(x), self.ptr(out), 1, width, slot.device)?;
+        slot.done.record(&self.stream).map_err(driver_error("event"))?;
+        Ok(slot)
+    }
+
+    fn wait_argmax(&self, slot: ArgmaxSlot) -> Result<u32> {
+        slot.done.synchronize().map_err(driver_error("synchronize"))?;
+        let chosen = slot.host[0];
+        self.argmax_slots.borrow_mut().push(slot);
+        Ok(chosen)
     }
 
     fn add(&self, x: BlockHandle, y: BlockHandle, n: usize) -> Result<()> {

@@ -30,6 +30,6 @@ kernel void argmax(device const float* x [[buffer(0)]], device uint* out [[buffe
                 idx = best_index[s];
             }
         }
-        out[row] = idx;
+        out[row] = idx < width ? idx : 0;  // every value NaN: still a token id
     }
 }
