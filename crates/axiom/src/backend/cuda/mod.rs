@@ -32,7 +32,9 @@ const GEMV_MAX_TOKENS: usize = 8;
 
 /// Rows one `argmax` launch takes at most (it keeps a key and a count for each).
 const ARGMAX_ROWS: usize = 32;
-/// Values one of its blocks takes (ARGMAX_PER_BLOCK in kernels/argmax.cu).
+/// Its blocks' threads and the values each block takes (ARGMAX_THREADS, ARGMAX_PER_BLOCK in
+/// kernels/argmax.cu).
+const ARGMAX_THREADS: u32 = 256;
 const ARGMAX_PER_BLOCK: usize = 2048;
 
 /// Tokens up to which a matmul of weights of type `ty` uses the matrix-vector kernels. Float
@@ -305,7 +307,7 @@ impl CudaBackend {
         self.launch(
             "argmax",
             (width.div_ceil(ARGMAX_PER_BLOCK) as u32, rows as u32, 1),
-            256,
+            ARGMAX_THREADS,
             &[&x, &n, &out, &chosen, &keys, &arrivals],
         )
     }
