@@ -437,8 +437,10 @@ pub fn paged_kv_write_and_attention<B: Backend>(make: impl Fn(KvType) -> B, tole
         (128, &long_lens[..], long_queries),
         (48, &long_lens[..], decodes.clone()),
         (128, &long_lens[..], decodes),
-        // One token a step, as a single sequence decodes.
+        // One token a step, as a single sequence decodes (a GPU may split a long context over
+        // several blocks a head).
         (48, &long_lens[..], vec![(1, 19)]),
+        (48, &long_lens[..], vec![(0, 300)]),
         (128, &long_lens[..], vec![(0, 599)]),
     ];
     for kv_type in [KvType::F16, KvType::F32] {

@@ -11,6 +11,7 @@ pub struct CudaDevice {
     /// Compute capability as NVRTC's architecture name, e.g. "sm_90".
     pub arch: &'static str,
     pub total_memory: usize,
+    pub multiprocessors: u32,
     pub driver_version: i32,
     /// Whether kernels may be launched to overlap the end of the one before (programmatic
     /// dependent launch, compute capability 9.0 and later; see common.cuh).
@@ -47,6 +48,9 @@ impl CudaDevice {
         Ok(CudaDevice {
             name: ctx.name().map_err(driver_error("device name"))?,
             total_memory: ctx.total_mem().map_err(driver_error("memory size"))?,
+            multiprocessors: ctx
+                .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+                .map_err(driver_error("device attribute"))? as u32,
             arch,
             driver_version,
             dependent_launch: major >= 9,

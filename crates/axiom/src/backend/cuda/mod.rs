@@ -65,6 +65,10 @@ const NORMED_GEMV_MAX_VALUES: usize = 4 << 20;
 const FLASH_MIN_TOKENS: usize = 32;
 /// Threads of the one-pass attention kernel (ATTN_THREADS in attention.cu).
 const ATTENTION_THREADS: u32 = 256;
+/// The most blocks of the one-pass kernel that share a head's context (ATTN_MAX_SPLITS).
+const ATTENTION_MAX_SPLITS: usize = 8;
+/// The largest head the attention kernels take.
+const ATTENTION_MAX_HEAD_DIM: usize = 256;
 /// Query tokens per flash-attention block.
 const FLASH_QUERY_TILE: usize = 64;
 /// Heads per block of rope_kv_write.cu in steps of few tokens, so that a decode step's heads
@@ -213,6 +217,9 @@ pub struct CudaBackend {
     /// Each row's key and arrival count for `argmax` (kernels/argmax.cu), zero between launches:
     /// past the arena's end, in the same allocation.
     argmax_state: sys::CUdeviceptr,
+    /// After it, the softmax states that the one-pass attention's splits post to each other (at
+    /// most one head a multiprocessor; `partials` in attention.cu), zero between launches.
+    attention_partials: sys::CUdeviceptr,
     /// Where finished queued argmaxes landed, for the next ones (allocating page-locked memory
     /// takes longer than a decode step).
     argmax_slots: RefCell<Vec<ArgmaxSlot>>,
@@ -260,6 +267,7 @@ impl CudaBackend {
             largest_weight: 0,
             graphs: RefCell::new(Vec::new()),
             argmax_state: 0,
+            attention_partials: 0,
             argmax_slots: RefCell::new(Vec::new()),
             q4k_spread,
             capture_max_tokens: GEMV_MAX_TOKENS,
@@ -563,7 +571,7 @@ impl CudaBackend {
         n_tokens: usize,
         shape: AttentionShape,
     ) -> Result<()> {
-        if shape.head_dim > 256 || !shape.head_dim.is_multiple_of(8) {
+        if shape.head_dim > ATTENTION_MAX_HEAD_DIM || !shape.head_dim.is_multiple_of(8) {
             return Err(Error::Backend(format!(
                 "head dimension {}: the CUDA attention kernels take multiples of 8 up to 256",
                 shape.head_dim
@@ -605,9 +613,14 @@ impl CudaBackend {
             ),
             None => (0, 0, 0, 0),
         };
+        // Where the step's heads leave multiprocessors idle, several blocks share each head's
+        // context (heads times splits at most the multiprocessors: their states fit past the
+        // arena).
+        let heads = n_tokens * shape.n_heads;
+        let splits = (self.device.multiprocessors as usize / heads).clamp(1, ATTENTION_MAX_SPLITS);
         self.launch(
             &format!("attention_{}", self.kv_suffix()),
-            (n_tokens as u32, shape.n_heads as u32, 1),
+            (n_tokens as u32, shape.n_heads as u32, splits as u32),
             ATTENTION_THREADS,
             &[
                 &self.ptr(q),
@@ -628,6 +641,7 @@ impl CudaBackend {
                 &xd,
                 &interleave,
                 &start_next,
+                &self.attention_partials,
                 &nh,
                 &nkv,
                 &hd,
@@ -960,7 +974,7 @@ impl EvenSpread {
             .occupancy_max_active_blocks_per_multiprocessor(256, 0, None)
             .map_err(driver_error("occupancy"))?;
         Ok(Some(EvenSpread {
-            multiprocessors: attribute(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32,
+            multiprocessors: device.multiprocessors,
             blocks_per_multiprocessor,
             kernel_shared,
             multiprocessor_shared,
@@ -1201,17 +1215,26 @@ impl Backend for CudaBackend {
         }
         let arena_end = bytes.next_multiple_of(ALIGN);
         let argmax_state = ARGMAX_ROWS * 12;
+        let partials = self.device.multiprocessors as usize * (ATTENTION_MAX_HEAD_DIM + 2) * 8;
         // SAFETY: plain allocation on our stream.
-        let memory =
-            unsafe { self.stream.alloc::<u8>(arena_end + argmax_state) }.map_err(driver_error("allocation"))?;
+        let memory = unsafe { self.stream.alloc::<u8>(arena_end + argmax_state + partials) }
+            .map_err(driver_error("allocation"))?;
         let (ptr, _sync) = cudarc::driver::DevicePtr::device_ptr(&memory, &self.stream);
         self.base = ptr;
         drop(_sync);
         self.memory = Some(memory);
         self.argmax_state = ptr + arena_end as u64;
+        self.attention_partials = self.argmax_state + argmax_state as u64;
         // SAFETY: within the allocation just made, on its stream.
-        unsafe { cudarc::driver::result::memset_d8_async(self.argmax_state, 0, argmax_state, self.stream.cu_stream()) }
-            .map_err(driver_error("memset"))?;
+        unsafe {
+            cudarc::driver::result::memset_d8_async(
+                self.argmax_state,
+                0,
+                argmax_state + partials,
+                self.stream.cu_stream(),
+            )
+        }
+        .map_err(driver_error("memset"))?;
         self.arena = Arena::new(bytes);
         Ok(())
     }
