@@ -111,18 +111,23 @@ __device__ __forceinline__ u64 peek(const u64* slot) {
 }
 __device__ __forceinline__ float posted_value(u64 x) { return __uint_as_float((u32)x); }
 
-// Softmax states 0..n-1, with maxima m[i] and sums l[i], as one for a dimension whose weighted value
-// in state i is value(i): the common maximum, the sum and the weighted value scaled to it.
-template <typename Value>
+// Softmax states 0..n-1 (n at most N), with maxima m[i] and sums l[i], as one for a dimension whose
+// weighted value in state i is value(i): the common maximum, the sum and the weighted value scaled
+// to it. (Unrolled to N, so that value(i) may index registers.)
+template <int N, typename Value>
 __device__ __forceinline__ float3 merged(const float* m, const float* l, int n, Value value) {
     float top = m[0];
-    for (int i = 1; i < n; i++) top = fmaxf(top, m[i]);
+#pragma unroll
+    for (int i = 1; i < N; i++)
+        if (i < n) top = fmaxf(top, m[i]);
     float sum = 0.0f, o = 0.0f;
-    for (int i = 0; i < n; i++) {
-        float weight = rescale(m[i], top);
-        sum += l[i] * weight;
-        o += value(i) * weight;
-    }
+#pragma unroll
+    for (int i = 0; i < N; i++)
+        if (i < n) {
+            float weight = rescale(m[i], top);
+            sum += l[i] * weight;
+            o += value(i) * weight;
+        }
     return make_float3(top, sum, o);
 }
 
@@ -287,7 +292,7 @@ __device__ void attention(const float* __restrict__ q, T* __restrict__ k_cache, 
     };
     // A thread has at most one dimension of the output (ATTN_THREADS >= the largest head).
     int d = threadIdx.x;
-    float3 own = merged(warp_m, warp_l, ATTN_WARPS, [&](int w) { return warp_acc[w][d]; });
+    float3 own = merged<ATTN_WARPS>(warp_m, warp_l, ATTN_WARPS, [&](int w) { return warp_acc[w][d]; });
     if (active == 1) {
         if (d < head_dim) emit(d, own.z / own.y);
         return;
@@ -329,20 +334,12 @@ __device__ void attention(const float* __restrict__ q, T* __restrict__ k_cache, 
     }
     __syncthreads();
     if (d >= head_dim) return;
-    float top = split_m[0];
+    float3 all = merged<ATTN_MAX_SPLITS>(split_m, split_l, active,
+                                         [&](int i) { return i == 0 ? own.z : posted_value(acc[i]); });
+    emit(d, all.z / all.y);
 #pragma unroll
     for (int i = 1; i < ATTN_MAX_SPLITS; i++)
-        if (i < active) top = fmaxf(top, split_m[i]);
-    float weight = rescale(split_m[0], top), sum = split_l[0] * weight, o = own.z * weight;
-#pragma unroll
-    for (int i = 1; i < ATTN_MAX_SPLITS; i++)
-        if (i < active) {
-            weight = rescale(split_m[i], top);
-            sum += split_l[i] * weight;
-            o += posted_value(acc[i]) * weight;
-            clear(slots + i * (head_dim + 2) + d);
-        }
-    emit(d, o / sum);
+        if (i < active) clear(slots + i * (head_dim + 2) + d);
 }
 
 #define ATTENTION(NAME, T)                                                                                        \
