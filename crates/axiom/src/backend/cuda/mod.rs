@@ -573,7 +573,7 @@ impl CudaBackend {
     ) -> Result<()> {
         if shape.head_dim > ATTENTION_MAX_HEAD_DIM || !shape.head_dim.is_multiple_of(8) {
             return Err(Error::Backend(format!(
-                "head dimension {}: the CUDA attention kernels take multiples of 8 up to 256",
+                "head dimension {}: the CUDA attention kernels take multiples of 8 up to {ATTENTION_MAX_HEAD_DIM}",
                 shape.head_dim
             )));
         }
