@@ -424,8 +424,8 @@ fn rms_norm_rows<B: Backend>(rng: &mut ChaCha8Rng, gpu: &mut B, cpu: &mut CpuBac
 /// kv_write then attention through scrambled block tables, with f16 and f32 caches: head_dim 48
 /// over [`PAGED_LENS`]; head_dim 64 and 128 with a 600-token prefill (several query and key tiles
 /// for a tiled kernel) next to decodes; and decodes alone over that context (the path a decode
-/// step takes), head_dim 48 and 128, also one at a time. `tolerance(kv_type, head_dim)` is the
-/// relative error allowed.
+/// step takes), head_dim 48 and 128, also one at a time, and 256 (the largest the CUDA kernels
+/// take). `tolerance(kv_type, head_dim)` is the relative error allowed.
 pub fn paged_kv_write_and_attention<B: Backend>(make: impl Fn(KvType) -> B, tolerance: impl Fn(KvType, usize) -> f64) {
     let mut rng = ChaCha8Rng::seed_from_u64(3);
     let long_lens = [600, 20];
@@ -442,6 +442,7 @@ pub fn paged_kv_write_and_attention<B: Backend>(make: impl Fn(KvType) -> B, tole
         (48, &long_lens[..], vec![(1, 19)]),
         (48, &long_lens[..], vec![(0, 300)]),
         (128, &long_lens[..], vec![(0, 599)]),
+        (256, &long_lens[..], vec![(0, 599)]),
     ];
     for kv_type in [KvType::F16, KvType::F32] {
         // An f16 cache holds rounded K and V: give the reference the same values.
@@ -566,6 +567,7 @@ pub fn rope_attention_then_output_projection<B: Backend>(
     // a multiple of 32, as every backend's weights take.
     let cases = [
         (16, 4, 128, 128, GgmlType::Q4K),
+        (8, 2, 256, 192, GgmlType::Q4K),
         (9, 3, 64, 48, GgmlType::F32),
         (12, 4, 48, 32, GgmlType::F32),
     ];
