@@ -217,6 +217,17 @@ pub struct AttentionKv {
     pub pages: PagedKv,
 }
 
+/// Where a greedy choice (`Backend::queue_argmax`) leaves the next step's one input token on the
+/// device: its id in `token`, and in `position` the position after `chosen_at`'s (the position of
+/// the row it was chosen from; one u32 each, and `position` may be `chosen_at`). The next step
+/// then needs nothing from the host until its sequence takes a new page.
+#[derive(Debug, Clone, Copy)]
+pub struct NextInput {
+    pub token: BlockHandle,
+    pub chosen_at: BlockHandle,
+    pub position: BlockHandle,
+}
+
 /// A step's new query, key and value rows as the Q, K and V products wrote them (before RoPE),
 /// and what rotates them: `freqs` holds `rope.dims / 2` inverse frequencies (f32).
 #[derive(Debug, Clone, Copy)]
@@ -314,6 +325,17 @@ pub fn feed_forward_in_steps<B: Backend + ?Sized>(
     b.matmul_add(s.hidden, ffn.down, residual, s.proj, n_tokens)
 }
 
+/// `Backend::queue_argmax` where the host waits for it: the argmax into `next.token`, then the
+/// position written through the host; the index.
+pub fn argmax_to_next_now<B: Backend + ?Sized>(b: &B, x: BlockHandle, next: NextInput, width: usize) -> Result<u32> {
+    b.argmax(x, next.token, 1, width)?;
+    let (mut position, mut chosen) = ([0], [0]);
+    b.read_u32(next.chosen_at, &mut position)?;
+    b.write_u32(next.position, &[position[0] + 1])?;
+    b.read_u32(next.token, &mut chosen)?;
+    Ok(chosen[0])
+}
+
 /// The shape of a backend's weight matrix, `[n_out, n_in]`.
 pub trait Matrix {
     fn n_in(&self) -> usize;
@@ -341,8 +363,8 @@ pub trait Backend {
     /// Host memory for what `read_f32` brings back every step (the logits): page-locked on CUDA,
     /// where the copy then goes straight into it instead of through the driver's staging buffer.
     type HostF32: std::ops::DerefMut<Target = [f32]>;
-    /// A greedy choice on its way to the host (see `queue_argmax`).
-    type PendingArgmax;
+    /// Host-visible memory a queued greedy choice is written to (see `queue_argmax`).
+    type ChoiceSlot;
 
     /// What the backend runs on, for logs and `axiom bench`.
     fn device_name(&self) -> String;
@@ -594,10 +616,16 @@ pub trait Backend {
     /// lowest index on ties, 0 where nothing is above -inf): greedy decoding without bringing
     /// the logits back.
     fn argmax(&self, x: BlockHandle, out: BlockHandle, n_rows: usize, width: usize) -> Result<()>;
-    /// `argmax` of one row, whose index also goes to the host without the host waiting for it
-    /// here, so that it can submit the next step first; `wait_argmax` gives it. (A backend that
-    /// computes as work is submitted, the CPU, has it at once.)
-    fn queue_argmax(&self, x: BlockHandle, out: BlockHandle, width: usize) -> Result<Self::PendingArgmax>;
-    /// Waits for a queued argmax (not for the work submitted after it).
-    fn wait_argmax(&self, pending: Self::PendingArgmax) -> Result<u32>;
+    /// A place for `queue_argmax` to leave a choice for the host.
+    fn choice_slot(&self) -> Result<Self::ChoiceSlot>;
+    /// `argmax` of one row left as the next step's input (`next`) and in `slot`, without the
+    /// host waiting for it here, so that it can submit the next step first; it may be recorded
+    /// in a graph, the slot with it. (A backend that computes as work is submitted, the CPU, has
+    /// it at once.)
+    fn queue_argmax(&self, x: BlockHandle, next: NextInput, width: usize, slot: &Self::ChoiceSlot) -> Result<()>;
+    /// Marks the work submitted so far as what `wait_choice(slot)` waits for.
+    fn mark_choice(&self, slot: &Self::ChoiceSlot) -> Result<()>;
+    /// Waits for the work marked last for `slot` (not for what was submitted after it) and gives
+    /// the choice it left there.
+    fn wait_choice(&self, slot: &Self::ChoiceSlot) -> Result<u32>;
 }

@@ -5,8 +5,8 @@
 use super::{paged_queries, random_weight_bytes, PagedCase, PAGED_LENS};
 use axiom::backend::cpu::CpuBackend;
 use axiom::backend::{
-    AttentionShape, Backend, BlockHandle, FeedForward, FeedForwardScratch, HostTensor, Input, KvType, NewRows, PagedKv,
-    Rope, RopeLayout, RopeScaling,
+    AttentionShape, Backend, BlockHandle, FeedForward, FeedForwardScratch, HostTensor, Input, KvType, NewRows,
+    NextInput, PagedKv, Rope, RopeLayout, RopeScaling,
 };
 use axiom::chat::Message;
 use axiom::engine::perplexity::perplexity;
@@ -395,16 +395,30 @@ pub fn embed_rms_norm_rope_swiglu_add_argmax<B: Backend>(make: impl Fn() -> B) {
     assert_eq!(got, want, "argmax");
     assert_eq!((want[1], want[3]), (100, 0));
 
-    // Queued argmaxes of rows 1 and 3 (the index written to the device too), waited for in
-    // either order, and again over work queued since.
+    // Queued argmaxes of rows 1 and 3 (the index and the next position written to the device
+    // too, the second's position over the one it follows), waited for in either order, and
+    // again over work queued since.
     let row = |r: usize| xg.slice(r * width * 4, width * 4);
-    let first = gpu.queue_argmax(row(1), og, width).unwrap();
-    let second = gpu.queue_argmax(row(3), og.slice(4, 4), width).unwrap();
+    let positions = put_u32(&mut gpu, &[10, 20, 30, 40]);
+    let at = |i: usize| positions.slice(i * 4, 4);
+    let slots = [gpu.choice_slot().unwrap(), gpu.choice_slot().unwrap()];
+    let queued = [(1, og.slice(0, 4), at(1), at(0)), (3, og.slice(4, 4), at(2), at(2))];
+    for (slot, (r, token, chosen_at, position)) in slots.iter().zip(queued) {
+        let next = NextInput {
+            token,
+            chosen_at,
+            position,
+        };
+        gpu.queue_argmax(row(r), next, width, slot).unwrap();
+        gpu.mark_choice(slot).unwrap();
+    }
     gpu.argmax(xg, og.slice(8, 8), 2, width).unwrap();
-    assert_eq!(gpu.wait_argmax(second).unwrap(), want[3], "queued argmax");
-    assert_eq!(gpu.wait_argmax(first).unwrap(), want[1], "queued argmax");
+    assert_eq!(gpu.wait_choice(&slots[1]).unwrap(), want[3], "queued argmax");
+    assert_eq!(gpu.wait_choice(&slots[0]).unwrap(), want[1], "queued argmax");
     gpu.read_u32(og, &mut got).unwrap();
     assert_eq!(got, [want[1], want[3], want[0], want[1]], "queued argmax on the device");
+    gpu.read_u32(positions, &mut got).unwrap();
+    assert_eq!(got, [21, 20, 31, 40], "queued argmax's next positions");
 }
 
 /// `rms_norm` on `n` random rows of `dim`.

@@ -11,7 +11,7 @@ pub mod fast;
 pub mod kernels;
 pub mod pool;
 
-use super::{Arena, AttentionShape, Backend, BlockHandle, HostTensor, Input, KvType, PagedKv, Rope};
+use super::{Arena, AttentionShape, Backend, BlockHandle, HostTensor, Input, KvType, NextInput, PagedKv, Rope};
 use crate::format::quant::GgmlType;
 use crate::{Error, Result};
 use fast::{Isa, OutPtr, Q8Activations, Stage, CHUNK, GROUPS_PER_CHUNK};
@@ -19,7 +19,7 @@ use half::f16;
 use kernels::paged::PageMap;
 use memmap2::Mmap;
 use pool::{split, ThreadPool};
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::ops::Range;
 use std::ptr::NonNull;
 
@@ -396,7 +396,7 @@ fn disjoint(outputs: &[BlockHandle], inputs: &[BlockHandle]) -> Result<()> {
 impl Backend for CpuBackend {
     type Weight = CpuWeight;
     type HostF32 = Vec<f32>;
-    type PendingArgmax = u32;
+    type ChoiceSlot = Cell<u32>;
 
     fn kv_type(&self) -> KvType {
         self.kv_type
@@ -684,13 +684,21 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn queue_argmax(&self, x: BlockHandle, out: BlockHandle, width: usize) -> Result<u32> {
-        self.argmax(x, out, 1, width)?;
-        Ok(self.view::<u32>(out, 1)[0])
+    fn choice_slot(&self) -> Result<Cell<u32>> {
+        Ok(Cell::new(0))
     }
 
-    fn wait_argmax(&self, chosen: u32) -> Result<u32> {
-        Ok(chosen)
+    fn queue_argmax(&self, x: BlockHandle, next: NextInput, width: usize, slot: &Cell<u32>) -> Result<()> {
+        slot.set(super::argmax_to_next_now(self, x, next, width)?);
+        Ok(())
+    }
+
+    fn mark_choice(&self, _: &Cell<u32>) -> Result<()> {
+        Ok(())
+    }
+
+    fn wait_choice(&self, slot: &Cell<u32>) -> Result<u32> {
+        Ok(slot.get())
     }
 
     fn add(&self, x: BlockHandle, y: BlockHandle, n: usize) -> Result<()> {

@@ -11,8 +11,8 @@ pub mod kernels;
 
 use super::{
     feed_forward_in_steps, gate_up_swiglu_in_steps, rope_attend_and_project_in_steps, Arena, AttentionKv,
-    AttentionShape, Backend, BlockHandle, FeedForward, FeedForwardScratch, HostTensor, Input, KvType, NewRows, PagedKv,
-    Rope, RopeLayout,
+    AttentionShape, Backend, BlockHandle, FeedForward, FeedForwardScratch, HostTensor, Input, KvType, NewRows,
+    NextInput, PagedKv, Rope, RopeLayout,
 };
 use crate::format::quant::GgmlType;
 use crate::{Error, Result};
@@ -220,9 +220,6 @@ pub struct CudaBackend {
     /// After it, the softmax states that the one-pass attention's splits post to each other (at
     /// most one head a multiprocessor; `partials` in attention.cu), zero between launches.
     attention_partials: sys::CUdeviceptr,
-    /// Where finished queued argmaxes landed, for the next ones (allocating page-locked memory
-    /// takes longer than a decode step).
-    argmax_slots: RefCell<Vec<ArgmaxSlot>>,
     /// How Q4_K's one-token kernels (products, SwiGLU) spread their blocks; none where a
     /// multiprocessor's shared memory holds only one of their blocks. (Boxed: the backend is moved
     /// about by value.)
@@ -268,7 +265,6 @@ impl CudaBackend {
             graphs: RefCell::new(Vec::new()),
             argmax_state: 0,
             attention_partials: 0,
-            argmax_slots: RefCell::new(Vec::new()),
             q4k_spread,
             capture_max_tokens: GEMV_MAX_TOKENS,
             kv_type: KvType::F16,
@@ -304,19 +300,28 @@ impl CudaBackend {
     }
 
     /// `argmax` of `rows` rows (at most ARGMAX_ROWS) at device addresses, the indices also to
-    /// `chosen` where it is not 0.
-    fn launch_argmax(&self, x: u64, out: u64, rows: usize, width: usize, chosen: u64) -> Result<()> {
+    /// `chosen` where it is not 0; a greedy choice's (`next`) writes its position too.
+    fn launch_argmax(
+        &self,
+        x: u64,
+        out: u64,
+        rows: usize,
+        width: usize,
+        chosen: u64,
+        next: Option<NextInput>,
+    ) -> Result<()> {
         let n = i32::try_from(width)
             .ok()
             .filter(|&n| n > 0)
             .ok_or_else(|| Error::InvalidArgument(format!("argmax over {width} values")))?;
         let keys = self.argmax_state;
         let arrivals = keys + (ARGMAX_ROWS * 8) as u64;
+        let (chosen_at, position) = next.map_or((0, 0), |n| (self.ptr(n.chosen_at), self.ptr(n.position)));
         self.launch(
             "argmax",
             (width.div_ceil(ARGMAX_PER_BLOCK) as u32, rows as u32, 1),
             ARGMAX_THREADS,
-            &[&x, &n, &out, &chosen, &keys, &arrivals],
+            &[&x, &n, &out, &chosen, &chosen_at, &position, &keys, &arrivals],
         )
     }
 
@@ -1176,14 +1181,15 @@ enum GemmOutput {
 /// Weights one matrix-vector launch takes at most (MAX_MATRICES in kernels/matmul.cu).
 const MAX_MATRICES: usize = 3;
 
-/// Host memory a queued argmax writes its index to, and the event recorded after it.
-pub struct ArgmaxSlot {
+/// Host memory a queued argmax writes its index to (mapped: the kernel writes it directly, which
+/// saves a copy after it), and the event marked after it.
+pub struct ChoiceSlot {
     host: Pinned<u32>,
     device: u64,
     done: CudaEvent,
 }
 
-impl Drop for ArgmaxSlot {
+impl Drop for ChoiceSlot {
     /// The kernel may still be on its way to writing the memory about to be freed.
     fn drop(&mut self) {
         let _ = self.done.synchronize();
@@ -1193,7 +1199,7 @@ impl Drop for ArgmaxSlot {
 impl Backend for CudaBackend {
     type Weight = CudaWeight;
     type HostF32 = PinnedF32;
-    type PendingArgmax = ArgmaxSlot;
+    type ChoiceSlot = ChoiceSlot;
 
     fn device_name(&self) -> String {
         format!("CUDA {} ({})", self.device.name, self.device.arch)
@@ -1705,30 +1711,28 @@ impl Backend for CudaBackend {
         for first in (0..n_rows).step_by(ARGMAX_ROWS) {
             let rows = (n_rows - first).min(ARGMAX_ROWS);
             let x = self.ptr(x) + (first * width * 4) as u64;
-            self.launch_argmax(x, self.ptr(out) + first as u64 * 4, rows, width, 0)?;
+            self.launch_argmax(x, self.ptr(out) + first as u64 * 4, rows, width, 0, None)?;
         }
         Ok(())
     }
 
-    fn queue_argmax(&self, x: BlockHandle, out: BlockHandle, width: usize) -> Result<ArgmaxSlot> {
-        let slot = match self.argmax_slots.borrow_mut().pop() {
-            Some(slot) => slot,
-            None => {
-                let (host, device) = Pinned::mapped(&self.device.ctx, 1)?;
-                let done = self.device.ctx.new_event(None).map_err(driver_error("event"))?;
-                ArgmaxSlot { host, device, done }
-            }
-        };
-        self.launch_argmax(self.ptr(x), self.ptr(out), 1, width, slot.device)?;
-        slot.done.record(&self.stream).map_err(driver_error("event"))?;
-        Ok(slot)
+    fn choice_slot(&self) -> Result<ChoiceSlot> {
+        let (host, device) = Pinned::mapped(&self.device.ctx, 1)?;
+        let done = self.device.ctx.new_event(None).map_err(driver_error("event"))?;
+        Ok(ChoiceSlot { host, device, done })
     }
 
-    fn wait_argmax(&self, slot: ArgmaxSlot) -> Result<u32> {
+    fn queue_argmax(&self, x: BlockHandle, next: NextInput, width: usize, slot: &ChoiceSlot) -> Result<()> {
+        self.launch_argmax(self.ptr(x), self.ptr(next.token), 1, width, slot.device, Some(next))
+    }
+
+    fn mark_choice(&self, slot: &ChoiceSlot) -> Result<()> {
+        slot.done.record(&self.stream).map_err(driver_error("event"))
+    }
+
+    fn wait_choice(&self, slot: &ChoiceSlot) -> Result<u32> {
         slot.done.synchronize().map_err(driver_error("synchronize"))?;
-        let chosen = slot.host[0];
-        self.argmax_slots.borrow_mut().push(slot);
-        Ok(chosen)
+        Ok(slot.host[0])
     }
 
     fn add(&self, x: BlockHandle, y: BlockHandle, n: usize) -> Result<()> {

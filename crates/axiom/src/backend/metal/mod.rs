@@ -16,7 +16,9 @@ pub mod context;
 pub mod device;
 pub mod kernels;
 
-use super::{gpu_kernel_suffix, AttentionShape, Backend, BlockHandle, HostTensor, KvType, PagedKv, Rope, RopeLayout};
+use super::{
+    gpu_kernel_suffix, AttentionShape, Backend, BlockHandle, HostTensor, KvType, NextInput, PagedKv, Rope, RopeLayout,
+};
 use crate::format::quant::GgmlType;
 use crate::{Error, Result};
 use allocator::MetalAllocator;
@@ -24,6 +26,7 @@ use context::MetalContext;
 use device::MetalDevice;
 use kernels::{Kernel, MetalKernels};
 use objc2_metal::{MTLComputeCommandEncoder, MTLSize};
+use std::cell::Cell;
 use std::ptr::NonNull;
 
 const ALIGN: usize = 256;
@@ -273,7 +276,7 @@ impl From<MetalError> for Error {
 impl Backend for MetalBackend {
     type Weight = MetalWeight;
     type HostF32 = Vec<f32>;
-    type PendingArgmax = u32;
+    type ChoiceSlot = Cell<u32>;
 
     fn device_name(&self) -> String {
         format!("Metal {}", self.ctx.device.name)
@@ -592,17 +595,23 @@ impl Backend for MetalBackend {
         )
     }
 
-    // Read at once: overlapping it would take the index into a buffer of its own and a wait on
-    // its command buffer alone.
-    fn queue_argmax(&self, x: BlockHandle, out: BlockHandle, width: usize) -> Result<u32> {
-        self.argmax(x, out, 1, width)?;
-        let mut chosen = [0];
-        self.read_u32(out, &mut chosen)?;
-        Ok(chosen[0])
+    fn choice_slot(&self) -> Result<Cell<u32>> {
+        Ok(Cell::new(0))
     }
 
-    fn wait_argmax(&self, chosen: u32) -> Result<u32> {
-        Ok(chosen)
+    // Read at once: overlapping it would take the index into a buffer of its own and a wait on
+    // its command buffer alone.
+    fn queue_argmax(&self, x: BlockHandle, next: NextInput, width: usize, slot: &Cell<u32>) -> Result<()> {
+        slot.set(super::argmax_to_next_now(self, x, next, width)?);
+        Ok(())
+    }
+
+    fn mark_choice(&self, _: &Cell<u32>) -> Result<()> {
+        Ok(())
+    }
+
+    fn wait_choice(&self, slot: &Cell<u32>) -> Result<u32> {
+        Ok(slot.get())
     }
 }
 

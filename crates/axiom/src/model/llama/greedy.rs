@@ -1,9 +1,10 @@
-//! Greedy decoding with the device a step ahead of the host. Each step leaves its argmax where
-//! the next step reads its input token, so the host queues the step that runs token k before it
-//! has seen token k, and the device never waits on the host's round trip (the copy back, the
-//! host's wake-up, the next step's inputs and launch: about 20 us a token on the H200).
+//! Greedy decoding with the device a step ahead of the host. Each step ends with its argmax,
+//! which it leaves where the next step reads its input token (with that token's position), so the
+//! host queues the step that runs token k before it has seen token k, and the device never waits
+//! on the host's round trip (the copy back, the host's wake-up, the next step's inputs and launch:
+//! about 20 us a token on the H200).
 
-use super::{Ids, Llama, LogitRows, SeqStep, Want};
+use super::{Llama, LogitRows, SeqStep, StepKind, Want};
 use crate::backend::Backend;
 use crate::model::KvCache;
 use crate::{Error, Result};
@@ -16,8 +17,9 @@ use crate::{Error, Result};
 pub struct GreedyDecode<'a, B: Backend> {
     model: &'a mut Llama<B>,
     kv: &'a mut KvCache,
-    /// The newest token, which the host has not seen; none once decoding has ended.
-    newest: Option<B::PendingArgmax>,
+    /// The choice slot of the newest token, which the host has not seen; none once decoding has
+    /// ended.
+    newest: Option<usize>,
     /// The last token returned, which the newest step runs: it joins `kv` when the caller asks
     /// for the next.
     held: Option<u32>,
@@ -31,11 +33,13 @@ impl<'a, B: Backend> GreedyDecode<'a, B> {
             .checked_sub(1)
             .ok_or_else(|| Error::InvalidArgument("the prompt has no tokens".into()))?;
         model.forward(prompt, kv, LogitRows::None, |_, _| {})?;
-        let newest = model.choose_on_device(last % model.max_batch)?;
+        let row = last % model.max_batch;
+        model.choose(row, 0)?;
+        model.chosen(row, 0)?;
         Ok(GreedyDecode {
             model,
             kv,
-            newest: Some(newest),
+            newest: Some(0),
             held: None,
         })
     }
@@ -57,26 +61,31 @@ impl<'a, B: Backend> GreedyDecode<'a, B> {
             self.model.pages.index_full_pages(self.kv);
         }
         if run_it {
-            if let Err(e) = self.run_newest() {
-                let _ = self.model.backend.wait_argmax(newest);
+            if let Err(e) = self.run_newest(1 - newest) {
+                let _ = self.wait(newest);
                 return Err(e);
             }
         }
-        let token = self.model.backend.wait_argmax(newest)?;
+        let token = self.wait(newest)?;
         self.held = run_it.then_some(token);
         Ok(token)
     }
 
-    /// Queues the step that runs the token the last one left on the device.
-    fn run_newest(&mut self) -> Result<()> {
+    /// Queues the step that runs the token the last one left on the device, its choice into
+    /// `slot`.
+    fn run_newest(&mut self, slot: usize) -> Result<()> {
         let step = SeqStep {
             kv: &mut *self.kv,
             tokens: &[0],
             want: Want::Nothing,
         };
-        self.model.step(&mut [step], Ids::OnDevice)?;
-        self.newest = Some(self.model.choose_on_device(0)?);
+        self.model.step(&mut [step], StepKind::Greedy { slot })?;
+        self.newest = Some(slot);
         Ok(())
+    }
+
+    fn wait(&self, slot: usize) -> Result<u32> {
+        self.model.backend.wait_choice(&self.model.choices[slot])
     }
 }
 
@@ -86,19 +95,9 @@ impl<B: Backend> Drop for GreedyDecode<'_, B> {
     fn drop(&mut self) {
         if let Some(newest) = self.newest.take() {
             // An error here would have been the step's; the caller has already stopped.
-            let _ = self.model.backend.wait_argmax(newest);
+            let _ = self.wait(newest);
         }
         let len = self.kv.len();
         self.model.pages.truncate(self.kv, len);
-    }
-}
-
-impl<B: Backend> Llama<B> {
-    /// The most likely next token after row `row` of the last step, left where the next step
-    /// reads its input, and on its way to the host.
-    fn choose_on_device(&mut self, row: usize) -> Result<B::PendingArgmax> {
-        self.lm_head(row, 1)?;
-        self.backend
-            .queue_argmax(self.scratch.logits, self.inputs.ids(), self.config.vocab_size)
     }
 }

@@ -6,6 +6,8 @@
 // (the value's bits, ordered, above the inverted index) with one atomicMax; the last block to
 // arrive writes the index, also to `chosen` when given (page-locked host memory the kernel writes
 // directly, which saves a copy after it), and zeroes the key and count for the next launch.
+// Given `position`, it also writes there the position after `*chosen_at` (one row: the next
+// step's input, read before the wait like every step input, so it adds no round trip).
 #define ARGMAX_THREADS 256
 #define ARGMAX_PER_THREAD 8
 #define ARGMAX_PER_BLOCK (ARGMAX_THREADS * ARGMAX_PER_THREAD)
@@ -16,7 +18,9 @@ __device__ __forceinline__ u64 argmax_key(float v, int i) {
     return ((u64)ordered << 32) | (0xffffffffu - (u32)i);
 }
 
-extern "C" __global__ void argmax(const float* rows, int n, u32* outs, u32* chosen, u64* keys, u32* arrivals) {
+extern "C" __global__ void argmax(const float* rows, int n, u32* outs, u32* chosen, const u32* chosen_at,
+                                  u32* position, u64* keys, u32* arrivals) {
+    u32 next_position = position && threadIdx.x == 0 ? *chosen_at + 1 : 0;
     begin_after_inputs();
     const float* x = rows + (u64)blockIdx.y * n;
     const int first = blockIdx.x * ARGMAX_PER_BLOCK + threadIdx.x;
@@ -48,4 +52,5 @@ extern "C" __global__ void argmax(const float* rows, int n, u32* outs, u32* chos
     arrivals[blockIdx.y] = 0;
     outs[blockIdx.y] = idx;
     if (chosen) chosen[blockIdx.y] = idx;
+    if (position) *position = next_position;
 }
