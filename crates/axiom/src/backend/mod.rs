@@ -325,17 +325,6 @@ pub fn feed_forward_in_steps<B: Backend + ?Sized>(
     b.matmul_add(s.hidden, ffn.down, residual, s.proj, n_tokens)
 }
 
-/// `Backend::queue_argmax` where the host waits for it: the argmax into `next.token`, then the
-/// position written through the host; the index.
-pub fn argmax_to_next_now<B: Backend + ?Sized>(b: &B, x: BlockHandle, next: NextInput, width: usize) -> Result<u32> {
-    b.argmax(x, next.token, 1, width)?;
-    let (mut position, mut chosen) = ([0], [0]);
-    b.read_u32(next.chosen_at, &mut position)?;
-    b.write_u32(next.position, &[position[0] + 1])?;
-    b.read_u32(next.token, &mut chosen)?;
-    Ok(chosen[0])
-}
-
 /// The shape of a backend's weight matrix, `[n_out, n_in]`.
 pub trait Matrix {
     fn n_in(&self) -> usize;
@@ -356,6 +345,42 @@ macro_rules! impl_matrix {
     };
 }
 use impl_matrix;
+
+/// `Backend`'s greedy-choice methods for a backend whose work is done when its calls return (the
+/// CPU computes as work is submitted; Metal waits here): the argmax, the next position written
+/// through the host, and the choice kept in the slot, a `Cell<u32>`.
+macro_rules! choices_at_once {
+    () => {
+        fn choice_slot(&self) -> $crate::Result<::std::cell::Cell<u32>> {
+            Ok(::std::cell::Cell::new(0))
+        }
+
+        fn queue_argmax(
+            &self,
+            x: $crate::backend::BlockHandle,
+            next: $crate::backend::NextInput,
+            width: usize,
+            slot: &::std::cell::Cell<u32>,
+        ) -> $crate::Result<()> {
+            self.argmax(x, next.token, 1, width)?;
+            let (mut position, mut chosen) = ([0], [0]);
+            self.read_u32(next.chosen_at, &mut position)?;
+            self.write_u32(next.position, &[position[0] + 1])?;
+            self.read_u32(next.token, &mut chosen)?;
+            slot.set(chosen[0]);
+            Ok(())
+        }
+
+        fn mark_choice(&self, _: &::std::cell::Cell<u32>) -> $crate::Result<()> {
+            Ok(())
+        }
+
+        fn wait_choice(&self, slot: &::std::cell::Cell<u32>) -> $crate::Result<u32> {
+            Ok(slot.get())
+        }
+    };
+}
+use choices_at_once;
 
 pub trait Backend {
     /// A weight matrix resident on the backend, in its stored type.

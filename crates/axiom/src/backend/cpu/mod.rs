@@ -11,7 +11,7 @@ pub mod fast;
 pub mod kernels;
 pub mod pool;
 
-use super::{Arena, AttentionShape, Backend, BlockHandle, HostTensor, Input, KvType, NextInput, PagedKv, Rope};
+use super::{Arena, AttentionShape, Backend, BlockHandle, HostTensor, Input, KvType, PagedKv, Rope};
 use crate::format::quant::GgmlType;
 use crate::{Error, Result};
 use fast::{Isa, OutPtr, Q8Activations, Stage, CHUNK, GROUPS_PER_CHUNK};
@@ -684,22 +684,7 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn choice_slot(&self) -> Result<Cell<u32>> {
-        Ok(Cell::new(0))
-    }
-
-    fn queue_argmax(&self, x: BlockHandle, next: NextInput, width: usize, slot: &Cell<u32>) -> Result<()> {
-        slot.set(super::argmax_to_next_now(self, x, next, width)?);
-        Ok(())
-    }
-
-    fn mark_choice(&self, _: &Cell<u32>) -> Result<()> {
-        Ok(())
-    }
-
-    fn wait_choice(&self, slot: &Cell<u32>) -> Result<u32> {
-        Ok(slot.get())
-    }
+    super::choices_at_once!();
 
     fn add(&self, x: BlockHandle, y: BlockHandle, n: usize) -> Result<()> {
         disjoint(&[x], &[y])?;

@@ -16,9 +16,7 @@ pub mod context;
 pub mod device;
 pub mod kernels;
 
-use super::{
-    gpu_kernel_suffix, AttentionShape, Backend, BlockHandle, HostTensor, KvType, NextInput, PagedKv, Rope, RopeLayout,
-};
+use super::{gpu_kernel_suffix, AttentionShape, Backend, BlockHandle, HostTensor, KvType, PagedKv, Rope, RopeLayout};
 use crate::format::quant::GgmlType;
 use crate::{Error, Result};
 use allocator::MetalAllocator;
@@ -595,24 +593,9 @@ impl Backend for MetalBackend {
         )
     }
 
-    fn choice_slot(&self) -> Result<Cell<u32>> {
-        Ok(Cell::new(0))
-    }
-
     // Read at once: overlapping it would take the index into a buffer of its own and a wait on
     // its command buffer alone.
-    fn queue_argmax(&self, x: BlockHandle, next: NextInput, width: usize, slot: &Cell<u32>) -> Result<()> {
-        slot.set(super::argmax_to_next_now(self, x, next, width)?);
-        Ok(())
-    }
-
-    fn mark_choice(&self, _: &Cell<u32>) -> Result<()> {
-        Ok(())
-    }
-
-    fn wait_choice(&self, slot: &Cell<u32>) -> Result<u32> {
-        Ok(slot.get())
-    }
+    super::choices_at_once!();
 }
 
 impl MetalBackend {
