@@ -108,7 +108,7 @@ enum StepKind {
 struct StepInputs {
     block: BlockHandle,
     /// What the block holds past the ids: as last sent, with the positions greedy choices
-    /// advanced since ([`Llama::choose`]). Empty where that is not known.
+    /// advanced since ([`Llama::chosen`]). Empty where that is not known.
     sent: Vec<u32>,
     /// The next step's inputs, as packed.
     packed: Vec<u32>,

@@ -208,7 +208,9 @@ pub struct CudaBackend {
     /// The query tiles of a flash-attention step (two u32 per tile, at most one tile a token).
     flash_tiles: Option<BlockHandle>,
     /// What `flash_tiles` holds the tiles of, for the layers after the first of a step. Every
-    /// `write_u32`, which is how a step's positions and sequences arrive, forgets it.
+    /// `write_u32`, which is how a multi-token step's positions and sequences arrive, forgets it.
+    /// (A greedy step's position, which the argmax advances on the device, is one token's: it
+    /// never takes flash attention.)
     flash_plan: Cell<Option<FlashPlan>>,
     /// Activations quantized for the integer matrix-vector kernels: int8 values, f32 block scales.
     int8_activations: Option<(BlockHandle, BlockHandle)>,
