@@ -306,13 +306,23 @@ __device__ __forceinline__ void q4k_rows(const Weight& w, int row, int n_rows, c
         metas[r] = (const uint4*)(w.s + from * (w.n_in / 256) * 16) + lane;
     }
     u32 staged_at = shared_address(stage[warp][0][0]) + 16 * lane;
+    // Each warp starts at its own stage of its rows (row / R modulo the stages) and wraps around.
+    // Started alike, the warps of a one-wave product all read the same part of their rows at once,
+    // and in some placements of the arena that ran 1.3% slower, presumably by the way those
+    // addresses fall on the memory's channels: 8B Q4_K decode on the H200, same call, tg128
+    // 685.0-687.5 tok/s with the activations sized for 1, 4 or 16 tokens or the cache for 512,
+    // 694.3-696.0 for 64 or 128 tokens; rotated, 693.7-695.2 in all six, and 693.6-695.3 with the
+    // arena's parts moved by 4 KB to 2 MB.
+    int n_stages = (n_groups + stage_groups - 1) / stage_groups, rotation = (row / R) % n_stages;
+    auto stage_first = [&](int s) { return (s + rotation) % n_stages * stage_groups; };
     // The weights are read once a token, and 4.2 GB of them (8B) pass through a 50 MB L2: copied
     // as evict-first, they no longer push out the small tensors every kernel boundary waits on.
     // 8B Q4_K decode on the H200, same call: 669-677 -> 695-696 tok/s.
     const u64 policy = read_once_policy();
-    auto copy_stage = [&](int first) {
+    auto copy_stage = [&](int s) {
+        int first = stage_first(s);
         int pieces = 2 * min(stage_groups, n_groups - first);
-        u32 to = staged_at + first / stage_groups % 2 * (R * row_pieces * 16);
+        u32 to = staged_at + s % 2 * (R * row_pieces * 16);
 #pragma unroll
         for (int r = 0; r < R; r++) {
 #pragma unroll
@@ -351,17 +361,18 @@ __device__ __forceinline__ void q4k_rows(const Weight& w, int row, int n_rows, c
     // K and V so too, 625.8 against 637.6.)
     bool whole = copy_whole && T == 1 && n_groups > stage_groups && n_groups <= 2 * stage_groups;
     copy_stage(0);
-    if (whole) copy_stage(stage_groups);
+    if (whole) copy_stage(1);
     begin_after_inputs();
     inputs_ready();
-    for (int first = 0; first < n_groups; first += stage_groups) {
+    for (int s = 0; s < n_stages; s++) {
+        int first = stage_first(s);
         GroupActivations ahead;
         if (early && first + lane < n_groups)
             ahead = group_at(x_lane + 4 * first, tile_width(first + lane, n_groups), scales_lane[first]);
-        if (whole && first == 0) {
+        if (whole && s == 0) {
             asm volatile("cp.async.wait_group 1;" ::: "memory");
-        } else if (first + stage_groups < n_groups) {
-            copy_stage(first + stage_groups);
+        } else if (s + 1 < n_stages) {
+            copy_stage(s + 1);
             asm volatile("cp.async.wait_group 1;" ::: "memory");
         } else {
             asm volatile("cp.async.wait_group 0;" ::: "memory");
@@ -378,7 +389,7 @@ __device__ __forceinline__ void q4k_rows(const Weight& w, int row, int n_rows, c
                 int sum_lo = __float_as_int(scales_sums.y), sum_hi = __float_as_int(scales_sums.w);
                 float d_hi = d.y * 0.0625f;  // the high nibbles' dot products are 16 times theirs
                 for (int r = 0; r < R; r++) {
-                    const uint4* staged = stage[warp][first / stage_groups % 2][r];
+                    const uint4* staged = stage[warp][s % 2][r];
                     const uint4* q = staged + unit_start(g - first, 2);
                     uint4 q0 = q[0], q1 = q[width];
                     uint4 meta = staged[quant_pieces + (g - first) / 4];
