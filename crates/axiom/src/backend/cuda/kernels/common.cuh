@@ -197,15 +197,15 @@ __device__ __forceinline__ void copy_async16(u32 dst, const void* src, bool vali
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
 }
 
-// An L2 policy for bytes read once a step (decode's weights): their lines are evicted first, so
-// that gigabytes streamed through L2 do not push out what the kernels on the critical path read
-// again (the residual, the activations, the norms' weights, the cache rows).
-__device__ __forceinline__ u64 read_once_policy() {
-    u64 policy;
-    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-    return policy;
-}
-// copy_async16 of all 16 bytes under an L2 policy.
-__device__ __forceinline__ void copy_async16_with(u32 dst, const void* src, u64 policy) {
-    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "l"(policy));
+// copy_async16 of bytes read once a step (decode's weights) under an evict-first L2 policy: their
+// lines are evicted first, so that gigabytes streamed through L2 do not push out what the kernels
+// on the critical path read again (the residual, the activations, the norms' weights, the cache
+// rows). The policy is made in the same asm as the copy: ptxas then keeps it in the uniform
+// registers that the copy's descriptor reads, where a policy made once apart was moved through
+// vector registers and back for every copy (two instructions a copy).
+__device__ __forceinline__ void copy_async16_read_once(u32 dst, const void* src, bool valid) {
+    asm volatile(
+        "{ .reg .b64 policy; createpolicy.fractional.L2::evict_first.b64 policy, 1.0;"
+        " cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, policy; }" ::"r"(dst),
+        "l"(src), "r"(valid ? 16 : 0));
 }
