@@ -72,11 +72,14 @@ __device__ __forceinline__ int unit_start(int unit, int pieces) {
 
 // Activations quantized for the integer matrix-vector kernels (matmul.cu): value i of an aligned
 // block of 32, held one per lane of a warp, becomes round(v / d) with d = max |v| / 127 over the
-// block, d stored once per block. The values lie in xq in order, or interleaved for Q4_K in units
+// block (taken as v times 127 / max |v|, as the CPU's fast path takes v times 1 / d: one division
+// a block, beside d's, where one a value lay on the norms' and the quantization's critical path),
+// d stored once per block. The values lie in xq in order, or interleaved for Q4_K in units
 // of 64 (`q8_slot`); their scales always in order, in xd. For Q4_K (`sums`), each block's scale is
 // followed by the sum of its quantized values (an int in the next float's bits), which Q4_K's
 // minimums multiply: summed once here rather than by every warp for every pair of rows.
-__device__ __forceinline__ i8 quantize_by(float v, float d) { return (i8)(d == 0.0f ? 0 : __float2int_rn(v / d)); }
+__device__ __forceinline__ float quant_factor(float amax) { return amax == 0.0f ? 0.0f : 127.0f / amax; }
+__device__ __forceinline__ i8 quantize_by(float v, float factor) { return (i8)__float2int_rn(v * factor); }
 
 // Where value v of a row of n activations lies in xq (n a multiple of 256 when interleaved).
 __device__ __forceinline__ int q8_slot(int v, int n, bool interleave) {
@@ -93,8 +96,8 @@ __device__ __forceinline__ void store_q8_scale(float* xd, u64 b, float d, int su
 
 // Value i (of all rows) into xq at `slot` (q8_slot of its row, plus the row's start).
 __device__ __forceinline__ void store_q8(float v, i8* xq, float* xd, u64 i, u64 slot, bool sums) {
-    float d = warp_max(fabsf(v)) / 127.0f;
-    i8 q = quantize_by(v, d);
+    float amax = warp_max(fabsf(v)), d = amax / 127.0f;
+    i8 q = quantize_by(v, quant_factor(amax));
     xq[slot] = q;
     int sum = sums ? warp_sum((int)q) : 0;
     if (i % 32 == 0) store_q8_scale(xd, i / 32, d, sum, sums);
@@ -107,8 +110,8 @@ __device__ __forceinline__ void store_q8(float v, i8* xq, float* xd, u64 i, u64 
 __device__ __forceinline__ void store_q8x4(float4 v, bool valid, u32* xq, float* xd, u64 i4, u64 slot4, bool sums) {
     float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
     for (int o = 4; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    float d = amax / 127.0f;
-    i8 q[4] = {quantize_by(v.x, d), quantize_by(v.y, d), quantize_by(v.z, d), quantize_by(v.w, d)};
+    float d = amax / 127.0f, factor = quant_factor(amax);
+    i8 q[4] = {quantize_by(v.x, factor), quantize_by(v.y, factor), quantize_by(v.z, factor), quantize_by(v.w, factor)};
     int sum = 0;
     if (sums) {
         sum = q[0] + q[1] + q[2] + q[3];
