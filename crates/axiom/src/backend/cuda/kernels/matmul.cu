@@ -324,11 +324,11 @@ __device__ __forceinline__ void q4k_rows(const Weight& w, int row, int n_rows, c
     // The weights are read once a token, and 4.2 GB of them (8B) pass through a 50 MB L2: copied
     // as evict-first, they no longer push out the small tensors every kernel boundary waits on.
     // 8B Q4_K decode on the H200, same call: 669-677 -> 695-696 tok/s. Every lane copies: a lane
-    // past a short stage's quants zero-fills its own piece, and its metadata copy repeats the
-    // last piece (the same bytes into the same place), so that no copy needs a branch. With the
-    // policy made beside each copy (copy_async16_read_once), gate/up runs 656 instructions a warp
-    // instead of 720; same call, script's load: tg128 700.2 -> 702.3 tok/s, and 703.7 with the
-    // unsigned remainder above (632).
+    // past a short stage's quants zero-fills its own piece (reading nothing), and its metadata
+    // copy repeats the last piece (the same bytes into the same place), so that no copy needs a
+    // branch. With the policy made beside each copy (copy_async16_read_once), gate/up runs 656
+    // instructions a warp instead of 720; same call, script's load: tg128 700.2 -> 702.3 tok/s,
+    // and 703.7 with the unsigned remainder above (632).
     auto copy_stage = [&](int s) {
         int first = stage_first(s);
         int pieces = 2 * min(stage_groups, n_groups - first);
