@@ -226,8 +226,8 @@ pub struct CudaBackend {
     /// multiprocessor's shared memory holds only one of their blocks. (Boxed: the backend is moved
     /// about by value.)
     q4k_spread: Option<Box<[EvenSpread; 2]>>,
-    /// Shared memory (unused) a quantize_q8 launch of at most a block a multiprocessor asks for
-    /// (`quantize_padding`).
+    /// Shared memory (unused) a quantize_q8 launch for Q4_K of at most a block a multiprocessor
+    /// asks for (`quantize_padding`).
     quantize_padding: u32,
     /// The most tokens a step may have to be recorded: every matmul must use our own kernels.
     capture_max_tokens: usize,
@@ -906,7 +906,7 @@ impl CudaBackend {
         match x {
             Input::Rows(x) => {
                 let blocks = blocks_for(n / 4, 256);
-                let padding = if blocks <= self.device.multiprocessors {
+                let padding = if w.ty == GgmlType::Q4K && blocks <= self.device.multiprocessors {
                     self.quantize_padding
                 } else {
                     0
@@ -1022,7 +1022,8 @@ impl EvenSpread {
 /// early (`start_dependents` in common.cuh), and its blocks were placed beside gate/up's last ones
 /// and then down's first ones. 8B Q4_K decode on the H200, same call: tg128 705.7 -> 707.8 tok/s
 /// with 80 or 120 KB of the 228, 707.5 with 200 (706.7 with gate/up not starting it early
-/// instead); with half, 710.1 -> 712.0 on another machine. 0 where the device cannot give it.
+/// instead); with half, 710.1 -> 712.0 on another machine. Q8_0's decode (one row a warp) lost
+/// 0.1% by it (419.6 -> 419.2), so it is Q4_K's only. 0 where the device cannot give it.
 fn quantize_padding(device: &CudaDevice, f: &cudarc::driver::CudaFunction) -> Result<u32> {
     use sys::CUdevice_attribute as A;
     let attribute = |a: A| device.ctx.attribute(a).map_err(driver_error("device attribute"));
