@@ -58,6 +58,13 @@ impl CudaDevice {
         })
     }
 
+    pub fn attribute(&self, attribute: sys::CUdevice_attribute) -> Result<u32> {
+        Ok(self
+            .ctx
+            .attribute(attribute)
+            .map_err(driver_error("device attribute"))? as u32)
+    }
+
     pub fn free_memory(&self) -> Result<usize> {
         Ok(self.ctx.mem_get_info().map_err(driver_error("free memory"))?.0)
     }

@@ -972,25 +972,15 @@ struct EvenSpread {
 impl EvenSpread {
     fn new(device: &CudaDevice, f: &cudarc::driver::CudaFunction) -> Result<Option<EvenSpread>> {
         use sys::CUdevice_attribute as A;
-        let attribute = |a: A| device.ctx.attribute(a).map_err(driver_error("device attribute"));
         let (multiprocessor_shared, reserved_shared) = (
-            attribute(A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR)? as u32,
-            attribute(A::CU_DEVICE_ATTRIBUTE_RESERVED_SHARED_MEMORY_PER_BLOCK)? as u32,
+            device.attribute(A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR)?,
+            device.attribute(A::CU_DEVICE_ATTRIBUTE_RESERVED_SHARED_MEMORY_PER_BLOCK)?,
         );
-        let kernel_shared = f
-            .get_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)
-            .map_err(driver_error("kernel attribute"))? as u32;
+        let kernel_shared = kernel_shared(f)?;
         if multiprocessor_shared < 2 * (kernel_shared + reserved_shared) {
             return Ok(None);
         }
-        // Any padding up to a block's most shared memory may be asked for.
-        let block_most = attribute(A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)? as u32;
-        let most = block_most.saturating_sub(kernel_shared);
-        f.set_attribute(
-            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            most as i32,
-        )
-        .map_err(driver_error("kernel attribute"))?;
+        allow_padding(device, f)?;
         let blocks_per_multiprocessor = f
             .occupancy_max_active_blocks_per_multiprocessor(256, 0, None)
             .map_err(driver_error("occupancy"))?;
@@ -1025,22 +1015,31 @@ impl EvenSpread {
 /// instead); with half, 710.1 -> 712.0 on another machine. Q8_0's decode (one row a warp) lost
 /// 0.1% by it (419.6 -> 419.2), so it is Q4_K's only. 0 where the device cannot give it.
 fn quantize_padding(device: &CudaDevice, f: &cudarc::driver::CudaFunction) -> Result<u32> {
-    use sys::CUdevice_attribute as A;
-    let attribute = |a: A| device.ctx.attribute(a).map_err(driver_error("device attribute"));
-    let half = attribute(A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR)? as u32 / 2 + 1;
-    let kernel_shared = f
-        .get_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)
-        .map_err(driver_error("kernel attribute"))? as u32;
-    let block_most = attribute(A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)? as u32;
-    if kernel_shared + half > block_most {
-        return Ok(0);
-    }
+    let half =
+        device.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR)? / 2 + 1;
+    Ok(if half <= allow_padding(device, f)? { half } else { 0 })
+}
+
+/// The shared memory a kernel declares itself.
+fn kernel_shared(f: &cudarc::driver::CudaFunction) -> Result<u32> {
+    Ok(
+        f.get_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)
+            .map_err(driver_error("kernel attribute"))? as u32,
+    )
+}
+
+/// Lets launches of `f` ask for any unused dynamic shared memory up to a block's most; returns
+/// that most.
+fn allow_padding(device: &CudaDevice, f: &cudarc::driver::CudaFunction) -> Result<u32> {
+    let block_most =
+        device.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?;
+    let most = block_most.saturating_sub(kernel_shared(f)?);
     f.set_attribute(
         sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-        half as i32,
+        most as i32,
     )
     .map_err(driver_error("kernel attribute"))?;
-    Ok(half)
+    Ok(most)
 }
 
 /// Whether the kernel that quantizes an integer matrix-vector kernel's activations lets that
