@@ -39,7 +39,10 @@ fn attention_then_output_projection_matches_the_cpu_reference() {
 
 #[test]
 fn rope_attention_then_output_projection_matches_the_cpu_reference() {
-    gpu::rope_attention_then_output_projection(metal, |_, kv_type| if kv_type == KvType::F16 { 1e-4 } else { 1e-5 });
+    gpu::rope_attention_then_output_projection(
+        metal,
+        |_, kv_type, _, _| if kv_type == KvType::F16 { 1e-4 } else { 1e-5 },
+    );
 }
 
 #[test]

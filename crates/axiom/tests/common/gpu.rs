@@ -565,15 +565,17 @@ fn projected<B: Backend>(b: &mut B, inputs: AttentionInputs, wo: &B::Weight, res
 
 /// `rope_attend_and_project` (RoPE and the cache write of a step's new rows, then attention and
 /// its output projection added to a residual) on steps of one token, which a backend may fold
-/// into attention, and on a step of three tokens over two sequences; then attention of fresh
+/// into attention, on a step of three tokens over two sequences and on one of 41 (a prefill's
+/// size, where a backend may rotate the queries within attention); then attention of fresh
 /// queries at the same positions, which reads back the rows the step stored. Both RoPE layouts,
 /// part of each head rotated, f16 and f32 caches; an output projection a backend may multiply on
-/// integers (rows of 2048) and an f32 one. `tolerance(type, cache)` is the relative error allowed
-/// on what the projection adds. The reference's cache is f32: with an f16 one, the rows given are
+/// integers (rows of 2048) and an f32 one. `tolerance(type, cache, head_dim, tokens)` is the
+/// relative error allowed on what the projection of `type` adds, or with `None` on what the
+/// attention afterwards reads. The reference's cache is f32: with an f16 one, the rows given are
 /// rounded to f16 first, but the rotated keys are rounded only by the backend under test.
 pub fn rope_attention_then_output_projection<B: Backend>(
     make: impl Fn(KvType) -> B,
-    tolerance: impl Fn(GgmlType, KvType) -> f64,
+    tolerance: impl Fn(Option<GgmlType>, KvType, usize, usize) -> f64,
 ) {
     let mut rng = ChaCha8Rng::seed_from_u64(6);
     let n_out = 72;
@@ -586,7 +588,14 @@ pub fn rope_attention_then_output_projection<B: Backend>(
         (12, 4, 48, 32, GgmlType::F32),
     ];
     // (sequence, position) of each new token; each sequence holds the rows before its first.
-    let steps: [&[(u32, u32)]; 4] = [&[(0, 20)], &[(0, 300)], &[(1, 5)], &[(0, 300), (0, 301), (1, 5)]];
+    let prefill: Vec<(u32, u32)> = (261..301).map(|p| (0, p)).chain([(1, 5)]).collect();
+    let steps: [&[(u32, u32)]; 5] = [
+        &[(0, 20)],
+        &[(0, 300)],
+        &[(1, 5)],
+        &[(0, 300), (0, 301), (1, 5)],
+        &prefill,
+    ];
     for (n_heads, n_kv_heads, head_dim, dims, ty) in cases {
         let shape = AttentionShape {
             n_heads,
@@ -639,13 +648,12 @@ pub fn rope_attention_then_output_projection<B: Backend>(
             let what = format!("{ty} projection, head_dim {head_dim}, {kv_type:?} cache, {layout:?}, {n} tokens");
             let err = rel_l2(&added_gpu, &added_cpu);
             assert!(
-                err < tolerance(ty, kv_type),
+                err < tolerance(Some(ty), kv_type, head_dim, n),
                 "rope_attend_and_project, {what}: relative error {err}"
             );
             let err = rel_l2(&read_gpu, &read_cpu);
-            let allowed = if kv_type == KvType::F16 { 1e-4 } else { 1e-5 };
             assert!(
-                err < allowed,
+                err < tolerance(None, kv_type, head_dim, n),
                 "attention over what rope_attend_and_project stored, {what}: relative error {err}"
             );
         }

@@ -8,7 +8,9 @@
 // key tiles that reach past a block's first query are masked. Blocks are numbered heads first,
 // last tile first, so that the longest ones start first and the short ones fill the tail. f16 KV
 // cache; head_dim 64 or 128. The output goes out in f32, or in the f16 or bf16 (`out_type`) that
-// the output projection's GEMM reads.
+// the output projection's GEMM reads. With `turns` (rope_kv_write's angles for each token, every
+// dimension rotated, pairs as `pairing` says), the queries come unrotated and are rotated here as
+// they are loaded: prefill's queries then make one trip through memory instead of three.
 //
 // Fragment layouts of mma.m16n8k16 (lane = 4 * g + c): A holds rows g and g + 8, columns
 // 2c, 2c + 1 and 2c + 8, 2c + 9; B holds column g, rows 2c, 2c + 1 and 2c + 8, 2c + 9; the f32
@@ -66,10 +68,18 @@ __device__ __forceinline__ float row_max(float v) {
 // row's first keys.
 #define FA_RESCALE_ABOVE 8.0f
 
+// How the queries' dimensions pair for RoPE (`pairing`): not rotated here, adjacent (2i, 2i + 1),
+// or halves apart (i, i + D/2); as a type, so that each is compiled apart (see the query loads).
+template <int P> struct Pairing { static constexpr int value = P; };
+#define FA_NOT_ROTATED 0
+#define FA_ADJACENT 1
+#define FA_HALVES 2
+
 template <int D>
 __device__ void flash_attention(const float* q, const u16* k_cache, const u16* v_cache, const u32* positions,
                                 const u32* tables, int table_width, const u32* token_seqs, int page_size,
-                                const u32* tiles, void* out, int out_type, int n_heads, int n_kv_heads) {
+                                const u32* tiles, const float2* turns, int pairing, void* out, int out_type,
+                                int n_heads, int n_kv_heads) {
     // Rows padded by 16 bytes, so that ldmatrix's eight rows fall in distinct banks. Shared memory
     // is addressed by 32-bit offsets from these bases, the constant parts folded into immediates.
     constexpr u32 ROW = (D + 8) * 2, BUFFER = FA_KEYS * ROW;  // bytes
@@ -91,14 +101,46 @@ __device__ void flash_attention(const float* q, const u16* k_cache, const u16* v
     u32 qa[D / 16][4];
     const float scale = rsqrtf((float)D) * 1.4426950408889634f;  // 1/sqrt(D) * log2(e)
     for (int r = 0; r < 2; r++) row_pos[r] = rows[r] < (int)count ? (int)(pos0 + rows[r]) : -1;
-    for (int s = 0; s < D / 16; s++) {
+    // This lane's query values: dimensions d, d + 1 of each 16 (and d + 8, d + 9), d = 2c, of its
+    // two rows, scaled, rotated where `turns` is given. A row past the tile reads the tile's first
+    // and is zeroed, so that the loads need no branch.
+    auto load_queries = [&](auto rotation) {
+        constexpr int HALF = D / 2;
         for (int r = 0; r < 2; r++) {
-            const float* qr = q + ((u64)(first + rows[r]) * n_heads + h) * D + 16 * s + 2 * c;
-            bool valid = row_pos[r] >= 0;
-            qa[s][r] = valid ? pack_f16(qr[0] * scale, qr[1] * scale) : 0u;
-            qa[s][r + 2] = valid ? pack_f16(qr[8] * scale, qr[9] * scale) : 0u;
+            u64 token = first + (row_pos[r] >= 0 ? rows[r] : 0);
+            const float* row = q + (token * n_heads + h) * D;
+            const float2* angles = turns + token * HALF;
+#pragma unroll
+            for (int s = 0; s < D / 16; s++) {
+                u32 packed[2];
+#pragma unroll
+                for (int k = 0; k < 2; k++) {
+                    int d = 16 * s + 8 * k + 2 * c;  // below HALF exactly where 16 s is
+                    float2 x = *(const float2*)(row + d), v = x;
+                    if (decltype(rotation)::value == FA_ADJACENT) {
+                        float2 cs = angles[d / 2];
+                        v = make_float2(x.x * cs.x - x.y * cs.y, x.x * cs.y + x.y * cs.x);
+                    } else if (decltype(rotation)::value == FA_HALVES) {
+                        bool first_half = 16 * s < HALF;
+                        int i = first_half ? d : d - HALF;
+                        float2 y = *(const float2*)(row + (first_half ? d + HALF : d - HALF));
+                        float4 cs = *(const float4*)(angles + i);  // pairs i and i + 1
+                        v = first_half ? make_float2(x.x * cs.x - y.x * cs.y, x.y * cs.z - y.y * cs.w)
+                                       : make_float2(y.x * cs.y + x.x * cs.x, y.y * cs.w + x.y * cs.z);
+                    }
+                    packed[k] = row_pos[r] >= 0 ? pack_f16(v.x * scale, v.y * scale) : 0u;
+                }
+                qa[s][r] = packed[0];
+                qa[s][r + 2] = packed[1];
+            }
         }
-    }
+    };
+    if (!turns || pairing == FA_NOT_ROTATED)
+        load_queries(Pairing<FA_NOT_ROTATED>{});
+    else if (pairing == FA_ADJACENT)
+        load_queries(Pairing<FA_ADJACENT>{});
+    else
+        load_queries(Pairing<FA_HALVES>{});
 
     float o[D / 8][4];
     for (int n = 0; n < D / 8; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
@@ -265,10 +307,11 @@ __device__ void flash_attention(const float* q, const u16* k_cache, const u16* v
 #define FLASH_ATTENTION(D)                                                                                      \
     extern "C" __global__ void __launch_bounds__(FA_WARPS * 32, 3)                                               \
         flash_attention_##D(const float* q, const u16* k, const u16* v, const u32* positions, const u32* tables, \
-                            int table_width, const u32* token_seqs, int page_size, const u32* tiles, void* out,   \
-                            int out_type, int n_heads, int n_kv_heads) {                                         \
-        flash_attention<D>(q, k, v, positions, tables, table_width, token_seqs, page_size, tiles, out, out_type, \
-                           n_heads, n_kv_heads);                                                                 \
+                            int table_width, const u32* token_seqs, int page_size, const u32* tiles,             \
+                            const float2* turns, int pairing, void* out, int out_type, int n_heads,              \
+                            int n_kv_heads) {                                                                    \
+        flash_attention<D>(q, k, v, positions, tables, table_width, token_seqs, page_size, tiles, turns, pairing, \
+                           out, out_type, n_heads, n_kv_heads);                                                  \
     }
 FLASH_ATTENTION(64)
 FLASH_ATTENTION(128)

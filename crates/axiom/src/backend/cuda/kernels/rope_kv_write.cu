@@ -1,17 +1,20 @@
 // RoPE on Q and K and the KV-cache write in one launch, for the start of a layer's attention.
-// Grid: (tokens, groups of `group` heads, query heads then key heads). A block computes its
-// token's angles once, into shared memory (a sincos in double precision is costly, and every head
-// of a token turns by the same angles), then rotates its heads in place, key heads also into the
-// token's cache row (page_row in common.cuh), and copies their value heads there.
+// Grid: (tokens, groups of `group` heads from `first_head`, query heads then key heads). A block
+// computes its token's angles once, into shared memory (a sincos in double precision is costly,
+// and every head of a token turns by the same angles), then rotates its heads in place, key heads
+// also into the token's cache row (page_row in common.cuh), and copies their value heads there.
+// With `turns_out` (flash attention's steps: first_head is the first key head), the block
+// instead leaves its token's angles there for flash attention to rotate the queries with as it
+// loads them, and the keys go to the cache only: the queries are not read or written here.
 #define ROPE_MAX_PAIRS 128
 template <typename T>
 __device__ void rope_kv_write(float* q, float* k, const float* v, T* k_cache, T* v_cache, const u32* positions,
                               const float* freqs, const u32* tables, int table_width, const u32* token_seqs,
                               int page_size, int n_heads, int n_kv_heads, int head_dim, int dims, int halves,
-                              int group) {
+                              int first_head, int group, float2* turns_out) {
     __shared__ double2 turns[ROPE_MAX_PAIRS];
     int t = blockIdx.x, half = dims / 2;
-    int h0 = blockIdx.y * group, h1 = min(h0 + group, n_heads + n_kv_heads);
+    int h0 = first_head + blockIdx.y * group, h1 = min(h0 + group, n_heads + n_kv_heads);
     u32 pos = positions[t];
     for (int i = threadIdx.x; i < half; i += blockDim.x) turns[i] = turn(pos, freqs, i);
     // The token's cache row, where this block has key heads.
@@ -22,6 +25,9 @@ __device__ void rope_kv_write(float* q, float* k, const float* v, T* k_cache, T*
     // the H200, same call: 552 -> 566 tok/s).
     begin_after_inputs();
     u64 kv_row = row * n_kv_heads * head_dim, kv_src = (u64)t * n_kv_heads * head_dim;
+    if (turns_out && blockIdx.y == 0)
+        for (int i = threadIdx.x; i < half; i += blockDim.x)
+            turns_out[(u64)t * half + i] = make_float2((float)turns[i].x, (float)turns[i].y);
     __syncthreads();
     for (int p = threadIdx.x; p < (h1 - h0) * half; p += blockDim.x) {
         int h = h0 + p / half, i = p % half;
@@ -29,8 +35,10 @@ __device__ void rope_kv_write(float* q, float* k, const float* v, T* k_cache, T*
         bool key = h >= n_heads;
         float* head = key ? k + kv_src + (u64)(h - n_heads) * head_dim : q + ((u64)t * n_heads + h) * head_dim;
         float2 x = rotated(head[a], head[b], turns[i]);
-        head[a] = x.x;
-        head[b] = x.y;
+        if (!turns_out) {
+            head[a] = x.x;
+            head[b] = x.y;
+        }
         if (key) {
             T* cached = k_cache + kv_row + (u64)(h - n_heads) * head_dim;
             put(cached + a, x.x);
@@ -50,9 +58,9 @@ __device__ void rope_kv_write(float* q, float* k, const float* v, T* k_cache, T*
                                                     const u32* positions, const float* freqs, const u32* tables,   \
                                                     int table_width, const u32* token_seqs, int page_size,         \
                                                     int n_heads, int n_kv_heads, int head_dim, int dims, int halves, \
-                                                    int group) {                                                   \
+                                                    int first_head, int group, float2* turns_out) {                \
         rope_kv_write(q, k, v, kc, vc, positions, freqs, tables, table_width, token_seqs, page_size, n_heads,      \
-                      n_kv_heads, head_dim, dims, halves, group);                                                  \
+                      n_kv_heads, head_dim, dims, halves, first_head, group, turns_out);                           \
     }
 ROPE_KV_WRITE(f16, u16)
 ROPE_KV_WRITE(f32, float)
