@@ -58,6 +58,7 @@ impl CudaDevice {
         })
     }
 
+    /// A device attribute; those axiom reads are counts and sizes, never negative.
     pub fn attribute(&self, attribute: sys::CUdevice_attribute) -> Result<u32> {
         Ok(self
             .ctx

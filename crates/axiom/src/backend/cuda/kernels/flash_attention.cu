@@ -109,7 +109,7 @@ __device__ void flash_attention(const float* q, const u16* k_cache, const u16* v
         for (int r = 0; r < 2; r++) {
             u64 token = first + (row_pos[r] >= 0 ? rows[r] : 0);
             const float* row = q + (token * n_heads + h) * D;
-            const float2* angles = turns + token * HALF;
+            const float2* angles = decltype(rotation)::value == FA_NOT_ROTATED ? nullptr : turns + token * HALF;
 #pragma unroll
             for (int s = 0; s < D / 16; s++) {
                 u32 packed[2];
