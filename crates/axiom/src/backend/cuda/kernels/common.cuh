@@ -72,6 +72,10 @@ __device__ __forceinline__ int unit_start(int unit, int pieces) {
     return first * pieces + unit - first;
 }
 
+// A value as a type: a generic lambda called with Constant<v>{} is compiled apart for each v,
+// which it reads back as decltype(arg)::value.
+template <auto V> struct Constant { static constexpr auto value = V; };
+
 // Activations quantized for the integer matrix-vector kernels (matmul.cu): value i of an aligned
 // block of 32, held one per lane of a warp, becomes round(v / d) with d = max |v| / 127 over the
 // block (taken as v times 127 / max |v|, as the CPU's fast path takes v times 1 / d: one division

@@ -69,8 +69,7 @@ __device__ __forceinline__ float row_max(float v) {
 #define FA_RESCALE_ABOVE 8.0f
 
 // How the queries' dimensions pair for RoPE (`pairing`): not rotated here, adjacent (2i, 2i + 1),
-// or halves apart (i, i + D/2); as a type, so that each is compiled apart (see the query loads).
-template <int P> struct Pairing { static constexpr int value = P; };
+// or halves apart (i, i + D/2); each load of the queries is compiled apart (Constant).
 #define FA_NOT_ROTATED 0
 #define FA_ADJACENT 1
 #define FA_HALVES 2
@@ -136,11 +135,11 @@ __device__ void flash_attention(const float* q, const u16* k_cache, const u16* v
         }
     };
     if (!turns || pairing == FA_NOT_ROTATED)
-        load_queries(Pairing<FA_NOT_ROTATED>{});
+        load_queries(Constant<FA_NOT_ROTATED>{});
     else if (pairing == FA_ADJACENT)
-        load_queries(Pairing<FA_ADJACENT>{});
+        load_queries(Constant<FA_ADJACENT>{});
     else
-        load_queries(Pairing<FA_HALVES>{});
+        load_queries(Constant<FA_HALVES>{});
 
     float o[D / 8][4];
     for (int n = 0; n < D / 8; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;

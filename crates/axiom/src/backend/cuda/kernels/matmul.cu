@@ -236,9 +236,6 @@ __device__ __forceinline__ void int_row(const Weight& w, int row, int n_rows, co
 #define GEMV_WARPS 8
 #define Q4K_STAGED_GROUPS 64  // a stage of all of a warp's rows
 
-// A compile-time flag for a generic lambda's two instantiations.
-template <bool B> struct Flag { static constexpr bool value = B; };
-
 // dp4a with a's bytes unsigned (Q4_K's quants, 0..15) and b's signed.
 __device__ __forceinline__ int dp4a_unsigned(u32 a, u32 b, int c) {
     int d;
@@ -430,9 +427,9 @@ __device__ __forceinline__ void q4k_rows(const Weight& w, int row, int n_rows, c
         }
     };
     if (n_groups % INTERLEAVE_UNITS == 0)
-        stages(Flag<true>{});
+        stages(Constant<true>{});
     else
-        stages(Flag<false>{});
+        stages(Constant<false>{});
 }
 
 #define GEMV_INT(NAME, TY, T, GLU, KIND)                                                                       \
