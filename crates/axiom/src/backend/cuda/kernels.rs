@@ -110,6 +110,12 @@ pub fn gemv_normed_kernel(glu: bool, ty: &str) -> String {
 /// The longest input `gemv_normed_kernel`'s kernels take (NORMED_MAX_IN in kernels/matmul.cu).
 pub const GEMV_NORMED_MAX_IN: usize = 8192;
 
+/// Flash attention for heads of `head_dim` with `groups` groups of 16 query rows a warp
+/// (kernels/flash_attention.cu).
+pub fn flash_attention_kernel(head_dim: usize, groups: usize) -> String {
+    format!("flash_attention_{head_dim}_{groups}")
+}
+
 /// Every kernel the backend launches.
 pub fn kernel_names() -> Vec<String> {
     let mut names: Vec<String> = [
@@ -123,8 +129,6 @@ pub fn kernel_names() -> Vec<String> {
         "rope_kv_write_f32",
         "attention_f16",
         "attention_f32",
-        "flash_attention_64",
-        "flash_attention_128",
         "swiglu",
         "swiglu_16",
         "add",
@@ -153,6 +157,9 @@ pub fn kernel_names() -> Vec<String> {
         }
     }
     names.extend(quantized.iter().map(|ty| format!("dequant_f16_{ty}")));
+    for head_dim in [64, 128] {
+        names.extend([1, 2].map(|groups| flash_attention_kernel(head_dim, groups)));
+    }
     names
 }
 

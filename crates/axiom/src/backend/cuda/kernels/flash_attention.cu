@@ -1,16 +1,19 @@
-// Causal attention for prefill on tensor cores, flash-attention style: no score matrix in memory.
-// A block takes one head and a tile of up to 64 consecutive query tokens of one sequence (the
-// host lists the tiles: `tiles` holds (first token, count) pairs); each of its 4 warps owns 16
-// query rows. Keys and values stream through shared memory 32 positions at a time, in two
-// buffers: cp.async copies the next tile while the warps work on this one. S = Q K^T and
-// O += P V are m16n8k16 f16 MMAs with f32 accumulation, their B fragments read by ldmatrix
-// (transposing, for V); the softmax is online, in base 2, with the scale folded into Q. Only the
-// key tiles that reach past a block's first query are masked. Blocks are numbered heads first,
-// last tile first, so that the longest ones start first and the short ones fill the tail. f16 KV
-// cache; head_dim 64 or 128. The output goes out in f32, or in the f16 or bf16 (`out_type`) that
-// the output projection's GEMM reads. With `turns` (rope_kv_write's angles for each token, every
-// dimension rotated, pairs as `pairing` says), the queries come unrotated and are rotated here as
-// they are loaded: prefill's queries then make one trip through memory instead of three.
+// Causal attention for prefill on tensor cores, flash-attention style: no score matrix in memory. A
+// block takes one head and a tile of consecutive query tokens of one sequence (the host lists the
+// tiles: `tiles` holds (first token, count) pairs); each of its 4 warps owns GROUPS groups of 16
+// query rows. Two groups (tiles of 128) share every key and value fragment the warp loads: half the
+// fragment loads and about a quarter fewer instructions an MMA than one (tiles of 64, for steps too
+// short to fill the GPU with the larger). The queries wait in shared memory as f16. Keys and values
+// stream through shared memory 32 positions at a time, in two buffers: cp.async copies the next
+// tile while the warps work on this one. S = Q K^T and O += P V are m16n8k16 f16 MMAs with f32
+// accumulation, their fragments read by ldmatrix (transposing, for V); the softmax is online, in
+// base 2, with the scale folded into Q. Only the key tiles that reach past a warp's first query are
+// masked, and a warp skips those past its last. Blocks are numbered heads first, last tile first,
+// so that the longest ones start first and the short ones fill the tail. f16 KV cache; head_dim 64
+// or 128. The output goes out in f32, or in the f16 or bf16 (`out_type`) that the output
+// projection's GEMM reads. With `turns` (rope_kv_write's angles for each token, every dimension
+// rotated, pairs as `pairing` says), the queries come unrotated and are rotated here as they are
+// loaded: prefill's queries then make one trip through memory instead of three.
 //
 // Fragment layouts of mma.m16n8k16 (lane = 4 * g + c): A holds rows g and g + 8, columns
 // 2c, 2c + 1 and 2c + 8, 2c + 9; B holds column g, rows 2c, 2c + 1 and 2c + 8, 2c + 9; the f32
@@ -74,16 +77,18 @@ __device__ __forceinline__ float row_max(float v) {
 #define FA_ADJACENT 1
 #define FA_HALVES 2
 
-template <int D>
+template <int D, int GROUPS>
 __device__ void flash_attention(const float* q, const u16* k_cache, const u16* v_cache, const u32* positions,
                                 const u32* tables, int table_width, const u32* token_seqs, int page_size,
                                 const u32* tiles, const float2* turns, int pairing, void* out, int out_type,
                                 int n_heads, int n_kv_heads) {
     // Rows padded by 16 bytes, so that ldmatrix's eight rows fall in distinct banks. Shared memory
-    // is addressed by 32-bit offsets from these bases, the constant parts folded into immediates.
+    // is addressed by 32-bit offsets from these bases, the constant parts folded into immediates:
+    // two buffers of keys, two of values, then the block's queries (FlashBlocks::shared).
     constexpr u32 ROW = (D + 8) * 2, BUFFER = FA_KEYS * ROW;  // bytes
-    __shared__ __align__(16) u16 ks[2][FA_KEYS][D + 8];
-    __shared__ __align__(16) u16 vs[2][FA_KEYS][D + 8];
+    constexpr int ROWS = 16 * GROUPS;                        // query rows a warp
+    extern __shared__ __align__(16) u8 fa_shared[];
+    const u32 k_shared = shared_address(fa_shared), v_shared = k_shared + 2 * BUFFER, q_shared = v_shared + 2 * BUFFER;
     begin_after_inputs();
     const float NEG_INF = __int_as_float(0xff800000u);
     int h = blockIdx.x, tile = gridDim.y - 1 - blockIdx.y;
@@ -94,45 +99,52 @@ __device__ void flash_attention(const float* q, const u16* k_cache, const u16* v
     const u32* table = tables + (u64)token_seqs[first] * table_width;
     int kv_width = n_kv_heads * D, kv_off = (h / (n_heads / n_kv_heads)) * D;
 
-    // This lane's rows of the tile, and their positions (-1: past the tile, sees nothing).
-    int rows[2] = {16 * warp + g, 16 * warp + g + 8};
-    int row_pos[2];  // (positions are far below 2^31)
-    u32 qa[D / 16][4];
+    // This lane's rows of the tile (rows g and g + 8 of each of the warp's groups), and their
+    // positions (-1: past the tile, sees nothing). Positions are far below 2^31.
+    const int warp_first = ROWS * warp;
+    int rows[GROUPS][2], row_pos[GROUPS][2];
+    for (int gr = 0; gr < GROUPS; gr++)
+        for (int r = 0; r < 2; r++) {
+            rows[gr][r] = warp_first + 16 * gr + 8 * r + g;
+            row_pos[gr][r] = rows[gr][r] < (int)count ? (int)(pos0 + rows[gr][r]) : -1;
+        }
+    // The warp's last query position: later key tiles are all masked for it and skipped (-1: all
+    // its rows are past the tile).
+    const int warp_last = warp_first < (int)count ? (int)pos0 + min(warp_first + ROWS, (int)count) - 1 : -1;
+
+    // The warp's query rows go to shared memory as f16, scaled, rotated where `turns` is given:
+    // each lane writes dimensions d, d + 1 (and d + 8, d + 9) of each 16, d = 2c, of its rows. A
+    // row past the tile reads the tile's first and is zeroed, so that the loads need no branch.
     const float scale = rsqrtf((float)D) * 1.4426950408889634f;  // 1/sqrt(D) * log2(e)
-    for (int r = 0; r < 2; r++) row_pos[r] = rows[r] < (int)count ? (int)(pos0 + rows[r]) : -1;
-    // This lane's query values: dimensions d, d + 1 of each 16 (and d + 8, d + 9), d = 2c, of its
-    // two rows, scaled, rotated where `turns` is given. A row past the tile reads the tile's first
-    // and is zeroed, so that the loads need no branch.
     auto load_queries = [&](auto rotation) {
         constexpr int HALF = D / 2;
-        for (int r = 0; r < 2; r++) {
-            u64 token = first + (row_pos[r] >= 0 ? rows[r] : 0);
-            const float* row = q + (token * n_heads + h) * D;
-            const float2* angles = decltype(rotation)::value == FA_NOT_ROTATED ? nullptr : turns + token * HALF;
 #pragma unroll
-            for (int s = 0; s < D / 16; s++) {
-                u32 packed[2];
+        for (int gr = 0; gr < GROUPS; gr++)
 #pragma unroll
-                for (int k = 0; k < 2; k++) {
-                    int d = 16 * s + 8 * k + 2 * c;  // below HALF exactly where 16 s is
+            for (int r = 0; r < 2; r++) {
+                bool valid = row_pos[gr][r] >= 0;
+                u64 token = first + (valid ? rows[gr][r] : 0);
+                const float* row = q + (token * n_heads + h) * D;
+                const float2* angles =
+                    decltype(rotation)::value == FA_NOT_ROTATED ? nullptr : turns + token * HALF;
+                u32* to = (u32*)(fa_shared + 4 * BUFFER + rows[gr][r] * ROW);
+#pragma unroll
+                for (int d = 2 * c; d < D; d += 8) {  // below HALF exactly where d is
                     float2 x = *(const float2*)(row + d), v = x;
                     if (decltype(rotation)::value == FA_ADJACENT) {
                         float2 cs = angles[d / 2];
                         v = make_float2(x.x * cs.x - x.y * cs.y, x.x * cs.y + x.y * cs.x);
                     } else if (decltype(rotation)::value == FA_HALVES) {
-                        bool first_half = 16 * s < HALF;
+                        bool first_half = d < HALF;
                         int i = first_half ? d : d - HALF;
                         float2 y = *(const float2*)(row + (first_half ? d + HALF : d - HALF));
                         float4 cs = *(const float4*)(angles + i);  // pairs i and i + 1
                         v = first_half ? make_float2(x.x * cs.x - y.x * cs.y, x.y * cs.z - y.y * cs.w)
                                        : make_float2(y.x * cs.y + x.x * cs.x, y.y * cs.w + x.y * cs.z);
                     }
-                    packed[k] = row_pos[r] >= 0 ? pack_f16(v.x * scale, v.y * scale) : 0u;
+                    to[d / 2] = valid ? pack_f16(v.x * scale, v.y * scale) : 0u;
                 }
-                qa[s][r] = packed[0];
-                qa[s][r + 2] = packed[1];
             }
-        }
     };
     if (!turns || pairing == FA_NOT_ROTATED)
         load_queries(Constant<FA_NOT_ROTATED>{});
@@ -140,16 +152,18 @@ __device__ void flash_attention(const float* q, const u16* k_cache, const u16* v
         load_queries(Constant<FA_ADJACENT>{});
     else
         load_queries(Constant<FA_HALVES>{});
+    // (The loop's first barrier makes them visible to the warp's ldmatrix.)
 
-    float o[D / 8][4];
-    for (int n = 0; n < D / 8; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    float o[GROUPS][D / 8][4];
+    for (int gr = 0; gr < GROUPS; gr++)
+        for (int n = 0; n < D / 8; n++) o[gr][n][0] = o[gr][n][1] = o[gr][n][2] = o[gr][n][3] = 0.0f;
     // m: the base of each row's exponentials (at most FA_RESCALE_ABOVE below its largest score).
-    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
+    float m[GROUPS][2], l[GROUPS][2];
+    for (int gr = 0; gr < GROUPS; gr++) m[gr][0] = m[gr][1] = NEG_INF, l[gr][0] = l[gr][1] = 0.0f;
 
     // A thread copies the same 16 bytes of every COPY_STEP-th key of a tile: its shared offsets and
     // cache columns stay, only the keys' cache rows change.
     constexpr int CHUNKS = D / 8, COPY_STEP = FA_WARPS * 32 / CHUNKS, COPIES = FA_KEYS / COPY_STEP;
-    const u32 k_shared = shared_address(ks), v_shared = shared_address(vs);
     const u32 copy_key = threadIdx.x / CHUNKS, copy_to = copy_key * ROW + 16 * (threadIdx.x % CHUNKS);
     const u16* k_from = k_cache + kv_off + 8 * (threadIdx.x % CHUNKS);
     const u16* v_from = v_cache + kv_off + 8 * (threadIdx.x % CHUNKS);
@@ -176,9 +190,11 @@ __device__ void flash_attention(const float* q, const u16* k_cache, const u16* v
         asm volatile("cp.async.commit_group;" ::: "memory");
     };
     // Where this lane's ldmatrix rows start: keys (lane % 8) at dimensions 8 (lane / 8).., for
-    // S; keys 8 (lane / 8 % 2) + lane % 8 at dimensions 8 (lane / 16).., for V (transposed).
+    // S; keys 8 (lane / 8 % 2) + lane % 8 at dimensions 8 (lane / 16).., for V (transposed); the
+    // warp's query rows lane % 16 at dimensions 8 (lane / 16).., for Q (A fragments).
     const u32 k_lane = k_shared + (lane % 8) * ROW + 16 * (lane / 8);
     const u32 v_lane = v_shared + (8 * (lane / 8 % 2) + lane % 8) * ROW + 16 * (lane / 16);
+    const u32 q_lane = q_shared + (warp_first + lane % 16) * ROW + 16 * (lane / 16);
     look_up(0);
     stage(0, 0);
     look_up(FA_KEYS);
@@ -192,125 +208,149 @@ __device__ void flash_attention(const float* q, const u16* k_cache, const u16* v
             asm volatile("cp.async.commit_group;" ::: "memory");
         asm volatile("cp.async.wait_group 1;" ::: "memory");
         __syncthreads();
-        bool masked = kt + FA_KEYS > pos0;  // some key here is later than the first query
+        if ((int)kt <= warp_last) {
+            bool masked = kt + FA_KEYS > pos0 + warp_first;  // some key here is later than a row
 
-        // S = Q K^T for this warp's 16 rows and the tile's keys: dimensions outside, keys inside,
-        // so that the MMAs next to each other accumulate into different tiles.
-        float s[FA_KEYS / 8][4];
-        for (int j = 0; j < FA_KEYS / 8; j++) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
-        // The fragments of the next dimensions load while these multiply.
-        const u32 k_tile = k_lane + buf * BUFFER;
-        u32 kf[2][FA_KEYS / 8][4];
-        // Keys 8j.. against dimensions 16 st.. and 16 (st + 1)..: two MMAs' B fragments.
-        auto load_keys = [&](u32 (*f)[4], int st) {
-            for (int j = 0; j < FA_KEYS / 8; j++) load_tiles<false>(f[j], k_tile + 8 * j * ROW + 32 * st);
-        };
-        load_keys(kf[0], 0);
+            // S = Q K^T for this warp's rows and the tile's keys: dimensions outside, keys and
+            // groups inside, so that the MMAs next to each other accumulate into different tiles.
+            float s[GROUPS][FA_KEYS / 8][4];
+            for (int gr = 0; gr < GROUPS; gr++)
+                for (int j = 0; j < FA_KEYS / 8; j++) s[gr][j][0] = s[gr][j][1] = s[gr][j][2] = s[gr][j][3] = 0.0f;
+            // The fragments of the next dimensions load while these multiply: keys 8j.. against
+            // dimensions 16 st.. and 16 (st + 1).. (two MMAs' B fragments), and each group's
+            // queries at 16 st.. and 16 (st + 1)...
+            const u32 k_tile = k_lane + buf * BUFFER;
+            u32 kf[2][FA_KEYS / 8][4], qf[2][GROUPS][2][4];
+            auto load_step = [&](int i, int st) {
+                for (int j = 0; j < FA_KEYS / 8; j++) load_tiles<false>(kf[i][j], k_tile + 8 * j * ROW + 32 * st);
+                for (int gr = 0; gr < GROUPS; gr++)
+                    for (int t = 0; t < 2; t++) load_tiles<false>(qf[i][gr][t], q_lane + 16 * gr * ROW + 32 * (st + t));
+            };
+            load_step(0, 0);
 #pragma unroll
-        for (int st = 0; st < D / 16; st += 2) {
-            if (st + 2 < D / 16) load_keys(kf[(st / 2 + 1) % 2], st + 2);
-            u32(*f)[4] = kf[st / 2 % 2];
-            for (int j = 0; j < FA_KEYS / 8; j++) mma_f16(s[j], qa[st], f[j][0], f[j][1]);
-            for (int j = 0; j < FA_KEYS / 8; j++) mma_f16(s[j], qa[st + 1], f[j][2], f[j][3]);
-        }
-        float tile_max[2] = {NEG_INF, NEG_INF};
-        for (int j = 0; j < FA_KEYS / 8; j++) {
-            int p = kt + 8 * j + 2 * c;
-            for (int e = 0; e < 4; e++) {
-                int r = e / 2;
-                if (masked && p + (e % 2) > row_pos[r]) s[j][e] = NEG_INF;
-                tile_max[r] = fmaxf(tile_max[r], s[j][e]);
+            for (int st = 0; st < D / 16; st += 2) {
+                const int i = st / 2 % 2;
+                if (st + 2 < D / 16) load_step(i ^ 1, st + 2);
+                for (int t = 0; t < 2; t++)
+                    for (int gr = 0; gr < GROUPS; gr++)
+                        for (int j = 0; j < FA_KEYS / 8; j++)
+                            mma_f16(s[gr][j], qf[i][gr][t], kf[i][j][2 * t], kf[i][j][2 * t + 1]);
             }
-        }
+            // The mask as a branch of its own: made per value, its tests ran in every tile.
+            if (masked) {
+                for (int gr = 0; gr < GROUPS; gr++)
+                    for (int j = 0; j < FA_KEYS / 8; j++)
+                        for (int e = 0; e < 4; e++)
+                            if ((int)kt + 8 * j + 2 * c + e % 2 > row_pos[gr][e / 2]) s[gr][j][e] = NEG_INF;
+            }
+            float tile_max[GROUPS][2];
+            for (int gr = 0; gr < GROUPS; gr++) {
+                tile_max[gr][0] = tile_max[gr][1] = NEG_INF;
+                for (int j = 0; j < FA_KEYS / 8; j++)
+                    for (int e = 0; e < 4; e++) tile_max[gr][e / 2] = fmaxf(tile_max[gr][e / 2], s[gr][j][e]);
+            }
 
-        // Online softmax. A row's base rises only when its scores pass it by FA_RESCALE_ABOVE,
-        // and then what was summed so far is rescaled to the new one, for the whole warp at once.
-        bool rises = false;
-        for (int r = 0; r < 2; r++) {
-            tile_max[r] = row_max(tile_max[r]);
-            rises |= tile_max[r] > m[r] + FA_RESCALE_ABOVE;
-        }
-        if (__any_sync(0xffffffffu, rises)) {
-            float correction[2];
-            for (int r = 0; r < 2; r++) {
-                float m_new = fmaxf(m[r], tile_max[r]);
-                // 0 for a row's first keys (from -inf); a row still without any stays at zero.
-                correction[r] = m_new == NEG_INF ? 1.0f : fast_exp2(m[r] - m_new);
-                m[r] = m_new;
-                l[r] *= correction[r];
+            // Online softmax. A row's base rises only when its scores pass it by FA_RESCALE_ABOVE,
+            // and then what was summed so far is rescaled to the new one, for the whole warp at once.
+            bool rises = false;
+            for (int gr = 0; gr < GROUPS; gr++)
+                for (int r = 0; r < 2; r++) {
+                    tile_max[gr][r] = row_max(tile_max[gr][r]);
+                    rises |= tile_max[gr][r] > m[gr][r] + FA_RESCALE_ABOVE;
+                }
+            if (__any_sync(0xffffffffu, rises)) {
+                for (int gr = 0; gr < GROUPS; gr++) {
+                    float correction[2];
+                    for (int r = 0; r < 2; r++) {
+                        float m_new = fmaxf(m[gr][r], tile_max[gr][r]);
+                        // 0 for a row's first keys (from -inf); a row still without any stays at zero.
+                        correction[r] = m_new == NEG_INF ? 1.0f : fast_exp2(m[gr][r] - m_new);
+                        m[gr][r] = m_new;
+                        l[gr][r] *= correction[r];
+                    }
+                    for (int n = 0; n < D / 8; n++) {
+                        o[gr][n][0] *= correction[0];
+                        o[gr][n][1] *= correction[0];
+                        o[gr][n][2] *= correction[1];
+                        o[gr][n][3] *= correction[1];
+                    }
+                }
             }
-            for (int n = 0; n < D / 8; n++) {
-                o[n][0] *= correction[0];
-                o[n][1] *= correction[0];
-                o[n][2] *= correction[1];
-                o[n][3] *= correction[1];
+            // P, packed as the A fragments of O += P V; a row that has seen nothing stays at zero.
+            u32 pa[GROUPS][FA_KEYS / 16][4];
+            for (int gr = 0; gr < GROUPS; gr++) {
+                float base[2], partial[2] = {0.0f, 0.0f};
+                for (int r = 0; r < 2; r++) base[r] = m[gr][r] == NEG_INF ? 0.0f : m[gr][r];
+                for (int j = 0; j < FA_KEYS / 8; j++)
+                    for (int e = 0; e < 4; e++) {
+                        s[gr][j][e] = fast_exp2(s[gr][j][e] - base[e / 2]);
+                        partial[e / 2] += s[gr][j][e];
+                    }
+                for (int r = 0; r < 2; r++) l[gr][r] += partial[r];
+                for (int kk = 0; kk < FA_KEYS / 16; kk++) {
+                    pa[gr][kk][0] = pack_f16(s[gr][2 * kk][0], s[gr][2 * kk][1]);
+                    pa[gr][kk][1] = pack_f16(s[gr][2 * kk][2], s[gr][2 * kk][3]);
+                    pa[gr][kk][2] = pack_f16(s[gr][2 * kk + 1][0], s[gr][2 * kk + 1][1]);
+                    pa[gr][kk][3] = pack_f16(s[gr][2 * kk + 1][2], s[gr][2 * kk + 1][3]);
+                }
             }
-        }
-        float base[2], partial[2] = {0.0f, 0.0f};
-        // A row that has seen nothing stays at zero.
-        for (int r = 0; r < 2; r++) base[r] = m[r] == NEG_INF ? 0.0f : m[r];
-        for (int j = 0; j < FA_KEYS / 8; j++) {
-            for (int e = 0; e < 4; e++) {
-                s[j][e] = fast_exp2(s[j][e] - base[e / 2]);
-                partial[e / 2] += s[j][e];
-            }
-        }
-        for (int r = 0; r < 2; r++) l[r] += partial[r];
 
-        // O += P V, P straight from S's registers; each step's V fragments load during the step
-        // before.
-        u32 pa[FA_KEYS / 16][4];
-        for (int kk = 0; kk < FA_KEYS / 16; kk++) {
-            pa[kk][0] = pack_f16(s[2 * kk][0], s[2 * kk][1]);
-            pa[kk][1] = pack_f16(s[2 * kk][2], s[2 * kk][3]);
-            pa[kk][2] = pack_f16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-            pa[kk][3] = pack_f16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-        }
-        // Step i: keys 16 kk.. (then 16 kk + 8..) against dimensions 8n.. and 8 (n + 1)...
-        constexpr int V_STEPS = FA_KEYS / 16 * (D / 16);
-        const u32 v_tile = v_lane + buf * BUFFER;
-        auto load_values = [&](u32* f, int i) {
-            load_tiles<true>(f, v_tile + i / (D / 16) * 16 * ROW + i % (D / 16) * 32);
-        };
-        u32 vf[2][4];
-        load_values(vf[0], 0);
+            // O += P V, P straight from S's registers; each step's V fragments load during the step
+            // before and serve every group. Step i: keys 16 kk.. (then 16 kk + 8..) against
+            // dimensions 8n.. and 8 (n + 1)...
+            constexpr int V_STEPS = FA_KEYS / 16 * (D / 16);
+            const u32 v_tile = v_lane + buf * BUFFER;
+            auto load_values = [&](u32* f, int i) {
+                load_tiles<true>(f, v_tile + i / (D / 16) * 16 * ROW + i % (D / 16) * 32);
+            };
+            u32 vf[2][4];
+            load_values(vf[0], 0);
 #pragma unroll
-        for (int i = 0; i < V_STEPS; i++) {
-            if (i + 1 < V_STEPS) load_values(vf[(i + 1) % 2], i + 1);
-            int kk = i / (D / 16), n = 2 * (i % (D / 16));
-            mma_f16(o[n], pa[kk], vf[i % 2][0], vf[i % 2][1]);
-            mma_f16(o[n + 1], pa[kk], vf[i % 2][2], vf[i % 2][3]);
+            for (int i = 0; i < V_STEPS; i++) {
+                if (i + 1 < V_STEPS) load_values(vf[(i + 1) % 2], i + 1);
+                int kk = i / (D / 16), n = 2 * (i % (D / 16));
+                for (int gr = 0; gr < GROUPS; gr++) {
+                    mma_f16(o[gr][n], pa[gr][kk], vf[i % 2][0], vf[i % 2][1]);
+                    mma_f16(o[gr][n + 1], pa[gr][kk], vf[i % 2][2], vf[i % 2][3]);
+                }
+            }
         }
         __syncthreads();
     }
 
-    float total[2] = {row_sum(l[0]), row_sum(l[1])};  // every lane shuffles, before any leaves
-    for (int r = 0; r < 2; r++) {
-        if (row_pos[r] < 0) continue;
-        u64 at = ((u64)(first + rows[r]) * n_heads + h) * D + 2 * c;
-        float inv = 1.0f / total[r];
-        if (out_type == TY_F32) {
-            for (int n = 0; n < D / 8; n++)
-                *(float2*)((float*)out + at + 8 * n) = make_float2(o[n][2 * r] * inv, o[n][2 * r + 1] * inv);
-        } else {
-            for (int n = 0; n < D / 8; n++)
-                *(u32*)((u16*)out + at + 8 * n) =
-                    to_16bit(o[n][2 * r] * inv, out_type) | (u32)to_16bit(o[n][2 * r + 1] * inv, out_type) << 16;
+#pragma unroll
+    for (int gr = 0; gr < GROUPS; gr++) {
+        float total[2] = {row_sum(l[gr][0]), row_sum(l[gr][1])};  // every lane shuffles, before any leaves
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            if (row_pos[gr][r] < 0) continue;
+            u64 at = ((u64)(first + rows[gr][r]) * n_heads + h) * D + 2 * c;
+            float inv = 1.0f / total[r];
+            if (out_type == TY_F32) {
+                for (int n = 0; n < D / 8; n++)
+                    *(float2*)((float*)out + at + 8 * n) =
+                        make_float2(o[gr][n][2 * r] * inv, o[gr][n][2 * r + 1] * inv);
+            } else {
+                for (int n = 0; n < D / 8; n++)
+                    *(u32*)((u16*)out + at + 8 * n) = to_16bit(o[gr][n][2 * r] * inv, out_type) |
+                                                      (u32)to_16bit(o[gr][n][2 * r + 1] * inv, out_type) << 16;
+            }
         }
     }
 }
 
-// Three blocks a multiprocessor (166 registers), so that the fragments of the next MMAs load
-// during these without spilling: a layer of 2048 tokens on the H200 takes 143.5 us, against 149.7
-// held to 128 registers and four blocks without the early loads (155 with them, spilling).
-#define FLASH_ATTENTION(D)                                                                                      \
-    extern "C" __global__ void __launch_bounds__(FA_WARPS * 32, 3)                                               \
-        flash_attention_##D(const float* q, const u16* k, const u16* v, const u32* positions, const u32* tables, \
-                            int table_width, const u32* token_seqs, int page_size, const u32* tiles,             \
-                            const float2* turns, int pairing, void* out, int out_type, int n_heads,              \
-                            int n_kv_heads) {                                                                    \
-        flash_attention<D>(q, k, v, positions, tables, table_width, token_seqs, page_size, tiles, turns, pairing, \
-                           out, out_type, n_heads, n_kv_heads);                                                  \
+// Three blocks a multiprocessor of one group a warp, two of two (a thread then holds 64 output
+// values a group, heads of 128).
+#define FLASH_ATTENTION(D, GROUPS)                                                                             \
+    extern "C" __global__ void __launch_bounds__(FA_WARPS * 32, GROUPS == 1 ? 3 : 2)                            \
+        flash_attention_##D##_##GROUPS(const float* q, const u16* k, const u16* v, const u32* positions,        \
+                                       const u32* tables, int table_width, const u32* token_seqs, int page_size, \
+                                       const u32* tiles, const float2* turns, int pairing, void* out,           \
+                                       int out_type, int n_heads, int n_kv_heads) {                            \
+        flash_attention<D, GROUPS>(q, k, v, positions, tables, table_width, token_seqs, page_size, tiles, turns, \
+                                   pairing, out, out_type, n_heads, n_kv_heads);                                \
     }
-FLASH_ATTENTION(64)
-FLASH_ATTENTION(128)
+FLASH_ATTENTION(64, 1)
+FLASH_ATTENTION(64, 2)
+FLASH_ATTENTION(128, 1)
+FLASH_ATTENTION(128, 2)
