@@ -116,6 +116,8 @@ __device__ void flash_attention(const float* q, const u16* k_cache, const u16* v
     // each lane writes dimensions d, d + 1 (and d + 8, d + 9) of each 16, d = 2c, of its rows. A
     // row past the tile reads the tile's first and is zeroed, so that the loads need no branch.
     const float scale = rsqrtf((float)D) * 1.4426950408889634f;  // 1/sqrt(D) * log2(e)
+    // (The loops over a lane's rows are unrolled here and at the end, so that rows, row_pos and o
+    // are indexed by constants: a run-time index would put them in local memory.)
     auto load_queries = [&](auto rotation) {
         constexpr int HALF = D / 2;
 #pragma unroll
