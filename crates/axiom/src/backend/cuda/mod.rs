@@ -1137,7 +1137,7 @@ impl EvenSpread {
         if multiprocessor_shared < 2 * (kernel_shared + reserved_shared) {
             return Ok(None);
         }
-        allow_padding(device, f)?;
+        allow_dynamic_shared(device, f)?;
         let blocks_per_multiprocessor = f
             .occupancy_max_active_blocks_per_multiprocessor(256, 0, None)
             .map_err(driver_error("occupancy"))?;
@@ -1174,28 +1174,22 @@ impl EvenSpread {
 fn quantize_padding(device: &CudaDevice, f: &cudarc::driver::CudaFunction) -> Result<u32> {
     let half =
         device.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR)? / 2 + 1;
-    Ok(if half <= allow_padding(device, f)? { half } else { 0 })
+    Ok(if half <= allow_dynamic_shared(device, f)? {
+        half
+    } else {
+        0
+    })
 }
 
 /// The head sizes flash attention takes on this device (64 and 128 where a block may have their
 /// shared memory: not on compute capability 7.5), each kernel allowed its dynamic shared memory.
 fn flash_head_dims(device: &CudaDevice, kernels: &Kernels) -> Result<Vec<usize>> {
-    let block_most =
-        device.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?;
     let mut dims = Vec::new();
     for head_dim in [64, 128] {
         let mut fits = true;
         for groups in [1, 2] {
             let blocks = FlashBlocks { head_dim, groups };
-            let f = kernels.get(&blocks.kernel())?;
-            fits &= kernel_shared(f)? + blocks.shared() <= block_most;
-            if fits {
-                f.set_attribute(
-                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    blocks.shared() as i32,
-                )
-                .map_err(driver_error("kernel attribute"))?;
-            }
+            fits &= blocks.shared() <= allow_dynamic_shared(device, kernels.get(&blocks.kernel())?)?;
         }
         if fits {
             dims.push(head_dim);
@@ -1212,9 +1206,9 @@ fn kernel_shared(f: &cudarc::driver::CudaFunction) -> Result<u32> {
     )
 }
 
-/// Lets launches of `f` ask for any unused dynamic shared memory up to a block's most; returns
-/// that most.
-fn allow_padding(device: &CudaDevice, f: &cudarc::driver::CudaFunction) -> Result<u32> {
+/// Lets launches of `f` ask for dynamic shared memory up to what a block may have beside the
+/// kernel's own; returns that most.
+fn allow_dynamic_shared(device: &CudaDevice, f: &cudarc::driver::CudaFunction) -> Result<u32> {
     let block_most =
         device.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?;
     let most = block_most.saturating_sub(kernel_shared(f)?);
