@@ -121,6 +121,7 @@ pub fn kernel_names() -> Vec<String> {
     let mut names: Vec<String> = [
         "rms_norm",
         "rms_norm_q8",
+        "rms_norm_q8_1",
         "rms_norm_16",
         "rope",
         "kv_write_f16",

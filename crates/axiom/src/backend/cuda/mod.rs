@@ -296,6 +296,7 @@ impl CudaBackend {
         let kernels = Kernels::load(&device.ctx, device.arch, device.driver_version)?;
         let q4k = Self::type_suffix(GgmlType::Q4K)?;
         let spread = |glu| EvenSpread::new(&device, kernels.get(&kernels::gemv_kernel(true, glu, q4k, 1))?);
+        prefer_shared_memory(kernels.get(&kernels::gemv_kernel(true, true, q4k, 1))?)?;
         let q4k_spread = match (spread(false)?, spread(true)?) {
             (Some(products), Some(swiglu)) => Some(Box::new([products, swiglu])),
             _ => None,
@@ -561,7 +562,9 @@ impl CudaBackend {
             m.n_out[i] = w.n_out as i32;
             m.out[i] = self.ptr(out.slice(first * w.n_out * 4, count * w.n_out * 4));
         }
-        // Eight warps per block; with SwiGLU, warps of the gate and the up matrix in pairs.
+        // Eight warps per block. With SwiGLU a warp of several rows takes gate rows and the same up
+        // rows, and warps of one row pair up (gemv_rows in matmul.cu): 4 * rows_per_warp outputs a
+        // block either way.
         let blocks = match epilogue {
             Epilogue::SwiGlu => ws[0].n_out.div_ceil(4 * rows_per_warp),
             _ => ws
@@ -1084,21 +1087,24 @@ impl CudaBackend {
                     ],
                 )?
             }
-            Input::RmsNormed { x, weight, eps, .. } => self.launch(
-                "rms_norm_q8",
-                (n_tokens as u32, 1, 1),
-                norm_block(n_in, NORM_Q8_LOADS)?,
-                &[
-                    &self.ptr(x),
-                    &self.ptr(weight),
-                    &xq_ptr,
-                    &xd_ptr,
-                    &(n_in as i32),
-                    &eps,
-                    &interleave,
-                    &start_next,
-                ],
-            )?,
+            Input::RmsNormed { x, weight, eps, .. } => {
+                let (kernel, threads) = norm_q8_kernel(n_in)?;
+                self.launch(
+                    kernel,
+                    (n_tokens as u32, 1, 1),
+                    threads,
+                    &[
+                        &self.ptr(x),
+                        &self.ptr(weight),
+                        &xq_ptr,
+                        &xd_ptr,
+                        &(n_in as i32),
+                        &eps,
+                        &interleave,
+                        &start_next,
+                    ],
+                )?
+            }
         }
         Ok(Quantized {
             xq,
@@ -1161,6 +1167,20 @@ impl EvenSpread {
         let block = self.multiprocessor_shared / (share + 1) + 1;
         (block - self.reserved_shared).saturating_sub(self.kernel_shared)
     }
+}
+
+/// Asks the driver to give the multiprocessors that run `f` the most of their L1 as shared memory
+/// (the carveout). For Q4_K's one-token gate/up kernel (four blocks a multiprocessor of 36 KB each,
+/// for which the driver took less): 8B Q4_K decode on the H200, same call, tg128 716.4 -> 718.1
+/// tok/s with its blocks padded to fill 228 KB instead; in another call 718.7 by this attribute,
+/// 718.6 padded, and 714.0 with the attribute on every kernel. (Held to three blocks a
+/// multiprocessor by padding, with or without it: 717.0.)
+fn prefer_shared_memory(f: &cudarc::driver::CudaFunction) -> Result<()> {
+    f.set_attribute(
+        sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+        sys::CUshared_carveout::CU_SHAREDMEM_CARVEOUT_MAX_SHARED as i32,
+    )
+    .map_err(driver_error("kernel attribute"))
 }
 
 /// The shared memory a small launch of quantize_q8 (the down projection's input in decode: 14
@@ -1261,19 +1281,29 @@ fn gemm_input(ty: GgmlType) -> GgmlType {
 /// `loads` float4 a thread in whole warps, or more where the row needs over 1024 threads (up to
 /// NORM_LOADS). rms_norm_16 normalizes one of prefill's many rows, as few threads as hold it
 /// (NORM_LOADS), so that many rows are in flight at once; rms_norm (f32 out) one decode row, a
-/// float4 a thread; rms_norm_q8 one decode row at `NORM_Q8_LOADS`.
+/// float4 a thread; rms_norm_q8 one decode row (norm_q8_kernel).
 fn norm_block(dim: usize, loads: usize) -> Result<u32> {
     check_norm_row(dim)?;
     Ok((dim / 4).div_ceil(loads).next_multiple_of(32).clamp(32, 1024) as u32)
 }
 
-/// Float4 a thread of rms_norm_q8's one-token block: a row of 4096 then takes 512 threads, whose
-/// registers (56 a thread) fit beside the two blocks a multiprocessor of the product before it
-/// (wo or down, 72 registers, EvenSpread), so the norm's block is placed and loads its weight
-/// while that product streams; at a float4 a thread (1024 threads) it needs a multiprocessor with
-/// no product block left. 8B decode on the H200, same call: Q4_K tg64 720.5 -> 723.1 / 722.9,
-/// tg128 709.7 -> 710.9 / 712.2; Q8_0 tg128 416.8 / 417.0 -> 417.3 / 417.1. Four a thread (256
-/// threads) lost 0.3% on both.
+/// The kernel that normalizes and quantizes a decode row of `dim` values, and its threads:
+/// rms_norm_q8_1, a float4 a thread in 24 registers, for rows up to 4096 values; longer rows at
+/// two float4 a thread (`NORM_Q8_LOADS`).
+fn norm_q8_kernel(dim: usize) -> Result<(&'static str, u32)> {
+    Ok(if dim <= 4 * 1024 {
+        ("rms_norm_q8_1", norm_block(dim, 1)?)
+    } else {
+        ("rms_norm_q8", norm_block(dim, NORM_Q8_LOADS)?)
+    })
+}
+
+/// Float4 a thread of rms_norm_q8's blocks: a row of 8192 then takes 1024 threads of 56
+/// registers. (For the 8B's rows of 4096, before rms_norm_q8_1: 512 threads, whose registers fit
+/// beside the two blocks a multiprocessor of the product before it, wo or down, so that the norm's
+/// block was placed and loaded its weight while that product streamed; 8B decode on the H200,
+/// same call, Q4_K tg128 709.7 -> 710.9 / 712.2 tok/s against a float4 a thread in 56 registers.
+/// Four a thread, 256 threads, lost 0.3%.)
 const NORM_Q8_LOADS: usize = 2;
 
 /// The rows the RMS norms hold (`held_rms_norm` in rms_norm.cu): float4 loads, at most
@@ -2026,12 +2056,39 @@ mod tests {
     }
 
     #[test]
+    fn even_spreads_hold_a_share_of_blocks_a_multiprocessor() {
+        // The H200's shared memory, and Q4_K's one-token product kernel (three blocks a
+        // multiprocessor by registers).
+        let products = EvenSpread {
+            multiprocessors: 132,
+            blocks_per_multiprocessor: 3,
+            kernel_shared: 36_864,
+            multiprocessor_shared: 233_472,
+            reserved_shared: 1024,
+        };
+        let holds = |blocks| {
+            let block = products.padding(blocks) + products.kernel_shared + products.reserved_shared;
+            (products.multiprocessor_shared / block).min(products.blocks_per_multiprocessor)
+        };
+        assert_eq!(holds(256), 2);
+        assert_eq!(holds(132), 1);
+        assert_eq!(holds(40), 1);
+        assert_eq!(products.padding(384), 0);
+        assert_eq!(products.padding(1792), 0);
+    }
+
+    #[test]
     fn norm_blocks_hold_rows_of_multiples_of_four_up_to_16384() {
         assert_eq!(norm_block(48, 1).unwrap(), 32);
         assert_eq!(norm_block(576, 1).unwrap(), 160);
         assert_eq!(norm_block(4096, 1).unwrap(), 1024);
         assert_eq!(norm_block(16384, 1).unwrap(), 1024);
         assert_eq!(norm_block(4096, NORM_Q8_LOADS).unwrap(), 512);
+        // The one-float4 kernel up to rows of 4096; longer rows at two a thread.
+        assert_eq!(norm_q8_kernel(576).unwrap(), ("rms_norm_q8_1", 160));
+        assert_eq!(norm_q8_kernel(4096).unwrap(), ("rms_norm_q8_1", 1024));
+        assert_eq!(norm_q8_kernel(4352).unwrap(), ("rms_norm_q8", 544));
+        assert_eq!(norm_q8_kernel(8192).unwrap(), ("rms_norm_q8", 1024));
         assert_eq!(norm_block(48, NORM_LOADS).unwrap(), 32);
         assert_eq!(norm_block(576, NORM_LOADS).unwrap(), 64);
         assert_eq!(norm_block(4096, NORM_LOADS).unwrap(), 256);

@@ -15,8 +15,12 @@ __device__ __forceinline__ float dot16(const float* y, const float* x) {
 // Up to three matrices of one type multiplied by the same activations in one launch (Q, K and V;
 // gate and up): their rows are taken in order, one warp each, eight warps a block. The GLU
 // kernels take a gate and an up matrix and write silu(gate) * up, the feed-forward block's first
-// half with its SwiGLU folded in: a block's warps 0-3 take four rows of the gate matrix and warps
-// 4-7 the same rows of the up matrix.
+// half with its SwiGLU folded in. A warp of R >= 2 rows takes R / 2 rows of the gate matrix and the
+// same rows of the up matrix, and writes their outputs itself; warps of one row pair up, a block's
+// warps 0-3 taking four rows of the gate matrix and warps 4-7 the same rows of the up matrix,
+// which hand their sums over through shared memory. (Q4_K's one-token kernel, two rows a warp, so
+// paired: 71 -> 64 registers, no barrier; 8B Q4_K decode on the H200, same call, tg128 709.5 ->
+// 712.8 tok/s.)
 #define MAX_MATRICES 3
 struct Matrices {
     const u8* q[MAX_MATRICES];
@@ -32,9 +36,10 @@ struct Matrices {
     int copy_whole;
 };
 
-// This warp's first row (ok is false for a warp past the last row).
+// This warp's first row (ok is false for a warp past the last row); with GLU and R >= 2, of the
+// gate matrix w and of up.
 struct Picked {
-    Weight w;
+    Weight w, up;
     float* out;
     int n_out;
     int row;
@@ -47,35 +52,41 @@ struct Picked {
 template <bool GLU, int R>
 __device__ __forceinline__ Picked pick_row(const Matrices& mats, int n_in) {
     int warp = threadIdx.x / 32;
+    Weight gate{mats.q[0], mats.s[0], mats.m[0], n_in}, up{mats.q[1], mats.s[1], mats.m[1], n_in};
+    if (GLU && R >= 2) {
+        int r = (blockIdx.x * 8 + warp) * (R / 2);
+        return Picked{gate, up, mats.out[0], mats.n_out[0], r, r < mats.n_out[0]};
+    }
     if (GLU) {
-        int r = (blockIdx.x * 4 + warp % 4) * R, i = warp / 4;
-        Weight w = i == 0 ? Weight{mats.q[0], mats.s[0], mats.m[0], n_in} : Weight{mats.q[1], mats.s[1], mats.m[1], n_in};
-        return Picked{w, mats.out[0], mats.n_out[0], r, r < mats.n_out[0]};
+        int r = blockIdx.x * 4 + warp % 4;
+        return Picked{warp < 4 ? gate : up, Weight{}, mats.out[0], mats.n_out[0], r, r < mats.n_out[0]};
     }
     int k = blockIdx.x * 8 + warp;  // this warp's place among all matrices' warps
 #pragma unroll
     for (int i = 0; i < MAX_MATRICES; i++) {
         int warps = (mats.n_out[i] + R - 1) / R;
         if (i < mats.count && k < warps)
-            return Picked{Weight{mats.q[i], mats.s[i], mats.m[i], n_in}, mats.out[i], mats.n_out[i], k * R, true};
+            return Picked{Weight{mats.q[i], mats.s[i], mats.m[i], n_in}, Weight{}, mats.out[i], mats.n_out[i], k * R, true};
         k -= warps;
     }
-    return Picked{Weight{nullptr, nullptr, nullptr, n_in}, nullptr, 0, 0, false};
+    return Picked{Weight{nullptr, nullptr, nullptr, n_in}, Weight{}, nullptr, 0, 0, false};
 }
 
 // Every matrix-vector kernel, after its PDL wait (or with it inside `row_dot`: ReadsBeforeWait):
-// `row_dot(w, row, n_rows, acc, inputs_ready)` leaves a warp's per-lane partial dot products of R
-// rows from `row` on with the T tokens' activations in acc (row r's for token t at r * T + t);
-// rows past n_rows are not stored. It calls inputs_ready() once, after the wait, which then loads
+// `row_dot(w, up, row, n_rows, acc, inputs_ready)` leaves a warp's per-lane partial dot products
+// of R rows from `row` on with the T tokens' activations in acc (row r's for token t at r * T + t);
+// rows past n_rows are not stored. With GLU and R >= 2 the rows are R / 2 of the gate matrix w
+// and the same rows of up, and n_rows counts the gate's. It calls inputs_ready() once, after the wait, which then loads
 // the values an accumulating product adds to: their trip to memory overlaps the products instead
 // of following them.
 template <int TY, int T, bool GLU, int R, typename RowDot>
 __device__ __forceinline__ void gemv_rows(const Matrices& mats, int n_in, RowDot row_dot) {
-    __shared__ float up[4][R * T];
+    __shared__ float up_sums[4][R * T];
     Picked p = pick_row<GLU, R>(mats, n_in);
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     float acc[R * T], prior[R * T];
-    int n_rows = R == 1 ? 1 : min(R, p.n_out - p.row);
+    constexpr bool paired = GLU && R >= 2;  // a warp's gate and up rows (pick_row)
+    int n_rows = R == 1 ? 1 : min(paired ? R / 2 : R, p.n_out - p.row);
     auto out = [&](int r, int t) { return p.out + (u64)t * p.n_out + p.row + r; };
     auto inputs_ready = [&] {
         if (!GLU && mats.accumulate && lane == 0)
@@ -83,7 +94,7 @@ __device__ __forceinline__ void gemv_rows(const Matrices& mats, int n_in, RowDot
                 for (int t = 0; t < T; t++) prior[r * T + t] = *out(r, t);
     };
     if (p.ok) {
-        row_dot(p.w, p.row, n_rows, acc, inputs_ready);
+        row_dot(p.w, p.up, p.row, n_rows, acc, inputs_ready);
         for (int i = 0; i < R * T; i++) acc[i] = warp_sum(acc[i]);
     }
     if (!GLU) {
@@ -95,18 +106,22 @@ __device__ __forceinline__ void gemv_rows(const Matrices& mats, int n_in, RowDot
                 }
         return;
     }
-    // The up warps hand their sums to the gate warps.
-    if (p.ok && warp >= 4 && lane == 0)
-        for (int i = 0; i < R * T; i++) up[warp % 4][i] = acc[i];
-    __syncthreads();
     // silu by the fast exponential and division (a few ulp): the exact ones' range checks and slow
     // paths were most of the epilogue's instructions.
+    auto swiglu = [](float gate, float up) { return __fdividef(gate, 1.0f + __expf(-gate)) * up; };
+    if (paired) {
+        if (p.ok && lane == 0)
+            for (int r = 0; r < n_rows; r++)
+                for (int t = 0; t < T; t++) *out(r, t) = swiglu(acc[r * T + t], acc[(r + R / 2) * T + t]);
+        return;
+    }
+    // The up warps hand their sums to the gate warps.
+    if (p.ok && warp >= 4 && lane == 0)
+        for (int i = 0; i < R * T; i++) up_sums[warp % 4][i] = acc[i];
+    __syncthreads();
     if (p.ok && warp < 4 && lane == 0)
         for (int r = 0; r < n_rows; r++)
-            for (int t = 0; t < T; t++) {
-                float gate = acc[r * T + t];
-                p.out[(u64)t * p.n_out + p.row + r] = __fdividef(gate, 1.0f + __expf(-gate)) * up[warp][r * T + t];
-            }
+            for (int t = 0; t < T; t++) *out(r, t) = swiglu(acc[r * T + t], up_sums[warp][r * T + t]);
 }
 
 // Quantized weights on f32 activations: each lane expands its 32-value chunks to floats.
@@ -185,16 +200,16 @@ template <int TY> struct ReadsBeforeWait { static const bool value = TY == TY_Q8
 // cuda/mod.rs). With more tokens, one: two rows would take over 96 registers.
 #define Q4K_ROWS 2
 template <int TY, int T> struct RowsPerWarp { static const int value = TY == TY_Q4_K && T == 1 ? Q4K_ROWS : 1; };
-template <int T, int R, typename Ready>
-__device__ __forceinline__ void q4k_rows(const Weight& w, int row, int n_rows, const i8* xq, const float* xd,
-                                         float* acc, Ready inputs_ready, bool copy_whole);
+template <int T, int R, bool GLU, typename Ready>
+__device__ __forceinline__ void q4k_rows(const Weight& w, const Weight& up, int row, int n_rows, const i8* xq,
+                                         const float* xd, float* acc, Ready inputs_ready, bool copy_whole);
 
 // (Decoding two or four chunks before using any was measured slower on the H200.)
-template <int TY, int T, typename Ready>
-__device__ __forceinline__ void int_row(const Weight& w, int row, int n_rows, const i8* xq, const float* xd,
-                                        float* acc, Ready inputs_ready, bool copy_whole) {
+template <int TY, int T, bool GLU, typename Ready>
+__device__ __forceinline__ void int_row(const Weight& w, const Weight& up, int row, int n_rows, const i8* xq,
+                                        const float* xd, float* acc, Ready inputs_ready, bool copy_whole) {
     if constexpr (TY == TY_Q4_K)
-        return q4k_rows<T, RowsPerWarp<TY, T>::value>(w, row, n_rows, xq, xd, acc, inputs_ready, copy_whole);
+        return q4k_rows<T, RowsPerWarp<TY, T>::value, GLU>(w, up, row, n_rows, xq, xd, acc, inputs_ready, copy_whole);
     for (int t = 0; t < T; t++) acc[t] = 0.0f;
     if (!ReadsBeforeWait<TY>::value) {
         inputs_ready();
@@ -289,31 +304,36 @@ struct GroupActivations {
     float4 scales_sums;
 };
 
-template <int T, int R, typename Ready>
-__device__ __forceinline__ void q4k_rows(const Weight& w, int row, int n_rows, const i8* xq, const float* xd,
-                                         float* acc, Ready inputs_ready, bool copy_whole) {
+template <int T, int R, bool GLU, typename Ready>
+__device__ __forceinline__ void q4k_rows(const Weight& w, const Weight& up, int row, int n_rows, const i8* xq,
+                                         const float* xd, float* acc, Ready inputs_ready, bool copy_whole) {
     constexpr int stage_groups = Q4K_STAGED_GROUPS / R, quant_pieces = 2 * stage_groups;
     constexpr int row_pieces = quant_pieces + stage_groups / 4;  // a staged row: quants, then metadata
     __shared__ __align__(16) uint4 stage[GEMV_WARPS][2][R][row_pieces];
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32, n_groups = (u32)w.n_in / 64;
     // Each lane's first source and destination of every row, found once: a warp short of rows
     // copies its last one again. A stage's groups start at a multiple of stage_groups, so whole
-    // tiles: its quant pieces lie together, interleaved as in memory.
+    // tiles: its quant pieces lie together, interleaved as in memory. Paired, rows R / 2 on are
+    // up's (gemv_rows).
+    constexpr bool paired = GLU && R >= 2;
     const uint4 *quants[R], *metas[R];
     for (int r = 0; r < R; r++) {
-        u64 from = row + min(r, n_rows - 1);
-        quants[r] = (const uint4*)(w.q + from * (w.n_in / 2)) + lane;
-        metas[r] = (const uint4*)(w.s + from * (w.n_in / 256) * 16) + lane;
+        bool of_up = paired && r >= R / 2;
+        const Weight& m = of_up ? up : w;
+        u64 from = row + min(of_up ? r - R / 2 : r, n_rows - 1);
+        quants[r] = (const uint4*)(m.q + from * (m.n_in / 2)) + lane;
+        metas[r] = (const uint4*)(m.s + from * (m.n_in / 256) * 16) + lane;
     }
     u32 staged_at = shared_address(stage[warp][0][0]) + 16 * lane;
-    // Each warp starts at its own stage of its rows (row / R modulo the stages) and wraps around.
+    // Each warp starts at its own stage of its rows (its place, row / R or row / (R / 2) paired,
+    // modulo the stages) and wraps around.
     // Started alike, the warps of a one-wave product all read the same part of their rows at once,
     // and in some placements of the arena that ran 1.3% slower, presumably by the way those
     // addresses fall on the memory's channels: 8B Q4_K decode on the H200, same call, tg128
     // 685.0-687.5 tok/s with the activations sized for 1, 4 or 16 tokens or the cache for 512,
     // 694.3-696.0 for 64 or 128 tokens; rotated, 693.7-695.2 in all six, and 693.6-695.3 with the
     // arena's parts moved by 4 KB to 2 MB.
-    int n_stages = (n_groups + stage_groups - 1) / stage_groups, rotation = (u32)row / R % (u32)n_stages;
+    int n_stages = (n_groups + stage_groups - 1) / stage_groups, rotation = (u32)row / (paired ? R / 2 : R) % (u32)n_stages;
     // s + rotation wraps at most once, so no division by the run-time n_stages (24 instructions
     // less a warp of gate/up; same call, script's load, tg128 694.4 -> 700.4 tok/s). The one
     // remainder left, and n_groups, are taken unsigned: no sign fix-ups (24 instructions less).
@@ -436,8 +456,9 @@ __device__ __forceinline__ void q4k_rows(const Weight& w, int row, int n_rows, c
     extern "C" __global__ void KIND##_##NAME##_##T(Matrices mats, int n_in, const i8* xq, const float* xd) {           \
         if (!ReadsBeforeWait<TY>::value) begin_after_inputs();                                                 \
         if (T == 1 && ReadsBeforeWait<TY>::value) start_dependents();                                          \
-        gemv_rows<TY, T, GLU, RowsPerWarp<TY, T>::value>(mats, n_in, [&](const Weight& w, int row, int n_rows, float* acc, auto ready) { \
-            int_row<TY, T>(w, row, n_rows, xq, xd, acc, ready, mats.copy_whole);                                \
+        gemv_rows<TY, T, GLU, RowsPerWarp<TY, T>::value>(mats, n_in, [&](const Weight& w, const Weight& up, int row, \
+                                                                           int n_rows, float* acc, auto ready) { \
+            int_row<TY, T, GLU>(w, up, row, n_rows, xq, xd, acc, ready, mats.copy_whole);                        \
         });                                                                                                    \
     }
 #define GEMV_INT_ALL(NAME, TY)                                                                                  \
@@ -513,7 +534,7 @@ __device__ __forceinline__ void float_row(const Weight& w, int row, const float*
     extern "C" __global__ void __launch_bounds__(256, T == 1 ? 6 : 1)                                          \
         KIND##_##NAME##_##T(Matrices mats, int n_in, const float* x) {                                         \
         begin_after_inputs();                                                                                  \
-        gemv_rows<TY, T, GLU, 1>(mats, n_in, [&](const Weight& w, int row, int, float* acc, auto ready) {      \
+        gemv_rows<TY, T, GLU, 1>(mats, n_in, [&](const Weight& w, const Weight&, int row, int, float* acc, auto ready) {      \
             ready();                                                                                           \
             ROW<TY, T>(w, row, x, acc);                                                                        \
         });                                                                                                    \
@@ -554,7 +575,7 @@ __device__ __forceinline__ void normalize_row(float* xs, const float* x, const f
         KIND##_normed_##NAME(Matrices mats, int n_in, const float* x, const float* norm, float eps) {          \
         __shared__ __align__(16) float xs[NORMED_MAX_IN];                                                      \
         normalize_row(xs, x, norm, n_in, eps);                                                                 \
-        gemv_rows<TY, 1, GLU, 1>(mats, n_in, [&](const Weight& w, int row, int, float* acc, auto ready) {      \
+        gemv_rows<TY, 1, GLU, 1>(mats, n_in, [&](const Weight& w, const Weight&, int row, int, float* acc, auto ready) {      \
             ready();                                                                                           \
             ROW<TY, 1>(w, row, xs, acc);                                                                       \
         });                                                                                                    \
