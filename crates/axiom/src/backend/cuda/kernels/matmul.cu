@@ -76,9 +76,9 @@ __device__ __forceinline__ Picked pick_row(const Matrices& mats, int n_in) {
 // `row_dot(w, up, row, n_rows, acc, inputs_ready)` leaves a warp's per-lane partial dot products
 // of R rows from `row` on with the T tokens' activations in acc (row r's for token t at r * T + t);
 // rows past n_rows are not stored. With GLU and R >= 2 the rows are R / 2 of the gate matrix w
-// and the same rows of up, and n_rows counts the gate's. It calls inputs_ready() once, after the wait, which then loads
-// the values an accumulating product adds to: their trip to memory overlaps the products instead
-// of following them.
+// and the same rows of up, and n_rows counts the gate's. It calls inputs_ready() once, after the
+// wait, which then loads the values an accumulating product adds to: their trip to memory
+// overlaps the products instead of following them.
 template <int TY, int T, bool GLU, int R, typename RowDot>
 __device__ __forceinline__ void gemv_rows(const Matrices& mats, int n_in, RowDot row_dot) {
     __shared__ float up_sums[4][R * T];

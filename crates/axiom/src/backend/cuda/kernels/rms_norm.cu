@@ -79,11 +79,11 @@ extern "C" __global__ void rms_norm_q8(const float4* __restrict__ x, const float
 }
 
 // The same at one float4 a thread (rows up to 4096 values), held to 24 registers: a block of 1024
-// threads then takes 24,576 of a multiprocessor's 65,536 and fits beside the two blocks of the
-// product before it (wo or down, EvenSpread: 36,864), so it is placed, and loads its weight, while
-// that product streams. (NVRTC left it at 27, which the hardware allocates as 32: 32,768 did not
-// fit.) 8B decode on the H200, same calls, tg128: Q4_K 709.5 -> 714.2 and 712.2 -> 716.4 tok/s
-// against two float4 a thread (512 threads of 56 registers).
+// threads then takes 24,576 of a multiprocessor's 65,536 registers and fits beside the two blocks
+// of the product before it (wo or down, EvenSpread: 36,864), so it is placed, and loads its
+// weight, while that product streams. (NVRTC left it at 27, which the hardware allocates as 32:
+// 32,768 did not fit.) 8B decode on the H200, same calls, tg128: Q4_K 709.5 -> 714.2 and 712.2 ->
+// 716.4 tok/s against two float4 a thread (512 threads of 56 registers).
 extern "C" __global__ void __maxnreg__(24) rms_norm_q8_1(const float4* __restrict__ x, const float4* __restrict__ w,
                                                           u32* __restrict__ xq, float* __restrict__ xd, int dim,
                                                           float eps, int interleave, int start_next) {
