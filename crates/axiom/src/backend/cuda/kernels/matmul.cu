@@ -52,12 +52,12 @@ struct Picked {
 template <bool GLU, int R>
 __device__ __forceinline__ Picked pick_row(const Matrices& mats, int n_in) {
     int warp = threadIdx.x / 32;
-    Weight gate{mats.q[0], mats.s[0], mats.m[0], n_in}, up{mats.q[1], mats.s[1], mats.m[1], n_in};
-    if (GLU && R >= 2) {
-        int r = (blockIdx.x * 8 + warp) * (R / 2);
-        return Picked{gate, up, mats.out[0], mats.n_out[0], r, r < mats.n_out[0]};
-    }
-    if (GLU) {
+    if constexpr (GLU) {
+        Weight gate{mats.q[0], mats.s[0], mats.m[0], n_in}, up{mats.q[1], mats.s[1], mats.m[1], n_in};
+        if (R >= 2) {
+            int r = (blockIdx.x * 8 + warp) * (R / 2);
+            return Picked{gate, up, mats.out[0], mats.n_out[0], r, r < mats.n_out[0]};
+        }
         int r = blockIdx.x * 4 + warp % 4;
         return Picked{warp < 4 ? gate : up, Weight{}, mats.out[0], mats.n_out[0], r, r < mats.n_out[0]};
     }
