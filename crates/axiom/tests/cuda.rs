@@ -18,12 +18,20 @@ fn cuda(kv_type: KvType) -> CudaBackend {
     CudaBackend::new(0).expect("a CUDA GPU").with_kv_type(kv_type)
 }
 
-/// The attention tests run with each flash-attention kernel: the backend's own choice takes
-/// warps of 32 query rows only for steps of thousands of tokens, so here they are fixed.
-const FLASH_ATTENTION_KERNELS: [fn(KvType) -> CudaBackend; 2] = [
-    |kv_type| cuda(kv_type).with_flash_groups(1).unwrap(),
-    |kv_type| cuda(kv_type).with_flash_groups(2).unwrap(),
-];
+/// The attention tests run with each flash-attention kernel the device has, as (groups of 64
+/// query rows a block, on the warpgroup MMAs): the backend's own choice takes blocks of 128 rows
+/// only for steps of thousands of tokens, and mma.sync only where there are no warpgroup MMAs.
+fn flash_attention_kernels() -> Vec<impl Fn(KvType) -> CudaBackend> {
+    let warpgroups: &[bool] = if cuda(KvType::F16).has_warpgroup_mma() {
+        &[false, true]
+    } else {
+        &[false]
+    };
+    let kernels = warpgroups.iter().flat_map(|&wg| [(1, wg), (2, wg)]);
+    kernels
+        .map(|(groups, wg)| move |kv_type| cuda(kv_type).with_flash_kernel(groups, wg).unwrap())
+        .collect()
+}
 
 #[test]
 #[ignore = "needs an NVIDIA GPU: cargo test --release --test cuda -- --ignored"]
@@ -60,7 +68,7 @@ fn attention_then_output_projection_matches_the_cpu_reference() {
     // Quantized projections of rows of 2048 run on int8 activations (about 0.4% each); bf16 ones
     // of three tokens go through cuBLAS, with bf16 activations. Steps of 32 tokens or more run
     // tensor-core attention (f16 queries and probabilities), which writes cuBLAS's 16-bit input.
-    for make in FLASH_ATTENTION_KERNELS {
+    for make in flash_attention_kernels() {
         gpu::attention_then_output_projection(make, |ty, n_tokens| {
             if ty == GgmlType::BF16 && n_tokens < 32 {
                 2e-3
@@ -78,7 +86,7 @@ fn rope_attention_then_output_projection_matches_the_cpu_reference() {
     // runs on int8 activations (about 0.4% each); an f16 cache rounds the rotated keys, which the
     // reference keeps in f32. Steps of 32 tokens or more with an f16 cache and heads of 64 or 128
     // go to the tensor-core kernel (f16 queries and probabilities), which rotates the queries.
-    for make in FLASH_ATTENTION_KERNELS {
+    for make in flash_attention_kernels() {
         gpu::rope_attention_then_output_projection(make, |ty, kv_type, head_dim, n_tokens| {
             let flash = kv_type == KvType::F16 && matches!(head_dim, 64 | 128) && n_tokens >= 32;
             match (ty, kv_type) {
@@ -96,7 +104,7 @@ fn rope_attention_then_output_projection_matches_the_cpu_reference() {
 fn paged_kv_write_and_attention_match_the_cpu_reference() {
     // Steps of 32 tokens or more with an f16 cache and heads of 64 or 128 go to the tensor-core
     // kernel: f16 queries and probabilities.
-    for make in FLASH_ATTENTION_KERNELS {
+    for make in flash_attention_kernels() {
         gpu::paged_kv_write_and_attention(make, |kv_type, head_dim| {
             if kv_type == KvType::F16 && matches!(head_dim, 64 | 128) {
                 5e-3

@@ -8,7 +8,7 @@ use std::sync::Arc;
 pub struct CudaDevice {
     pub ctx: Arc<CudaContext>,
     pub name: String,
-    /// Compute capability as NVRTC's architecture name, e.g. "sm_90".
+    /// Compute capability as NVRTC's architecture name, e.g. "sm_90a".
     pub arch: &'static str,
     pub total_memory: usize,
     pub multiprocessors: u32,
@@ -78,7 +78,8 @@ fn nvrtc_arch(major: i32, minor: i32) -> Result<&'static str> {
         (8, 0) => "sm_80",
         (8, 6) => "sm_86",
         (8, 9) => "sm_89",
-        (9, 0) => "sm_90",
+        // Hopper's own instructions (the warpgroup MMAs) need the architecture-specific target.
+        (9, 0) => "sm_90a",
         (10, 0) => "sm_100",
         (12, 0) => "sm_120",
         _ => {

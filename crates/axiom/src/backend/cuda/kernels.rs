@@ -23,6 +23,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("rope_kv_write.cu", include_str!("kernels/rope_kv_write.cu")),
     ("attention.cu", include_str!("kernels/attention.cu")),
     ("flash_attention.cu", include_str!("kernels/flash_attention.cu")),
+    ("flash_attention_wg.cu", include_str!("kernels/flash_attention_wg.cu")),
     ("elementwise.cu", include_str!("kernels/elementwise.cu")),
     ("argmax.cu", include_str!("kernels/argmax.cu")),
 ];
@@ -110,14 +111,24 @@ pub fn gemv_normed_kernel(glu: bool, ty: &str) -> String {
 /// The longest input `gemv_normed_kernel`'s kernels take (NORMED_MAX_IN in kernels/matmul.cu).
 pub const GEMV_NORMED_MAX_IN: usize = 8192;
 
-/// Flash attention for heads of `head_dim` with `groups` groups of 16 query rows a warp
-/// (kernels/flash_attention.cu).
-pub fn flash_attention_kernel(head_dim: usize, groups: usize) -> String {
-    format!("flash_attention_{head_dim}_{groups}")
+/// Flash attention for heads of `head_dim` in blocks of `groups` groups of 64 query rows: on the
+/// warpgroup MMAs (kernels/flash_attention_wg.cu) or on mma.sync (kernels/flash_attention.cu).
+pub fn flash_attention_kernel(head_dim: usize, groups: usize, warpgroups: bool) -> String {
+    let kind = if warpgroups {
+        "flash_attention_wg"
+    } else {
+        "flash_attention"
+    };
+    format!("{kind}_{head_dim}_{groups}")
 }
 
-/// Every kernel the backend launches.
-pub fn kernel_names() -> Vec<String> {
+/// Whether the kernels compiled for `arch` include those on Hopper's warpgroup MMAs.
+pub fn has_warpgroup_mma(arch: &str) -> bool {
+    arch == "sm_90a"
+}
+
+/// Every kernel the backend launches on a device of `arch`.
+pub fn kernel_names(arch: &str) -> Vec<String> {
     let mut names: Vec<String> = [
         "rms_norm",
         "rms_norm_q8",
@@ -158,8 +169,15 @@ pub fn kernel_names() -> Vec<String> {
         }
     }
     names.extend(quantized.iter().map(|ty| format!("dequant_f16_{ty}")));
+    let flash_kinds: &[bool] = if has_warpgroup_mma(arch) {
+        &[false, true]
+    } else {
+        &[false]
+    };
     for head_dim in [64, 128] {
-        names.extend([1, 2].map(|groups| flash_attention_kernel(head_dim, groups)));
+        for &warpgroups in flash_kinds {
+            names.extend([1, 2].map(|groups| flash_attention_kernel(head_dim, groups, warpgroups)));
+        }
     }
     names
 }
@@ -195,7 +213,7 @@ impl Kernels {
             .load_module(Ptx::from_binary(cubin))
             .map_err(|e| Error::Backend(format!("loading the CUDA kernels: {e}")))?;
         let mut functions = HashMap::new();
-        for name in kernel_names() {
+        for name in kernel_names(arch) {
             let f = module
                 .load_function(&name)
                 .map_err(|e| Error::Backend(format!("kernel {name}: {e}")))?;

@@ -69,10 +69,13 @@ const ATTENTION_THREADS: u32 = 256;
 const ATTENTION_MAX_SPLITS: usize = 8;
 /// The largest head the attention kernels take.
 const ATTENTION_MAX_HEAD_DIM: usize = 256;
-/// Warps of a flash-attention block (FA_WARPS in flash_attention.cu).
+/// Warps of a flash-attention block on mma.sync (FA_WARPS in flash_attention.cu).
 const FLASH_WARPS: usize = 4;
-/// Keys per step of flash attention (FA_KEYS).
+/// Keys per step of flash attention on mma.sync (FA_KEYS) and on the warpgroup MMAs (FW_KEYS).
 const FLASH_KEYS: usize = 32;
+const FLASH_WG_KEYS: usize = 64;
+/// Query rows of a group of a flash-attention block: a warpgroup's, or a 16 each of four warps.
+const FLASH_GROUP_ROWS: usize = 64;
 /// The most rotated pairs of a head flash attention takes (heads of at most 128).
 const FLASH_MAX_PAIRS: usize = 64;
 /// Heads per block of rope_kv_write.cu in steps of few tokens, so that a decode step's heads
@@ -86,23 +89,26 @@ const NORM_LOADS: usize = 4;
 /// The largest second grid dimension CUDA launches.
 const MAX_GRID_Y: u32 = 65535;
 
-/// How flash attention is cut into blocks: each warp takes `groups` groups of 16 query rows. Two
-/// share every key and value fragment a warp loads (half the fragment loads and about a quarter
-/// fewer instructions an MMA), but make blocks of 128 queries, too few to fill the GPU in short
-/// steps.
+/// How flash attention is cut into blocks of `groups` times 64 query rows. On Hopper (sm_90a)
+/// each group is a warpgroup of its own on the warpgroup MMAs (flash_attention_wg.cu);
+/// elsewhere the four warps of a block each take `groups` groups of 16 rows on mma.sync
+/// (flash_attention.cu), where two share every key and value fragment a warp loads (half the
+/// fragment loads and about a quarter fewer instructions an MMA). Either way blocks of 128
+/// queries are too few to fill the GPU in short steps.
 /// 8B bf16 on the H200, a layer's flash attention (ncu): 2048 tokens 154 -> 136 us with two
-/// groups; 512 tokens 26.8 us with the kernel of old (queries in registers), 28.0 with one group,
-/// 31.7 with two (128 blocks on 132 multiprocessors).
+/// groups on mma.sync; 512 tokens 26.8 us with the kernel of old (queries in registers), 28.0 with
+/// one group, 31.7 with two (128 blocks on 132 multiprocessors).
 #[derive(Clone, Copy)]
 struct FlashBlocks {
     head_dim: usize,
     groups: usize,
+    warpgroups: bool,
 }
 
 impl FlashBlocks {
     /// Two groups where the step's tiles of 128 queries give each multiprocessor two blocks.
-    fn for_step(shape: AttentionShape, n_tokens: usize, multiprocessors: u32) -> FlashBlocks {
-        let wide_blocks = n_tokens.div_ceil(FLASH_WARPS * 32) * shape.n_heads;
+    fn for_step(shape: AttentionShape, n_tokens: usize, multiprocessors: u32, warpgroups: bool) -> FlashBlocks {
+        let wide_blocks = n_tokens.div_ceil(2 * FLASH_GROUP_ROWS) * shape.n_heads;
         FlashBlocks {
             head_dim: shape.head_dim,
             groups: if wide_blocks >= 2 * multiprocessors as usize {
@@ -110,22 +116,37 @@ impl FlashBlocks {
             } else {
                 1
             },
+            warpgroups,
         }
     }
 
     fn kernel(&self) -> String {
-        kernels::flash_attention_kernel(self.head_dim, self.groups)
+        kernels::flash_attention_kernel(self.head_dim, self.groups, self.warpgroups)
     }
 
     /// Query tokens a block takes.
     fn tile(&self) -> usize {
-        FLASH_WARPS * 16 * self.groups
+        FLASH_GROUP_ROWS * self.groups
+    }
+
+    fn threads(&self) -> u32 {
+        if self.warpgroups {
+            (self.groups * 128) as u32
+        } else {
+            (FLASH_WARPS * 32) as u32
+        }
     }
 
     /// A block's dynamic shared memory: two buffers of keys, two of values and the block's
-    /// queries, each row of `head_dim` f16 padded by 16 bytes.
+    /// queries, in f16: on mma.sync each row of `head_dim` padded by 16 bytes; on the warpgroup
+    /// MMAs swizzled, with 1024 bytes more to align the tiles.
     fn shared(&self) -> u32 {
-        ((4 * FLASH_KEYS + self.tile()) * (self.head_dim + 8) * 2) as u32
+        let bytes = if self.warpgroups {
+            (4 * FLASH_WG_KEYS + self.tile()) * self.head_dim * 2 + 1024
+        } else {
+            (4 * FLASH_KEYS + self.tile()) * (self.head_dim + 8) * 2
+        };
+        bytes as u32
     }
 }
 
@@ -281,8 +302,11 @@ pub struct CudaBackend {
     quantize_padding: u32,
     /// The head sizes whose flash-attention blocks the device has the shared memory for.
     flash_head_dims: Vec<usize>,
-    /// Groups of 16 query rows a flash-attention warp takes, where fixed (`with_flash_groups`).
-    flash_groups: Option<usize>,
+    /// Whether flash attention runs on the warpgroup MMAs (Hopper).
+    flash_warpgroups: bool,
+    /// Flash attention's blocks' groups of 64 query rows and their kernel, where fixed
+    /// (`with_flash_kernel`).
+    flash_fixed: Option<(usize, bool)>,
     /// The most tokens a step may have to be recorded: every matmul must use our own kernels.
     capture_max_tokens: usize,
     kv_type: KvType,
@@ -302,7 +326,8 @@ impl CudaBackend {
             _ => None,
         };
         let quantize_padding = quantize_padding(&device, kernels.get("quantize_q8")?)?;
-        let flash_head_dims = flash_head_dims(&device, &kernels)?;
+        let flash_warpgroups = kernels::has_warpgroup_mma(device.arch);
+        let flash_head_dims = flash_head_dims(&device, &kernels, flash_warpgroups)?;
         // SAFETY: only probes for the shared library.
         if !unsafe { cublas_sys::is_culib_present() } {
             return Err(Error::Backend("cuBLAS (libcublas.so) is not installed".into()));
@@ -331,7 +356,8 @@ impl CudaBackend {
             q4k_spread,
             quantize_padding,
             flash_head_dims,
-            flash_groups: None,
+            flash_warpgroups,
+            flash_fixed: None,
             capture_max_tokens: GEMV_MAX_TOKENS,
             kv_type: KvType::F16,
         })
@@ -343,17 +369,29 @@ impl CudaBackend {
         self
     }
 
-    /// Fixes how many groups of 16 query rows each flash-attention warp takes (1 or 2) instead of
-    /// choosing by the step's size (`FlashBlocks::for_step`), so that both kernels can be tested
-    /// and measured on any step.
-    pub fn with_flash_groups(mut self, groups: usize) -> Result<CudaBackend> {
+    /// Fixes flash attention's blocks: `groups` groups of 64 query rows (1 or 2), on the
+    /// warpgroup MMAs or on mma.sync, instead of the backend's choice by the step's size and the
+    /// device (`FlashBlocks::for_step`), so that every kernel can be tested and measured on any
+    /// step.
+    pub fn with_flash_kernel(mut self, groups: usize, warpgroups: bool) -> Result<CudaBackend> {
         if !matches!(groups, 1 | 2) {
             return Err(Error::Backend(format!(
-                "flash attention takes 1 or 2 groups of 16 query rows a warp, not {groups}"
+                "flash attention takes 1 or 2 groups of 64 query rows a block, not {groups}"
             )));
         }
-        self.flash_groups = Some(groups);
+        if warpgroups && !self.flash_warpgroups {
+            return Err(Error::Backend(format!(
+                "no warpgroup MMAs on {} (they need sm_90a)",
+                self.device.arch
+            )));
+        }
+        self.flash_fixed = Some((groups, warpgroups));
         Ok(self)
+    }
+
+    /// Whether this device runs flash attention on the warpgroup MMAs.
+    pub fn has_warpgroup_mma(&self) -> bool {
+        self.flash_warpgroups
     }
 
     fn kv_suffix(&self) -> &'static str {
@@ -820,12 +858,13 @@ impl CudaBackend {
         let tiles_block = self
             .flash_tiles
             .ok_or_else(|| Error::Backend("no flash-attention tiles reserved".into()))?;
-        let blocks = match self.flash_groups {
-            Some(groups) => FlashBlocks {
+        let blocks = match self.flash_fixed {
+            Some((groups, warpgroups)) => FlashBlocks {
                 head_dim: shape.head_dim,
                 groups,
+                warpgroups,
             },
-            None => FlashBlocks::for_step(shape, n_tokens, self.device.multiprocessors),
+            None => FlashBlocks::for_step(shape, n_tokens, self.device.multiprocessors, self.flash_warpgroups),
         };
         let tile = blocks.tile();
         let n_tiles = match self.flash_plan.get() {
@@ -881,7 +920,7 @@ impl CudaBackend {
         self.launch_shared(
             &blocks.kernel(),
             (shape.n_heads as u32, n_tiles, 1),
-            (FLASH_WARPS * 32) as u32,
+            blocks.threads(),
             blocks.shared(),
             &[
                 &self.ptr(q),
@@ -1203,12 +1242,16 @@ fn quantize_padding(device: &CudaDevice, f: &cudarc::driver::CudaFunction) -> Re
 
 /// The head sizes flash attention takes on this device (64 and 128 where a block may have their
 /// shared memory: not on compute capability 7.5), each kernel allowed its dynamic shared memory.
-fn flash_head_dims(device: &CudaDevice, kernels: &Kernels) -> Result<Vec<usize>> {
+fn flash_head_dims(device: &CudaDevice, kernels: &Kernels, warpgroups: bool) -> Result<Vec<usize>> {
     let mut dims = Vec::new();
     for head_dim in [64, 128] {
         let mut fits = true;
-        for groups in [1, 2] {
-            let blocks = FlashBlocks { head_dim, groups };
+        for (groups, warpgroups) in [(1, false), (2, false), (1, warpgroups), (2, warpgroups)] {
+            let blocks = FlashBlocks {
+                head_dim,
+                groups,
+                warpgroups,
+            };
             fits &= blocks.shared() <= allow_dynamic_shared(device, kernels.get(&blocks.kernel())?)?;
         }
         if fits {
@@ -2053,6 +2096,35 @@ mod tests {
         expected.extend((8..12).map(|u| piece(u, 1)));
         assert_eq!(pieces, expected);
         assert!(out.chunks_exact(16).all(|p| p.windows(2).all(|w| w[1] == w[0] + 1)));
+    }
+
+    #[test]
+    fn flash_blocks_fit_two_a_hopper_multiprocessor() {
+        // The 8B's heads (32 of 128) on the H200's 132 multiprocessors: 2048 tokens make two
+        // blocks a multiprocessor of 128 queries, 512 tokens take blocks of 64.
+        let shape = AttentionShape {
+            n_heads: 32,
+            n_kv_heads: 8,
+            head_dim: 128,
+        };
+        for warpgroups in [false, true] {
+            let long = FlashBlocks::for_step(shape, 2048, 132, warpgroups);
+            let short = FlashBlocks::for_step(shape, 512, 132, warpgroups);
+            assert_eq!((long.tile(), short.tile()), (128, 64));
+            assert_eq!(long.warpgroups, warpgroups);
+            // Every kernel's launch bounds ask for at least two blocks a multiprocessor: 233,472
+            // bytes of shared memory, 1024 of each block reserved.
+            for blocks in [long, short] {
+                assert!(2 * (blocks.shared() + 1024) <= 233_472, "{}", blocks.kernel());
+            }
+        }
+        let wide = FlashBlocks::for_step(shape, 2048, 132, true);
+        assert_eq!(
+            (wide.threads(), wide.kernel().as_str()),
+            (256, "flash_attention_wg_128_2")
+        );
+        // Tiles of 128 queries, 4 buffers of 64 keys, 1024 bytes to align.
+        assert_eq!(wide.shared(), (4 * 64 + 128) * 128 * 2 + 1024);
     }
 
     #[test]

@@ -13,7 +13,8 @@
 // or 128. The output goes out in f32, or in the f16 or bf16 (`out_type`) that the output
 // projection's GEMM reads. With `turns` (rope_kv_write's angles for each token, every dimension
 // rotated, pairs as `pairing` says), the queries come unrotated and are rotated here as they are
-// loaded: prefill's queries then make one trip through memory instead of three.
+// loaded: prefill's queries then make one trip through memory instead of three. On Hopper,
+// flash_attention_wg.cu does the same on the warpgroup MMAs, with this file's helpers.
 //
 // Fragment layouts of mma.m16n8k16 (lane = 4 * g + c): A holds rows g and g + 8, columns
 // 2c, 2c + 1 and 2c + 8, 2c + 9; B holds column g, rows 2c, 2c + 1 and 2c + 8, 2c + 9; the f32
@@ -77,6 +78,164 @@ __device__ __forceinline__ float row_max(float v) {
 #define FA_ADJACENT 1
 #define FA_HALVES 2
 
+// The rotated pair of dimensions d, d + 1 (d even) of a query row, scaled, as two f16.
+template <int D, int ROTATION>
+__device__ __forceinline__ u32 query_pair(const float* row, const float2* angles, int d, float scale) {
+    constexpr int HALF = D / 2;
+    float2 x = *(const float2*)(row + d), v = x;
+    if (ROTATION == FA_ADJACENT) {
+        float2 cs = angles[d / 2];
+        v = make_float2(x.x * cs.x - x.y * cs.y, x.x * cs.y + x.y * cs.x);
+    } else if (ROTATION == FA_HALVES) {
+        bool first_half = d < HALF;
+        int i = first_half ? d : d - HALF;
+        float2 y = *(const float2*)(row + (first_half ? d + HALF : d - HALF));
+        float4 cs = *(const float4*)(angles + i);  // pairs i and i + 1
+        v = first_half ? make_float2(x.x * cs.x - y.x * cs.y, x.y * cs.z - y.y * cs.w)
+                       : make_float2(y.x * cs.y + x.x * cs.x, y.y * cs.w + x.y * cs.z);
+    }
+    return pack_f16(v.x * scale, v.y * scale);
+}
+
+// A lane's query rows (rows g and g + 8 of each of its warp's GROUPS groups of 16) go to shared
+// memory as f16, scaled, rotated where `turns` is given: dimensions d, d + 1 and d + 8, d + 9 of
+// each 16, d = 2c, each pair to `at(row, d)`. A row past the tile (row_pos -1) reads the tile's
+// first and is zeroed, so that the loads need no branch. (The loops over a lane's rows are
+// unrolled here and in the kernels, so that rows, row_pos and the outputs are indexed by constants:
+// a run-time index would put them in local memory.)
+template <int D, int GROUPS, typename At>
+__device__ __forceinline__ void load_queries(const float* q, const float2* turns, int pairing, u32 first,
+                                             const int (&rows)[GROUPS][2], const int (&row_pos)[GROUPS][2],
+                                             int n_heads, int h, int c, At at) {
+    const float scale = rsqrtf((float)D) * 1.4426950408889634f;  // 1/sqrt(D) * log2(e)
+    auto load = [&](auto rotation) {
+        constexpr int R = decltype(rotation)::value;
+#pragma unroll
+        for (int gr = 0; gr < GROUPS; gr++)
+#pragma unroll
+            for (int r = 0; r < 2; r++) {
+                bool valid = row_pos[gr][r] >= 0;
+                u64 token = first + (valid ? rows[gr][r] : 0);
+                const float* row = q + (token * n_heads + h) * D;
+                const float2* angles = R == FA_NOT_ROTATED ? nullptr : turns + token * (D / 2);
+#pragma unroll
+                for (int d = 2 * c; d < D; d += 8) {
+                    u32 pair = query_pair<D, R>(row, angles, d, scale);
+                    *at(rows[gr][r], d) = valid ? pair : 0u;
+                }
+            }
+    };
+    if (!turns || pairing == FA_NOT_ROTATED)
+        load(Constant<FA_NOT_ROTATED>{});
+    else if (pairing == FA_ADJACENT)
+        load(Constant<FA_ADJACENT>{});
+    else
+        load(Constant<FA_HALVES>{});
+}
+
+// One tile of KEYS keys through the online softmax: S's scores (in the MMA's C layout, keys
+// kt..) masked where `masked` says a key may be later than a row, each row's base raised where its
+// scores pass it by FA_RESCALE_ABOVE (the sums and outputs so far rescaled, for the whole warp at
+// once), and the probabilities packed as the A fragments of O += P V (S's C layout is P's A
+// layout). A row that has seen nothing stays at zero.
+template <int GROUPS, int KEYS, int D>
+__device__ __forceinline__ void online_softmax(float (&s)[GROUPS][KEYS / 8][4], float (&m)[GROUPS][2],
+                                               float (&l)[GROUPS][2], float (&o)[GROUPS][D / 8][4],
+                                               u32 (&pa)[GROUPS][KEYS / 16][4], bool masked, int kt, int c,
+                                               const int (&row_pos)[GROUPS][2]) {
+    const float NEG_INF = __int_as_float(0xff800000u);
+    // The mask as a branch of its own: made per value, its tests ran in every tile.
+    if (masked) {
+        for (int gr = 0; gr < GROUPS; gr++)
+            for (int j = 0; j < KEYS / 8; j++)
+                for (int e = 0; e < 4; e++)
+                    if (kt + 8 * j + 2 * c + e % 2 > row_pos[gr][e / 2]) s[gr][j][e] = NEG_INF;
+    }
+    float tile_max[GROUPS][2];
+    bool rises = false;
+    for (int gr = 0; gr < GROUPS; gr++) {
+        tile_max[gr][0] = tile_max[gr][1] = NEG_INF;
+        for (int j = 0; j < KEYS / 8; j++)
+            for (int e = 0; e < 4; e++) tile_max[gr][e / 2] = fmaxf(tile_max[gr][e / 2], s[gr][j][e]);
+        for (int r = 0; r < 2; r++) {
+            tile_max[gr][r] = row_max(tile_max[gr][r]);
+            rises |= tile_max[gr][r] > m[gr][r] + FA_RESCALE_ABOVE;
+        }
+    }
+    if (__any_sync(0xffffffffu, rises)) {
+        for (int gr = 0; gr < GROUPS; gr++) {
+            float correction[2];
+            for (int r = 0; r < 2; r++) {
+                float m_new = fmaxf(m[gr][r], tile_max[gr][r]);
+                // 0 for a row's first keys (from -inf); a row still without any stays at zero.
+                correction[r] = m_new == NEG_INF ? 1.0f : fast_exp2(m[gr][r] - m_new);
+                m[gr][r] = m_new;
+                l[gr][r] *= correction[r];
+            }
+            for (int n = 0; n < D / 8; n++) {
+                o[gr][n][0] *= correction[0];
+                o[gr][n][1] *= correction[0];
+                o[gr][n][2] *= correction[1];
+                o[gr][n][3] *= correction[1];
+            }
+        }
+    }
+    for (int gr = 0; gr < GROUPS; gr++) {
+        float base[2], partial[2] = {0.0f, 0.0f};
+        for (int r = 0; r < 2; r++) base[r] = m[gr][r] == NEG_INF ? 0.0f : m[gr][r];
+        for (int j = 0; j < KEYS / 8; j++)
+            for (int e = 0; e < 4; e++) {
+                s[gr][j][e] = fast_exp2(s[gr][j][e] - base[e / 2]);
+                partial[e / 2] += s[gr][j][e];
+            }
+        for (int r = 0; r < 2; r++) l[gr][r] += partial[r];
+        for (int kk = 0; kk < KEYS / 16; kk++) {
+            pa[gr][kk][0] = pack_f16(s[gr][2 * kk][0], s[gr][2 * kk][1]);
+            pa[gr][kk][1] = pack_f16(s[gr][2 * kk][2], s[gr][2 * kk][3]);
+            pa[gr][kk][2] = pack_f16(s[gr][2 * kk + 1][0], s[gr][2 * kk + 1][1]);
+            pa[gr][kk][3] = pack_f16(s[gr][2 * kk + 1][2], s[gr][2 * kk + 1][3]);
+        }
+    }
+}
+
+// A lane's output rows, divided by their sums, as f32 or as the 16-bit `out_type`.
+template <int GROUPS, int D>
+__device__ __forceinline__ void store_rows(const float (&o)[GROUPS][D / 8][4], const float (&l)[GROUPS][2],
+                                           const int (&rows)[GROUPS][2], const int (&row_pos)[GROUPS][2],
+                                           u32 first, int n_heads, int h, int c, void* out, int out_type) {
+#pragma unroll
+    for (int gr = 0; gr < GROUPS; gr++) {
+        float total[2] = {row_sum(l[gr][0]), row_sum(l[gr][1])};  // every lane shuffles, before any leaves
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            if (row_pos[gr][r] < 0) continue;
+            u64 at = ((u64)(first + rows[gr][r]) * n_heads + h) * D + 2 * c;
+            float inv = 1.0f / total[r];
+            if (out_type == TY_F32) {
+                for (int n = 0; n < D / 8; n++)
+                    *(float2*)((float*)out + at + 8 * n) =
+                        make_float2(o[gr][n][2 * r] * inv, o[gr][n][2 * r + 1] * inv);
+            } else {
+                for (int n = 0; n < D / 8; n++)
+                    *(u32*)((u16*)out + at + 8 * n) = to_16bit(o[gr][n][2 * r] * inv, out_type) |
+                                                      (u32)to_16bit(o[gr][n][2 * r + 1] * inv, out_type) << 16;
+            }
+        }
+    }
+}
+
+// A lane's rows (g and g + 8 of each of the GROUPS groups of 16 from `warp_first`) and their
+// positions (-1: past the tile, sees nothing). Positions are far below 2^31.
+template <int GROUPS>
+__device__ __forceinline__ void lane_rows(int (&rows)[GROUPS][2], int (&row_pos)[GROUPS][2], int warp_first, int g,
+                                          u32 pos0, u32 count) {
+    for (int gr = 0; gr < GROUPS; gr++)
+        for (int r = 0; r < 2; r++) {
+            rows[gr][r] = warp_first + 16 * gr + 8 * r + g;
+            row_pos[gr][r] = rows[gr][r] < (int)count ? (int)(pos0 + rows[gr][r]) : -1;
+        }
+}
+
 template <int D, int GROUPS>
 __device__ void flash_attention(const float* q, const u16* k_cache, const u16* v_cache, const u32* positions,
                                 const u32* tables, int table_width, const u32* token_seqs, int page_size,
@@ -90,7 +249,6 @@ __device__ void flash_attention(const float* q, const u16* k_cache, const u16* v
     extern __shared__ __align__(16) u8 fa_shared[];
     const u32 k_shared = shared_address(fa_shared), v_shared = k_shared + 2 * BUFFER, q_shared = v_shared + 2 * BUFFER;
     begin_after_inputs();
-    const float NEG_INF = __int_as_float(0xff800000u);
     int h = blockIdx.x, tile = gridDim.y - 1 - blockIdx.y;
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
     u32 first = tiles[2 * tile], count = tiles[2 * tile + 1];
@@ -99,61 +257,14 @@ __device__ void flash_attention(const float* q, const u16* k_cache, const u16* v
     const u32* table = tables + (u64)token_seqs[first] * table_width;
     int kv_width = n_kv_heads * D, kv_off = (h / (n_heads / n_kv_heads)) * D;
 
-    // This lane's rows of the tile (rows g and g + 8 of each of the warp's groups), and their
-    // positions (-1: past the tile, sees nothing). Positions are far below 2^31.
     const int warp_first = ROWS * warp;
     int rows[GROUPS][2], row_pos[GROUPS][2];
-    for (int gr = 0; gr < GROUPS; gr++)
-        for (int r = 0; r < 2; r++) {
-            rows[gr][r] = warp_first + 16 * gr + 8 * r + g;
-            row_pos[gr][r] = rows[gr][r] < (int)count ? (int)(pos0 + rows[gr][r]) : -1;
-        }
+    lane_rows(rows, row_pos, warp_first, g, pos0, count);
     // The warp's last query position: later key tiles are all masked for it and skipped (-1: all
     // its rows are past the tile).
     const int warp_last = warp_first < (int)count ? (int)pos0 + min(warp_first + ROWS, (int)count) - 1 : -1;
-
-    // The warp's query rows go to shared memory as f16, scaled, rotated where `turns` is given:
-    // each lane writes dimensions d, d + 1 (and d + 8, d + 9) of each 16, d = 2c, of its rows. A
-    // row past the tile reads the tile's first and is zeroed, so that the loads need no branch.
-    const float scale = rsqrtf((float)D) * 1.4426950408889634f;  // 1/sqrt(D) * log2(e)
-    // (The loops over a lane's rows are unrolled here and at the end, so that rows, row_pos and o
-    // are indexed by constants: a run-time index would put them in local memory.)
-    auto load_queries = [&](auto rotation) {
-        constexpr int HALF = D / 2;
-#pragma unroll
-        for (int gr = 0; gr < GROUPS; gr++)
-#pragma unroll
-            for (int r = 0; r < 2; r++) {
-                bool valid = row_pos[gr][r] >= 0;
-                u64 token = first + (valid ? rows[gr][r] : 0);
-                const float* row = q + (token * n_heads + h) * D;
-                const float2* angles =
-                    decltype(rotation)::value == FA_NOT_ROTATED ? nullptr : turns + token * HALF;
-                u32* to = (u32*)(fa_shared + 4 * BUFFER + rows[gr][r] * ROW);
-#pragma unroll
-                for (int d = 2 * c; d < D; d += 8) {  // below HALF exactly where d is
-                    float2 x = *(const float2*)(row + d), v = x;
-                    if (decltype(rotation)::value == FA_ADJACENT) {
-                        float2 cs = angles[d / 2];
-                        v = make_float2(x.x * cs.x - x.y * cs.y, x.x * cs.y + x.y * cs.x);
-                    } else if (decltype(rotation)::value == FA_HALVES) {
-                        bool first_half = d < HALF;
-                        int i = first_half ? d : d - HALF;
-                        float2 y = *(const float2*)(row + (first_half ? d + HALF : d - HALF));
-                        float4 cs = *(const float4*)(angles + i);  // pairs i and i + 1
-                        v = first_half ? make_float2(x.x * cs.x - y.x * cs.y, x.y * cs.z - y.y * cs.w)
-                                       : make_float2(y.x * cs.y + x.x * cs.x, y.y * cs.w + x.y * cs.z);
-                    }
-                    to[d / 2] = valid ? pack_f16(v.x * scale, v.y * scale) : 0u;
-                }
-            }
-    };
-    if (!turns || pairing == FA_NOT_ROTATED)
-        load_queries(Constant<FA_NOT_ROTATED>{});
-    else if (pairing == FA_ADJACENT)
-        load_queries(Constant<FA_ADJACENT>{});
-    else
-        load_queries(Constant<FA_HALVES>{});
+    load_queries<D>(q, turns, pairing, first, rows, row_pos, n_heads, h, c,
+                    [&](int row, int d) { return (u32*)(fa_shared + 4 * BUFFER + row * ROW) + d / 2; });
     // (The loop's first barrier makes them visible to the warp's ldmatrix.)
 
     float o[GROUPS][D / 8][4];
@@ -161,8 +272,8 @@ __device__ void flash_attention(const float* q, const u16* k_cache, const u16* v
         for (int n = 0; n < D / 8; n++) o[gr][n][0] = o[gr][n][1] = o[gr][n][2] = o[gr][n][3] = 0.0f;
     // m: the base of each row's exponentials (at most FA_RESCALE_ABOVE below its largest score).
     float m[GROUPS][2], l[GROUPS][2];
-    for (int gr = 0; gr < GROUPS; gr++) m[gr][0] = m[gr][1] = NEG_INF, l[gr][0] = l[gr][1] = 0.0f;
-
+    for (int gr = 0; gr < GROUPS; gr++)
+        m[gr][0] = m[gr][1] = __int_as_float(0xff800000u), l[gr][0] = l[gr][1] = 0.0f;
     // A thread copies the same 16 bytes of every COPY_STEP-th key of a tile: its shared offsets and
     // cache columns stay, only the keys' cache rows change.
     constexpr int CHUNKS = D / 8, COPY_STEP = FA_WARPS * 32 / CHUNKS, COPIES = FA_KEYS / COPY_STEP;
@@ -238,64 +349,8 @@ __device__ void flash_attention(const float* q, const u16* k_cache, const u16* v
                         for (int j = 0; j < FA_KEYS / 8; j++)
                             mma_f16(s[gr][j], qf[i][gr][t], kf[i][j][2 * t], kf[i][j][2 * t + 1]);
             }
-            // The mask as a branch of its own: made per value, its tests ran in every tile.
-            if (masked) {
-                for (int gr = 0; gr < GROUPS; gr++)
-                    for (int j = 0; j < FA_KEYS / 8; j++)
-                        for (int e = 0; e < 4; e++)
-                            if ((int)kt + 8 * j + 2 * c + e % 2 > row_pos[gr][e / 2]) s[gr][j][e] = NEG_INF;
-            }
-            float tile_max[GROUPS][2];
-            for (int gr = 0; gr < GROUPS; gr++) {
-                tile_max[gr][0] = tile_max[gr][1] = NEG_INF;
-                for (int j = 0; j < FA_KEYS / 8; j++)
-                    for (int e = 0; e < 4; e++) tile_max[gr][e / 2] = fmaxf(tile_max[gr][e / 2], s[gr][j][e]);
-            }
-
-            // Online softmax. A row's base rises only when its scores pass it by FA_RESCALE_ABOVE,
-            // and then what was summed so far is rescaled to the new one, for the whole warp at once.
-            bool rises = false;
-            for (int gr = 0; gr < GROUPS; gr++)
-                for (int r = 0; r < 2; r++) {
-                    tile_max[gr][r] = row_max(tile_max[gr][r]);
-                    rises |= tile_max[gr][r] > m[gr][r] + FA_RESCALE_ABOVE;
-                }
-            if (__any_sync(0xffffffffu, rises)) {
-                for (int gr = 0; gr < GROUPS; gr++) {
-                    float correction[2];
-                    for (int r = 0; r < 2; r++) {
-                        float m_new = fmaxf(m[gr][r], tile_max[gr][r]);
-                        // 0 for a row's first keys (from -inf); a row still without any stays at zero.
-                        correction[r] = m_new == NEG_INF ? 1.0f : fast_exp2(m[gr][r] - m_new);
-                        m[gr][r] = m_new;
-                        l[gr][r] *= correction[r];
-                    }
-                    for (int n = 0; n < D / 8; n++) {
-                        o[gr][n][0] *= correction[0];
-                        o[gr][n][1] *= correction[0];
-                        o[gr][n][2] *= correction[1];
-                        o[gr][n][3] *= correction[1];
-                    }
-                }
-            }
-            // P, packed as the A fragments of O += P V; a row that has seen nothing stays at zero.
             u32 pa[GROUPS][FA_KEYS / 16][4];
-            for (int gr = 0; gr < GROUPS; gr++) {
-                float base[2], partial[2] = {0.0f, 0.0f};
-                for (int r = 0; r < 2; r++) base[r] = m[gr][r] == NEG_INF ? 0.0f : m[gr][r];
-                for (int j = 0; j < FA_KEYS / 8; j++)
-                    for (int e = 0; e < 4; e++) {
-                        s[gr][j][e] = fast_exp2(s[gr][j][e] - base[e / 2]);
-                        partial[e / 2] += s[gr][j][e];
-                    }
-                for (int r = 0; r < 2; r++) l[gr][r] += partial[r];
-                for (int kk = 0; kk < FA_KEYS / 16; kk++) {
-                    pa[gr][kk][0] = pack_f16(s[gr][2 * kk][0], s[gr][2 * kk][1]);
-                    pa[gr][kk][1] = pack_f16(s[gr][2 * kk][2], s[gr][2 * kk][3]);
-                    pa[gr][kk][2] = pack_f16(s[gr][2 * kk + 1][0], s[gr][2 * kk + 1][1]);
-                    pa[gr][kk][3] = pack_f16(s[gr][2 * kk + 1][2], s[gr][2 * kk + 1][3]);
-                }
-            }
+            online_softmax<GROUPS, FA_KEYS, D>(s, m, l, o, pa, masked, (int)kt, c, row_pos);
 
             // O += P V, P straight from S's registers; each step's V fragments load during the step
             // before and serve every group. Step i: keys 16 kk.. (then 16 kk + 8..) against
@@ -320,25 +375,7 @@ __device__ void flash_attention(const float* q, const u16* k_cache, const u16* v
         __syncthreads();
     }
 
-#pragma unroll
-    for (int gr = 0; gr < GROUPS; gr++) {
-        float total[2] = {row_sum(l[gr][0]), row_sum(l[gr][1])};  // every lane shuffles, before any leaves
-#pragma unroll
-        for (int r = 0; r < 2; r++) {
-            if (row_pos[gr][r] < 0) continue;
-            u64 at = ((u64)(first + rows[gr][r]) * n_heads + h) * D + 2 * c;
-            float inv = 1.0f / total[r];
-            if (out_type == TY_F32) {
-                for (int n = 0; n < D / 8; n++)
-                    *(float2*)((float*)out + at + 8 * n) =
-                        make_float2(o[gr][n][2 * r] * inv, o[gr][n][2 * r + 1] * inv);
-            } else {
-                for (int n = 0; n < D / 8; n++)
-                    *(u32*)((u16*)out + at + 8 * n) = to_16bit(o[gr][n][2 * r] * inv, out_type) |
-                                                      (u32)to_16bit(o[gr][n][2 * r + 1] * inv, out_type) << 16;
-            }
-        }
-    }
+    store_rows<GROUPS, D>(o, l, rows, row_pos, first, n_heads, h, c, out, out_type);
 }
 
 // Three blocks a multiprocessor of one group a warp, two of two (a thread then holds 64 output
