@@ -36,7 +36,7 @@ fn program_source() -> String {
         .collect()
 }
 
-/// Compiles the kernels for `arch` (e.g. "sm_90") to a cubin. Needs only NVRTC, not a GPU.
+/// Compiles the kernels for `arch` (e.g. "sm_90a") to a cubin. Needs only NVRTC, not a GPU.
 pub fn compile(arch: &str) -> Result<Vec<u8>> {
     // SAFETY: only probes for the shared library.
     if !unsafe { nvrtc_sys::is_culib_present() } {
