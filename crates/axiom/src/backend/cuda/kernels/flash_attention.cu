@@ -71,6 +71,7 @@ __device__ __forceinline__ float row_max(float v) {
 // far from its range, and a rescale (a multiply of every output value) becomes rare after a
 // row's first keys.
 #define FA_RESCALE_ABOVE 8.0f
+#define FA_NEG_INF __int_as_float(0xff800000u)
 
 // How the queries' dimensions pair for RoPE (`pairing`): not rotated here, adjacent (2i, 2i + 1),
 // or halves apart (i, i + D/2); each load of the queries is compiled apart (Constant).
@@ -143,7 +144,7 @@ __device__ __forceinline__ void online_softmax(float (&s)[GROUPS][KEYS / 8][4], 
                                                float (&l)[GROUPS][2], float (&o)[GROUPS][D / 8][4],
                                                u32 (&pa)[GROUPS][KEYS / 16][4], bool masked, int kt, int c,
                                                const int (&row_pos)[GROUPS][2]) {
-    const float NEG_INF = __int_as_float(0xff800000u);
+    const float NEG_INF = FA_NEG_INF;
     // The mask as a branch of its own: made per value, its tests ran in every tile.
     if (masked) {
         for (int gr = 0; gr < GROUPS; gr++)
@@ -236,11 +237,98 @@ __device__ __forceinline__ void lane_rows(int (&rows)[GROUPS][2], int (&row_pos)
         }
 }
 
+// The loop over a block's key tiles of KEYS keys, two shared buffers in turn: the next tile's
+// keys and values are copied from the paged cache while `work(kt, buffer)` runs on this one,
+// between two barriers. A thread copies the same 16-byte chunk of the head for keys copy_key,
+// copy_key + STEP, ...: the first to `chunk_at(copy_key, chunk)` bytes into a buffer, each next
+// `STEP * row_bytes` further. The cache rows of its next keys are looked up a tile before the
+// copies, so that the table's loads have a tile's work to arrive in (a layer's cache has far
+// fewer than 2^32 rows); keys past the last are zeros. ASYNC_PROXY: wgmma reads the tiles.
+template <int D, int KEYS, int THREADS, bool ASYNC_PROXY, typename ChunkAt, typename Work>
+__device__ __forceinline__ void over_key_tiles(const u16* k_cache, const u16* v_cache, const u32* table, int page_size,
+                                               u32 n_keys, int kv_width, int kv_off, u32 k_shared, u32 v_shared,
+                                               u32 buffer_bytes, u32 row_bytes, ChunkAt chunk_at, Work work) {
+    constexpr int CHUNKS = D / 8, STEP = THREADS / CHUNKS, COPIES = KEYS / STEP;
+    const u32 copy_key = threadIdx.x / CHUNKS, chunk = threadIdx.x % CHUNKS;
+    const u32 copy_to = chunk_at(copy_key, chunk);
+    const u16* k_from = k_cache + kv_off + 8 * chunk;
+    const u16* v_from = v_cache + kv_off + 8 * chunk;
+    u32 cache_rows[COPIES];
+    auto look_up = [&](u32 kt) {
+        for (int i = 0; i < COPIES; i++) {
+            u32 p = kt + copy_key + i * STEP;
+            cache_rows[i] = (u32)page_row(table, page_size, p < n_keys ? p : 0);
+        }
+    };
+    auto stage = [&](u32 buf, u32 kt) {
+        for (int i = 0; i < COPIES; i++) {
+            bool valid = kt + copy_key + i * STEP < n_keys;
+            u32 to = buf * buffer_bytes + copy_to + i * STEP * row_bytes;
+            u64 at = (u64)cache_rows[i] * kv_width;
+            copy_async16(k_shared + to, k_from + at, valid);
+            copy_async16(v_shared + to, v_from + at, valid);
+        }
+        asm volatile("cp.async.commit_group;" ::: "memory");
+    };
+    look_up(0);
+    stage(0, 0);
+    look_up(KEYS);
+    for (u32 kt = 0, buf = 0; kt < n_keys; kt += KEYS, buf ^= 1) {
+        // The next tile's copies go out (an empty group after the last), then this tile's are
+        // awaited.
+        if (kt + KEYS < n_keys) {
+            stage(buf ^ 1, kt + KEYS);
+            look_up(kt + 2 * KEYS);
+        } else
+            asm volatile("cp.async.commit_group;" ::: "memory");
+        asm volatile("cp.async.wait_group 1;" ::: "memory");
+        // Copies (and the queries' stores) go through the generic proxy; wgmma reads through the
+        // async one.
+        if (ASYNC_PROXY) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        __syncthreads();
+        work(kt, buf);
+        __syncthreads();
+    }
+}
+
+// A block's tile of queries (grid: heads, then tiles from the last, see the host) and where its
+// keys are: the tile's last query sees positions 0..n_keys-1 of its sequence's cache.
+struct QueryTile {
+    int h;
+    u32 first, count, pos0, n_keys;
+    const u32* table;
+    int kv_width, kv_off;
+};
+template <int D>
+__device__ __forceinline__ QueryTile query_tile(const u32* tiles, const u32* positions, const u32* tables,
+                                                int table_width, const u32* token_seqs, int n_heads, int n_kv_heads) {
+    QueryTile t;
+    t.h = blockIdx.x;
+    int tile = gridDim.y - 1 - blockIdx.y;
+    t.first = tiles[2 * tile], t.count = tiles[2 * tile + 1];
+    t.pos0 = positions[t.first];
+    t.n_keys = t.pos0 + t.count;
+    t.table = tables + (u64)token_seqs[t.first] * table_width;
+    t.kv_width = n_kv_heads * D, t.kv_off = (t.h / (n_heads / n_kv_heads)) * D;
+    return t;
+}
+
+// The kernels' parameters, and their names as arguments.
+#define FLASH_ATTENTION_PARAMS                                                                                   \
+    const float *q, const u16 *k_cache, const u16 *v_cache, const u32 *positions, const u32 *tables,           \
+        int table_width, const u32 *token_seqs, int page_size, const u32 *tiles, const float2 *turns, int pairing, \
+        void *out, int out_type, int n_heads, int n_kv_heads
+#define FLASH_ATTENTION_ARGS                                                                                     \
+    q, k_cache, v_cache, positions, tables, table_width, token_seqs, page_size, tiles, turns, pairing, out, out_type, \
+        n_heads, n_kv_heads
+// The kernel NAME_D_N, NAME<D, N> under launch bounds of THREADS and BLOCKS.
+#define FLASH_ATTENTION_KERNEL(NAME, D, N, THREADS, BLOCKS)                                                      \
+    extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS) NAME##_##D##_##N(FLASH_ATTENTION_PARAMS) {  \
+        NAME<D, N>(FLASH_ATTENTION_ARGS);                                                                      \
+    }
+
 template <int D, int GROUPS>
-__device__ void flash_attention(const float* q, const u16* k_cache, const u16* v_cache, const u32* positions,
-                                const u32* tables, int table_width, const u32* token_seqs, int page_size,
-                                const u32* tiles, const float2* turns, int pairing, void* out, int out_type,
-                                int n_heads, int n_kv_heads) {
+__device__ void flash_attention(FLASH_ATTENTION_PARAMS) {
     // Rows padded by 16 bytes, so that ldmatrix's eight rows fall in distinct banks. Shared memory
     // is addressed by 32-bit offsets from these bases, the constant parts folded into immediates:
     // two buffers of keys, two of values, then the block's queries (FlashBlocks::shared).
@@ -249,13 +337,9 @@ __device__ void flash_attention(const float* q, const u16* k_cache, const u16* v
     extern __shared__ __align__(16) u8 fa_shared[];
     const u32 k_shared = shared_address(fa_shared), v_shared = k_shared + 2 * BUFFER, q_shared = v_shared + 2 * BUFFER;
     begin_after_inputs();
-    int h = blockIdx.x, tile = gridDim.y - 1 - blockIdx.y;
+    const QueryTile t = query_tile<D>(tiles, positions, tables, table_width, token_seqs, n_heads, n_kv_heads);
+    const u32 first = t.first, count = t.count, pos0 = t.pos0;
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
-    u32 first = tiles[2 * tile], count = tiles[2 * tile + 1];
-    u32 pos0 = positions[first];
-    u32 n_keys = pos0 + count;  // the tile's last query sees positions 0..n_keys-1
-    const u32* table = tables + (u64)token_seqs[first] * table_width;
-    int kv_width = n_kv_heads * D, kv_off = (h / (n_heads / n_kv_heads)) * D;
 
     const int warp_first = ROWS * warp;
     int rows[GROUPS][2], row_pos[GROUPS][2];
@@ -263,7 +347,7 @@ __device__ void flash_attention(const float* q, const u16* k_cache, const u16* v
     // The warp's last query position: later key tiles are all masked for it and skipped (-1: all
     // its rows are past the tile).
     const int warp_last = warp_first < (int)count ? (int)pos0 + min(warp_first + ROWS, (int)count) - 1 : -1;
-    load_queries<D>(q, turns, pairing, first, rows, row_pos, n_heads, h, c,
+    load_queries<D>(q, turns, pairing, first, rows, row_pos, n_heads, t.h, c,
                     [&](int row, int d) { return (u32*)(fa_shared + 4 * BUFFER + row * ROW) + d / 2; });
     // (The loop's first barrier makes them visible to the warp's ldmatrix.)
 
@@ -272,56 +356,17 @@ __device__ void flash_attention(const float* q, const u16* k_cache, const u16* v
         for (int n = 0; n < D / 8; n++) o[gr][n][0] = o[gr][n][1] = o[gr][n][2] = o[gr][n][3] = 0.0f;
     // m: the base of each row's exponentials (at most FA_RESCALE_ABOVE below its largest score).
     float m[GROUPS][2], l[GROUPS][2];
-    for (int gr = 0; gr < GROUPS; gr++)
-        m[gr][0] = m[gr][1] = __int_as_float(0xff800000u), l[gr][0] = l[gr][1] = 0.0f;
-    // A thread copies the same 16 bytes of every COPY_STEP-th key of a tile: its shared offsets and
-    // cache columns stay, only the keys' cache rows change.
-    constexpr int CHUNKS = D / 8, COPY_STEP = FA_WARPS * 32 / CHUNKS, COPIES = FA_KEYS / COPY_STEP;
-    const u32 copy_key = threadIdx.x / CHUNKS, copy_to = copy_key * ROW + 16 * (threadIdx.x % CHUNKS);
-    const u16* k_from = k_cache + kv_off + 8 * (threadIdx.x % CHUNKS);
-    const u16* v_from = v_cache + kv_off + 8 * (threadIdx.x % CHUNKS);
-    // The cache rows of the keys a thread copies next, looked up a tile before the copies: the
-    // table's loads then have a tile's work to arrive in. (A layer's cache has far fewer than 2^32
-    // rows.)
-    u32 cache_rows[COPIES];
-    auto look_up = [&](u32 kt) {
-        for (int i = 0; i < COPIES; i++) {
-            u32 p = kt + copy_key + i * COPY_STEP;
-            cache_rows[i] = (u32)page_row(table, page_size, p < n_keys ? p : 0);
-        }
-    };
-    // Copies the keys and values of positions kt.. (looked up) into buffer buf (zeros past the
-    // last one).
-    auto stage = [&](u32 buf, u32 kt) {
-        for (int i = 0; i < COPIES; i++) {
-            bool valid = kt + copy_key + i * COPY_STEP < n_keys;
-            u32 to = buf * BUFFER + copy_to + i * COPY_STEP * ROW;
-            u64 at = (u64)cache_rows[i] * kv_width;
-            copy_async16(k_shared + to, k_from + at, valid);
-            copy_async16(v_shared + to, v_from + at, valid);
-        }
-        asm volatile("cp.async.commit_group;" ::: "memory");
-    };
+    for (int gr = 0; gr < GROUPS; gr++) m[gr][0] = m[gr][1] = FA_NEG_INF, l[gr][0] = l[gr][1] = 0.0f;
     // Where this lane's ldmatrix rows start: keys (lane % 8) at dimensions 8 (lane / 8).., for
     // S; keys 8 (lane / 8 % 2) + lane % 8 at dimensions 8 (lane / 16).., for V (transposed); the
     // warp's query rows lane % 16 at dimensions 8 (lane / 16).., for Q (A fragments).
     const u32 k_lane = k_shared + (lane % 8) * ROW + 16 * (lane / 8);
     const u32 v_lane = v_shared + (8 * (lane / 8 % 2) + lane % 8) * ROW + 16 * (lane / 16);
     const u32 q_lane = q_shared + (warp_first + lane % 16) * ROW + 16 * (lane / 16);
-    look_up(0);
-    stage(0, 0);
-    look_up(FA_KEYS);
-    for (u32 kt = 0, buf = 0; kt < n_keys; kt += FA_KEYS, buf ^= 1) {
-        // The next tile's copies go out (an empty group after the last), then this tile's are
-        // awaited.
-        if (kt + FA_KEYS < n_keys) {
-            stage(buf ^ 1, kt + FA_KEYS);
-            look_up(kt + 2 * FA_KEYS);
-        } else
-            asm volatile("cp.async.commit_group;" ::: "memory");
-        asm volatile("cp.async.wait_group 1;" ::: "memory");
-        __syncthreads();
-        if ((int)kt <= warp_last) {
+    over_key_tiles<D, FA_KEYS, FA_WARPS * 32, false>(
+        k_cache, v_cache, t.table, page_size, t.n_keys, t.kv_width, t.kv_off, k_shared, v_shared, BUFFER, ROW,
+        [](u32 key, u32 chunk) { return key * ROW + 16 * chunk; }, [&](u32 kt, u32 buf) {
+            if ((int)kt > warp_last) return;  // every key here is later than the warp's rows
             bool masked = kt + FA_KEYS > pos0 + warp_first;  // some key here is later than a row
 
             // S = Q K^T for this warp's rows and the tile's keys: dimensions outside, keys and
@@ -371,24 +416,15 @@ __device__ void flash_attention(const float* q, const u16* k_cache, const u16* v
                     mma_f16(o[gr][n + 1], pa[gr][kk], vf[i % 2][2], vf[i % 2][3]);
                 }
             }
-        }
-        __syncthreads();
-    }
+        });
 
-    store_rows<GROUPS, D>(o, l, rows, row_pos, first, n_heads, h, c, out, out_type);
+    store_rows<GROUPS, D>(o, l, rows, row_pos, first, n_heads, t.h, c, out, out_type);
 }
 
 // Three blocks a multiprocessor of one group a warp, two of two (a thread then holds 64 output
 // values a group, heads of 128).
-#define FLASH_ATTENTION(D, GROUPS)                                                                             \
-    extern "C" __global__ void __launch_bounds__(FA_WARPS * 32, GROUPS == 1 ? 3 : 2)                            \
-        flash_attention_##D##_##GROUPS(const float* q, const u16* k, const u16* v, const u32* positions,        \
-                                       const u32* tables, int table_width, const u32* token_seqs, int page_size, \
-                                       const u32* tiles, const float2* turns, int pairing, void* out,           \
-                                       int out_type, int n_heads, int n_kv_heads) {                            \
-        flash_attention<D, GROUPS>(q, k, v, positions, tables, table_width, token_seqs, page_size, tiles, turns, \
-                                   pairing, out, out_type, n_heads, n_kv_heads);                                \
-    }
+#define FLASH_ATTENTION(D, GROUPS) \
+    FLASH_ATTENTION_KERNEL(flash_attention, D, GROUPS, FA_WARPS * 32, GROUPS == 1 ? 3 : 2)
 FLASH_ATTENTION(64, 1)
 FLASH_ATTENTION(64, 2)
 FLASH_ATTENTION(128, 1)

@@ -85,10 +85,7 @@ __device__ __forceinline__ void wgmma_values(float (&o)[N][4], const u32 (&p)[4]
 }
 
 template <int D, int WGS>
-__device__ void flash_attention_wg(const float* q, const u16* k_cache, const u16* v_cache, const u32* positions,
-                                   const u32* tables, int table_width, const u32* token_seqs, int page_size,
-                                   const u32* tiles, const float2* turns, int pairing, void* out, int out_type,
-                                   int n_heads, int n_kv_heads) {
+__device__ void flash_attention_wg(FLASH_ATTENTION_PARAMS) {
     // Bytes: a panel of the block's queries, of a key or value tile, and a whole tile.
     constexpr int ROWS = 64 * WGS, PANELS = D / 64;
     constexpr u32 Q_PANEL = ROWS * 128, KV_PANEL = FW_KEYS * 128, KV_TILE = PANELS * KV_PANEL;
@@ -98,13 +95,9 @@ __device__ void flash_attention_wg(const float* q, const u16* k_cache, const u16
     const u32 k_shared = q_shared + PANELS * Q_PANEL, v_shared = k_shared + 2 * KV_TILE;
     u8* const q_generic = fw_shared + (q_shared - unaligned);
     begin_after_inputs();
-    int h = blockIdx.x, tile = gridDim.y - 1 - blockIdx.y;
+    const QueryTile t = query_tile<D>(tiles, positions, tables, table_width, token_seqs, n_heads, n_kv_heads);
+    const u32 pos0 = t.pos0, count = t.count;
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
-    u32 first = tiles[2 * tile], count = tiles[2 * tile + 1];
-    u32 pos0 = positions[first];
-    u32 n_keys = pos0 + count;
-    const u32* table = tables + (u64)token_seqs[first] * table_width;
-    int kv_width = n_kv_heads * D, kv_off = (h / (n_heads / n_kv_heads)) * D;
 
     // Warp w holds rows 16w.. of the accumulators; its warpgroup 64 (w / 4)...
     const int warp_first = 16 * warp, group_first = 64 * (warp / 4);
@@ -113,53 +106,19 @@ __device__ void flash_attention_wg(const float* q, const u16* k_cache, const u16
     // The warpgroup's last query position: it skips later key tiles, all masked for it.
     const int group_last =
         group_first < (int)count ? (int)pos0 + min(group_first + 64, (int)count) - 1 : -1;
-    load_queries<D>(q, turns, pairing, first, rows, row_pos, n_heads, h, c, [&](int row, int d) {
+    load_queries<D>(q, turns, pairing, t.first, rows, row_pos, n_heads, t.h, c, [&](int row, int d) {
         return (u32*)(q_generic + d / 64 * Q_PANEL + swizzled(row, d % 64 / 8) + d % 8 * 2);
     });
 
     float o[1][D / 8][4];
     for (int n = 0; n < D / 8; n++) o[0][n][0] = o[0][n][1] = o[0][n][2] = o[0][n][3] = 0.0f;
-    float m[1][2] = {{__int_as_float(0xff800000u), __int_as_float(0xff800000u)}}, l[1][2] = {{0.0f, 0.0f}};
+    float m[1][2] = {{FA_NEG_INF, FA_NEG_INF}}, l[1][2] = {{0.0f, 0.0f}};
 
-    // A thread copies the same 16-byte chunk of every COPY_STEP-th key of a tile (a multiple of
-    // 8 keys, so its swizzled offset moves by whole rows).
-    constexpr int CHUNKS = D / 8, COPY_STEP = WGS * 128 / CHUNKS, COPIES = FW_KEYS / COPY_STEP;
-    const u32 copy_key = threadIdx.x / CHUNKS, chunk = threadIdx.x % CHUNKS;
-    const u32 copy_to = chunk / 8 * KV_PANEL + swizzled(copy_key, chunk % 8);
-    const u16* k_from = k_cache + kv_off + 8 * chunk;
-    const u16* v_from = v_cache + kv_off + 8 * chunk;
-    u32 cache_rows[COPIES];
-    auto look_up = [&](u32 kt) {
-        for (int i = 0; i < COPIES; i++) {
-            u32 p = kt + copy_key + i * COPY_STEP;
-            cache_rows[i] = (u32)page_row(table, page_size, p < n_keys ? p : 0);
-        }
-    };
-    auto stage = [&](u32 buf, u32 kt) {
-        for (int i = 0; i < COPIES; i++) {
-            bool valid = kt + copy_key + i * COPY_STEP < n_keys;
-            u32 to = buf * KV_TILE + copy_to + i * COPY_STEP * 128;
-            u64 at = (u64)cache_rows[i] * kv_width;
-            copy_async16(k_shared + to, k_from + at, valid);
-            copy_async16(v_shared + to, v_from + at, valid);
-        }
-        asm volatile("cp.async.commit_group;" ::: "memory");
-    };
-    look_up(0);
-    stage(0, 0);
-    look_up(FW_KEYS);
-    for (u32 kt = 0, buf = 0; kt < n_keys; kt += FW_KEYS, buf ^= 1) {
-        if (kt + FW_KEYS < n_keys) {
-            stage(buf ^ 1, kt + FW_KEYS);
-            look_up(kt + 2 * FW_KEYS);
-        } else
-            asm volatile("cp.async.commit_group;" ::: "memory");
-        asm volatile("cp.async.wait_group 1;" ::: "memory");
-        // The copies and the queries' stores were made through the generic proxy; wgmma reads
-        // through the async one.
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-        __syncthreads();
-        if ((int)kt <= group_last) {
+    // The copies' steps are a multiple of 8 keys, so a chunk's swizzled offset moves by whole rows.
+    over_key_tiles<D, FW_KEYS, WGS * 128, true>(
+        k_cache, v_cache, t.table, page_size, t.n_keys, t.kv_width, t.kv_off, k_shared, v_shared, KV_TILE, 128,
+        [](u32 key, u32 chunk) { return chunk / 8 * KV_PANEL + swizzled(key, chunk % 8); }, [&](u32 kt, u32 buf) {
+            if ((int)kt > group_last) return;  // every key here is later than the warpgroup's rows
             bool masked = kt + FW_KEYS > pos0 + warp_first;
             float s[1][FW_KEYS / 8][4];
             const u32 k_tile = k_shared + buf * KV_TILE;
@@ -184,22 +143,13 @@ __device__ void flash_attention_wg(const float* q, const u16* k_cache, const u16
             wgmma_commit();
             wgmma_wait();
             fence_registers(o[0]);
-        }
-        __syncthreads();
-    }
+        });
 
-    store_rows<1, D>(o, l, rows, row_pos, first, n_heads, h, c, out, out_type);
+    store_rows<1, D>(o, l, rows, row_pos, t.first, n_heads, t.h, c, out, out_type);
 }
 
-#define FLASH_ATTENTION_WG(D, WGS)                                                                              \
-    extern "C" __global__ void __launch_bounds__(WGS * 128, 2)                                                 \
-        flash_attention_wg_##D##_##WGS(const float* q, const u16* k, const u16* v, const u32* positions,       \
-                                       const u32* tables, int table_width, const u32* token_seqs, int page_size, \
-                                       const u32* tiles, const float2* turns, int pairing, void* out,           \
-                                       int out_type, int n_heads, int n_kv_heads) {                            \
-        flash_attention_wg<D, WGS>(q, k, v, positions, tables, table_width, token_seqs, page_size, tiles, turns, \
-                                   pairing, out, out_type, n_heads, n_kv_heads);                                \
-    }
+// Two blocks a multiprocessor (128 registers a thread for blocks of two warpgroups).
+#define FLASH_ATTENTION_WG(D, WGS) FLASH_ATTENTION_KERNEL(flash_attention_wg, D, WGS, WGS * 128, 2)
 FLASH_ATTENTION_WG(64, 1)
 FLASH_ATTENTION_WG(64, 2)
 FLASH_ATTENTION_WG(128, 1)
