@@ -22,12 +22,8 @@ fn cuda(kv_type: KvType) -> CudaBackend {
 /// query rows a block, on the warpgroup MMAs): the backend's own choice takes blocks of 128 rows
 /// only for steps of thousands of tokens, and mma.sync only where there are no warpgroup MMAs.
 fn flash_attention_kernels() -> Vec<impl Fn(KvType) -> CudaBackend> {
-    let warpgroups: &[bool] = if cuda(KvType::F16).has_warpgroup_mma() {
-        &[false, true]
-    } else {
-        &[false]
-    };
-    let kernels = warpgroups.iter().flat_map(|&wg| [(1, wg), (2, wg)]);
+    let kinds = cuda(KvType::F16).flash_attention_kinds();
+    let kernels = kinds.iter().flat_map(|&wg| [(1, wg), (2, wg)]);
     kernels
         .map(|(groups, wg)| move |kv_type| cuda(kv_type).with_flash_kernel(groups, wg).unwrap())
         .collect()

@@ -127,6 +127,15 @@ pub fn has_warpgroup_mma(arch: &str) -> bool {
     arch == "sm_90a"
 }
 
+/// The flash-attention kernels compiled for `arch`, by whether they run on the warpgroup MMAs.
+pub fn flash_attention_kinds(arch: &str) -> &'static [bool] {
+    if has_warpgroup_mma(arch) {
+        &[false, true]
+    } else {
+        &[false]
+    }
+}
+
 /// Every kernel the backend launches on a device of `arch`.
 pub fn kernel_names(arch: &str) -> Vec<String> {
     let mut names: Vec<String> = [
@@ -169,13 +178,8 @@ pub fn kernel_names(arch: &str) -> Vec<String> {
         }
     }
     names.extend(quantized.iter().map(|ty| format!("dequant_f16_{ty}")));
-    let flash_kinds: &[bool] = if has_warpgroup_mma(arch) {
-        &[false, true]
-    } else {
-        &[false]
-    };
     for head_dim in [64, 128] {
-        for &warpgroups in flash_kinds {
+        for &warpgroups in flash_attention_kinds(arch) {
             names.extend([1, 2].map(|groups| flash_attention_kernel(head_dim, groups, warpgroups)));
         }
     }

@@ -96,8 +96,9 @@ const MAX_GRID_Y: u32 = 65535;
 /// fragment loads and about a quarter fewer instructions an MMA). Either way blocks of 128
 /// queries are too few to fill the GPU in short steps.
 /// 8B bf16 on the H200, a layer's flash attention (ncu): 2048 tokens 154 -> 136 us with two
-/// groups on mma.sync; 512 tokens 26.8 us with the kernel of old (queries in registers), 28.0 with
-/// one group, 31.7 with two (128 blocks on 132 multiprocessors).
+/// groups on mma.sync, 96-98 us on the warpgroup MMAs; 512 tokens 26.8 us with the mma.sync kernel
+/// of old (queries in registers), 28.0 with one group, 31.7 with two (128 blocks on 132
+/// multiprocessors).
 #[derive(Clone, Copy)]
 struct FlashBlocks {
     head_dim: usize,
@@ -327,7 +328,7 @@ impl CudaBackend {
         };
         let quantize_padding = quantize_padding(&device, kernels.get("quantize_q8")?)?;
         let flash_warpgroups = kernels::has_warpgroup_mma(device.arch);
-        let flash_head_dims = flash_head_dims(&device, &kernels, flash_warpgroups)?;
+        let flash_head_dims = flash_head_dims(&device, &kernels)?;
         // SAFETY: only probes for the shared library.
         if !unsafe { cublas_sys::is_culib_present() } {
             return Err(Error::Backend("cuBLAS (libcublas.so) is not installed".into()));
@@ -379,7 +380,7 @@ impl CudaBackend {
                 "flash attention takes 1 or 2 groups of 64 query rows a block, not {groups}"
             )));
         }
-        if warpgroups && !self.flash_warpgroups {
+        if !self.flash_attention_kinds().contains(&warpgroups) {
             return Err(Error::Backend(format!(
                 "no warpgroup MMAs on {} (they need sm_90a)",
                 self.device.arch
@@ -389,9 +390,9 @@ impl CudaBackend {
         Ok(self)
     }
 
-    /// Whether this device runs flash attention on the warpgroup MMAs.
-    pub fn has_warpgroup_mma(&self) -> bool {
-        self.flash_warpgroups
+    /// The flash-attention kernels this device has, by whether they run on the warpgroup MMAs.
+    pub fn flash_attention_kinds(&self) -> &'static [bool] {
+        kernels::flash_attention_kinds(self.device.arch)
     }
 
     fn kv_suffix(&self) -> &'static str {
@@ -1242,17 +1243,19 @@ fn quantize_padding(device: &CudaDevice, f: &cudarc::driver::CudaFunction) -> Re
 
 /// The head sizes flash attention takes on this device (64 and 128 where a block may have their
 /// shared memory: not on compute capability 7.5), each kernel allowed its dynamic shared memory.
-fn flash_head_dims(device: &CudaDevice, kernels: &Kernels, warpgroups: bool) -> Result<Vec<usize>> {
+fn flash_head_dims(device: &CudaDevice, kernels: &Kernels) -> Result<Vec<usize>> {
     let mut dims = Vec::new();
     for head_dim in [64, 128] {
         let mut fits = true;
-        for (groups, warpgroups) in [(1, false), (2, false), (1, warpgroups), (2, warpgroups)] {
-            let blocks = FlashBlocks {
-                head_dim,
-                groups,
-                warpgroups,
-            };
-            fits &= blocks.shared() <= allow_dynamic_shared(device, kernels.get(&blocks.kernel())?)?;
+        for &warpgroups in kernels::flash_attention_kinds(device.arch) {
+            for groups in [1, 2] {
+                let blocks = FlashBlocks {
+                    head_dim,
+                    groups,
+                    warpgroups,
+                };
+                fits &= blocks.shared() <= allow_dynamic_shared(device, kernels.get(&blocks.kernel())?)?;
+            }
         }
         if fits {
             dims.push(head_dim);
