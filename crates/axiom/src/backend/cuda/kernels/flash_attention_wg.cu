@@ -2,9 +2,9 @@
 // flash_attention.cu, sharing its query loads, online softmax and stores, with a warpgroup (four
 // warps) for each 64 query rows and WGS warpgroups a block. S = Q K^T reads both operands from
 // shared memory; O += P V takes P from registers (S's accumulator layout is the A operand's, as with
-// mma.sync) and V from shared memory. One instruction multiplies 64 rows by 64 keys (or by the
-// whole head) over 16 dimensions, where mma.sync takes 16 by 8: for the 8B bf16 at 2048 tokens on
-// the H200, a layer's attention takes 96-98 us against 136-137 (ncu).
+// mma.sync) and V from shared memory. One instruction takes 64 rows by 64 keys over 16 dimensions
+// (S), or 64 rows by the whole head over 16 keys (P V), where mma.sync takes 16 by 8 by 16: for the
+// 8B bf16 at 2048 tokens on the H200, a layer's attention takes 96-98 us against 136-137 (ncu).
 //
 // Shared memory holds every tile in wgmma's 128-byte swizzled layout: panels of 64 dimensions (128
 // bytes a row), rows in groups of eight (1024 bytes), the 16-byte chunk c of row r stored at chunk
@@ -99,7 +99,8 @@ __device__ void flash_attention_wg(FLASH_ATTENTION_PARAMS) {
     const u32 pos0 = t.pos0, count = t.count;
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
 
-    // Warp w holds rows 16w.. of the accumulators; its warpgroup 64 (w / 4)...
+    // Warp w holds the tile's query rows 16w..16w + 15 in its warpgroup's accumulators, which
+    // hold rows 64 (w / 4)...
     const int warp_first = 16 * warp, group_first = 64 * (warp / 4);
     int rows[1][2], row_pos[1][2];
     lane_rows(rows, row_pos, warp_first, g, pos0, count);
