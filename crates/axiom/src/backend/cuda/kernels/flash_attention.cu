@@ -314,10 +314,10 @@ __device__ __forceinline__ QueryTile query_tile(const u32* tiles, const u32* pos
 }
 
 // The kernels' parameters, and their names as arguments.
-#define FLASH_ATTENTION_PARAMS                                                                                   \
-    const float *q, const u16 *k_cache, const u16 *v_cache, const u32 *positions, const u32 *tables,           \
-        int table_width, const u32 *token_seqs, int page_size, const u32 *tiles, const float2 *turns, int pairing, \
-        void *out, int out_type, int n_heads, int n_kv_heads
+#define FLASH_ATTENTION_PARAMS                                                                                 \
+    const float* q, const u16* k_cache, const u16* v_cache, const u32* positions, const u32* tables,          \
+        int table_width, const u32* token_seqs, int page_size, const u32* tiles, const float2* turns, int pairing, \
+        void* out, int out_type, int n_heads, int n_kv_heads
 #define FLASH_ATTENTION_ARGS                                                                                     \
     q, k_cache, v_cache, positions, tables, table_width, token_seqs, page_size, tiles, turns, pairing, out, out_type, \
         n_heads, n_kv_heads
