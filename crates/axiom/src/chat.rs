@@ -5,6 +5,7 @@
 use crate::{Error, Result};
 use minijinja::{context, Environment, ErrorKind};
 use serde::{Deserialize, Serialize};
+use std::ops::Range;
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Message {
@@ -20,6 +21,53 @@ impl Message {
         }
     }
 }
+
+/// A rendered chat prompt that knows where the messages' content lies in it, so that the
+/// tokenizer can read the template's control tokens as such and the content as plain text
+/// (`Tokenizer::encode_chat`).
+#[derive(Debug, Clone)]
+pub struct RenderedChat {
+    text: String,
+    pub(crate) content: ContentSpans,
+}
+
+#[derive(Debug, Clone)]
+pub(crate) enum ContentSpans {
+    /// Byte ranges of the text that are message content, in order.
+    Placed(Vec<Range<usize>>),
+    /// The template changes content in a way not recognised: the contents, to check instead.
+    Unplaced(Vec<String>),
+}
+
+impl RenderedChat {
+    /// The prompt text, as `ChatTemplate::render` gives it.
+    pub fn text(&self) -> &str {
+        &self.text
+    }
+
+    /// The part from byte `start` on (a character boundary), for a conversation that has
+    /// already run the text before it.
+    pub fn tail(&self, start: usize) -> RenderedChat {
+        let content = match &self.content {
+            ContentSpans::Placed(spans) => ContentSpans::Placed(
+                spans
+                    .iter()
+                    .filter(|s| s.end > start)
+                    .map(|s| s.start.max(start) - start..s.end - start)
+                    .collect(),
+            ),
+            unplaced => unplaced.clone(),
+        };
+        RenderedChat {
+            text: self.text[start..].to_owned(),
+            content,
+        }
+    }
+}
+
+/// Stands in for message `i`'s content to find where the template puts it: private-use
+/// characters that no template writes, around a number.
+const MARK: char = '\u{10FFFD}';
 
 pub struct ChatTemplate {
     env: Environment<'static>,
@@ -66,6 +114,55 @@ impl ChatTemplate {
             })
             .map_err(template_error)
     }
+
+    /// `render`, and where each message's content lies in the text.
+    ///
+    /// The template is rendered a second time with a marker for each content, which gives its
+    /// own text around them; the real text must be that with each content (or the content
+    /// trimmed, as Llama 3's template does) in place of its marker. When it is not, the content
+    /// is left unplaced and `Tokenizer::encode_chat` refuses special-token text in it.
+    pub fn render_chat(&self, messages: &[Message], add_generation_prompt: bool) -> Result<RenderedChat> {
+        let text = self.render(messages, add_generation_prompt)?;
+        let marked: Vec<Message> = messages
+            .iter()
+            .enumerate()
+            .map(|(i, m)| Message::new(&m.role, &format!("{MARK}{i}{MARK}")))
+            .collect();
+        let spans = self
+            .render(&marked, add_generation_prompt)
+            .ok()
+            .and_then(|outline| place_content(&text, &outline, messages));
+        let content = match spans {
+            Some(spans) => ContentSpans::Placed(spans),
+            None => ContentSpans::Unplaced(messages.iter().map(|m| m.content.clone()).collect()),
+        };
+        Ok(RenderedChat { text, content })
+    }
+}
+
+/// Where the contents lie in `text`, given `outline`, the same render with markers for them.
+fn place_content(text: &str, outline: &str, messages: &[Message]) -> Option<Vec<Range<usize>>> {
+    // Template text and message numbers alternate between the markers.
+    let parts: Vec<&str> = outline.split(MARK).collect();
+    let mut spans = Vec::new();
+    let mut pos = 0;
+    for (k, part) in parts.iter().enumerate() {
+        if k % 2 == 0 {
+            pos += text.get(pos..)?.starts_with(part).then_some(part.len())?;
+            continue;
+        }
+        let content = &messages.get(part.parse::<usize>().ok()?)?.content;
+        let after = parts.get(k + 1).copied().unwrap_or("");
+        let placed = [content.as_str(), content.trim()].into_iter().find(|c| {
+            let rest = &text[pos..];
+            rest.starts_with(c) && rest[c.len()..].starts_with(after)
+        })?;
+        if !placed.is_empty() {
+            spans.push(pos..pos + placed.len());
+        }
+        pos += placed.len();
+    }
+    (pos == text.len()).then_some(spans)
 }
 
 fn template_error(e: minijinja::Error) -> Error {

@@ -5,10 +5,14 @@
 //! pre-tokenizer that `tokenizer.ggml.pre` names, or SentencePiece-style BPE (`llama`) with
 //! merges derived from the token scores.
 
+use crate::chat::{ContentSpans, RenderedChat};
 use crate::format::gguf::{GgufFile, Value};
 use crate::{Error, Result};
 use serde_json::{json, Value as Json};
 use std::collections::HashSet;
+use std::ops::Range;
+use tokenizers::pre_tokenizers::metaspace::PrependScheme;
+use tokenizers::{OffsetReferential, OffsetType, PreTokenizerWrapper};
 
 /// GGUF token types (`llama_token_type`).
 const TOKEN_TYPE_CONTROL: i64 = 3;
@@ -32,10 +36,22 @@ const END_OF_GENERATION_TEXTS: &[&str] = &[
     "<|eom_id|>",
 ];
 
+/// Normalizers can shrink text before the vocabulary sees it: Unicode compatibility forms and
+/// case mapping turn one character into a shorter one, at most 4 bytes into 1 (NFKC "𝐀" to "A").
+const NORMALIZER_SHRINK: usize = 4;
+
 pub struct Tokenizer {
-    /// The pipeline. Its flag for treating special-token text as ordinary text is set per call,
-    /// under the lock (one copy of the vocabulary rather than two).
-    inner: std::sync::Mutex<tokenizers::Tokenizer>,
+    /// Reads special-token text such as `<|im_start|>` as the special token.
+    parsing: tokenizers::Tokenizer,
+    /// The same pipeline reading special-token text as plain text. A second copy rather than one
+    /// whose flag is flipped per call, so that encoding (a long prompt may take seconds) never
+    /// holds a lock the decoding of running streams waits on.
+    plain: tokenizers::Tokenizer,
+    /// `plain` for text that does not start the input, where the tokenizer would not prepend
+    /// SentencePiece's "▁" (`prepend_scheme: first`); `None` when that changes nothing.
+    plain_continued: Option<tokenizers::Tokenizer>,
+    /// The most input bytes one token can stand for, `None` when unbounded.
+    max_token_bytes: Option<usize>,
     tokens: Vec<String>,
     pub bos: Option<u32>,
     pub eos: Option<u32>,
@@ -121,14 +137,7 @@ impl Tokenizer {
             }
         }
         let add_bos = flag("tokenizer.ggml.add_bos_token").unwrap_or(model == "llama");
-        Ok(Tokenizer {
-            inner: std::sync::Mutex::new(inner),
-            tokens,
-            bos,
-            eos,
-            add_bos,
-            end_of_generation,
-        })
+        Ok(Tokenizer::new(inner, tokens, bos, eos, add_bos, end_of_generation))
     }
 
     /// From a Hugging Face model directory: `tokenizer.json`, with BOS/EOS from
@@ -177,14 +186,33 @@ impl Tokenizer {
             }
         }
         end_of_generation.retain(|&id| (id as usize) < n);
-        Ok(Tokenizer {
-            inner: std::sync::Mutex::new(inner),
+        Ok(Tokenizer::new(inner, tokens, bos, eos, add_bos, end_of_generation))
+    }
+
+    fn new(
+        mut parsing: tokenizers::Tokenizer,
+        tokens: Vec<String>,
+        bos: Option<u32>,
+        eos: Option<u32>,
+        add_bos: bool,
+        end_of_generation: HashSet<u32>,
+    ) -> Tokenizer {
+        parsing.set_encode_special_tokens(false);
+        let mut plain = parsing.clone();
+        plain.set_encode_special_tokens(true);
+        let plain_continued = without_first_prefix(&plain);
+        let max_token_bytes = max_token_bytes(&parsing);
+        Tokenizer {
+            parsing,
+            plain,
+            plain_continued,
+            max_token_bytes,
             tokens,
             bos,
             eos,
             add_bos,
             end_of_generation,
-        })
+        }
     }
 
     pub fn vocab_size(&self) -> usize {
@@ -194,10 +222,8 @@ impl Tokenizer {
     /// Token ids of `text`; `parse_special` matches control-token text such as `<|im_start|>`.
     /// Adds BOS when the model asks for it and `add_bos` is set.
     pub fn encode(&self, text: &str, parse_special: bool, add_bos: bool) -> Result<Vec<u32>> {
-        let mut tk = self.inner.lock().unwrap_or_else(|p| p.into_inner());
-        tk.set_encode_special_tokens(!parse_special);
+        let tk = if parse_special { &self.parsing } else { &self.plain };
         let encoding = tk.encode_fast(text, false).map_err(tok_err)?;
-        drop(tk);
         let mut ids = Vec::with_capacity(encoding.len() + 1);
         if add_bos && self.add_bos {
             ids.extend(self.bos);
@@ -208,11 +234,96 @@ impl Tokenizer {
 
     /// Text of `ids`; control tokens are left out when `skip_special`.
     pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String> {
-        self.inner
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .decode(ids, skip_special)
-            .map_err(tok_err)
+        self.parsing.decode(ids, skip_special).map_err(tok_err)
+    }
+
+    /// A lower bound on the number of tokens any text of `bytes` bytes encodes to (either mode),
+    /// to refuse a prompt too long for the context without tokenizing it. Characters the
+    /// vocabulary has no token for are dropped by the tokenizer (as by llama.cpp) and are not
+    /// covered: text made of them encodes to fewer tokens.
+    pub fn min_tokens(&self, bytes: usize) -> usize {
+        self.max_token_bytes.map_or(0, |most| bytes.div_ceil(most))
+    }
+
+    /// Token ids of a rendered chat prompt: the template's control tokens are read as such, the
+    /// messages' content as plain text, so that `<|im_end|>` typed in a message cannot end its
+    /// turn. Prompts whose content holds no special-token text get exactly `encode(text, true,
+    /// false)`; BOS is never added, as templates write it themselves.
+    pub fn encode_chat(&self, chat: &RenderedChat) -> Result<Vec<u32>> {
+        let text = chat.text();
+        let content = match &chat.content {
+            ContentSpans::Placed(spans) => spans,
+            ContentSpans::Unplaced(contents) => {
+                if contents.iter().any(|c| !self.special_matches(c).is_empty()) {
+                    return Err(Error::Template(
+                        "a message holds special-token text, and the chat template changes message \
+                         content in a way that hides where it is in the prompt"
+                            .into(),
+                    ));
+                }
+                return self.encode(text, true, false);
+            }
+        };
+        let mut kept = Vec::new();
+        let mut forged = false;
+        for (range, id) in self.special_matches(text) {
+            // A token told to strip whitespace may take some from the content beside it.
+            let matched = &text[range.clone()];
+            let start = range.start + matched.len() - matched.trim_start().len();
+            let core = start..start + matched.trim().len();
+            let in_content: usize = content.iter().map(|c| overlap(c, &core)).sum();
+            if in_content == 0 {
+                kept.push((range, id));
+            } else if in_content == core.len() {
+                forged = true;
+            } else {
+                return Err(Error::Template(format!(
+                    "message content runs into the chat template's special token {:?}",
+                    &text[core]
+                )));
+            }
+        }
+        if !forged {
+            return self.encode(text, true, false);
+        }
+        // What lies between the template's own special tokens is encoded as plain text, as the
+        // tokenizer itself encodes the text between the special tokens it finds.
+        let mut ids = Vec::new();
+        let mut start = 0;
+        for (range, id) in kept {
+            ids.extend(self.encode_run(&text[start..range.start], start == 0)?);
+            ids.push(id);
+            start = range.end;
+        }
+        ids.extend(self.encode_run(&text[start..], start == 0)?);
+        Ok(ids)
+    }
+
+    /// Where `parsing` finds special tokens in `text`, and their ids.
+    fn special_matches(&self, text: &str) -> Vec<(Range<usize>, u32)> {
+        let added = self.parsing.get_added_vocabulary();
+        let specials = added.get_added_tokens_decoder();
+        let splits = added.extract_and_normalize(self.parsing.get_normalizer(), text);
+        splits
+            .get_splits(OffsetReferential::Original, OffsetType::Byte)
+            .into_iter()
+            .filter_map(|(_, (start, end), tokens)| {
+                let id = tokens.as_ref()?.first()?.id;
+                specials.get(&id)?.special.then_some((start..end, id))
+            })
+            .collect()
+    }
+
+    /// Plain-text ids of part of an input, `first` when it starts the input.
+    fn encode_run(&self, text: &str, first: bool) -> Result<Vec<u32>> {
+        if text.is_empty() {
+            return Ok(Vec::new());
+        }
+        let tk = match &self.plain_continued {
+            Some(continued) if !first => continued,
+            _ => &self.plain,
+        };
+        Ok(tk.encode_fast(text, false).map_err(tok_err)?.get_ids().to_vec())
     }
 
     /// The vocabulary entry of a token (e.g. "Ġworld").
@@ -230,7 +341,7 @@ impl Tokenizer {
 
     /// Name of the tokenizer model for `axiom info`.
     pub fn describe(&self) -> String {
-        let kind = match self.inner.lock().unwrap_or_else(|p| p.into_inner()).get_model() {
+        let kind = match self.parsing.get_model() {
             tokenizers::ModelWrapper::BPE(_) => "BPE",
             _ => "other",
         };
@@ -240,6 +351,56 @@ impl Tokenizer {
             self.end_of_generation.len()
         )
     }
+}
+
+fn overlap(a: &Range<usize>, b: &Range<usize>) -> usize {
+    a.end.min(b.end).saturating_sub(a.start.max(b.start))
+}
+
+/// `tk` with a Metaspace pre-tokenizer that prepends "▁" to the start of the input changed to
+/// never prepend it; `None` when `tk` has none.
+fn without_first_prefix(tk: &tokenizers::Tokenizer) -> Option<tokenizers::Tokenizer> {
+    fn never(pre: &mut PreTokenizerWrapper) -> bool {
+        match pre {
+            PreTokenizerWrapper::Metaspace(m) if m.get_prepend_scheme() == PrependScheme::First => {
+                m.set_prepend_scheme(PrependScheme::Never);
+                true
+            }
+            PreTokenizerWrapper::Sequence(seq) => {
+                // Every one in the sequence, not only the first.
+                seq.as_mut()
+                    .iter_mut()
+                    .map(never)
+                    .fold(false, |any, changed| any | changed)
+            }
+            _ => false,
+        }
+    }
+    let mut pre = tk.get_pre_tokenizer()?.clone();
+    never(&mut pre).then(|| {
+        let mut continued = tk.clone();
+        continued.with_pre_tokenizer(Some(pre));
+        continued
+    })
+}
+
+/// The most input bytes one token can stand for: the longest vocabulary entry in UTF-8, since
+/// no entry is shorter than what it stands for (a byte-level BPE character stands for one byte
+/// and is 1 or 2 bytes long, SentencePiece's 3-byte "▁" for one space, "<0x41>" for one byte),
+/// times what a normalizer may shrink the text by. Unbounded when an added token strips the
+/// whitespace beside it, however long.
+fn max_token_bytes(tk: &tokenizers::Tokenizer) -> Option<usize> {
+    let added = tk.get_added_vocabulary().get_added_tokens_decoder();
+    if added.values().any(|t| t.lstrip || t.rstrip) {
+        return None;
+    }
+    let longest = tk.get_vocab(true).keys().map(String::len).max()?;
+    let shrink = if tk.get_normalizer().is_some() {
+        NORMALIZER_SHRINK
+    } else {
+        1
+    };
+    Some(longest * shrink)
 }
 
 fn string_array(file: &GgufFile, key: &str) -> Result<Vec<String>> {

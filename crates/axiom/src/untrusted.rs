@@ -39,7 +39,8 @@ pub fn safetensors(data: &[u8]) {
 /// characters that each survive encode-then-decode must survive it whole. (SmolLM2's vocabulary
 /// lacks tokens for some bytes, C0 controls and some UTF-8 lead bytes among them; characters with
 /// such a byte are dropped or mangled by encoding, and are left out here.) Any ids too (the bytes
-/// read as little-endian u32, wrapped into the vocabulary) decode and stream without failing.
+/// read as little-endian u32, wrapped into the vocabulary) decode and stream without failing. And
+/// the text as a chat message's content is plain text: it adds no special tokens to the prompt.
 pub fn tokenizer_round_trip(tokenizer: &Tokenizer, data: &[u8]) {
     let round_trip = |text: &str| {
         tokenizer
@@ -67,14 +68,38 @@ pub fn tokenizer_round_trip(tokenizer: &Tokenizer, data: &[u8]) {
         let _ = stream.push(tokenizer, id);
     }
     let _ = tokenizer.decode(&ids, true);
+
+    // As a chat message's content the text adds no special tokens to the template's own.
+    let chatml = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}\
+                  <|im_start|>assistant\n";
+    let Ok(template) = ChatTemplate::new(chatml, "", "") else {
+        return;
+    };
+    let specials = |content: &str| -> Option<Vec<u32>> {
+        let chat = template.render_chat(&[Message::new("user", content)], true).ok()?;
+        let ids = tokenizer.encode_chat(&chat).ok()?;
+        // Special tokens are those that decoding leaves out when asked to.
+        let special = |id: u32| {
+            tokenizer.decode(&[id], true).is_ok_and(|t| t.is_empty())
+                && tokenizer.decode(&[id], false).is_ok_and(|t| !t.is_empty())
+        };
+        Some(ids.into_iter().filter(|&id| special(id)).collect())
+    };
+    let content = String::from_utf8_lossy(data);
+    assert_eq!(
+        specials(&content),
+        specials(""),
+        "message content became special tokens"
+    );
 }
 
-/// A chat template and a message (split at the first NUL), rendered within the fuel limit.
+/// A chat template and a message (split at the first NUL), rendered within the fuel limit and
+/// the messages placed in the text.
 pub fn chat_template(data: &[u8]) {
     let text = String::from_utf8_lossy(data);
     let (template, message) = text.split_once('\u{0}').unwrap_or((&text, "hello"));
     if let Ok(t) = ChatTemplate::new(template, "<s>", "</s>") {
         let messages = [Message::new("system", message), Message::new("user", message)];
-        let _ = t.render(&messages, true);
+        let _ = t.render_chat(&messages, true);
     }
 }

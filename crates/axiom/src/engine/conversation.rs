@@ -85,17 +85,15 @@ impl Conversation {
         self.transcript.messages.push(Message::new("user", user));
         let mut dropped_turns = 0;
         let (text, new_tokens) = loop {
-            let text = template.render(&self.messages(), true)?;
-            let new_tokens = match text
-                .strip_prefix(self.cached_text.as_str())
-                .filter(|_| !self.cached_text.is_empty())
-            {
-                Some(rest) => session.tokenizer.encode(rest, true, false)?,
-                None => {
-                    self.forget_cache(&mut session.model);
-                    session.tokenizer.encode(&text, true, false)?
-                }
+            let chat = template.render_chat(&self.messages(), true)?;
+            let cached = !self.cached_text.is_empty() && chat.text().starts_with(self.cached_text.as_str());
+            let new_tokens = if cached {
+                session.tokenizer.encode_chat(&chat.tail(self.cached_text.len()))?
+            } else {
+                self.forget_cache(&mut session.model);
+                session.tokenizer.encode_chat(&chat)?
             };
+            let text = chat.text().to_owned();
             let needed = self.kv.len() + new_tokens.len() + options.max_tokens.max(1);
             // Drop the oldest exchange (never the system message, never the new message).
             if needed > self.kv.capacity() && self.transcript.messages.len() > 1 {

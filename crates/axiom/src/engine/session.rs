@@ -165,13 +165,13 @@ impl<B: Backend> Session<B> {
     }
 
     /// Token ids for a conversation rendered with the model's chat template and an open
-    /// assistant turn. The template supplies BOS itself, as in transformers' `apply_chat_template`.
+    /// assistant turn, the messages' content read as plain text. The template supplies BOS
+    /// itself, as in transformers' `apply_chat_template`.
     pub fn chat_prompt(&self, messages: &[Message]) -> Result<Vec<u32>> {
         let template = self
             .chat_template
             .as_ref()
             .ok_or_else(|| Error::Template("the model has no chat template".into()))?;
-        let text = template.render(messages, true)?;
-        self.tokenizer.encode(&text, true, false)
+        self.tokenizer.encode_chat(&template.render_chat(messages, true)?)
     }
 }
