@@ -2,7 +2,8 @@
 # The test suite, as CI runs it. Installs what it needs if missing: g++ (Debian), for the Metal
 # kernels run on the CPU, and NVRTC (PyPI), which compiles every CUDA kernel in a test (no GPU is
 # needed for that). Then it runs every default test.
-# Then `axiom serve` is checked through the official OpenAI Python client (installed if missing).
+# Then `axiom serve` is checked through the official OpenAI Python client (installed if missing),
+# against hostile clients, and by a one-minute soak.
 # The GPU tests are separate: scripts/cuda_device_tests.sh, on a machine with an NVIDIA GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,3 +24,5 @@ cargo test --release --workspace "$@"
 python3 -c "import openai" 2>/dev/null || python3 -m pip install --quiet --disable-pip-version-check openai
 cargo build --release --quiet -p axiom-cli
 python3 scripts/test_openai.py target/release/axiom
+python3 scripts/test_hardening.py target/release/axiom
+python3 scripts/soak.py --axiom target/release/axiom --duration 60

@@ -48,6 +48,8 @@ class Server:
         else:
             raise RuntimeError("server did not start")
         threading.Thread(target=self._drain, daemon=True).start()
+        # Sent with `get` (an API key, say).
+        self.headers = {}
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=300)
 
     def _drain(self):
@@ -55,7 +57,8 @@ class Server:
             self.log.append(line)
 
     def get(self, path):
-        with urllib.request.urlopen(self.url + path, timeout=30) as r:
+        request = urllib.request.Request(self.url + path, headers=self.headers)
+        with urllib.request.urlopen(request, timeout=30) as r:
             return r.read().decode()
 
     def metric(self, name):

@@ -162,8 +162,14 @@ struct Output {
 
 fn main() {
     let cli = Cli::parse();
-    let filter = if cli.verbose { "axiom=debug,info" } else { "warn" };
+    // The server's access log (target axiom::access) is on unless AXIOM_LOG says otherwise.
+    let filter = if cli.verbose {
+        "axiom=debug,info"
+    } else {
+        "warn,axiom::access=info"
+    };
     tracing_subscriber::fmt()
+        .with_ansi(std::io::stderr().is_terminal())
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("AXIOM_LOG").unwrap_or_else(|_| filter.into()))
         .with_writer(std::io::stderr)
         .init();

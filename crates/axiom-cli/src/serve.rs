@@ -8,8 +8,10 @@ use axiom::engine::scheduler::{Scheduler, SchedulerConfig};
 use axiom::engine::session::read_config;
 use axiom::engine::Session;
 use axiom::model::llama::LoadOptions;
+use axiom_server::callers::CallerPolicy;
+use axiom_server::connections::ConnectionLimits;
 use axiom_server::metrics::ServerMetrics;
-use axiom_server::{AppState, BodyLimits};
+use axiom_server::{AppState, ServerOptions};
 use clap::Args;
 use std::sync::Arc;
 use std::time::Duration;
@@ -41,6 +43,36 @@ pub struct ServeArgs {
     /// Seconds a client may take to send its request body before it gets 408.
     #[arg(long, default_value_t = 30.0)]
     read_timeout: f64,
+    /// Seconds a connection may take to send a request's headers before it is closed.
+    #[arg(long, default_value_t = 10.0)]
+    header_timeout: f64,
+    /// Seconds a connection may stay open with no request in flight.
+    #[arg(long, default_value_t = 5.0)]
+    keep_alive_timeout: f64,
+    /// Most connections open at once; past it a connection gets 503 and is closed.
+    #[arg(long, default_value_t = 1024)]
+    max_connections: usize,
+    /// Seconds open requests may take to finish after SIGTERM or Ctrl-C; then every connection
+    /// is closed.
+    #[arg(long, default_value_t = 30.0)]
+    shutdown_timeout: f64,
+    /// Every route but /health needs `Authorization: Bearer KEY`.
+    #[arg(long, env = "AXIOM_API_KEY", hide_env_values = true, conflicts_with = "api_key_file")]
+    api_key: Option<String>,
+    /// Read the API key from the first line of this file (keeps it out of `ps`).
+    #[arg(long)]
+    api_key_file: Option<std::path::PathBuf>,
+    /// Serve /metrics without the API key.
+    #[arg(long)]
+    metrics_public: bool,
+    /// An origin whose web pages may call the server (repeatable; `*` for any). CORS is off
+    /// without it.
+    #[arg(long)]
+    cors_origin: Vec<String>,
+    /// A host name clients may use besides localhost, 127.0.0.1 and [::1] while the server
+    /// listens on loopback (repeatable); other Host headers get 403.
+    #[arg(long)]
+    allowed_host: Vec<String>,
     /// Most tokens (prompt and completion) per request (default: the model's context).
     #[arg(short = 'c', long)]
     ctx_size: Option<usize>,
@@ -75,6 +107,40 @@ fn parse_kv_memory(text: &str) -> Result<KvMemory> {
         other => bail!("--kv-memory {text:?}: unknown unit {other:?}"),
     };
     Ok(KvMemory::Bytes((value * scale) as usize))
+}
+
+/// A duration flag: a positive, finite number of seconds.
+fn seconds(value: f64, flag: &str) -> Result<Duration> {
+    Duration::try_from_secs_f64(value)
+        .ok()
+        .filter(|t| !t.is_zero())
+        .with_context(|| format!("{flag} must be a positive number of seconds, not {value}"))
+}
+
+fn positive(value: usize, flag: &str) -> Result<usize> {
+    if value == 0 {
+        bail!("{flag} must be at least 1");
+    }
+    Ok(value)
+}
+
+/// The key from --api-key (or AXIOM_API_KEY) or the first line of --api-key-file.
+fn api_key(args: &ServeArgs) -> Result<Option<String>> {
+    let key = match (&args.api_key, &args.api_key_file) {
+        (Some(key), _) => key.clone(),
+        (None, Some(path)) => std::fs::read_to_string(path)
+            .with_context(|| format!("reading --api-key-file {}", path.display()))?
+            .lines()
+            .next()
+            .unwrap_or("")
+            .trim()
+            .to_owned(),
+        (None, None) => return Ok(None),
+    };
+    if key.is_empty() {
+        bail!("the API key is empty");
+    }
+    Ok(Some(key))
 }
 
 /// Bytes of memory available to the process (MemAvailable), if the system says.
@@ -121,14 +187,22 @@ pub fn serve(args: ServeArgs, out: Output) -> Result<()> {
         path.file_name()
             .map_or("axiom".into(), |n| n.to_string_lossy().into_owned())
     });
-    let read_timeout = Duration::try_from_secs_f64(args.read_timeout)
-        .ok()
-        .filter(|t| !t.is_zero())
-        .context("--read-timeout must be a positive number of seconds")?;
-    let limits = BodyLimits {
-        max_bytes: args.max_body_bytes,
-        read_timeout,
+    let server = ServerOptions {
+        max_body_bytes: args.max_body_bytes,
+        connections: ConnectionLimits {
+            max_connections: positive(args.max_connections, "--max-connections")?,
+            header_timeout: seconds(args.header_timeout, "--header-timeout")?,
+            keep_alive_timeout: seconds(args.keep_alive_timeout, "--keep-alive-timeout")?,
+            shutdown_timeout: seconds(args.shutdown_timeout, "--shutdown-timeout")?,
+        },
+        callers: CallerPolicy {
+            api_key: api_key(&args)?,
+            metrics_public: args.metrics_public,
+            cors_origins: args.cors_origin.clone(),
+            allowed_hosts: args.allowed_host.clone(),
+        },
     };
+    let read_timeout = seconds(args.read_timeout, "--read-timeout")?;
     let metrics = Arc::new(ServerMetrics::new().context("registering the metrics")?);
     let scheduler_config = SchedulerConfig {
         max_queue: args.max_queue,
@@ -161,6 +235,11 @@ pub fn serve(args: ServeArgs, out: Output) -> Result<()> {
             .await
             .with_context(|| format!("binding {address}"))?;
         let local = listener.local_addr()?;
+        if !local.ip().is_loopback() && server.callers.api_key.is_none() {
+            eprintln!(
+                "axiom: warning: listening on {local} without --api-key: anyone who can reach this address can use the model"
+            );
+        }
         if !out.quiet {
             eprintln!(
                 "axiom: serving {description} as {model_id:?} on http://{local} ({kv_tokens} KV tokens, {} per request, up to {} sequences)",
@@ -168,8 +247,8 @@ pub fn serve(args: ServeArgs, out: Output) -> Result<()> {
                 options.max_seqs
             );
         }
-        let state = Arc::new(AppState::new(handle, tokenizer, template, model_id, metrics));
-        axiom_server::serve(listener, state, limits, shutdown_signal()).await?;
+        let state = Arc::new(AppState::new(handle, tokenizer, template, model_id, metrics, read_timeout));
+        axiom_server::serve(listener, state, &server, shutdown_signal()).await?;
         anyhow::Ok(())
     })?;
     engine

@@ -2,10 +2,13 @@
 //! `GET /v1/models`, `GET /health`, `GET /metrics`, over an [`EngineHandle`] whose scheduler
 //! runs on its own thread.
 //!
-//! A request is checked and tokenized in its handler, then submitted; the engine's events come
-//! back through a channel, either gathered into one JSON response or streamed as server-sent
-//! events ending with `data: [DONE]`. A client that goes away drops that channel, which the
-//! scheduler notices at its next step: the sequence is cancelled and its pages freed.
+//! Connections are accepted and bounded in [`connections`]; layers in front of the routes
+//! decide who may call ([`callers`]), log each request and count refusals ([`request_log`]).
+//! A request's body is read within a deadline, parsed ([`api`]) and tokenized on a blocking
+//! thread, then submitted; the engine's events come back through a channel, either gathered
+//! into one JSON response or streamed as server-sent events ending with `data: [DONE]`. A
+//! client that goes away drops that channel, which the scheduler notices at its next step: the
+//! sequence is cancelled and its pages freed.
 
 // Input-dependent code returns typed errors: a panic would take a server, or a user's session, down.
 // Internal invariants that cannot fail say so where they are allowed (`#[allow(..., reason = ...)]`).
@@ -22,29 +25,37 @@
 )]
 
 pub mod api;
+pub mod callers;
+pub mod connections;
 pub mod metrics;
+pub mod request_log;
 
 use api::{ApiError, Usage};
 use axiom::chat::{ChatTemplate, Message};
 use axiom::engine::scheduler::{Completion, EngineHandle, Event, EventSink, Request, SubmitError, TokenLogprob};
 use axiom::tokenizer::Tokenizer;
-use axum::body::Bytes;
-use axum::extract::rejection::BytesRejection;
+use axum::body::{Body, Bytes};
 use axum::extract::{DefaultBodyLimit, State};
-use axum::http::StatusCode;
+use axum::http::{header, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use axum::{Json, Router};
+use axum::{Extension, Json, Router};
+use callers::{BearerKey, CallerPolicy, JsonOnly, LoopbackHosts};
+use connections::ConnectionLimits;
 use futures_util::stream::{self, Stream, StreamExt};
 use metrics::ServerMetrics;
+use request_log::RequestRecord;
 use serde_json::{json, Value};
 use std::convert::Infallible;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
+use tokio::sync::Semaphore;
+use tower_http::limit::RequestBodyLimitLayer;
+use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
+use tower_http::validate_request::ValidateRequestHeaderLayer;
 
 pub struct AppState {
     pub engine: EngineHandle,
@@ -53,7 +64,12 @@ pub struct AppState {
     /// The id `/v1/models` reports and responses carry.
     pub model_id: String,
     pub metrics: Arc<ServerMetrics>,
-    next_id: AtomicU64,
+    /// A client that has not sent its whole body by then gets 408, so a stalled upload cannot
+    /// hold a connection (or a graceful shutdown) open.
+    pub read_timeout: Duration,
+    /// Prompts rendered and tokenized at once, off the async runtime: a long prompt takes a
+    /// blocking thread, and the engine keeps the rest of the cores.
+    tokenizing: Semaphore,
     started: u64,
 }
 
@@ -64,14 +80,17 @@ impl AppState {
         template: Option<ChatTemplate>,
         model_id: String,
         metrics: Arc<ServerMetrics>,
+        read_timeout: Duration,
     ) -> AppState {
+        let cores = std::thread::available_parallelism().map_or(1, usize::from);
         AppState {
             engine,
             tokenizer,
             template,
             model_id,
             metrics,
-            next_id: AtomicU64::new(1),
+            read_timeout,
+            tokenizing: Semaphore::new((cores / 2).max(1)),
             started: unix_time(),
         }
     }
@@ -81,77 +100,115 @@ fn unix_time() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
 
-/// How much of a request body the server reads, and for how long.
-#[derive(Clone, Copy, Debug)]
-pub struct BodyLimits {
-    pub max_bytes: usize,
-    /// A client that has not sent its whole body by then gets 408, so a stalled upload cannot
-    /// hold a connection (or a graceful shutdown) open.
-    pub read_timeout: Duration,
+/// How the server meets its clients: bodies, connections and who may call.
+#[derive(Clone, Debug)]
+pub struct ServerOptions {
+    pub max_body_bytes: usize,
+    pub connections: ConnectionLimits,
+    pub callers: CallerPolicy,
 }
 
-/// The routes, with request bodies read under `limits`.
-pub fn router(state: Arc<AppState>, limits: BodyLimits) -> Router {
-    Router::new()
+/// The routes and every layer in front of them. `loopback`: the server listens on a loopback
+/// address only, so requests must name a loopback host.
+pub fn router(state: Arc<AppState>, options: &ServerOptions, loopback: bool) -> Result<Router, String> {
+    let metrics = state.metrics.clone();
+    let callers = &options.callers;
+    let mut app = Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
         .route("/health", get(health))
         .route("/metrics", get(prometheus_metrics))
-        // `read_body` has already enforced the limit.
-        .layer(DefaultBodyLimit::disable())
-        .layer(middleware::from_fn_with_state(limits, read_body))
         .with_state(state)
+        // The limit layer refuses a declared oversize at once and bounds a streamed one.
+        .layer(DefaultBodyLimit::disable())
+        .layer(RequestBodyLimitLayer::new(options.max_body_bytes))
+        .layer(ValidateRequestHeaderLayer::custom(JsonOnly));
+    if let Some(key) = &callers.api_key {
+        app = app.layer(ValidateRequestHeaderLayer::custom(BearerKey::new(
+            key,
+            callers.metrics_public,
+        )));
+    }
+    if let Some(cors) = callers::cors(&callers.cors_origins)? {
+        app = app.layer(cors);
+    }
+    if loopback {
+        app = app.layer(ValidateRequestHeaderLayer::custom(LoopbackHosts::new(
+            &callers.allowed_hosts,
+        )));
+    }
+    Ok(app
+        .layer(middleware::from_fn(openai_errors))
+        .layer(middleware::from_fn_with_state(metrics, request_log::log_request))
+        .layer(PropagateRequestIdLayer::x_request_id())
+        .layer(SetRequestIdLayer::x_request_id(MakeRequestUuid)))
 }
 
-/// Reads the whole body before a handler runs, within the size limit and the read timeout. An
-/// oversized declared length gets 413 before any of the body is read.
-async fn read_body(State(limits): State<BodyLimits>, request: axum::extract::Request, next: Next) -> Response {
-    let too_large = |len: String| {
-        ApiError::new(
+/// Error responses made by routing or a layer (404, 405, 413, ...) carry OpenAI's error object,
+/// as the handlers' own do.
+async fn openai_errors(request: axum::extract::Request, next: Next) -> Response {
+    let (method, path) = (request.method().clone(), request.uri().path().to_owned());
+    let response = next.run(request).await;
+    let status = response.status();
+    let is_json = response
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"application/json"));
+    if !(status.is_client_error() || status.is_server_error()) || is_json {
+        return response;
+    }
+    let (mut parts, body) = response.into_parts();
+    let text = axum::body::to_bytes(body, 4096).await.unwrap_or_default();
+    let text = String::from_utf8_lossy(&text).trim().to_owned();
+    let message = match status {
+        StatusCode::NOT_FOUND => format!("unknown request URL: {method} {path}"),
+        StatusCode::METHOD_NOT_ALLOWED => format!("method {method} is not allowed for {path}"),
+        StatusCode::PAYLOAD_TOO_LARGE => "the request body is over the server's limit (--max-body-bytes)".into(),
+        _ if !text.is_empty() => text,
+        _ => status.canonical_reason().unwrap_or("error").to_lowercase(),
+    };
+    let kind = if status.is_server_error() {
+        "server_error"
+    } else {
+        "invalid_request_error"
+    };
+    let error = ApiError::new(status, kind, message).into_response();
+    parts.headers.remove(header::CONTENT_LENGTH);
+    parts.headers.extend(error.headers().clone());
+    Response::from_parts(parts, error.into_body())
+}
+
+/// The whole request body, within the read timeout and the body limit.
+async fn read_body(body: Body, read_timeout: Duration) -> Result<Bytes, ApiError> {
+    match tokio::time::timeout(read_timeout, axum::body::to_bytes(body, usize::MAX)).await {
+        Ok(Ok(bytes)) => Ok(bytes),
+        Ok(Err(e)) if is_length_limit(&e) => Err(ApiError::new(
             StatusCode::PAYLOAD_TOO_LARGE,
             "invalid_request_error",
-            format!(
-                "the request body of {len} bytes is over the limit of {}",
-                limits.max_bytes
-            ),
-        )
-        .into_response()
-    };
-    let (parts, body) = request.into_parts();
-    let declared = parts
-        .headers
-        .get(axum::http::header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
-    if let Some(len) = declared.filter(|&len| len > limits.max_bytes as u64) {
-        return too_large(len.to_string());
-    }
-    let read = async {
-        let mut chunks = body.into_data_stream();
-        let mut bytes = Vec::new();
-        while let Some(chunk) = chunks.next().await {
-            let chunk = chunk.map_err(|e| ApiError::invalid(format!("reading the request body: {e}"), None))?;
-            if bytes.len() + chunk.len() > limits.max_bytes {
-                return Ok(None);
-            }
-            bytes.extend_from_slice(&chunk);
-        }
-        Ok::<_, ApiError>(Some(bytes))
-    };
-    match tokio::time::timeout(limits.read_timeout, read).await {
-        Ok(Ok(Some(bytes))) => next.run(axum::extract::Request::from_parts(parts, bytes.into())).await,
-        Ok(Ok(None)) => too_large("more than that".into()),
-        Ok(Err(e)) => e.into_response(),
-        Err(_) => ApiError::new(
+            "the request body is over the server's limit (--max-body-bytes)",
+        )),
+        Ok(Err(e)) => Err(ApiError::invalid(format!("reading the request body: {e}"), None)),
+        Err(_) => Err(ApiError::new(
             StatusCode::REQUEST_TIMEOUT,
             "invalid_request_error",
             format!(
                 "the request body was not received within {} s",
-                limits.read_timeout.as_secs_f64()
+                read_timeout.as_secs_f64()
             ),
-        )
-        .into_response(),
+        )),
     }
+}
+
+fn is_length_limit(e: &axum::Error) -> bool {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(s) = source {
+        if s.is::<http_body_util::LengthLimitError>() {
+            return true;
+        }
+        source = s.source();
+    }
+    false
 }
 
 async fn health(State(s): State<Arc<AppState>>) -> Response {
@@ -172,10 +229,6 @@ async fn prometheus_metrics(State(s): State<Arc<AppState>>) -> Response {
     ([("content-type", "text/plain; version=0.0.4")], text).into_response()
 }
 
-fn body_error(rejection: BytesRejection) -> ApiError {
-    ApiError::new(rejection.status(), "invalid_request_error", rejection.body_text())
-}
-
 /// What both endpoints hand to [`run`].
 struct Job {
     prompt: Vec<u32>,
@@ -187,83 +240,143 @@ struct Job {
     chat: bool,
 }
 
-async fn chat_completions(State(s): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Response {
-    let result = async {
-        let body = body.map_err(body_error)?;
-        let request = api::parse_chat(&body)?;
-        let template = s.template.as_ref().ok_or_else(|| {
-            ApiError::invalid("the model has no chat template; use /v1/completions", Some("messages"))
-        })?;
-        let messages: Vec<Message> = request
-            .messages
-            .iter()
-            .map(|m| Message::new(&m.role, &m.text()))
-            .collect();
-        let text = template
-            .render(&messages, true)
-            .map_err(|e| ApiError::invalid(e.to_string(), Some("messages")))?;
-        let prompt = s
-            .tokenizer
-            .encode(&text, true, false)
-            .map_err(|e| ApiError::invalid(e.to_string(), Some("messages")))?;
-        let job = Job {
-            prompt,
-            max_tokens: request.max_tokens(),
-            default_max_tokens: None,
-            logprobs: request.logprobs()?,
-            request: request.sampling,
-            chat: true,
-        };
-        run(&s, job).await
-    };
-    result.await.unwrap_or_else(|e| s.reject(e))
-}
-
-async fn completions(State(s): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Response {
-    let result = async {
-        let body = body.map_err(body_error)?;
-        let request = api::parse_completion(&body)?;
-        let one = |n: usize| {
-            (n == 1)
-                .then_some(())
-                .ok_or_else(|| ApiError::invalid("exactly one prompt per request is supported", Some("prompt")))
-        };
-        let encode = |text: &str| {
-            s.tokenizer
-                .encode(text, true, true)
-                .map_err(|e| ApiError::invalid(e.to_string(), Some("prompt")))
-        };
-        let prompt = match &request.prompt {
-            api::Prompt::Text(t) => encode(t)?,
-            api::Prompt::Texts(v) => one(v.len()).and_then(|_| encode(&v[0]))?,
-            api::Prompt::Tokens(ids) => ids.clone(),
-            api::Prompt::TokenLists(v) => one(v.len()).map(|_| v[0].clone())?,
-        };
-        let vocab = s.tokenizer.vocab_size() as u32;
-        if let Some(bad) = prompt.iter().find(|&&id| id >= vocab) {
+impl AppState {
+    /// Refuses, before any tokenizing, text that could not fit the context however it encodes.
+    fn check_fits(&self, bytes: usize, param: &'static str) -> Result<(), ApiError> {
+        let context = self.engine.context();
+        let least = self.tokenizer.min_tokens(bytes);
+        if least > context {
             return Err(ApiError::invalid(
-                format!("token id {bad} is outside the vocabulary of {vocab}"),
-                Some("prompt"),
+                format!(
+                    "This model's maximum context length is {context} tokens, and a prompt of {bytes} bytes \
+                     is at least {least} tokens. Please reduce the prompt."
+                ),
+                Some(param),
             ));
         }
-        let job = Job {
-            prompt,
-            max_tokens: request.max_tokens,
-            default_max_tokens: Some(16),
-            logprobs: request.logprobs()?,
-            request: request.sampling,
-            chat: false,
-        };
-        run(&s, job).await
-    };
-    result.await.unwrap_or_else(|e| s.reject(e))
+        Ok(())
+    }
+
+    /// A completion prompt's ids, BOS first where the model wants it.
+    async fn encode_prompt(&self, text: String) -> Result<Vec<u32>, ApiError> {
+        self.check_fits(text.len(), "prompt")?;
+        let tokenizer = self.tokenizer.clone();
+        self.tokenize(move || {
+            tokenizer
+                .encode(&text, true, true)
+                .map_err(|e| ApiError::invalid(e.to_string(), Some("prompt")))
+        })
+        .await
+    }
+
+    /// Runs `work` (tokenizing) on a blocking thread, a few at a time.
+    async fn tokenize<T: Send + 'static>(
+        &self,
+        work: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
+    ) -> Result<T, ApiError> {
+        let _turn = self.tokenizing.acquire().await.map_err(|_| shutting_down())?;
+        tokio::task::spawn_blocking(work).await.map_err(|e| {
+            ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "server_error",
+                format!("tokenizing failed: {e}"),
+            )
+        })?
+    }
 }
 
-impl AppState {
-    fn reject(&self, e: ApiError) -> Response {
-        self.metrics.count_request(&format!("rejected_{}", e.status.as_u16()));
-        e.into_response()
+fn shutting_down() -> ApiError {
+    ApiError::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "server_error",
+        "the server is shutting down",
+    )
+}
+
+async fn chat_completions(
+    State(s): State<Arc<AppState>>,
+    Extension(record): Extension<Arc<RequestRecord>>,
+    body: Body,
+) -> Result<Response, ApiError> {
+    let body = read_body(body, s.read_timeout).await?;
+    let request = api::parse_chat(&body)?;
+    if s.template.is_none() {
+        return Err(ApiError::invalid(
+            "the model has no chat template; use /v1/completions",
+            Some("messages"),
+        ));
     }
+    let messages: Vec<Message> = request
+        .messages
+        .iter()
+        .map(|m| Message::new(&m.role, &m.text()))
+        .collect();
+    s.check_fits(messages.iter().map(|m| m.content.len()).sum(), "messages")?;
+    let state = s.clone();
+    let prompt = s
+        .tokenize(move || {
+            let template = state.template.as_ref().ok_or_else(shutting_down)?;
+            let rendered = template
+                .render_chat(&messages, true)
+                .map_err(|e| ApiError::invalid(e.to_string(), Some("messages")))?;
+            state
+                .tokenizer
+                .encode_chat(&rendered)
+                .map_err(|e| ApiError::invalid(e.to_string(), Some("messages")))
+        })
+        .await?;
+    let job = Job {
+        prompt,
+        max_tokens: request.max_tokens(),
+        default_max_tokens: None,
+        logprobs: request.logprobs()?,
+        request: request.sampling,
+        chat: true,
+    };
+    run(&s, job, record).await
+}
+
+async fn completions(
+    State(s): State<Arc<AppState>>,
+    Extension(record): Extension<Arc<RequestRecord>>,
+    body: Body,
+) -> Result<Response, ApiError> {
+    let body = read_body(body, s.read_timeout).await?;
+    let request = api::parse_completion(&body)?;
+    let logprobs = request.logprobs()?;
+    let only = |n: usize| {
+        (n == 1)
+            .then_some(())
+            .ok_or_else(|| ApiError::invalid("exactly one prompt per request is supported", Some("prompt")))
+    };
+    let prompt = match request.prompt {
+        api::Prompt::Text(text) => s.encode_prompt(text).await?,
+        api::Prompt::Texts(texts) => {
+            only(texts.len())?;
+            s.encode_prompt(texts.concat()).await?
+        }
+        api::Prompt::Tokens(ids) => ids,
+        api::Prompt::TokenLists(lists) => {
+            only(lists.len())?;
+            lists.concat()
+        }
+    };
+    let vocab = s.tokenizer.vocab_size() as u32;
+    if let Some(bad) = prompt.iter().find(|&&id| id >= vocab) {
+        return Err(ApiError::invalid(
+            format!("token id {bad} is outside the vocabulary of {vocab}"),
+            Some("prompt"),
+        ));
+    }
+    let job = Job {
+        prompt,
+        max_tokens: request.max_tokens,
+        default_max_tokens: Some(16),
+        logprobs,
+        request: request.sampling,
+        chat: false,
+    };
+    run(&s, job, record).await
 }
 
 /// Delivers engine events into a tokio channel; closed when the handler or stream has gone.
@@ -278,9 +391,10 @@ impl EventSink for ChannelSink {
     }
 }
 
-async fn run(s: &Arc<AppState>, job: Job) -> Result<Response, ApiError> {
+async fn run(s: &Arc<AppState>, job: Job, record: Arc<RequestRecord>) -> Result<Response, ApiError> {
     let context = s.engine.context();
     let prompt_len = job.prompt.len();
+    record.prompt(prompt_len);
     if prompt_len == 0 {
         return Err(ApiError::invalid("the prompt is empty", Some("prompt")));
     }
@@ -300,15 +414,15 @@ async fn run(s: &Arc<AppState>, job: Job) -> Result<Response, ApiError> {
             Some("max_tokens"),
         ));
     }
-    let id = s.next_id.fetch_add(1, Ordering::Relaxed);
-    let entropy = unix_time() ^ id.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    // Random, so ids stay unique across restarts and seeds differ between requests.
+    let id = uuid::Uuid::new_v4();
     let (tx, rx) = unbounded_channel();
     let stream = job.request.stream;
     let include_usage = job.request.stream_options.as_ref().is_some_and(|o| o.include_usage);
     s.engine
         .submit(Request {
             prompt: job.prompt,
-            sampling: job.request.sampler(entropy),
+            sampling: job.request.sampler(id.as_u64_pair().0),
             max_tokens,
             stop: job.request.stops(),
             logprobs: job.logprobs,
@@ -322,12 +436,13 @@ async fn run(s: &Arc<AppState>, job: Job) -> Result<Response, ApiError> {
             SubmitError::EmptyPrompt | SubmitError::TooLong { .. } => ApiError::invalid(e.to_string(), Some("prompt")),
         })?;
     let shape = Shape {
-        id: format!("{}-{id}", if job.chat { "chatcmpl" } else { "cmpl" }),
+        id: format!("{}-{}", if job.chat { "chatcmpl" } else { "cmpl" }, id.simple()),
         created: unix_time(),
         model: s.model_id.clone(),
         chat: job.chat,
         logprobs: job.logprobs.is_some(),
         tokenizer: s.tokenizer.clone(),
+        record,
     };
     if stream {
         Ok(Sse::new(sse_stream(shape, rx, include_usage)).into_response())
@@ -344,6 +459,8 @@ struct Shape {
     chat: bool,
     logprobs: bool,
     tokenizer: Arc<Tokenizer>,
+    /// What the access log says of the request.
+    record: Arc<RequestRecord>,
 }
 
 impl Shape {
@@ -404,6 +521,7 @@ async fn whole(shape: Shape, mut rx: UnboundedReceiver<Event>) -> Result<Value, 
     while let Some(event) = rx.recv().await {
         match event {
             Event::Token(t) => {
+                shape.record.token();
                 if let Some(lp) = &t.logprob {
                     if shape.chat {
                         chat_lps.push(shape.chat_logprob(t.id, lp));
@@ -414,6 +532,7 @@ async fn whole(shape: Shape, mut rx: UnboundedReceiver<Event>) -> Result<Value, 
                 text.push_str(&t.text);
             }
             Event::Done(c) => {
+                shape.record.done(&c);
                 let logprobs = match (shape.logprobs, shape.chat) {
                     (false, _) => Value::Null,
                     (true, true) => json!({"content": chat_lps}),
@@ -429,7 +548,10 @@ async fn whole(shape: Shape, mut rx: UnboundedReceiver<Event>) -> Result<Value, 
                 body["usage"] = json!(Usage::from(&c));
                 return Ok(body);
             }
-            Event::Error(e) => return Err(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", e)),
+            Event::Error(e) => {
+                shape.record.failed();
+                return Err(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", e));
+            }
         }
     }
     Err(ApiError::new(
@@ -458,6 +580,7 @@ fn sse_stream(
     let events = tokio_stream::wrappers::UnboundedReceiverStream::new(rx).flat_map(move |event| {
         let chunks: Vec<Value> = match event {
             Event::Token(t) => {
+                shape.record.token();
                 if t.text.is_empty() && t.logprob.is_none() {
                     Vec::new()
                 } else {
@@ -477,8 +600,14 @@ fn sse_stream(
                     vec![shape.envelope(true, choice)]
                 }
             }
-            Event::Done(c) => final_chunks(&shape, &c, include_usage),
-            Event::Error(e) => vec![ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", e).body()],
+            Event::Done(c) => {
+                shape.record.done(&c);
+                final_chunks(&shape, &c, include_usage)
+            }
+            Event::Error(e) => {
+                shape.record.failed();
+                vec![ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", e).body()]
+            }
         };
         stream::iter(chunks.into_iter().map(data))
     });
@@ -503,20 +632,22 @@ fn final_chunks(shape: &Shape, c: &Completion, include_usage: bool) -> Vec<Value
     chunks
 }
 
-/// Serves until `shutdown` resolves, then stops accepting, lets open requests finish, and
-/// tells the engine to finish its work and stop.
+/// Serves until `shutdown` resolves, then stops accepting, lets open requests finish (within
+/// the shutdown timeout), and tells the engine to finish its work and stop.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     state: Arc<AppState>,
-    limits: BodyLimits,
-    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+    options: &ServerOptions,
+    shutdown: impl std::future::Future<Output = ()>,
 ) -> std::io::Result<()> {
+    let loopback = listener.local_addr()?.ip().is_loopback();
     let engine = state.engine.clone();
-    let app = router(state, limits);
-    axum::serve(listener, app)
-        .with_graceful_shutdown(async move {
-            shutdown.await;
-            engine.shut_down();
-        })
-        .await
+    let metrics = state.metrics.clone();
+    let app = router(state, options, loopback).map_err(std::io::Error::other)?;
+    connections::serve(listener, app, options.connections, metrics, async move {
+        shutdown.await;
+        engine.shut_down();
+    })
+    .await;
+    Ok(())
 }

@@ -1,6 +1,6 @@
 //! `/metrics`: Prometheus counters, gauges and latency histograms, fed by the scheduler.
 
-use axiom::engine::scheduler::{Completion, EngineStatus, FinishReason, Metrics};
+use axiom::engine::scheduler::{Completion, EngineStatus, Metrics};
 use prometheus::{Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry, TextEncoder};
 
 pub struct ServerMetrics {
@@ -108,10 +108,7 @@ impl ServerMetrics {
 
 impl Metrics for ServerMetrics {
     fn request_finished(&self, c: &Completion) {
-        self.count_request(match c.finish {
-            FinishReason::Stop => "stop",
-            FinishReason::Length => "length",
-        });
+        self.count_request(c.finish.as_str());
         self.prompt_tokens.inc_by(c.prompt_tokens as u64);
         self.cached_prompt_tokens.inc_by(c.cached_tokens as u64);
     }

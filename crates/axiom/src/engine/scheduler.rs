@@ -86,6 +86,16 @@ pub enum FinishReason {
     Length,
 }
 
+impl FinishReason {
+    /// The name OpenAI's API gives it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct Completion {
     pub finish: FinishReason,
