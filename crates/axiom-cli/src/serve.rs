@@ -49,8 +49,9 @@ pub struct ServeArgs {
     /// Seconds a connection may stay open with no request in flight.
     #[arg(long, default_value_t = 5.0)]
     keep_alive_timeout: f64,
-    /// Most connections open at once; past it a connection gets 503 and is closed.
-    #[arg(long, default_value_t = 1024)]
+    /// Most connections open at once; past it a connection gets 503 and is closed. The default
+    /// leaves room under the common limit of 1024 open files.
+    #[arg(long, default_value_t = 512)]
     max_connections: usize,
     /// Seconds open requests may take to finish after SIGTERM or Ctrl-C; then every connection
     /// is closed.
