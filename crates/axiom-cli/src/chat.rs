@@ -37,6 +37,7 @@ const HELP: &str = "\
 End a line with \\ to continue on the next one. Ctrl-C stops a reply.";
 
 pub fn chat(args: ChatArgs, out: Output) -> Result<()> {
+    let sampler_config = args.sampling.sampler()?;
     let ctx = args.ctx_size.unwrap_or(4096);
     let loaded = load_session(
         &args.model,
@@ -49,7 +50,7 @@ pub fn chat(args: ChatArgs, out: Output) -> Result<()> {
     with_session!(loaded, session => {
         let ctx = ctx.min(session.model.config.context_length);
         let mut conversation = Conversation::new(&mut session, ctx, args.system.clone())?;
-        let mut sampler = Sampler::new(args.sampling.sampler());
+        let mut sampler = Sampler::new(sampler_config);
         if !std::io::stdin().is_terminal() {
             // Scripted use: the whole input is one message; only the reply is printed.
             let mut message = String::new();

@@ -127,6 +127,7 @@ pub fn run(args: RunArgs, out: Output) -> Result<()> {
         .prompt
         .or(args.prompt_text)
         .context("no prompt: give one as an argument or with -p")?;
+    let config = args.sampling.sampler()?;
     let ctx = args.ctx_size.unwrap_or(4096);
     let loaded = load_session(
         &args.model,
@@ -148,7 +149,6 @@ pub fn run(args: RunArgs, out: Output) -> Result<()> {
         } else {
             session.raw_prompt(&text)?
         };
-        let config = args.sampling.sampler();
         let seed = config.seed;
         let mut sampler = Sampler::new(config);
         let options = args.sampling.generate_options();

@@ -18,11 +18,11 @@ mod chat;
 mod commands;
 mod serve;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{anyhow, bail, Context, Result};
 use axiom::backend::cpu::{physical_cores, CpuBackend};
 use axiom::backend::cuda::CudaBackend;
 use axiom::backend::{Backend, KvType};
-use axiom::engine::{GenerateOptions, SamplerConfig, Session};
+use axiom::engine::{GenerateOptions, SamplerConfig, SamplingField, Session};
 use axiom::model::llama::LoadOptions;
 use axiom::source::resolve_model;
 use clap::{Args, CommandFactory, Parser, Subcommand, ValueEnum};
@@ -100,8 +100,8 @@ struct SamplingArgs {
     /// Most tokens to generate.
     #[arg(short = 'n', long, default_value_t = 256)]
     max_tokens: usize,
-    /// Temperature; 0 is greedy.
-    #[arg(long, default_value_t = 0.8)]
+    /// Temperature, from 0 (greedy) to 2.
+    #[arg(long, allow_negative_numbers = true, default_value_t = 0.8)]
     temp: f32,
     #[arg(long, default_value_t = 40)]
     top_k: usize,
@@ -113,9 +113,9 @@ struct SamplingArgs {
     repeat_penalty: f32,
     #[arg(long, default_value_t = 64)]
     repeat_last_n: usize,
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 0.0)]
     presence_penalty: f32,
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 0.0)]
     frequency_penalty: f32,
     /// Random seed (default: from the clock).
     #[arg(long)]
@@ -126,13 +126,14 @@ struct SamplingArgs {
 }
 
 impl SamplingArgs {
-    fn sampler(&self) -> SamplerConfig {
+    /// The sampler settings, refused (naming the flag) outside the ranges the server allows too.
+    fn sampler(&self) -> Result<SamplerConfig> {
         let seed = self.seed.unwrap_or_else(|| {
             std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.as_nanos() as u64)
         });
-        SamplerConfig {
+        let config = SamplerConfig {
             temperature: self.temp,
             top_k: self.top_k,
             top_p: self.top_p,
@@ -142,7 +143,19 @@ impl SamplingArgs {
             presence_penalty: self.presence_penalty,
             frequency_penalty: self.frequency_penalty,
             seed,
-        }
+        };
+        config.validate().map_err(|e| {
+            let flag = match e.field {
+                SamplingField::Temperature => "--temp",
+                SamplingField::TopP => "--top-p",
+                SamplingField::MinP => "--min-p",
+                SamplingField::RepeatPenalty => "--repeat-penalty",
+                SamplingField::PresencePenalty => "--presence-penalty",
+                SamplingField::FrequencyPenalty => "--frequency-penalty",
+            };
+            anyhow!(e.describe(flag))
+        })?;
+        Ok(config)
     }
 
     fn generate_options(&self) -> GenerateOptions {

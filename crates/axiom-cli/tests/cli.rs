@@ -199,3 +199,19 @@ fn bench_prints_a_llama_bench_style_table_and_json() {
     assert!(objects[1]["weight_bandwidth_gbps"].as_f64().unwrap() > 0.0);
     assert!(objects[0]["weight_bandwidth_gbps"].is_null());
 }
+
+#[test]
+fn sampling_flags_out_of_range_are_refused_naming_the_flag() {
+    // Refused before the model loads, so no model is named.
+    for (flag, value, needle) in [
+        ("--top-p", "2", "--top-p must be between 0 and 1, got 2"),
+        ("--min-p", "5", "--min-p must be between 0 and 1"),
+        ("--temp", "-1", "--temp must be between 0 and 2, got -1"),
+        ("--repeat-penalty", "NaN", "--repeat-penalty must be between 0.01 and 10"),
+    ] {
+        let out = axiom(&["run", flag, value, "hi"]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{flag} {value}: {err}");
+        assert!(err.contains(needle), "{flag} {value}: {err}");
+    }
+}
