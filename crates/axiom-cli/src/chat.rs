@@ -1,6 +1,6 @@
 //! `axiom chat`: an interactive conversation in the terminal, or one reply to piped input.
 
-use crate::{load_session, with_session, ModelArgs, Output, SamplingArgs};
+use crate::{context_tokens, load_session, model_config, with_session, ModelArgs, Output, SamplingArgs, DEFAULT_CONTEXT};
 use anyhow::{Context, Result};
 use axiom::backend::Backend;
 use axiom::engine::conversation::{Conversation, Transcript, Turn};
@@ -21,7 +21,7 @@ pub struct ChatArgs {
     /// System message.
     #[arg(long)]
     system: Option<String>,
-    /// Context size in tokens (default: the model's, at most 4096).
+    /// Context size in tokens (default 4096); at most the model's.
     #[arg(short = 'c', long)]
     ctx_size: Option<usize>,
 }
@@ -38,7 +38,7 @@ End a line with \\ to continue on the next one. Ctrl-C stops a reply.";
 
 pub fn chat(args: ChatArgs, out: Output) -> Result<()> {
     let sampler_config = args.sampling.sampler()?;
-    let ctx = args.ctx_size.unwrap_or(4096);
+    let ctx = context_tokens(args.ctx_size, DEFAULT_CONTEXT, &model_config(&args.model)?);
     let loaded = load_session(
         &args.model,
         LoadOptions {
@@ -48,7 +48,6 @@ pub fn chat(args: ChatArgs, out: Output) -> Result<()> {
         out,
     )?;
     with_session!(loaded, session => {
-        let ctx = ctx.min(session.model.config.context_length);
         let mut conversation = Conversation::new(&mut session, ctx, args.system.clone())?;
         let mut sampler = Sampler::new(sampler_config);
         if !std::io::stdin().is_terminal() {

@@ -1,6 +1,6 @@
 //! The one-shot commands: run, tokenize, perplexity, info, bench.
 
-use crate::{load_session, with_session, ModelArgs, Output, SamplingArgs};
+use crate::{context_tokens, load_session, model_config, with_session, ModelArgs, Output, SamplingArgs, DEFAULT_CONTEXT};
 use anyhow::{bail, Context, Result};
 use axiom::backend::Backend;
 use axiom::chat::Message;
@@ -35,7 +35,7 @@ pub struct RunArgs {
     /// System message (implies --chat).
     #[arg(long)]
     system: Option<String>,
-    /// Context size in tokens (default: the model's, at most 4096).
+    /// Context size in tokens (default 4096); at most the model's.
     #[arg(short = 'c', long)]
     ctx_size: Option<usize>,
     /// Print one JSON object at the end instead of streaming text.
@@ -128,7 +128,7 @@ pub fn run(args: RunArgs, out: Output) -> Result<()> {
         .or(args.prompt_text)
         .context("no prompt: give one as an argument or with -p")?;
     let config = args.sampling.sampler()?;
-    let ctx = args.ctx_size.unwrap_or(4096);
+    let ctx = context_tokens(args.ctx_size, DEFAULT_CONTEXT, &model_config(&args.model)?);
     let loaded = load_session(
         &args.model,
         LoadOptions {
@@ -138,7 +138,6 @@ pub fn run(args: RunArgs, out: Output) -> Result<()> {
         out,
     )?;
     with_session!(loaded, session => {
-        let ctx = ctx.min(session.model.config.context_length);
         let prompt = if args.chat || args.system.is_some() {
             let mut messages = Vec::new();
             if let Some(system) = &args.system {
@@ -214,6 +213,10 @@ pub fn tokenize(args: TokenizeArgs) -> Result<()> {
 
 pub fn perplexity(args: PerplexityArgs, out: Output) -> Result<()> {
     let text = std::fs::read_to_string(&args.file).with_context(|| format!("reading {}", args.file.display()))?;
+    let context_length = model_config(&args.model)?.context_length;
+    if args.ctx_size > context_length {
+        bail!("--ctx-size {} exceeds the model's context of {context_length} tokens", args.ctx_size);
+    }
     let options = LoadOptions {
         kv_tokens: args.ctx_size,
         max_batch: args.ctx_size.min(512),
@@ -221,13 +224,6 @@ pub fn perplexity(args: PerplexityArgs, out: Output) -> Result<()> {
     };
     let loaded = load_session(&args.model, options, out)?;
     with_session!(loaded, session => {
-        if args.ctx_size > session.model.config.context_length {
-            bail!(
-                "context {} exceeds the model's {}",
-                args.ctx_size,
-                session.model.config.context_length
-            );
-        }
         let tokens = session.tokenizer.encode(&text, false, false)?;
         let bos = if session.tokenizer.add_bos {
             session.tokenizer.bos
@@ -271,6 +267,10 @@ pub fn bench(args: BenchArgs, out: Output) -> Result<()> {
         .chain(args.generate.iter().filter(|&&n| n > 0).map(|&n| Test::Generation(n)))
         .collect();
     let longest = tests.iter().map(|t| t.tokens()).max().unwrap_or(1);
+    let context_length = model_config(&args.model)?.context_length;
+    if longest > context_length {
+        bail!("a test of {longest} tokens exceeds the model's context of {context_length} tokens");
+    }
     let options = LoadOptions {
         max_batch: longest.min(args.ubatch),
         kv_tokens: longest,

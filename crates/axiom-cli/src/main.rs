@@ -24,6 +24,7 @@ use axiom::backend::cuda::CudaBackend;
 use axiom::backend::{Backend, KvType};
 use axiom::engine::{GenerateOptions, SamplerConfig, SamplingField, Session};
 use axiom::model::llama::LoadOptions;
+use axiom::model::ModelConfig;
 use axiom::source::resolve_model;
 use clap::{Args, CommandFactory, Parser, Subcommand, ValueEnum};
 use std::io::IsTerminal;
@@ -252,10 +253,13 @@ macro_rules! with_session {
     };
 }
 
+/// Most `--threads`: beyond any machine's cores, and a typo's million threads are refused.
+const MAX_THREADS: usize = 1024;
+
 fn cpu_backend(args: &ModelArgs) -> Result<CpuBackend> {
     let threads = args.threads.unwrap_or_else(physical_cores);
-    if threads == 0 {
-        bail!("--threads must be at least 1");
+    if !(1..=MAX_THREADS).contains(&threads) {
+        bail!("--threads must be between 1 and {MAX_THREADS}, got {threads}");
     }
     Ok(CpuBackend::new(threads).with_kv_type(kv_type(args)))
 }
@@ -291,9 +295,27 @@ fn kv_type(args: &ModelArgs) -> KvType {
     }
 }
 
+/// Context for `run` and `chat` when no `--ctx-size` is given (the model's, if smaller).
+const DEFAULT_CONTEXT: usize = 4096;
+
+/// The configuration of the model `args` names, read without loading it, so that sizes from
+/// flags can be checked against it first.
+fn model_config(args: &ModelArgs) -> Result<ModelConfig> {
+    // A bad --backend is named before the file is read, as loading does.
+    choose_backend(args)?;
+    let path = resolve_model(args.model.as_deref())?;
+    axiom::engine::session::read_config(&path).with_context(|| format!("reading {}", path.display()))
+}
+
+/// Tokens of context for one sequence: `requested` (else `default`), at most the model's
+/// context, so that a huge `--ctx-size` never sizes a cache.
+pub fn context_tokens(requested: Option<usize>, default: usize, config: &ModelConfig) -> usize {
+    requested.unwrap_or(default).min(config.context_length)
+}
+
 /// Refuses, before loading, a model whose weights and KV cache do not fit the memory the
-/// system says is available.
-fn check_host_memory(path: &std::path::Path, options: &LoadOptions, kv_type: KvType) -> Result<()> {
+/// system says is available (or whose size does not even fit a `u64`).
+pub fn check_host_memory(path: &std::path::Path, options: &LoadOptions, kv_type: KvType) -> Result<()> {
     let Some(available) = serve::available_memory() else {
         return Ok(());
     };
@@ -306,7 +328,10 @@ fn check_host_memory(path: &std::path::Path, options: &LoadOptions, kv_type: KvT
     } else {
         std::fs::metadata(path)?.len()
     };
-    let kv = options.kv_tokens as u64 * config.kv_bytes_per_token(kv_type) as u64;
+    let kv = (options.kv_tokens as u64)
+        .checked_mul(config.kv_bytes_per_token(kv_type) as u64)
+        .filter(|kv| kv.checked_add(weights).is_some())
+        .with_context(|| format!("a KV cache of {} tokens is too large to address", options.kv_tokens))?;
     let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
     if weights + kv > available as u64 {
         bail!(

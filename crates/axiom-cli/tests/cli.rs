@@ -215,3 +215,45 @@ fn sampling_flags_out_of_range_are_refused_naming_the_flag() {
         assert!(err.contains(needle), "{flag} {value}: {err}");
     }
 }
+
+#[test]
+fn huge_sizes_from_flags_are_clamped_or_refused() {
+    const HUGE: &str = "18446744073709551615";
+    let m = model();
+    let m = m.to_str().unwrap();
+    // A context beyond the model's is the model's: it runs.
+    let out = ok(&axiom(&[
+        "run",
+        "-m",
+        m,
+        "-c",
+        HUGE,
+        "--temp",
+        "0",
+        "-n",
+        "2",
+        "-q",
+        "The capital of France is",
+    ]));
+    assert_eq!(out, " Paris.\n");
+    // Sizes that cannot be honoured are refused with a message, never a panic or an abort.
+    let text = concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml");
+    let cases: [(&[&str], &str); 4] = [
+        (
+            &["perplexity", "-m", m, "-f", text, "-c", HUGE],
+            "exceeds the model's context of 8192 tokens",
+        ),
+        (&["bench", "-m", m, "-p", HUGE], "exceeds the model's context of 8192 tokens"),
+        (&["bench", "-m", m, "-t", HUGE], "--threads must be between 1 and 1024"),
+        (
+            &["serve", "--backend", "cpu", "-m", m, "--max-batch-tokens", HUGE],
+            "more than the 4294967296 a model can be loaded with",
+        ),
+    ];
+    for (args, needle) in cases {
+        let out = axiom(args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        assert!(err.contains(needle), "{args:?}: {err}");
+    }
+}
