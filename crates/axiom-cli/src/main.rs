@@ -27,7 +27,7 @@ use axiom::model::llama::LoadOptions;
 use axiom::model::ModelConfig;
 use axiom::source::resolve_model;
 use clap::{Args, CommandFactory, Parser, Subcommand, ValueEnum};
-use std::io::IsTerminal;
+use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -168,6 +168,34 @@ impl SamplingArgs {
     }
 }
 
+/// Exit status of a process killed by SIGPIPE: the shell's sign that the reader left early.
+const BROKEN_PIPE_EXIT: i32 = 141;
+
+/// Writes command output to stdout. When its reader has gone (`axiom info | head -1`) the process
+/// exits quietly with 141, as SIGPIPE would have ended it: the signal stays ignored so that the
+/// server survives clients that hang up, and this write error stands in for it.
+fn print_out(bytes: &[u8]) -> Result<()> {
+    let written = {
+        let mut stdout = std::io::stdout().lock();
+        stdout.write_all(bytes).and_then(|()| stdout.flush())
+    };
+    match written {
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => std::process::exit(BROKEN_PIPE_EXIT),
+        written => written.context("writing to stdout"),
+    }
+}
+
+/// `println!` through [`print_out`], so that a closed stdout ends the command instead of a panic.
+#[macro_export]
+macro_rules! outln {
+    () => {
+        $crate::print_out(b"\n")
+    };
+    ($($arg:tt)*) => {
+        $crate::print_out(format!("{}\n", format_args!($($arg)*)).as_bytes())
+    };
+}
+
 /// What every command that loads a model needs to know about the user's wishes for output.
 #[derive(Clone, Copy)]
 struct Output {
@@ -192,8 +220,10 @@ fn main() {
         Command::Convert(args) => commands::convert(args, out),
         Command::Serve(args) => serve::serve(args, out),
         Command::Completions { shell } => {
-            clap_complete::generate(shell, &mut Cli::command(), "axiom", &mut std::io::stdout());
-            Ok(())
+            // Written through `print_out`: clap_complete panics when its writer fails.
+            let mut script = Vec::new();
+            clap_complete::generate(shell, &mut Cli::command(), "axiom", &mut script);
+            print_out(&script)
         }
     };
     if let Err(e) = result {

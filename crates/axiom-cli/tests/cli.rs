@@ -2,7 +2,7 @@
 
 use serde_json::Value;
 use std::path::PathBuf;
-use std::process::{Command, Output};
+use std::process::{Command, Output, Stdio};
 
 fn model() -> PathBuf {
     axiom::source::default_model().expect("the default model can be fetched")
@@ -207,7 +207,11 @@ fn sampling_flags_out_of_range_are_refused_naming_the_flag() {
         ("--top-p", "2", "--top-p must be between 0 and 1, got 2"),
         ("--min-p", "5", "--min-p must be between 0 and 1"),
         ("--temp", "-1", "--temp must be between 0 and 2, got -1"),
-        ("--repeat-penalty", "NaN", "--repeat-penalty must be between 0.01 and 10"),
+        (
+            "--repeat-penalty",
+            "NaN",
+            "--repeat-penalty must be between 0.01 and 10",
+        ),
     ] {
         let out = axiom(&["run", flag, value, "hi"]);
         let err = String::from_utf8_lossy(&out.stderr);
@@ -243,7 +247,10 @@ fn huge_sizes_from_flags_are_clamped_or_refused() {
             &["perplexity", "-m", m, "-f", text, "-c", HUGE],
             "exceeds the model's context of 8192 tokens",
         ),
-        (&["bench", "-m", m, "-p", HUGE], "exceeds the model's context of 8192 tokens"),
+        (
+            &["bench", "-m", m, "-p", HUGE],
+            "exceeds the model's context of 8192 tokens",
+        ),
         (&["bench", "-m", m, "-t", HUGE], "--threads must be between 1 and 1024"),
         (
             &["serve", "--backend", "cpu", "-m", m, "--max-batch-tokens", HUGE],
@@ -255,5 +262,33 @@ fn huge_sizes_from_flags_are_clamped_or_refused() {
         let err = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
         assert!(err.contains(needle), "{args:?}: {err}");
+    }
+}
+
+#[test]
+fn a_closed_stdout_ends_commands_quietly() {
+    let m = model();
+    let m = m.to_str().unwrap();
+    let commands: [&[&str]; 5] = [
+        &["completions", "bash"],
+        &["info", "--all", m],
+        &["tokenize", "-m", m, "hello"],
+        &["run", "-m", m, "--temp", "0", "-n", "4", "-q", "hello"],
+        &["bench", "-m", m, "-p", "8", "-n", "2", "-r", "1", "-t", "1"],
+    ];
+    for args in commands {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_axiom"))
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        // The reader goes before anything is written (as `| head -1` does after its line, but
+        // without the race), so every write to stdout fails.
+        drop(child.stdout.take());
+        let out = child.wait_with_output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+        assert_eq!(out.status.code(), Some(141), "{args:?}: {err}");
     }
 }
