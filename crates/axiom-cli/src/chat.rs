@@ -1,6 +1,9 @@
 //! `axiom chat`: an interactive conversation in the terminal, or one reply to piped input.
 
-use crate::{load_session, with_session, ModelArgs, Output, SamplingArgs};
+use crate::{
+    context_tokens, load_session, model_config, outln, print_out, with_session, ModelArgs, Output, SamplingArgs,
+    DEFAULT_CONTEXT,
+};
 use anyhow::{Context, Result};
 use axiom::backend::Backend;
 use axiom::engine::conversation::{Conversation, Transcript, Turn};
@@ -8,7 +11,7 @@ use axiom::engine::{Sampler, Session};
 use axiom::model::llama::LoadOptions;
 use clap::Args;
 use rustyline::error::ReadlineError;
-use std::io::{IsTerminal, Read, Write};
+use std::io::{IsTerminal, Read};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
@@ -21,7 +24,7 @@ pub struct ChatArgs {
     /// System message.
     #[arg(long)]
     system: Option<String>,
-    /// Context size in tokens (default: the model's, at most 4096).
+    /// Context size in tokens (default 4096); at most the model's.
     #[arg(short = 'c', long)]
     ctx_size: Option<usize>,
 }
@@ -37,7 +40,8 @@ const HELP: &str = "\
 End a line with \\ to continue on the next one. Ctrl-C stops a reply.";
 
 pub fn chat(args: ChatArgs, out: Output) -> Result<()> {
-    let ctx = args.ctx_size.unwrap_or(4096);
+    let sampler_config = args.sampling.sampler()?;
+    let ctx = context_tokens(args.ctx_size, DEFAULT_CONTEXT, &model_config(&args.model)?);
     let loaded = load_session(
         &args.model,
         LoadOptions {
@@ -47,9 +51,8 @@ pub fn chat(args: ChatArgs, out: Output) -> Result<()> {
         out,
     )?;
     with_session!(loaded, session => {
-        let ctx = ctx.min(session.model.config.context_length);
         let mut conversation = Conversation::new(&mut session, ctx, args.system.clone())?;
-        let mut sampler = Sampler::new(args.sampling.sampler());
+        let mut sampler = Sampler::new(sampler_config);
         if !std::io::stdin().is_terminal() {
             // Scripted use: the whole input is one message; only the reply is printed.
             let mut message = String::new();
@@ -115,7 +118,7 @@ fn interactive<B: Backend>(
         if let Some(command) = trimmed.strip_prefix('/') {
             let (name, rest) = command.split_once(' ').map_or((command, ""), |(n, r)| (n, r.trim()));
             match name {
-                "help" => println!("{HELP}"),
+                "help" => outln!("{HELP}")?,
                 "exit" | "quit" => break,
                 "reset" => {
                     let system = conversation.transcript.system.clone();
@@ -126,7 +129,7 @@ fn interactive<B: Backend>(
                             messages: Vec::new(),
                         },
                     );
-                    println!("(new conversation)");
+                    outln!("(new conversation)")?;
                 }
                 "system" => {
                     let system = (!rest.is_empty()).then(|| rest.to_string());
@@ -137,21 +140,21 @@ fn interactive<B: Backend>(
                             messages: Vec::new(),
                         },
                     );
-                    println!("(system message set; new conversation)");
+                    outln!("(system message set; new conversation)")?;
                 }
                 "save" if !rest.is_empty() => match save(conversation, rest) {
-                    Ok(()) => println!("(saved {} messages to {rest})", conversation.transcript.messages.len()),
+                    Ok(()) => outln!("(saved {} messages to {rest})", conversation.transcript.messages.len())?,
                     Err(e) => eprintln!("error: {e:#}"),
                 },
                 "load" if !rest.is_empty() => match load(rest) {
                     Ok(transcript) => {
                         let n = transcript.messages.len();
                         conversation.replace(session, transcript);
-                        println!("(loaded {n} messages from {rest})");
+                        outln!("(loaded {n} messages from {rest})")?;
                     }
                     Err(e) => eprintln!("error: {e:#}"),
                 },
-                "stats" => print_stats(conversation, last.as_ref()),
+                "stats" => print_stats(conversation, last.as_ref())?,
                 _ => eprintln!("unknown command /{name}; /help lists them"),
             }
             continue;
@@ -226,12 +229,14 @@ fn say<B: Backend>(
 ) -> Result<Turn> {
     let mut options = sampling.generate_options();
     options.cancel = cancel;
-    let mut stdout = std::io::stdout().lock();
+    let mut written = Ok(());
     let turn = conversation.reply(session, message, sampler, &options, |piece| {
-        let _ = stdout.write_all(piece.as_bytes());
-        let _ = stdout.flush();
+        if written.is_ok() {
+            written = print_out(piece.as_bytes());
+        }
     })?;
-    writeln!(stdout)?;
+    written?;
+    outln!()?;
     Ok(turn)
 }
 
@@ -244,22 +249,23 @@ fn report_dropped(turn: &Turn) {
     }
 }
 
-fn print_stats(conversation: &Conversation, last: Option<&Turn>) {
+fn print_stats(conversation: &Conversation, last: Option<&Turn>) -> Result<()> {
     let (used, capacity) = conversation.context_used();
-    println!(
+    outln!(
         "context: {used} of {capacity} tokens, {} messages",
         conversation.transcript.messages.len()
-    );
+    )?;
     if let Some(turn) = last {
         let g = &turn.generation;
-        println!(
+        outln!(
             "last reply: {} new prompt tokens at {:.1} tok/s, {} tokens generated at {:.1} tok/s",
             turn.prompt_tokens_run,
             turn.prompt_tokens_run as f64 / g.prompt_time.as_secs_f64().max(1e-9),
             g.tokens.len(),
             g.tokens.len() as f64 / g.generation_time.as_secs_f64().max(1e-9)
-        );
+        )?;
     }
+    Ok(())
 }
 
 fn save(conversation: &Conversation, path: &str) -> Result<()> {

@@ -1,6 +1,9 @@
 //! The one-shot commands: run, tokenize, perplexity, info, bench.
 
-use crate::{load_session, with_session, ModelArgs, Output, SamplingArgs};
+use crate::{
+    context_tokens, load_session, model_config, outln, print_out, with_session, ModelArgs, Output, SamplingArgs,
+    DEFAULT_CONTEXT,
+};
 use anyhow::{bail, Context, Result};
 use axiom::backend::Backend;
 use axiom::chat::Message;
@@ -15,7 +18,6 @@ use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 use std::collections::BTreeMap;
-use std::io::Write;
 use std::path::PathBuf;
 
 #[derive(Args)]
@@ -35,7 +37,7 @@ pub struct RunArgs {
     /// System message (implies --chat).
     #[arg(long)]
     system: Option<String>,
-    /// Context size in tokens (default: the model's, at most 4096).
+    /// Context size in tokens (default 4096); at most the model's.
     #[arg(short = 'c', long)]
     ctx_size: Option<usize>,
     /// Print one JSON object at the end instead of streaming text.
@@ -127,7 +129,8 @@ pub fn run(args: RunArgs, out: Output) -> Result<()> {
         .prompt
         .or(args.prompt_text)
         .context("no prompt: give one as an argument or with -p")?;
-    let ctx = args.ctx_size.unwrap_or(4096);
+    let config = args.sampling.sampler()?;
+    let ctx = context_tokens(args.ctx_size, DEFAULT_CONTEXT, &model_config(&args.model)?);
     let loaded = load_session(
         &args.model,
         LoadOptions {
@@ -137,7 +140,6 @@ pub fn run(args: RunArgs, out: Output) -> Result<()> {
         out,
     )?;
     with_session!(loaded, session => {
-        let ctx = ctx.min(session.model.config.context_length);
         let prompt = if args.chat || args.system.is_some() {
             let mut messages = Vec::new();
             if let Some(system) = &args.system {
@@ -148,13 +150,12 @@ pub fn run(args: RunArgs, out: Output) -> Result<()> {
         } else {
             session.raw_prompt(&text)?
         };
-        let config = args.sampling.sampler();
         let seed = config.seed;
         let mut sampler = Sampler::new(config);
         let options = args.sampling.generate_options();
         let mut kv = session.model.new_kv_cache(ctx);
-        let mut stdout = std::io::stdout().lock();
         let json_mode = args.json;
+        let mut written = Ok(());
         let generation = generate(
             &mut session.model,
             &session.tokenizer,
@@ -163,12 +164,12 @@ pub fn run(args: RunArgs, out: Output) -> Result<()> {
             &mut sampler,
             &options,
             |piece| {
-                if !json_mode {
-                    let _ = stdout.write_all(piece.as_bytes());
-                    let _ = stdout.flush();
+                if !json_mode && written.is_ok() {
+                    written = print_out(piece.as_bytes());
                 }
             },
         )?;
+        written?;
         let prompt_tps = prompt.len() as f64 / generation.prompt_time.as_secs_f64();
         let gen_tps = generation.tokens.len() as f64 / generation.generation_time.as_secs_f64().max(1e-9);
         if json_mode {
@@ -187,9 +188,9 @@ pub fn run(args: RunArgs, out: Output) -> Result<()> {
                     "generation_tokens_per_second": gen_tps,
                 },
             });
-            writeln!(stdout, "{out}")?;
+            outln!("{out}")?;
         } else {
-            writeln!(stdout)?;
+            outln!()?;
             if !out.quiet {
                 eprintln!(
                     "prompt: {} tokens, {prompt_tps:.1} tok/s | generation: {} tokens, {gen_tps:.1} tok/s | stop: {:?}",
@@ -208,12 +209,19 @@ pub fn tokenize(args: TokenizeArgs) -> Result<()> {
     let file = GgufFile::open(&path)?;
     let tokenizer = Tokenizer::from_gguf(&file)?;
     let ids = tokenizer.encode(&args.text, args.special, true)?;
-    println!("{}", serde_json::to_string(&ids)?);
+    outln!("{}", serde_json::to_string(&ids)?)?;
     Ok(())
 }
 
 pub fn perplexity(args: PerplexityArgs, out: Output) -> Result<()> {
     let text = std::fs::read_to_string(&args.file).with_context(|| format!("reading {}", args.file.display()))?;
+    let context_length = model_config(&args.model)?.context_length;
+    if args.ctx_size > context_length {
+        bail!(
+            "--ctx-size {} exceeds the model's context of {context_length} tokens",
+            args.ctx_size
+        );
+    }
     let options = LoadOptions {
         kv_tokens: args.ctx_size,
         max_batch: args.ctx_size.min(512),
@@ -221,13 +229,6 @@ pub fn perplexity(args: PerplexityArgs, out: Output) -> Result<()> {
     };
     let loaded = load_session(&args.model, options, out)?;
     with_session!(loaded, session => {
-        if args.ctx_size > session.model.config.context_length {
-            bail!(
-                "context {} exceeds the model's {}",
-                args.ctx_size,
-                session.model.config.context_length
-            );
-        }
         let tokens = session.tokenizer.encode(&text, false, false)?;
         let bos = if session.tokenizer.add_bos {
             session.tokenizer.bos
@@ -242,15 +243,15 @@ pub fn perplexity(args: PerplexityArgs, out: Output) -> Result<()> {
             })?;
         bar.finish_and_clear();
         if args.json {
-            println!(
+            outln!(
                 "{}",
                 json!({"file": args.file, "tokens": tokens.len(), "result": result})
-            );
+            )?;
         } else {
-            println!(
+            outln!(
                 "perplexity: {:.4} ({} chunks of {}, {} tokens scored)",
                 result.perplexity, result.chunks, result.n_ctx, result.scored_tokens
-            );
+            )?;
         }
         Ok(())
     })
@@ -271,6 +272,10 @@ pub fn bench(args: BenchArgs, out: Output) -> Result<()> {
         .chain(args.generate.iter().filter(|&&n| n > 0).map(|&n| Test::Generation(n)))
         .collect();
     let longest = tests.iter().map(|t| t.tokens()).max().unwrap_or(1);
+    let context_length = model_config(&args.model)?.context_length;
+    if longest > context_length {
+        bail!("a test of {longest} tokens exceeds the model's context of {context_length} tokens");
+    }
     let options = LoadOptions {
         max_batch: longest.min(args.ubatch),
         kv_tokens: longest,
@@ -301,26 +306,26 @@ pub fn bench(args: BenchArgs, out: Output) -> Result<()> {
                     "samples_ts": r.samples, "avg_ts": r.mean, "stddev_ts": r.stddev,
                     "weight_bandwidth_gbps": gbps,
                 });
-                println!("{out}");
+                outln!("{out}")?;
             }
             return Ok(());
         }
-        println!("| model | size | params | backend | threads | test | t/s |");
-        println!("| --- | ---: | ---: | --- | ---: | ---: | ---: |");
+        outln!("| model | size | params | backend | threads | test | t/s |")?;
+        outln!("| --- | ---: | ---: | --- | ---: | ---: | ---: |")?;
         for (r, _) in &rows {
-            println!(
+            outln!(
                 "| {} | {size} | {params} | {backend} | {threads} | {} | {:.2} ± {:.2} |",
                 info.description, r.test, r.mean, r.stddev
-            );
+            )?;
         }
         for (r, gbps) in &rows {
             if let Some(g) = gbps {
-                println!(
+                outln!(
                     "\n{}: {:.1} GB/s of weights ({:.1} MB per token)",
                     r.test,
                     g,
                     info.weight_bytes_per_token as f64 / 1e6
-                );
+                )?;
             }
         }
         Ok(())
@@ -359,92 +364,100 @@ pub fn info(args: InfoArgs) -> Result<()> {
         let json = std::fs::read_to_string(path.join("config.json")).context("reading config.json")?;
         let json: serde_json::Value = serde_json::from_str(&json).context("parsing config.json")?;
         let checkpoint = SafetensorsModel::open_dir(&path)?;
-        println!("directory:     {} (Hugging Face, safetensors)", path.display());
-        print_config(ModelConfig::from_hf(&json));
-        print_tokenizer(Tokenizer::from_hf_dir(&path));
-        print_tensors(&checkpoint.all());
+        outln!("directory:     {} (Hugging Face, safetensors)", path.display())?;
+        print_config(ModelConfig::from_hf(&json))?;
+        print_tokenizer(Tokenizer::from_hf_dir(&path))?;
+        print_tensors(&checkpoint.all())?;
         return Ok(());
     }
     let file = GgufFile::open(&path)?;
     let name = file.get("general.name").and_then(|v| v.as_str()).unwrap_or("(unnamed)");
-    println!(
+    outln!(
         "file:          {} (GGUF v{}, {:.1} MiB)",
         path.display(),
         file.version,
         file.file_size() as f64 / (1 << 20) as f64
-    );
-    println!("name:          {name}");
-    print_config(ModelConfig::from_gguf(&file));
-    print_tokenizer(Tokenizer::from_gguf(&file));
-    print_tensors(&TensorSource::all(&file));
-    println!(
+    )?;
+    outln!("name:          {name}")?;
+    print_config(ModelConfig::from_gguf(&file))?;
+    print_tokenizer(Tokenizer::from_gguf(&file))?;
+    print_tensors(&TensorSource::all(&file))?;
+    outln!(
         "chat template: {}",
         if file.get("tokenizer.chat_template").is_some() {
             "yes"
         } else {
             "no"
         }
-    );
+    )?;
     if args.all {
-        println!("\nmetadata:");
+        outln!("\nmetadata:")?;
         for (k, v) in &file.metadata {
-            println!("  {k} = {}", v.summary());
+            outln!("  {k} = {}", v.summary())?;
         }
-        println!("\ntensors:");
+        outln!("\ntensors:")?;
         for t in &file.tensors {
-            println!("  {} {} {:?}", t.name, t.ty, t.dims);
+            outln!("  {} {} {:?}", t.name, t.ty, t.dims)?;
         }
     }
     Ok(())
 }
 
-fn print_config(config: axiom::Result<ModelConfig>) {
+fn print_config(config: axiom::Result<ModelConfig>) -> Result<()> {
     match config {
         Ok(c) => {
-            println!("architecture:  {}", c.architecture);
-            println!("layers:        {}", c.n_layers);
-            println!("hidden:        {} (FFN {})", c.dim, c.ffn_dim);
-            println!(
+            outln!("architecture:  {}", c.architecture)?;
+            outln!("layers:        {}", c.n_layers)?;
+            outln!("hidden:        {} (FFN {})", c.dim, c.ffn_dim)?;
+            outln!(
                 "heads:         {} query, {} key/value, head dim {}",
-                c.n_heads, c.n_kv_heads, c.head_dim
-            );
-            println!("context:       {}", c.context_length);
-            println!(
+                c.n_heads,
+                c.n_kv_heads,
+                c.head_dim
+            )?;
+            outln!("context:       {}", c.context_length)?;
+            outln!(
                 "rope:          {:?} layout, theta {}, {} dims, scaling {:?}",
-                c.rope.layout, c.rope.theta, c.rope.dims, c.rope.scaling
-            );
-            println!("rms epsilon:   {:e}", c.rms_eps);
-            println!("vocabulary:    {}", c.vocab_size);
+                c.rope.layout,
+                c.rope.theta,
+                c.rope.dims,
+                c.rope.scaling
+            )?;
+            outln!("rms epsilon:   {:e}", c.rms_eps)?;
+            outln!("vocabulary:    {}", c.vocab_size)?;
             if c.qkv_bias || c.qk_norm {
-                println!(
+                outln!(
                     "extras:        {}{}",
                     if c.qkv_bias { "Q/K/V biases " } else { "" },
                     if c.qk_norm { "Q/K norms" } else { "" }
-                );
+                )?;
             }
         }
-        Err(e) => println!("config:        cannot run this model: {e}"),
+        Err(e) => outln!("config:        cannot run this model: {e}")?,
     }
+    Ok(())
 }
 
-fn print_tokenizer(tokenizer: axiom::Result<Tokenizer>) {
+fn print_tokenizer(tokenizer: axiom::Result<Tokenizer>) -> Result<()> {
     match tokenizer {
-        Ok(t) => println!("tokenizer:     {}", t.describe()),
-        Err(e) => println!("tokenizer:     {e}"),
+        Ok(t) => outln!("tokenizer:     {}", t.describe())?,
+        Err(e) => outln!("tokenizer:     {e}")?,
     }
+    Ok(())
 }
 
-fn print_tensors(tensors: &[(axiom::format::quant::GgmlType, Vec<usize>, usize)]) {
+fn print_tensors(tensors: &[(axiom::format::quant::GgmlType, Vec<usize>, usize)]) -> Result<()> {
     let params: usize = tensors.iter().map(|(_, dims, _)| dims.iter().product::<usize>()).sum();
     let mut types: BTreeMap<String, usize> = BTreeMap::new();
     for (ty, _, _) in tensors {
         *types.entry(ty.to_string()).or_default() += 1;
     }
     let types: Vec<String> = types.iter().map(|(t, n)| format!("{t} x{n}")).collect();
-    println!(
+    outln!(
         "parameters:    {:.2} M in {} tensors ({})",
         params as f64 / 1e6,
         tensors.len(),
         types.join(", ")
-    );
+    )?;
+    Ok(())
 }

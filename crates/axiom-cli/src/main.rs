@@ -18,15 +18,16 @@ mod chat;
 mod commands;
 mod serve;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{anyhow, bail, Context, Result};
 use axiom::backend::cpu::{physical_cores, CpuBackend};
 use axiom::backend::cuda::CudaBackend;
 use axiom::backend::{Backend, KvType};
-use axiom::engine::{GenerateOptions, SamplerConfig, Session};
+use axiom::engine::{GenerateOptions, SamplerConfig, SamplingField, Session};
 use axiom::model::llama::LoadOptions;
+use axiom::model::ModelConfig;
 use axiom::source::resolve_model;
 use clap::{Args, CommandFactory, Parser, Subcommand, ValueEnum};
-use std::io::IsTerminal;
+use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -100,8 +101,8 @@ struct SamplingArgs {
     /// Most tokens to generate.
     #[arg(short = 'n', long, default_value_t = 256)]
     max_tokens: usize,
-    /// Temperature; 0 is greedy.
-    #[arg(long, default_value_t = 0.8)]
+    /// Temperature, from 0 (greedy) to 2.
+    #[arg(long, allow_negative_numbers = true, default_value_t = 0.8)]
     temp: f32,
     #[arg(long, default_value_t = 40)]
     top_k: usize,
@@ -113,9 +114,9 @@ struct SamplingArgs {
     repeat_penalty: f32,
     #[arg(long, default_value_t = 64)]
     repeat_last_n: usize,
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 0.0)]
     presence_penalty: f32,
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 0.0)]
     frequency_penalty: f32,
     /// Random seed (default: from the clock).
     #[arg(long)]
@@ -126,13 +127,14 @@ struct SamplingArgs {
 }
 
 impl SamplingArgs {
-    fn sampler(&self) -> SamplerConfig {
+    /// The sampler settings, refused (naming the flag) outside the ranges the server allows too.
+    fn sampler(&self) -> Result<SamplerConfig> {
         let seed = self.seed.unwrap_or_else(|| {
             std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.as_nanos() as u64)
         });
-        SamplerConfig {
+        let config = SamplerConfig {
             temperature: self.temp,
             top_k: self.top_k,
             top_p: self.top_p,
@@ -142,7 +144,19 @@ impl SamplingArgs {
             presence_penalty: self.presence_penalty,
             frequency_penalty: self.frequency_penalty,
             seed,
-        }
+        };
+        config.validate().map_err(|e| {
+            let flag = match e.field {
+                SamplingField::Temperature => "--temp",
+                SamplingField::TopP => "--top-p",
+                SamplingField::MinP => "--min-p",
+                SamplingField::RepeatPenalty => "--repeat-penalty",
+                SamplingField::PresencePenalty => "--presence-penalty",
+                SamplingField::FrequencyPenalty => "--frequency-penalty",
+            };
+            anyhow!(e.describe(flag))
+        })?;
+        Ok(config)
     }
 
     fn generate_options(&self) -> GenerateOptions {
@@ -152,6 +166,34 @@ impl SamplingArgs {
             ..Default::default()
         }
     }
+}
+
+/// Exit status of a process killed by SIGPIPE: the shell's sign that the reader left early.
+const BROKEN_PIPE_EXIT: i32 = 141;
+
+/// Writes command output to stdout. When its reader has gone (`axiom info | head -1`) the process
+/// exits quietly with 141, as SIGPIPE would have ended it: the signal stays ignored so that the
+/// server survives clients that hang up, and this write error stands in for it.
+fn print_out(bytes: &[u8]) -> Result<()> {
+    let written = {
+        let mut stdout = std::io::stdout().lock();
+        stdout.write_all(bytes).and_then(|()| stdout.flush())
+    };
+    match written {
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => std::process::exit(BROKEN_PIPE_EXIT),
+        written => written.context("writing to stdout"),
+    }
+}
+
+/// `println!` through [`print_out`], so that a closed stdout ends the command instead of a panic.
+#[macro_export]
+macro_rules! outln {
+    () => {
+        $crate::print_out(b"\n")
+    };
+    ($($arg:tt)*) => {
+        $crate::print_out(format!("{}\n", format_args!($($arg)*)).as_bytes())
+    };
 }
 
 /// What every command that loads a model needs to know about the user's wishes for output.
@@ -184,8 +226,10 @@ fn main() {
         Command::Convert(args) => commands::convert(args, out),
         Command::Serve(args) => serve::serve(args, out),
         Command::Completions { shell } => {
-            clap_complete::generate(shell, &mut Cli::command(), "axiom", &mut std::io::stdout());
-            Ok(())
+            // Written through `print_out`: clap_complete panics when its writer fails.
+            let mut script = Vec::new();
+            clap_complete::generate(shell, &mut Cli::command(), "axiom", &mut script);
+            print_out(&script)
         }
     };
     if let Err(e) = result {
@@ -245,10 +289,13 @@ macro_rules! with_session {
     };
 }
 
+/// Most `--threads`: beyond any machine's cores, and a typo's million threads are refused.
+const MAX_THREADS: usize = 1024;
+
 fn cpu_backend(args: &ModelArgs) -> Result<CpuBackend> {
     let threads = args.threads.unwrap_or_else(physical_cores);
-    if threads == 0 {
-        bail!("--threads must be at least 1");
+    if !(1..=MAX_THREADS).contains(&threads) {
+        bail!("--threads must be between 1 and {MAX_THREADS}, got {threads}");
     }
     Ok(CpuBackend::new(threads).with_kv_type(kv_type(args)))
 }
@@ -284,9 +331,27 @@ fn kv_type(args: &ModelArgs) -> KvType {
     }
 }
 
+/// Context for `run` and `chat` when no `--ctx-size` is given (the model's, if smaller).
+const DEFAULT_CONTEXT: usize = 4096;
+
+/// The configuration of the model `args` names, read without loading it, so that sizes from
+/// flags can be checked against it first.
+fn model_config(args: &ModelArgs) -> Result<ModelConfig> {
+    // A bad --backend is named before the file is read, as loading does.
+    choose_backend(args)?;
+    let path = resolve_model(args.model.as_deref())?;
+    axiom::engine::session::read_config(&path).with_context(|| format!("reading {}", path.display()))
+}
+
+/// Tokens of context for one sequence: `requested` (else `default`), at most the model's
+/// context, so that a huge `--ctx-size` never sizes a cache.
+pub fn context_tokens(requested: Option<usize>, default: usize, config: &ModelConfig) -> usize {
+    requested.unwrap_or(default).min(config.context_length)
+}
+
 /// Refuses, before loading, a model whose weights and KV cache do not fit the memory the
-/// system says is available.
-fn check_host_memory(path: &std::path::Path, options: &LoadOptions, kv_type: KvType) -> Result<()> {
+/// system says is available (or whose size does not even fit a `u64`).
+pub fn check_host_memory(path: &std::path::Path, options: &LoadOptions, kv_type: KvType) -> Result<()> {
     let Some(available) = serve::available_memory() else {
         return Ok(());
     };
@@ -299,7 +364,10 @@ fn check_host_memory(path: &std::path::Path, options: &LoadOptions, kv_type: KvT
     } else {
         std::fs::metadata(path)?.len()
     };
-    let kv = options.kv_tokens as u64 * config.kv_bytes_per_token(kv_type) as u64;
+    let kv = (options.kv_tokens as u64)
+        .checked_mul(config.kv_bytes_per_token(kv_type) as u64)
+        .filter(|kv| kv.checked_add(weights).is_some())
+        .with_context(|| format!("a KV cache of {} tokens is too large to address", options.kv_tokens))?;
     let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
     if weights + kv > available as u64 {
         bail!(

@@ -2,7 +2,7 @@
 
 use serde_json::Value;
 use std::path::PathBuf;
-use std::process::{Command, Output};
+use std::process::{Command, Output, Stdio};
 
 fn model() -> PathBuf {
     axiom::source::default_model().expect("the default model can be fetched")
@@ -198,4 +198,97 @@ fn bench_prints_a_llama_bench_style_table_and_json() {
     assert_eq!(objects[1]["samples_ts"].as_array().unwrap().len(), 2);
     assert!(objects[1]["weight_bandwidth_gbps"].as_f64().unwrap() > 0.0);
     assert!(objects[0]["weight_bandwidth_gbps"].is_null());
+}
+
+#[test]
+fn sampling_flags_out_of_range_are_refused_naming_the_flag() {
+    // Refused before the model loads, so no model is named.
+    for (flag, value, needle) in [
+        ("--top-p", "2", "--top-p must be between 0 and 1, got 2"),
+        ("--min-p", "5", "--min-p must be between 0 and 1"),
+        ("--temp", "-1", "--temp must be between 0 and 2, got -1"),
+        (
+            "--repeat-penalty",
+            "NaN",
+            "--repeat-penalty must be between 0.01 and 10",
+        ),
+    ] {
+        let out = axiom(&["run", flag, value, "hi"]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{flag} {value}: {err}");
+        assert!(err.contains(needle), "{flag} {value}: {err}");
+    }
+}
+
+#[test]
+fn huge_sizes_from_flags_are_clamped_or_refused() {
+    const HUGE: &str = "18446744073709551615";
+    let m = model();
+    let m = m.to_str().unwrap();
+    // A context beyond the model's is the model's: it runs.
+    let out = ok(&axiom(&[
+        "run",
+        "-m",
+        m,
+        "-c",
+        HUGE,
+        "--temp",
+        "0",
+        "-n",
+        "2",
+        "-q",
+        "The capital of France is",
+    ]));
+    assert_eq!(out, " Paris.\n");
+    // Sizes that cannot be honoured are refused with a message, never a panic or an abort.
+    let text = concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml");
+    let cases: [(&[&str], &str); 4] = [
+        (
+            &["perplexity", "-m", m, "-f", text, "-c", HUGE],
+            "exceeds the model's context of 8192 tokens",
+        ),
+        (
+            &["bench", "-m", m, "-p", HUGE],
+            "exceeds the model's context of 8192 tokens",
+        ),
+        (&["bench", "-m", m, "-t", HUGE], "--threads must be between 1 and 1024"),
+        (
+            &["serve", "--backend", "cpu", "-m", m, "--max-batch-tokens", HUGE],
+            "more than the 4294967296 a model can be loaded with",
+        ),
+    ];
+    for (args, needle) in cases {
+        let out = axiom(args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        assert!(err.contains(needle), "{args:?}: {err}");
+    }
+}
+
+#[test]
+fn a_closed_stdout_ends_commands_quietly() {
+    let m = model();
+    let m = m.to_str().unwrap();
+    let commands: [&[&str]; 5] = [
+        &["completions", "bash"],
+        &["info", "--all", m],
+        &["tokenize", "-m", m, "hello"],
+        &["run", "-m", m, "--temp", "0", "-n", "4", "-q", "hello"],
+        &["bench", "-m", m, "-p", "8", "-n", "2", "-r", "1", "-t", "1"],
+    ];
+    for args in commands {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_axiom"))
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        // The reader goes before anything is written (as `| head -1` does after its line, but
+        // without the race), so every write to stdout fails.
+        drop(child.stdout.take());
+        let out = child.wait_with_output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+        assert_eq!(out.status.code(), Some(141), "{args:?}: {err}");
+    }
 }

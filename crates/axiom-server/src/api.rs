@@ -248,24 +248,21 @@ fn in_range(v: i64, lo: i64, hi: i64, param: &'static str) -> Result<i64, ApiErr
     Ok(v)
 }
 
-fn in_range_f(v: Option<f32>, lo: f32, hi: f32, param: &'static str) -> Result<(), ApiError> {
-    match v {
-        Some(x) if !(lo..=hi).contains(&x) => Err(ApiError::invalid(
-            format!("{param} must be between {lo} and {hi}, got {x}"),
-            Some(param),
-        )),
-        _ => Ok(()),
-    }
-}
-
 impl Sampling {
     fn check(&self) -> Result<(), ApiError> {
-        in_range_f(self.temperature, 0.0, 2.0, "temperature")?;
-        in_range_f(self.top_p, 0.0, 1.0, "top_p")?;
-        in_range_f(self.min_p, 0.0, 1.0, "min_p")?;
-        in_range_f(self.presence_penalty, -2.0, 2.0, "presence_penalty")?;
-        in_range_f(self.frequency_penalty, -2.0, 2.0, "frequency_penalty")?;
-        in_range_f(self.repetition_penalty, 0.01, 10.0, "repetition_penalty")?;
+        use axiom::engine::SamplingField;
+        // The engine's ranges, so that the CLI and the server accept the same values.
+        self.sampler(0).validate().map_err(|e| {
+            let param = match e.field {
+                SamplingField::Temperature => "temperature",
+                SamplingField::TopP => "top_p",
+                SamplingField::MinP => "min_p",
+                SamplingField::RepeatPenalty => "repetition_penalty",
+                SamplingField::PresencePenalty => "presence_penalty",
+                SamplingField::FrequencyPenalty => "frequency_penalty",
+            };
+            ApiError::invalid(e.describe(param), Some(param))
+        })?;
         if let Some(k) = self.top_k {
             in_range(k, -1, i32::MAX as i64, "top_k")?;
         }
@@ -374,13 +371,21 @@ mod tests {
         )
         .unwrap();
         assert_eq!(parts.messages[0].text(), "ab");
-        let cases: [(&[u8], Option<&str>); 7] = [
+        let cases: [(&[u8], Option<&str>); 9] = [
             (b"{", None),
             (br#"{"messages":[]}"#, Some("messages")),
             (br#"{"messages":[{"role":"wizard","content":"x"}]}"#, Some("messages")),
             (
                 br#"{"messages":[{"role":"user","content":"x"}],"temperature":3}"#,
                 Some("temperature"),
+            ),
+            (
+                br#"{"messages":[{"role":"user","content":"x"}],"top_p":2}"#,
+                Some("top_p"),
+            ),
+            (
+                br#"{"messages":[{"role":"user","content":"x"}],"repetition_penalty":0}"#,
+                Some("repetition_penalty"),
             ),
             (br#"{"messages":[{"role":"user","content":"x"}],"n":2}"#, Some("n")),
             (

@@ -216,6 +216,36 @@ fn bad_input_matrix() {
 }
 
 #[test]
+fn parsed_metadata_memory_is_bounded() {
+    let u8_array = |n: usize| {
+        let mut w = GgufWriter::header(3, 0, 1);
+        w.string("bomb").u32(9).u32(0).u64(n as u64).bytes(&vec![7; n]);
+        w.buf
+    };
+    // 3 MiB of file would be 96 MiB of 32-byte values: refused, naming the key and the limit.
+    let e = parse(&u8_array(3 << 20));
+    assert!(
+        matches!(e, GgufError::MetadataTooLarge { ref key } if key == "bomb"),
+        "{e}"
+    );
+    assert!(e.to_string().contains("64 MiB"), "{e}");
+    // A third of that is a large vocabulary's size, and reads.
+    let f = GgufFile::from_bytes(&u8_array(1 << 20)).unwrap();
+    assert_eq!(
+        f.get("bomb").and_then(Value::as_array).map(<[Value]>::len),
+        Some(1 << 20)
+    );
+
+    // Small pairs cost about 100 bytes each once parsed, for 23 in the file: counted too.
+    let n_kv = 1 << 20;
+    let mut w = GgufWriter::header(3, 0, n_kv);
+    for i in 0..n_kv {
+        w.kv_u32(&format!("{i:07}"), 0);
+    }
+    assert!(matches!(parse(&w.buf), GgufError::MetadataTooLarge { .. }));
+}
+
+#[test]
 fn every_prefix_of_a_valid_file_fails_cleanly() {
     let valid = valid_gguf();
     for cut in 0..valid.len() {

@@ -52,7 +52,7 @@ pub fn run_test<B: Backend>(model: &mut Llama<B>, test: Test, repetitions: usize
     let vocab = model.config.vocab_size as u32;
     let tokens: Vec<u32> = (0..n).map(|_| rng.random_range(0..vocab)).collect();
     let mut kv = model.new_kv_cache(n);
-    let mut samples = Vec::with_capacity(repetitions);
+    let mut samples = Vec::new();
     for rep in 0..=repetitions {
         model.truncate_kv(&mut kv, 0);
         let start = Instant::now();

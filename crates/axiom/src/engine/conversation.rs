@@ -94,7 +94,8 @@ impl Conversation {
                 session.tokenizer.encode_chat(&chat)?
             };
             let text = chat.text().to_owned();
-            let needed = self.kv.len() + new_tokens.len() + options.max_tokens.max(1);
+            // Saturating: `max_tokens` comes from a user and may be anything.
+            let needed = (self.kv.len() + new_tokens.len()).saturating_add(options.max_tokens.max(1));
             // Drop the oldest exchange (never the system message, never the new message).
             if needed > self.kv.capacity() && self.transcript.messages.len() > 1 {
                 let first_user = self

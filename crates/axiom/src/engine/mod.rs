@@ -9,5 +9,5 @@ pub mod scheduler;
 pub mod session;
 
 pub use generate::{generate, GenerateOptions, Generation, StopReason};
-pub use sampler::{Sampler, SamplerConfig};
+pub use sampler::{Sampler, SamplerConfig, SamplingError, SamplingField};
 pub use session::Session;

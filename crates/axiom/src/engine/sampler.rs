@@ -4,10 +4,11 @@
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha20Rng;
 use std::collections::HashMap;
+use std::ops::RangeInclusive;
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct SamplerConfig {
-    /// 0 (or less) samples greedily.
+    /// 0 samples greedily.
     pub temperature: f32,
     /// 0 keeps every token.
     pub top_k: usize,
@@ -40,7 +41,70 @@ impl Default for SamplerConfig {
     }
 }
 
+/// A sampler setting outside its range. Callers name the setting their own way (a CLI flag, an
+/// API field) with [`SamplingError::describe`].
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("{}", self.describe(self.field.name()))]
+pub struct SamplingError {
+    pub field: SamplingField,
+    pub value: f32,
+    pub range: RangeInclusive<f32>,
+}
+
+/// The [`SamplerConfig`] fields with a range.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SamplingField {
+    Temperature,
+    TopP,
+    MinP,
+    RepeatPenalty,
+    PresencePenalty,
+    FrequencyPenalty,
+}
+
+impl SamplingField {
+    /// The field's name in [`SamplerConfig`].
+    pub fn name(self) -> &'static str {
+        match self {
+            SamplingField::Temperature => "temperature",
+            SamplingField::TopP => "top_p",
+            SamplingField::MinP => "min_p",
+            SamplingField::RepeatPenalty => "repeat_penalty",
+            SamplingField::PresencePenalty => "presence_penalty",
+            SamplingField::FrequencyPenalty => "frequency_penalty",
+        }
+    }
+}
+
+impl SamplingError {
+    /// The message, with the setting called `name`.
+    pub fn describe(&self, name: &str) -> String {
+        format!(
+            "{name} must be between {} and {}, got {}",
+            self.range.start(),
+            self.range.end(),
+            self.value
+        )
+    }
+}
+
 impl SamplerConfig {
+    /// Checks every setting against its range (OpenAI's where it has one); NaN is in none.
+    pub fn validate(&self) -> Result<(), SamplingError> {
+        let fields = [
+            (SamplingField::Temperature, self.temperature, 0.0..=2.0),
+            (SamplingField::TopP, self.top_p, 0.0..=1.0),
+            (SamplingField::MinP, self.min_p, 0.0..=1.0),
+            (SamplingField::RepeatPenalty, self.repeat_penalty, 0.01..=10.0),
+            (SamplingField::PresencePenalty, self.presence_penalty, -2.0..=2.0),
+            (SamplingField::FrequencyPenalty, self.frequency_penalty, -2.0..=2.0),
+        ];
+        match fields.into_iter().find(|(_, value, range)| !range.contains(value)) {
+            Some((field, value, range)) => Err(SamplingError { field, value, range }),
+            None => Ok(()),
+        }
+    }
+
     pub fn greedy() -> SamplerConfig {
         SamplerConfig {
             temperature: 0.0,
@@ -182,6 +246,39 @@ fn softmax_with_temperature(cands: &[(u32, f32)], temperature: f32) -> Vec<f32> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn validate_names_the_field_out_of_range() {
+        assert_eq!(SamplerConfig::default().validate(), Ok(()));
+        let with = |change: fn(&mut SamplerConfig)| {
+            let mut config = SamplerConfig::default();
+            change(&mut config);
+            config.validate().map_err(|e| e.field)
+        };
+        assert_eq!(with(|c| c.temperature = -1.0), Err(SamplingField::Temperature));
+        assert_eq!(with(|c| c.temperature = f32::NAN), Err(SamplingField::Temperature));
+        assert_eq!(with(|c| c.temperature = 2.0), Ok(()));
+        assert_eq!(with(|c| c.top_p = 2.0), Err(SamplingField::TopP));
+        assert_eq!(with(|c| c.min_p = 5.0), Err(SamplingField::MinP));
+        assert_eq!(with(|c| c.repeat_penalty = 0.0), Err(SamplingField::RepeatPenalty));
+        assert_eq!(
+            with(|c| c.presence_penalty = f32::INFINITY),
+            Err(SamplingField::PresencePenalty)
+        );
+        assert_eq!(
+            with(|c| c.frequency_penalty = -2.5),
+            Err(SamplingField::FrequencyPenalty)
+        );
+
+        let e = SamplerConfig {
+            top_p: 2.0,
+            ..SamplerConfig::default()
+        }
+        .validate()
+        .unwrap_err();
+        assert_eq!(e.to_string(), "top_p must be between 0 and 1, got 2");
+        assert_eq!(e.describe("--top-p"), "--top-p must be between 0 and 1, got 2");
+    }
 
     fn logits() -> Vec<f32> {
         // Token i has logit i/10: a clear order with a long tail.

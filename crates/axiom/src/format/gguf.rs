@@ -17,6 +17,10 @@ const DEFAULT_ALIGNMENT: u64 = 32;
 const MAX_DIMS: u32 = 4;
 /// Arrays may hold arrays; real files nest at most one level, so a few levels are plenty.
 const MAX_ARRAY_DEPTH: usize = 4;
+/// Most memory the parsed metadata may take. An array element of one byte in the file becomes a
+/// 32-byte [`Value`], so the file's size alone does not bound it; real vocabularies take a few
+/// tens of MiB (Llama 3's about 22).
+pub const METADATA_MEMORY_LIMIT: u64 = 64 << 20;
 
 #[derive(Debug, thiserror::Error)]
 pub enum GgufError {
@@ -39,6 +43,11 @@ pub enum GgufError {
     UnknownValueType { key: String, type_id: u32 },
     #[error("metadata key {0:?} nests arrays deeper than {MAX_ARRAY_DEPTH} levels")]
     ArrayTooDeep(String),
+    #[error(
+        "metadata key {key:?} takes the parsed metadata past its memory limit of {} MiB",
+        METADATA_MEMORY_LIMIT >> 20
+    )]
+    MetadataTooLarge { key: String },
     #[error("{what} is not valid UTF-8")]
     InvalidUtf8 { what: String },
     #[error("duplicate {kind} {name:?}")]
@@ -253,7 +262,11 @@ impl GgufFile {
 
     fn parse(map: Arc<Mmap>) -> Result<GgufFile> {
         let len = map.len();
-        let mut r = Reader { buf: &map[..], pos: 0 };
+        let mut r = Reader {
+            buf: &map[..],
+            pos: 0,
+            metadata_budget: METADATA_MEMORY_LIMIT,
+        };
         let magic: [u8; 4] = r.array("magic")?;
         if &magic != MAGIC {
             return Err(GgufError::BadMagic(magic));
@@ -274,6 +287,9 @@ impl GgufFile {
         let mut meta_index = HashMap::new();
         for i in 0..n_kv {
             let key = r.string(&format!("metadata key #{i}"))?;
+            // The pair in `metadata` and the key's copy in `meta_index`.
+            let entry = size_of::<(String, Value)>() + size_of::<(String, usize)>() + 2 * key.len();
+            r.charge(&key, entry as u64)?;
             let type_id = r.u32("metadata value type")?;
             let value = r.value(&key, type_id, 0)?;
             if meta_index.insert(key.clone(), metadata.len()).is_some() {
@@ -446,6 +462,8 @@ fn check_no_overlap(tensors: &[TensorInfo]) -> Result<()> {
 struct Reader<'a> {
     buf: &'a [u8],
     pos: usize,
+    /// Bytes the parsed metadata may still take (see [`METADATA_MEMORY_LIMIT`]).
+    metadata_budget: u64,
 }
 
 impl<'a> Reader<'a> {
@@ -498,6 +516,15 @@ impl<'a> Reader<'a> {
         Ok(())
     }
 
+    /// Counts `bytes` of parsed metadata for `key` against [`METADATA_MEMORY_LIMIT`].
+    fn charge(&mut self, key: &str, bytes: u64) -> Result<()> {
+        self.metadata_budget = self
+            .metadata_budget
+            .checked_sub(bytes)
+            .ok_or_else(|| GgufError::MetadataTooLarge { key: key.into() })?;
+        Ok(())
+    }
+
     fn string(&mut self, what: &str) -> Result<String> {
         let len = self.u64(what)?;
         let bytes = self.take(len, what)?;
@@ -523,7 +550,11 @@ impl<'a> Reader<'a> {
                     })
                 }
             },
-            8 => Value::String(self.string(key)?),
+            8 => {
+                let s = self.string(key)?;
+                self.charge(key, s.len() as u64)?;
+                Value::String(s)
+            }
             9 => {
                 if depth >= MAX_ARRAY_DEPTH {
                     return Err(GgufError::ArrayTooDeep(key.into()));
@@ -543,7 +574,9 @@ impl<'a> Reader<'a> {
                     }
                 };
                 self.check_count(&format!("array {key:?} element"), count, min_size)?;
-                let mut items = Vec::with_capacity(count.min(1 << 16) as usize);
+                // Charged before allocating, so the capacity can be exact.
+                self.charge(key, count.saturating_mul(size_of::<Value>() as u64))?;
+                let mut items = Vec::with_capacity(count as usize);
                 for _ in 0..count {
                     items.push(self.value(key, elem_type, depth + 1)?);
                 }

@@ -45,6 +45,10 @@ impl Default for LoadOptions {
 /// Positions per KV cache page.
 pub const PAGE_SIZE: usize = 16;
 
+/// Most tokens of KV cache, or of one batch, a model is loaded with: far beyond any context,
+/// and small enough that every size computed from them fits in a `usize`.
+pub const MAX_LOAD_TOKENS: usize = 1 << 32;
+
 /// Rows of logits computed per LM-head step, so a long scored range never needs a
 /// `[tokens, vocab]` buffer at once.
 const LOGIT_ROWS_PER_STEP: usize = 32;
@@ -200,6 +204,13 @@ impl<B: Backend> Llama<B> {
         mut backend: B,
         options: LoadOptions,
     ) -> Result<Llama<B>> {
+        for (what, tokens) in [("KV cache", options.kv_tokens), ("batch", options.max_batch)] {
+            if tokens > MAX_LOAD_TOKENS {
+                return Err(Error::InvalidArgument(format!(
+                    "a {what} of {tokens} tokens is more than the {MAX_LOAD_TOKENS} a model can be loaded with"
+                )));
+            }
+        }
         let max_batch = options.max_batch.max(1);
         let max_seqs = options.max_seqs.clamp(1, max_batch);
         let n_pages = options.kv_tokens.max(1).div_ceil(PAGE_SIZE);
