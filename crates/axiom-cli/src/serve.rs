@@ -179,10 +179,12 @@ pub fn serve(args: ServeArgs, out: Output) -> Result<()> {
     if kv_tokens < axiom::model::PAGE_SIZE {
         bail!("--kv-memory of {kv_bytes} bytes holds no KV page ({per_token} bytes per token)");
     }
+    let max_batch = args.max_batch_tokens.max(1);
     let options = LoadOptions {
-        max_batch: args.max_batch_tokens.max(1),
+        max_batch,
         kv_tokens,
-        max_seqs: args.max_seqs.max(1),
+        // Each sequence in a step takes at least one of its tokens.
+        max_seqs: args.max_seqs.clamp(1, max_batch),
     };
     let model_id = args.model_id.clone().unwrap_or_else(|| {
         path.file_name()

@@ -3,10 +3,10 @@
 
 use crate::api::ApiError;
 use axum::body::Body;
-use axum::http::{header, HeaderValue, Method, Request, Response, StatusCode};
+use axum::http::{header, HeaderName, HeaderValue, Method, Request, Response, StatusCode};
 use axum::response::IntoResponse;
 use subtle::ConstantTimeEq;
-use tower_http::cors::{AllowOrigin, Any, CorsLayer};
+use tower_http::cors::{AllowOrigin, CorsLayer};
 use tower_http::validate_request::ValidateRequest;
 
 /// Who may call, as the operator configured it.
@@ -118,7 +118,7 @@ impl LoopbackHosts {
 
     fn accepts(&self, host: &str) -> bool {
         let name = strip_port(host).to_ascii_lowercase();
-        self.allowed.iter().any(|a| *a == name)
+        self.allowed.contains(&name)
     }
 }
 
@@ -173,7 +173,7 @@ pub fn cors(origins: &[String]) -> Result<Option<CorsLayer>, String> {
             .allow_methods([Method::GET, Method::POST])
             .allow_headers([header::AUTHORIZATION, header::CONTENT_TYPE])
             .max_age(std::time::Duration::from_secs(600))
-            .expose_headers(Any),
+            .expose_headers([HeaderName::from_static("x-request-id")]),
     ))
 }
 
