@@ -300,12 +300,7 @@ async fn chat_completions(
 ) -> Result<Response, ApiError> {
     let body = read_body(body, s.read_timeout).await?;
     let request = api::parse_chat(&body)?;
-    if s.template.is_none() {
-        return Err(ApiError::invalid(
-            "the model has no chat template; use /v1/completions",
-            Some("messages"),
-        ));
-    }
+    let logprobs = request.logprobs()?;
     let messages: Vec<Message> = request
         .messages
         .iter()
@@ -315,7 +310,9 @@ async fn chat_completions(
     let state = s.clone();
     let prompt = s
         .tokenize(move || {
-            let template = state.template.as_ref().ok_or_else(shutting_down)?;
+            let template = state.template.as_ref().ok_or_else(|| {
+                ApiError::invalid("the model has no chat template; use /v1/completions", Some("messages"))
+            })?;
             let rendered = template
                 .render_chat(&messages, true)
                 .map_err(|e| ApiError::invalid(e.to_string(), Some("messages")))?;
@@ -329,7 +326,7 @@ async fn chat_completions(
         prompt,
         max_tokens: request.max_tokens(),
         default_max_tokens: None,
-        logprobs: request.logprobs()?,
+        logprobs,
         request: request.sampling,
         chat: true,
     };
