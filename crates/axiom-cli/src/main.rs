@@ -310,7 +310,7 @@ enum Chosen {
 }
 
 /// `auto` is CUDA when a GPU is present, else the CPU. Metal is used only when asked for: it has
-/// been type-checked and its kernels run on the CPU, but not yet run on a Mac (README, "Metal").
+/// been type-checked and its kernels run on the CPU, but not yet run on a Mac (docs/metal.md).
 fn choose_backend(args: &ModelArgs) -> Result<Chosen> {
     Ok(match args.backend {
         BackendKind::Cuda => Chosen::Cuda,

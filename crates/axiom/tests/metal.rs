@@ -1,6 +1,6 @@
 //! The Metal backend against the CPU reference, op by op at awkward sizes, and the whole model
 //! against Hugging Face transformers' outputs (the checks in tests/common/gpu.rs, shared with
-//! CUDA). They run on a Mac with `cargo test --release --test metal`; the seed's context,
+//! CUDA). They run on a Mac with `cargo test --release --test metal`; the Metal backend's context,
 //! allocator and device tests are unit tests in src/backend/metal/. Elsewhere this file is only
 //! type-checked (scripts/metal_check.sh); the kernels themselves are tested on Linux through
 //! crates/metal-on-cpu.

@@ -382,7 +382,7 @@ pub fn attention(
     }
 }
 
-/// The seed's first pass, `attention_qk_<f16|f32>`: scores `[n_tokens * n_heads, n_ctx]`.
+/// The two-pass attention's first pass, `attention_qk_<f16|f32>`: scores `[n_tokens * n_heads, n_ctx]`.
 pub fn attention_qk(
     q: &[f32],
     mut k_cache: Cache,
@@ -415,7 +415,7 @@ pub fn attention_qk(
     }
 }
 
-/// The seed's second pass, `attention_pv_<f16|f32>`: softmax of the scores, times the values.
+/// The two-pass attention's second pass, `attention_pv_<f16|f32>`: softmax of the scores, times the values.
 /// `threads` must be a power of two.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_pv(

@@ -1,6 +1,6 @@
 //! The narrow interface every compute backend implements, and the backends themselves.
 //!
-//! A backend has the seed's four layers: a device (what it runs on), a context (the queue or
+//! A backend has four layers: a device (what it runs on), a context (the queue or
 //! stream work is submitted to), an allocator (one arena reserved up front, handing out
 //! [`BlockHandle`]s) and kernels (one per op). The model's layer loop is written once against
 //! [`Backend`]; activations and the KV cache live in arena blocks, weights in whatever form the

@@ -1,4 +1,4 @@
-//! The CUDA backend: the seed's four layers on an NVIDIA GPU.
+//! The CUDA backend: the four backend layers (device, context, allocator, kernels) on an NVIDIA GPU.
 //!
 //! [`device`] finds the GPU through the driver (loaded at run time); the context is one stream
 //! for everything, with CUDA graphs recorded from it for the decode step; the allocator is the

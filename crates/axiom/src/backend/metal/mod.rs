@@ -1,4 +1,5 @@
-//! The Metal backend (Apple Silicon): the seed's four layers.
+//! The Metal backend (Apple Silicon), in the four layers every backend has: device, context,
+//! allocator, kernels.
 //!
 //! [`device`] is the system's default GPU; [`context`] its one command queue, with the ops of a
 //! forward pass encoded into one command buffer that `synchronize` commits and waits for;
@@ -9,7 +10,7 @@
 //!
 //! Built on macOS only. On Linux, CI type-checks this code against a patched objc2-metal
 //! (scripts/metal_check.sh) and runs every kernel on the CPU through a C++ shim
-//! (crates/metal-on-cpu); neither runs it on a GPU. See the README's "Metal" section.
+//! (crates/metal-on-cpu); neither runs it on a GPU. See docs/metal.md.
 
 pub mod allocator;
 pub mod context;
@@ -165,8 +166,8 @@ impl MetalBackend {
         Ok(())
     }
 
-    /// The seed's two passes over a score scratch, for heads too wide for the fused kernel;
-    /// tokens go in chunks whose scores fit the scratch.
+    /// The two-pass attention (`attention_qk`, then `attention_pv`) over a score scratch, for heads
+    /// too wide for the fused kernel; tokens go in chunks whose scores fit the scratch.
     #[allow(clippy::too_many_arguments)]
     fn attention_two_pass(
         &self,
