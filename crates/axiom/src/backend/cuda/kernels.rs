@@ -91,7 +91,6 @@ fn nvrtc_version() -> (i32, i32) {
 pub struct Kernels {
     _module: Arc<CudaModule>,
     functions: HashMap<String, CudaFunction>,
-    pub compiled_now: bool,
 }
 
 /// The matrix-vector kernel for `tokens` tokens of weights with kernel suffix `ty`: on int8
@@ -196,7 +195,6 @@ impl Kernels {
             .ok()
             .map(|d| d.join("cuda").join(format!("kernels-{arch}-{key}.cubin")));
         let cached = cache.as_ref().and_then(|p| std::fs::read(p).ok());
-        let compiled_now = cached.is_none();
         let cubin = match cached {
             Some(c) => c,
             None => {
@@ -226,7 +224,6 @@ impl Kernels {
         Ok(Kernels {
             _module: module,
             functions,
-            compiled_now,
         })
     }
 

@@ -402,11 +402,6 @@ impl CudaBackend {
         }
     }
 
-    /// Whether the kernels were compiled by this process (a cold start) or read from the cache.
-    pub fn compiled_kernels_now(&self) -> bool {
-        self.kernels.compiled_now
-    }
-
     fn ptr(&self, block: BlockHandle) -> u64 {
         self.base + block.offset as u64
     }
