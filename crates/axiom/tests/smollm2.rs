@@ -9,6 +9,7 @@
 
 mod common;
 
+use axiom::backend::cpu::kernels::argmax::argmax;
 use axiom::backend::cpu::CpuBackend;
 use axiom::chat::Message;
 use axiom::engine::perplexity::perplexity;
@@ -77,10 +78,6 @@ fn ids(v: &serde_json::Value) -> Vec<u32> {
         .iter()
         .map(|x| x.as_u64().unwrap() as u32)
         .collect()
-}
-
-fn argmax(l: &[f32]) -> u32 {
-    axiom::engine::sampler::argmax(l)
 }
 
 #[test]
