@@ -6,6 +6,7 @@
 //! [`model::config::ModelConfig`] → weights on the backend.
 
 pub mod backend;
+pub mod cache;
 pub mod chat;
 pub mod convert;
 pub mod engine;

@@ -191,7 +191,7 @@ impl Kernels {
         key.update(program_source());
         key.update(format!("{arch} nvrtc {:?} driver {driver_version}", nvrtc_version()));
         let key: String = key.finalize().iter().take(12).map(|b| format!("{b:02x}")).collect();
-        let cache = crate::source::cache_dir()
+        let cache = crate::cache::dir()
             .ok()
             .map(|d| d.join("cuda").join(format!("kernels-{arch}-{key}.cubin")));
         let cached = cache.as_ref().and_then(|p| std::fs::read(p).ok());
