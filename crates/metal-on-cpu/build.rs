@@ -4,6 +4,8 @@
 //! starts with `threadgroup` and ends with `;`) becomes a static, shared by the threads of a group
 //! (groups run one at a time); elsewhere, as in a parameter list, `threadgroup` is dropped. `AXIOM_MSL_TSAN=1` builds with ThreadSanitizer.
 
+#![allow(clippy::expect_used, reason = "a build script reports failure by panicking")]
+
 use std::path::{Path, PathBuf};
 
 fn main() {

@@ -100,7 +100,7 @@ fn interactive<B: Backend>(
     }
     let mut editor = rustyline::DefaultEditor::new().context("starting the line editor")?;
     // History survives between sessions, beside the model cache.
-    let history = axiom::source::cache_dir().ok().map(|d| d.join("chat_history.txt"));
+    let history = axiom::cache::dir().ok().map(|d| d.join("chat_history.txt"));
     if let Some(path) = &history {
         let _ = editor.load_history(path);
     }

@@ -1,4 +1,10 @@
 //! `axiom chat` driven through a pseudo-terminal, as a person would use it, and through a pipe.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    reason = "a test fails by panicking"
+)]
 
 use expectrl::{ControlCode, Eof, Regex, Session};
 use std::path::PathBuf;

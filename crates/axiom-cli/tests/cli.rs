@@ -1,4 +1,10 @@
 //! The `axiom` binary as a user runs it.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    reason = "a test fails by panicking"
+)]
 
 use serde_json::Value;
 use std::path::PathBuf;

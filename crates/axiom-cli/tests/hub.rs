@@ -1,6 +1,12 @@
 //! `hf:` sources against a stand-in hub on 127.0.0.1 serving the paths the client asks for
 //! (`/ORG/REPO/resolve/REVISION/FILE`), with the hub's sha256 ETags, range requests, a token
 //! check, and injected faults.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    reason = "a test fails by panicking"
+)]
 
 #[path = "../../axiom/tests/common/mod.rs"]
 mod common;

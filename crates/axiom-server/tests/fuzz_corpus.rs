@@ -1,5 +1,11 @@
 //! Replays the request fuzz target's seeds and regressions (`fuzz/seeds/request/`,
 //! `fuzz/regressions/request/`) through its entry point.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    reason = "a test fails by panicking"
+)]
 
 use std::path::PathBuf;
 

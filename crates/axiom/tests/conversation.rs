@@ -1,4 +1,10 @@
 //! Multi-turn conversations keep their KV cache between turns.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    reason = "a test fails by panicking"
+)]
 
 mod common;
 

@@ -1,4 +1,10 @@
 //! `axiom convert`: the GGUF it writes from each Hugging Face fixture runs like the original.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    reason = "a test fails by panicking"
+)]
 
 mod common;
 

@@ -6,6 +6,12 @@
 //!     cargo test --release --test cuda -- --ignored
 //!
 //! (`scripts/cuda_device_tests.sh` does that on the device machine.) Without a GPU they fail.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    reason = "a test fails by panicking"
+)]
 
 mod common;
 

@@ -1,5 +1,11 @@
 //! Replays the fuzz seeds and every crash the fuzzers ever found (`fuzz/seeds/<target>/`,
 //! `fuzz/regressions/<target>/`) through the targets' entry points.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    reason = "a test fails by panicking"
+)]
 
 use std::path::PathBuf;
 

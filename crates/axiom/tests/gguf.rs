@@ -1,5 +1,11 @@
 //! The GGUF reader and the reference dequantizers, against fixtures written by the `gguf` PyPI
 //! package (scripts/make_quant_fixtures.py), plus the bad-input matrix.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    reason = "a test fails by panicking"
+)]
 
 mod common;
 

@@ -4,6 +4,12 @@
 //! allocator and device tests are unit tests in src/backend/metal/. Elsewhere this file is only
 //! type-checked (scripts/metal_check.sh); the kernels themselves are tested on Linux through
 //! crates/metal-on-cpu.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    reason = "a test fails by panicking"
+)]
 #![cfg(any(target_vendor = "apple", axiom_metal_check))]
 
 mod common;

@@ -1,6 +1,12 @@
 //! Continuous batching on the real default model (fast CPU backend): a greedy request gives the
 //! same tokens alone or among 31 others, through chunked prompts, preemption and shared
 //! prefixes; a cancelled request frees its pages at once.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    reason = "a test fails by panicking"
+)]
 
 mod common;
 

@@ -1,8 +1,15 @@
 //! The real default model end to end, checked against Hugging Face transformers' float32 outputs
 //! (`refs/smollm2/hf_greedy.json`, `perplexity.json`), never against our own earlier output.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    reason = "a test fails by panicking"
+)]
 
 mod common;
 
+use axiom::backend::cpu::kernels::argmax::argmax;
 use axiom::backend::cpu::CpuBackend;
 use axiom::chat::Message;
 use axiom::engine::perplexity::perplexity;
@@ -71,10 +78,6 @@ fn ids(v: &serde_json::Value) -> Vec<u32> {
         .iter()
         .map(|x| x.as_u64().unwrap() as u32)
         .collect()
-}
-
-fn argmax(l: &[f32]) -> u32 {
-    axiom::engine::sampler::argmax(l)
 }
 
 #[test]

@@ -1,6 +1,7 @@
 //! Token sampling: greedy, or penalties → top-k → top-p → min-p → temperature → a seeded draw
 //! (llama.cpp's default chain order).
 
+use crate::backend::cpu::kernels::argmax::argmax;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha20Rng;
 use std::collections::HashMap;
@@ -180,16 +181,6 @@ impl Sampler {
         }
         cands.last().map_or(0, |c| c.0)
     }
-}
-
-pub fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &l) in logits.iter().enumerate() {
-        if l > logits[best] {
-            best = i;
-        }
-    }
-    best as u32
 }
 
 fn apply_penalties(logits: &mut [f32], recent: &[u32], c: &SamplerConfig) {

@@ -3,6 +3,7 @@
 //! Outputs are poisoned before each run, so an element a kernel never writes fails.
 
 use super::{paged_queries, random_weight_bytes, PagedCase, PAGED_LENS};
+use axiom::backend::cpu::kernels::argmax::argmax;
 use axiom::backend::cpu::CpuBackend;
 use axiom::backend::{
     AttentionShape, Backend, BlockHandle, FeedForward, FeedForwardScratch, HostTensor, Input, KvType, NewRows,
@@ -10,7 +11,6 @@ use axiom::backend::{
 };
 use axiom::chat::Message;
 use axiom::engine::perplexity::perplexity;
-use axiom::engine::sampler::argmax;
 use axiom::engine::Session;
 use axiom::format::quant::GgmlType;
 use axiom::model::llama::LoadOptions;

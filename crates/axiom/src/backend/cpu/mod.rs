@@ -679,7 +679,7 @@ impl Backend for CpuBackend {
         disjoint(&[out], &[x])?;
         let x = self.view::<f32>(x, n_rows * width);
         for (o, row) in self.view_mut::<u32>(out, n_rows).iter_mut().zip(x.chunks_exact(width)) {
-            *o = crate::engine::sampler::argmax(row);
+            *o = kernels::argmax::argmax(row);
         }
         Ok(())
     }

@@ -91,7 +91,6 @@ fn nvrtc_version() -> (i32, i32) {
 pub struct Kernels {
     _module: Arc<CudaModule>,
     functions: HashMap<String, CudaFunction>,
-    pub compiled_now: bool,
 }
 
 /// The matrix-vector kernel for `tokens` tokens of weights with kernel suffix `ty`: on int8
@@ -192,11 +191,10 @@ impl Kernels {
         key.update(program_source());
         key.update(format!("{arch} nvrtc {:?} driver {driver_version}", nvrtc_version()));
         let key: String = key.finalize().iter().take(12).map(|b| format!("{b:02x}")).collect();
-        let cache = crate::source::cache_dir()
+        let cache = crate::cache::dir()
             .ok()
             .map(|d| d.join("cuda").join(format!("kernels-{arch}-{key}.cubin")));
         let cached = cache.as_ref().and_then(|p| std::fs::read(p).ok());
-        let compiled_now = cached.is_none();
         let cubin = match cached {
             Some(c) => c,
             None => {
@@ -226,7 +224,6 @@ impl Kernels {
         Ok(Kernels {
             _module: module,
             functions,
-            compiled_now,
         })
     }
 

@@ -55,9 +55,8 @@ const INT_GEMV_MIN_N_IN: usize = 2048;
 const INT_GEMV_MIN_VALUES: usize = 16 << 20;
 /// The f32 matrix-vector kernels normalize their input themselves (each block its own copy, in
 /// shared memory) for matrices up to this many values: a small model's decode is latency-bound,
-/// and the norm's own launch costs more (SmolLM2, 0.9M values: 1538 -> 1690 tok/s on the H200).
-/// Large ones stream their weights, and a block that normalizes first streams later (8B bf16,
-/// 16.8M values and more: 217.5 -> 201.7 tok/s).
+/// and the norm's own launch costs more. Large ones stream their weights, and a block that
+/// normalizes first streams later.
 const NORMED_GEMV_MAX_VALUES: usize = 4 << 20;
 
 /// Steps of at least this many tokens run attention on tensor cores (flash_attention.cu), where
@@ -94,11 +93,7 @@ const MAX_GRID_Y: u32 = 65535;
 /// elsewhere the four warps of a block each take `groups` groups of 16 rows on mma.sync
 /// (flash_attention.cu), where two share every key and value fragment a warp loads (half the
 /// fragment loads and about a quarter fewer instructions an MMA). Either way blocks of 128
-/// queries are too few to fill the GPU in short steps.
-/// 8B bf16 on the H200, a layer's flash attention (ncu): 2048 tokens 154 -> 136 us with two
-/// groups on mma.sync, 96-98 us on the warpgroup MMAs; 512 tokens 26.8 us with the mma.sync kernel
-/// of old (queries in registers), 28.0 with one group, 31.7 with two (128 blocks on 132
-/// multiprocessors).
+/// queries are too few to fill the GPU in short steps, which take blocks of one group.
 #[derive(Clone, Copy)]
 struct FlashBlocks {
     head_dim: usize,
@@ -400,11 +395,6 @@ impl CudaBackend {
             KvType::F16 => "f16",
             KvType::F32 => "f32",
         }
-    }
-
-    /// Whether the kernels were compiled by this process (a cold start) or read from the cache.
-    pub fn compiled_kernels_now(&self) -> bool {
-        self.kernels.compiled_now
     }
 
     fn ptr(&self, block: BlockHandle) -> u64 {
@@ -946,8 +936,6 @@ impl CudaBackend {
     /// `rope_kv_write`; with `turns` (a flash-attention step), only the keys are rotated, into
     /// the cache and not back, and each token's angles go to `turns` for flash attention to rotate
     /// the queries with as it loads them: 67 MB a layer less to move for the 8B at 2048 tokens.
-    /// On the H200, same call: Q4_K pp2048 40.01k / 40.03k -> 40.41k / 40.36k tok/s, bf16 40.7k /
-    /// 40.2k -> 41.0k / 40.6k (with the pairing found at run time in the kernel, 2% slower instead).
     fn rotate_and_store(
         &self,
         new: NewRows,
@@ -1157,10 +1145,8 @@ impl CudaBackend {
 
 /// A kernel whose grids smaller than what the GPU holds at once are spread evenly over the
 /// multiprocessors: launched with unused dynamic shared memory enough that a multiprocessor holds
-/// no more of its blocks than an even spread gives each. Left to itself the GPU placed such a grid
-/// on fewer multiprocessors, each streaming more of the weights: 8B Q4_K decode on the H200, same
-/// call, 562 -> 576 tok/s with the blocks of wo and down (256, three a multiprocessor by
-/// registers) held to two a multiprocessor.
+/// no more of its blocks than an even spread gives each. Left to itself the GPU places such a grid
+/// on fewer multiprocessors, each streaming more of the weights (as wo's and down's blocks did).
 #[derive(Clone, Copy)]
 struct EvenSpread {
     multiprocessors: u32,
@@ -1210,11 +1196,8 @@ impl EvenSpread {
 }
 
 /// Asks the driver to give the multiprocessors that run `f` the most of their L1 as shared memory
-/// (the carveout). For Q4_K's one-token gate/up kernel (four blocks a multiprocessor of 36 KB each,
-/// for which the driver took less): 8B Q4_K decode on the H200, same call, tg128 716.4 -> 718.1
-/// tok/s with its blocks padded to fill 228 KB instead; in another call 718.7 by this attribute,
-/// 718.6 padded, and 714.0 with the attribute on every kernel. (Held to three blocks a
-/// multiprocessor by padding, with or without it: 717.0.)
+/// (the carveout), for kernels such as Q4_K's one-token gate/up, whose four blocks a
+/// multiprocessor the driver would otherwise not fit. Set on every kernel, it slows the others.
 fn prefer_shared_memory(f: &cudarc::driver::CudaFunction) -> Result<()> {
     f.set_attribute(
         sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
@@ -1227,10 +1210,8 @@ fn prefer_shared_memory(f: &cudarc::driver::CudaFunction) -> Result<()> {
 /// blocks for the 8B) asks for and leaves unused: half a multiprocessor's, so that each block has
 /// a multiprocessor to itself but for at most two of the products' blocks. Gate/up starts it
 /// early (`start_dependents` in common.cuh), and its blocks were placed beside gate/up's last ones
-/// and then down's first ones. 8B Q4_K decode on the H200, same call: tg128 705.7 -> 707.8 tok/s
-/// with 80 or 120 KB of the 228, 707.5 with 200 (706.7 with gate/up not starting it early
-/// instead); with half, 710.1 -> 712.0 on another machine. Q8_0's decode (one row a warp) lost
-/// 0.1% by it (419.6 -> 419.2), so it is Q4_K's only. 0 where the device cannot give it.
+/// and then down's first ones, competing with them. Q8_0's decode (one row a warp) does not gain
+/// by it, so it is Q4_K's only. 0 where the device cannot give it.
 fn quantize_padding(device: &CudaDevice, f: &cudarc::driver::CudaFunction) -> Result<u32> {
     let half =
         device.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR)? / 2 + 1;
@@ -1289,8 +1270,7 @@ fn allow_dynamic_shared(device: &CudaDevice, f: &cudarc::driver::CudaFunction) -
 /// Whether the kernel that quantizes an integer matrix-vector kernel's activations lets that
 /// kernel's blocks start early, to read their first weights meanwhile (`start_dependents` in
 /// common.cuh; the types whose kernels read before their wait, `ReadsBeforeWait` in matmul.cu).
-/// 8B decode on the H200, same call: Q8_0 344 -> 373 tok/s. (Q4_K's chunk-a-lane kernel lost by
-/// it, 469 -> 429-438; its staged kernel gains.) The other types were not measured.
+/// The other types' kernels read nothing before their wait, so they would have nothing to overlap.
 fn starts_next_early(ty: GgmlType) -> bool {
     matches!(ty, GgmlType::Q8_0 | GgmlType::Q4K)
 }
@@ -1345,11 +1325,8 @@ fn norm_q8_kernel(dim: usize) -> Result<(&'static str, u32)> {
 }
 
 /// Float4 a thread of rms_norm_q8's blocks: a row of 8192 then takes 1024 threads of 56
-/// registers. (For the 8B's rows of 4096, before rms_norm_q8_1: 512 threads, whose registers fit
-/// beside the two blocks a multiprocessor of the product before it, wo or down, so that the norm's
-/// block was placed and loaded its weight while that product streamed; 8B decode on the H200,
-/// same call, Q4_K tg128 709.7 -> 710.9 / 712.2 tok/s against a float4 a thread in 56 registers.
-/// Four a thread, 256 threads, lost 0.3%.)
+/// registers. (Rows of up to 4096 take rms_norm_q8_1 instead, whose block fits beside the
+/// product before it.)
 const NORM_Q8_LOADS: usize = 2;
 
 /// The rows the RMS norms hold (`held_rms_norm` in rms_norm.cu): float4 loads, at most

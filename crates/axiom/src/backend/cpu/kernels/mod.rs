@@ -2,6 +2,7 @@
 //! CUDA and Metal twins. They define what every other backend must compute.
 
 pub mod add;
+pub mod argmax;
 pub mod attention;
 pub mod embed;
 pub mod kv_write;

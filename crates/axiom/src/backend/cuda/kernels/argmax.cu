@@ -1,11 +1,11 @@
 // The index of the largest of n values of each row, for greedy decoding on the device: the lowest
 // index on ties, NaN counted as -inf (a row with nothing above -inf gives 0, still a token id).
 //
-// A row is spread over blocks (gridDim.x) so that it is read at the memory's speed: one block
-// alone took ~11 us over a 128k vocabulary. Each block folds its best into the row's 64-bit key
-// (the value's bits, ordered, above the inverted index) with one atomicMax; the last block to
-// arrive writes the index, also to `chosen` when given (page-locked host memory the kernel writes
-// directly, which saves a copy after it), and zeroes the key and count for the next launch.
+// A row is spread over blocks (gridDim.x) so that it is read at the memory's speed, which one
+// block alone cannot reach. Each block folds its best into the row's 64-bit key (the value's
+// bits, ordered, above the inverted index) with one atomicMax; the last block to arrive writes
+// the index, also to `chosen` when given (page-locked host memory the kernel writes directly,
+// which saves a copy after it), and zeroes the key and count for the next launch.
 // Given `position`, it also writes there the position after `*chosen_at` (one row: the next
 // step's input, read before the wait like every step input, so it adds no round trip).
 #define ARGMAX_THREADS 256

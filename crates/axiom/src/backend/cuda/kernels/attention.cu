@@ -13,12 +13,11 @@
 // whatever its context.
 //
 // Each pass of the groups over ATTN_BATCH * groups positions after the first costs about as much
-// as the whole kernel at a short context (8B decode on the H200: 3.3 us a layer). So where a step
-// has few heads (decode: the 8B's 32 against the H200's 132 multiprocessors), several blocks share
-// a head's context (`splits`, the grid's third dimension): split s takes passes s, s + splits, ...,
-// so that a context of up to `splits` passes is read in one, before the wait, and the splits
-// without a pass leave at once. The others post their softmax states to split 0, which combines
-// them (H200, same call: 8B Q4_K tg128 681.7 -> 693.2 tok/s, SmolLM2 tg512 1500 -> 1716).
+// as the whole kernel at a short context. So where a step has few heads (decode: the 8B's 32
+// against the H200's 132 multiprocessors), several blocks share a head's context (`splits`, the
+// grid's third dimension): split s takes passes s, s + splits, ..., so that a context of up to
+// `splits` passes is read in one, before the wait, and the splits without a pass leave at once.
+// The others post their softmax states to split 0, which combines them.
 //
 // In a step of one token, attention may also take the token's own key and value rows as the
 // products wrote them (`NewToken`): it then rotates the query and the key itself (RoPE), uses
@@ -178,8 +177,7 @@ __device__ void attention(const float* __restrict__ q, T* __restrict__ k_cache, 
     // In a step of one token only its own row of the cache is written by the step (by
     // rope_kv_write before this kernel, or by this one, which then never reads it back from
     // memory): the rows before it, written by earlier steps, are loaded before the wait, the first
-    // batch of them. (8B decode on the H200, same call: Q4_K 612.5 -> 617.8 tok/s, Q8_0 398.3 ->
-    // 400.9.)
+    // batch of them, so that their trip overlaps the kernel before.
     bool early = gridDim.x == 1;
     auto loaded_early = [&](int base, int p) { return early && base == first && p < n_ctx - 1; };
     Raw8<T> k_raw[ATTN_BATCH], v_raw[ATTN_BATCH];
@@ -188,8 +186,8 @@ __device__ void attention(const float* __restrict__ q, T* __restrict__ k_cache, 
         if (in_head && loaded_early(first, p)) load(p, k_raw[b], v_raw[b]);
     }
     // The angles and the token's cache row come from the frequencies, the positions and the block
-    // tables: all found before the wait (common.cuh). (RoPE here instead of in rope_kv_write: 8B
-    // decode on the H200, same call: Q4_K 619.6 -> 640.2 tok/s.)
+    // tables: all found before the wait (common.cuh). (RoPE here instead of in rope_kv_write saves
+    // that kernel's launch and the rows' trip through memory.)
     int half = fresh.dims / 2;
     u64 own_row = 0;
     if (rotates) {

@@ -41,9 +41,8 @@ __device__ __forceinline__ float block_sum(float v) {
     v = warp_sum(v);
     if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = v;
     __syncthreads();
-    // Each warp adds the partials by shuffles (the same sum in every lane and warp), where a loop
-    // over them took ~70 instructions in each of a norm's 32 warps: 8B Q4_K decode on the H200,
-    // same call, tg128 704.8 -> 705.2 tok/s.
+    // Each warp adds the partials by shuffles (the same sum in every lane and warp): a loop over
+    // them takes several times the instructions in each of a norm's warps.
     int lane = threadIdx.x % 32;
     return warp_sum(lane < blockDim.x / 32 ? partial[lane] : 0.0f);
 }
@@ -160,9 +159,8 @@ __device__ __forceinline__ u64 page_row(const u32* table, int page_size, u32 p) 
 // copies them in before the step's kernels, and a kernel never starts before a copy ahead of it
 // has finished: rope_kv_write; and with them, in a step of one token, the cache rows before its
 // position, which only earlier steps wrote: attention). Kernels signal their dependents early
-// only where it was measured to pay (start_dependents below): when every kernel did so right
-// after its wait, blocks of the next kernel sat on the multiprocessors while this one ran, which
-// made SmolLM2's decode 28% slower on the H200, where the wait alone made it 5% faster.
+// only where it pays (start_dependents below): when every kernel did so right after its wait,
+// blocks of the next kernel sat on the multiprocessors while this one ran and slowed it.
 __device__ __forceinline__ void begin_after_inputs() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -192,7 +190,7 @@ __device__ __forceinline__ u32 shared_address(const void* p) {
 
 // A weight load (the float matrix-vector kernels in matmul.cu). Each weight is read once a token,
 // so it is not kept in L1 (no_allocate), which leaves L1 to the activations that every warp reads
-// again: 8B bf16 decode 224.7 -> 227.9 tok/s.
+// again.
 __device__ __forceinline__ uint4 load_stream(const uint4* p) {
     uint4 v;
     asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"

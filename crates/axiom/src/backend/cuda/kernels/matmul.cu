@@ -18,9 +18,8 @@ __device__ __forceinline__ float dot16(const float* y, const float* x) {
 // half with its SwiGLU folded in. A warp of R >= 2 rows takes R / 2 rows of the gate matrix and the
 // same rows of the up matrix, and writes their outputs itself; warps of one row pair up, a block's
 // warps 0-3 taking four rows of the gate matrix and warps 4-7 the same rows of the up matrix,
-// which hand their sums over through shared memory. (Q4_K's one-token kernel, two rows a warp, so
-// paired: 71 -> 64 registers, no barrier; 8B Q4_K decode on the H200, same call, tg128 709.5 ->
-// 712.8 tok/s.)
+// which hand their sums over through shared memory. (Q4_K's one-token kernel takes two rows a
+// warp, so it pairs within the warp: fewer registers and no barrier.)
 #define MAX_MATRICES 3
 struct Matrices {
     const u8* q[MAX_MATRICES];
@@ -193,7 +192,7 @@ __device__ __forceinline__ void dot_chunk(const IntChunk& k, const i8* xq, const
 // copies its first stage (q4k_rows). Their one-token kernels also let the kernel after them start
 // early, from their first instruction: its blocks (a norm, RoPE, a quantization, argmax; a few
 // blocks each) then wait on the multiprocessors for this one's end instead of being launched at
-// it. 8B decode on the H200, same call: Q4_K 530 -> 561 tok/s, Q8_0 387.5 -> 390.6.
+// it, which hides their launch.
 template <int TY> struct ReadsBeforeWait { static const bool value = TY == TY_Q8_0 || TY == TY_Q4_K; };
 
 // Rows a warp of the one-token Q4_K integer kernel takes (q4k_rows; Q4K_ROWS in
@@ -204,7 +203,7 @@ template <int T, int R, bool GLU, typename Ready>
 __device__ __forceinline__ void q4k_rows(const Weight& w, const Weight& up, int row, int n_rows, const i8* xq,
                                          const float* xd, float* acc, Ready inputs_ready, bool copy_whole);
 
-// (Decoding two or four chunks before using any was measured slower on the H200.)
+// One chunk is decoded ahead of its use; decoding two or four ahead was slower.
 template <int TY, int T, bool GLU, typename Ready>
 __device__ __forceinline__ void int_row(const Weight& w, const Weight& up, int row, int n_rows, const i8* xq,
                                         const float* xd, float* acc, Ready inputs_ready, bool copy_whole) {
@@ -235,19 +234,14 @@ __device__ __forceinline__ void int_row(const Weight& w, const Weight& up, int r
 // all and a warp's fixed cost (its start, the round trip to memory, the reductions) is spread
 // over more bytes. Its quants and metadata pass through shared memory by cp.async, a stage of
 // Q4K_STAGED_GROUPS groups across its rows while the one before is used; the first stage is
-// copied before the wait. 8B Q4_K decode on the H200, same call: 489-490 tok/s with the chunk
-// loop, 503-506 with this kernel a row a warp, 537-538 with two rows a warp (four: 389, at 93
-// registers). (Earlier builds, and the stage shapes and occupancies that lost:
-// docs/performance.md.) The kernel is bound by its instruction issue more than by memory (ncu:
-// issue slots 67% busy, the integer pipe 55%, DRAM 64% in gate/up), so each group's arithmetic
-// is pared down: the high nibbles masked in place rather than shifted (nibble_dots), each lane's
-// scale bytes picked by masks fixed for the lane (Q4kPair), the 6-bit scales applied on integers,
-// and the activations' block sums taken from the quantization (store_q8_scale) instead of summed
-// by every warp: 644 -> 660 -> 664 tok/s (same call), 231 -> 166 instructions a group of a row
-// pair. So is a warp's fixed cost, which was as large as its groups' arithmetic (ncu: 792
-// instructions a warp of gate/up): each lane's copy and activation addresses are found once, the
-// copies unrolled under predicates instead of run as loops over a stage: 792 -> 658, 665 -> 675
-// tok/s; with the activations' addresses and SwiGLU's division cheaper, 680.
+// copied before the wait. (Four rows a warp would need too many registers.) The kernel is bound
+// by its instruction issue more than by memory, so each group's arithmetic is pared down: the
+// high nibbles masked in place rather than shifted (nibble_dots), each lane's scale bytes picked
+// by masks fixed for the lane (Q4kPair), the 6-bit scales applied on integers, and the
+// activations' block sums taken from the quantization (store_q8_scale) instead of summed by every
+// warp. So is a warp's fixed cost, as large as its groups' arithmetic: each lane's copy and
+// activation addresses are found once, and the copies are unrolled under predicates instead of
+// run as loops over a stage.
 #define GEMV_WARPS 8
 #define Q4K_STAGED_GROUPS 64  // a stage of all of a warp's rows
 
@@ -328,27 +322,21 @@ __device__ __forceinline__ void q4k_rows(const Weight& w, const Weight& up, int 
     // Each warp starts at its own stage of its rows (its place, row / R or row / (R / 2) paired,
     // modulo the stages) and wraps around.
     // Started alike, the warps of a one-wave product all read the same part of their rows at once,
-    // and in some placements of the arena that ran 1.3% slower, presumably by the way those
-    // addresses fall on the memory's channels: 8B Q4_K decode on the H200, same call, tg128
-    // 685.0-687.5 tok/s with the activations sized for 1, 4 or 16 tokens or the cache for 512,
-    // 694.3-696.0 for 64 or 128 tokens; rotated, 693.7-695.2 in all six, and 693.6-695.3 with the
-    // arena's parts moved by 4 KB to 2 MB.
+    // which made the speed depend on where the arena placed things, presumably by the way those
+    // addresses fall on the memory's channels; rotated, it does not.
     int n_stages = (n_groups + stage_groups - 1) / stage_groups, rotation = (u32)row / (paired ? R / 2 : R) % (u32)n_stages;
-    // s + rotation wraps at most once, so no division by the run-time n_stages (24 instructions
-    // less a warp of gate/up; same call, script's load, tg128 694.4 -> 700.4 tok/s). The one
-    // remainder left, and n_groups, are taken unsigned: no sign fix-ups (24 instructions less).
+    // s + rotation wraps at most once, so no division by the run-time n_stages is needed. The one
+    // remainder left, and n_groups, are taken unsigned: no sign fix-ups.
     auto stage_first = [&](int s) {
         int k = s + rotation;
         return (k < n_stages ? k : k - n_stages) * stage_groups;
     };
     // The weights are read once a token, and 4.2 GB of them (8B) pass through a 50 MB L2: copied
     // as evict-first, they no longer push out the small tensors every kernel boundary waits on.
-    // 8B Q4_K decode on the H200, same call: 669-677 -> 695-696 tok/s. Every lane copies: a lane
-    // past a short stage's quants zero-fills its own piece (reading nothing), and its metadata
-    // copy repeats the last piece (the same bytes into the same place), so that no copy needs a
-    // branch. With the policy made beside each copy (copy_async16_read_once), gate/up runs 656
-    // instructions a warp instead of 720; same call, script's load: tg128 700.2 -> 702.3 tok/s,
-    // and 703.7 with the unsigned remainder above (632).
+    // Every lane copies: a lane past a short stage's quants zero-fills its own piece (reading
+    // nothing), and its metadata copy repeats the last piece (the same bytes into the same place),
+    // so that no copy needs a branch. The cache policy is made in each copy's own asm
+    // (copy_async16_read_once), which costs fewer instructions than one policy made once.
     auto copy_stage = [&](int s) {
         int first = stage_first(s);
         int pieces = 2 * min(stage_groups, n_groups - first);
@@ -373,10 +361,8 @@ __device__ __forceinline__ void q4k_rows(const Weight& w, const Weight& up, int 
         return group_at(x, width, ((const float4*)(xd + (u64)t * (w.n_in / 16)))[g]);
     };
     // With one group a lane a stage (one token, two rows), a lane's activations are loaded before
-    // it waits for the stage's quants, so that their trip overlaps the copy's. With the residual
-    // loaded at the wait too (inputs_ready), 8B Q4_K decode on the H200, same call: 574-581 ->
-    // 611-614 tok/s (588 with only this, 578 with only the residual; 72 registers against 66, three
-    // blocks a multiprocessor either way; copying the second stage before the wait as well: 577).
+    // it waits for the stage's quants, so that their trip overlaps the copy's; the residual is
+    // loaded at the wait too (inputs_ready). Together they gain more than either alone.
     constexpr bool early = T == 1 && stage_groups == 32;
     // Where a lane's group lies in a stage's tiles of activations, found once: a stage starts at
     // a multiple of INTERLEAVE_UNITS groups, four pieces a group (unit_start).
@@ -386,19 +372,16 @@ __device__ __forceinline__ void q4k_rows(const Weight& w, const Weight& up, int 
     const Q4kPair pair(lane);
     // Where the kernel before reads little memory after its wait (one-token attention), a row pair
     // of two stages is copied whole before this one's: the second copy overlaps that kernel too.
-    // Before kernels that read after their wait (the norms), it slows them more than it gains.
-    // (8B Q4_K decode on the H200, same calls: 640.2 -> 643.8 and 637.6 -> 643.0 tok/s; with Q,
-    // K and V so too, 625.8 against 637.6.)
+    // Before kernels that read after their wait (the norms, and so Q, K and V), it slows them more
+    // than it gains.
     bool whole = copy_whole && T == 1 && n_groups > stage_groups && n_groups <= 2 * stage_groups;
     copy_stage(0);
     if (whole) copy_stage(1);
     begin_after_inputs();
     inputs_ready();
     // The stages, compiled twice: where every tile is full (rows of a multiple of 512 values, as
-    // every matrix of the 8B), a tile's width is a constant and the pieces' offsets immediates
-    // (a stage of the one-token kernels 261 -> 251 SASS instructions, gate/up's 259 -> 248; the
-    // general copy 265). 8B Q4_K decode on the H200, same call: tg128 712.5 -> 716.3 tok/s, more
-    // than the instructions alone have given before.
+    // every matrix of the 8B), a tile's width is a constant and the pieces' offsets immediates,
+    // which saves instructions in every stage.
     auto stages = [&](auto full) {
         auto width_of = [&](int g) { return decltype(full)::value ? INTERLEAVE_UNITS : tile_width(g, n_groups); };
         for (int s = 0; s < n_stages; s++) {
@@ -474,8 +457,7 @@ GEMV_INT_ALL(q6_k, TY_Q6_K)
 // Float weights: lane-interleaved 16-byte loads, so each warp load is 512 contiguous bytes, with
 // UNROLL loads in flight per lane before the first is used; activations read as float4, by plain
 // loads (not __ldg), since the normed kernels below pass a copy in shared memory. (Plain loads
-// also left the one-token bf16 kernel without a spill under its register bound: 8B bf16 decode
-// 219.2 -> 226.2 tok/s.)
+// also keep the one-token bf16 kernel under its register bound without a spill.)
 template <int TY>
 __device__ __forceinline__ void widen(uint4 raw, float* y) {
     u32 words[4] = {raw.x, raw.y, raw.z, raw.w};
@@ -528,8 +510,7 @@ __device__ __forceinline__ void float_row(const Weight& w, int row, const float*
 }
 
 // The one-token kernels are held to 40 registers, six blocks (48 warps) per multiprocessor instead
-// of five: 8B bf16 decode 218.8 tok/s against 216.8 on the H200. (Eight blocks, 32 registers,
-// spilled and lost 7%.)
+// of five, to keep more loads in flight; a tighter bound spills.
 #define GEMV(NAME, TY, ROW, T, GLU, KIND)                                                                      \
     extern "C" __global__ void __launch_bounds__(256, T == 1 ? 6 : 1)                                          \
         KIND##_##NAME##_##T(Matrices mats, int n_in, const float* x) {                                         \
@@ -547,8 +528,8 @@ __device__ __forceinline__ void float_row(const Weight& w, int row, const float*
 // The one-token f32-activation kernels with the RMSNorm of their input folded in: each block
 // normalizes its own copy of the row (n_in a multiple of 4, at most NORMED_MAX_IN) into shared
 // memory, and its warps read it from there. That costs less than a launch of its own and a trip
-// of the row through memory. (Normalizing in each warp as it reads, instead, made the bf16
-// kernels 7% slower: the norm's weight was loaded once per weight load.) The kernel's wait is
+// of the row through memory. (Normalizing in each warp as it reads, instead, would load the
+// norm's weight once per weight load.) The kernel's wait is
 // here: a thread's first four values of the norm's weight, which no kernel writes, are loaded
 // before it, so a small model's rows (up to 1024 values) need no second trip from memory.
 #define NORMED_MAX_IN 8192
@@ -600,8 +581,8 @@ __device__ __forceinline__ void store_f16x16(u16* p, const float* y) {
 }
 
 // Whole-matrix dequantization to f16, for prefill through cuBLAS: one thread per 32-value chunk,
-// each run of 16 stored in two 16-byte stores. (Stored value by value, it wrote about 0.2 TB/s:
-// 8B Q8_0 prefill of 512 tokens ran at 5.7k tok/s on the H200, against 21.9k now.)
+// each run of 16 stored in two 16-byte stores: stored value by value, the writes were a small
+// fraction of the memory's bandwidth and held prefill back.
 template <int TY>
 __device__ void dequant_f16(Weight w, u16* out, int n_out) {
     begin_after_inputs();

@@ -4,12 +4,10 @@
 // registers, a float4 a thread at a time, up to NORM_LOADS of them (rows of a multiple of 4 values,
 // up to 16384 in 1024 threads: the host sizes the block, norm_block), and the row makes one trip
 // from memory. The norm's weight is not written during a step, so it is loaded before the wait,
-// while the kernel before is finishing. 8B decode on the H200, same call: Q8_0 373 -> 390 tok/s,
-// Q4_K 466 -> 486 (rms_norm_q8), against the row read a second time after the reduction, with the
-// weight only sent into L2 before the wait. (Held a value a thread in slots of 32 lanes, as
-// store_q8 takes them: Q8_0 378, Q4_K no gain.) With start_next, the next kernel's blocks start
-// once this one's have passed the wait (start_dependents). Every lane calls `store(i4, v, valid)`
-// with float4 i4 of the normalized row.
+// while the kernel before is finishing. (Holding a value a thread in slots of 32 lanes, as
+// store_q8 takes them, gained less.) With start_next, the next kernel's blocks start once this
+// one's have passed the wait (start_dependents). Every lane calls `store(i4, v, valid)` with
+// float4 i4 of the normalized row.
 #define NORM_LOADS 4
 template <int LOADS = NORM_LOADS, typename Store>
 __device__ __forceinline__ void held_rms_norm(const float4* __restrict__ row, const float4* __restrict__ w, int dim,
@@ -81,9 +79,8 @@ extern "C" __global__ void rms_norm_q8(const float4* __restrict__ x, const float
 // The same at one float4 a thread (rows up to 4096 values), held to 24 registers: a block of 1024
 // threads then takes 24,576 of a multiprocessor's 65,536 registers and fits beside the two blocks
 // of the product before it (wo or down, EvenSpread: 36,864), so it is placed, and loads its
-// weight, while that product streams. (NVRTC left it at 27, which the hardware allocates as 32:
-// 32,768 did not fit.) 8B decode on the H200, same calls, tg128: Q4_K 709.5 -> 714.2 and 712.2 ->
-// 716.4 tok/s against two float4 a thread (512 threads of 56 registers).
+// weight, while that product streams. (Left to itself NVRTC takes 27, which the hardware
+// allocates as 32, and then the block does not fit.)
 extern "C" __global__ void __maxnreg__(24) rms_norm_q8_1(const float4* __restrict__ x, const float4* __restrict__ w,
                                                           u32* __restrict__ xq, float* __restrict__ xd, int dim,
                                                           float eps, int interleave, int start_next) {
