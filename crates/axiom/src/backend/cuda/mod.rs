@@ -154,11 +154,6 @@ impl CudaBackend {
         self.kv_type = kv_type;
         self
     }
-
-    /// Whether the kernels were compiled by this process (a cold start) or read from the cache.
-    pub fn compiled_kernels_now(&self) -> bool {
-        self.kernels.compiled_now
-    }
 }
 
 impl Drop for CudaBackend {
