@@ -55,7 +55,7 @@ __device__ __forceinline__ float warp_max(float v) {
 // Interleaved rows. Q4_K's integer kernel (q4k_rows in matmul.cu) gives each lane a 32-byte group
 // of quants, 64 values, and the 64 int8 activations they multiply: stored in order, a warp's 16-byte
 // loads would lie 32 or 64 bytes apart, and L1 would be the limit. So Q4_K quants are repacked at
-// load (`interleave_row` in cuda/mod.rs) and the activations they take are written in the same
+// load (`interleave_row` in cuda/weights.rs) and the activations they take are written in the same
 // order: a row's units (a group of quants, or 64 activations) in tiles of INTERLEAVE_UNITS, each
 // tile stored 16-byte piece by piece: piece k of unit u at k * width + u of its tile, width the
 // tile's units (a row's last tile may be narrower). Eight lanes' loads of one piece are then 128
@@ -172,7 +172,7 @@ __device__ __forceinline__ void begin_after_inputs() {
 // an integer matrix-vector product), right after their wait, so the next kernel takes only
 // multiprocessors they leave idle. The product reads its first weights before its wait
 // (`int_row`), so that read overlaps the quantization. The host asks for it where it pays
-// (`starts_next_early` in cuda/mod.rs). The one-token products that read before their wait call it
+// (`starts_next_early` in cuda/matmul.rs). The one-token products that read before their wait call it
 // first thing, for the few blocks of the small kernel after them (ReadsBeforeWait in matmul.cu):
 // then three kernels may be in flight, so a kernel's code before its wait may run while the one two
 // before it is still running.

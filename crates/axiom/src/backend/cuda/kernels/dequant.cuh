@@ -1,5 +1,5 @@
 // Quantized weights on the GPU are stored split by field, so that every load is wide, aligned and
-// coalesced (see `SplitWeight` in cuda/mod.rs): the quants of a row are contiguous (`q`; Q4_K's
+// coalesced (see `SplitWeight` in cuda/weights.rs): the quants of a row are contiguous (`q`; Q4_K's
 // interleaved, common.cuh), and the per-block scales, minimums or packed K-quant metadata sit in
 // side arrays (`s`, `m`). A row of n values is decoded as n/32 chunks; chunk c yields 32 values in
 // two runs of 16, starting at `at0` and `at1` within the row. Values are exactly the reference

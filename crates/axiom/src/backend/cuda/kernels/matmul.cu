@@ -196,7 +196,7 @@ __device__ __forceinline__ void dot_chunk(const IntChunk& k, const i8* xq, const
 template <int TY> struct ReadsBeforeWait { static const bool value = TY == TY_Q8_0 || TY == TY_Q4_K; };
 
 // Rows a warp of the one-token Q4_K integer kernel takes (q4k_rows; Q4K_ROWS in
-// cuda/mod.rs). With more tokens, one: two rows would take over 96 registers.
+// cuda/matmul.rs). With more tokens, one: two rows would take over 96 registers.
 #define Q4K_ROWS 2
 template <int TY, int T> struct RowsPerWarp { static const int value = TY == TY_Q4_K && T == 1 ? Q4K_ROWS : 1; };
 template <int T, int R, bool GLU, typename Ready>

@@ -1,0 +1,200 @@
+//! Attention over the paged KV cache: the one-pass kernel (kernels/attention.cu) for steps of
+//! few tokens, the choice between it and flash attention, and the output projection after it.
+
+use super::gemm::{gemm_input, GemmOutput};
+use super::launch::page_size_arg;
+use super::matmul::{gemv_max_tokens, interleaves_activations, starts_next_early, Epilogue, Quantized};
+use super::rope::rope_args;
+use super::weights::CudaWeight;
+use super::CudaBackend;
+use crate::backend::{rope_attend_and_project_in_steps, AttentionKv, AttentionShape, Backend, BlockHandle, NewRows};
+use crate::format::quant::GgmlType;
+use crate::{Error, Result};
+
+/// Threads of the one-pass attention kernel (ATTN_THREADS in attention.cu).
+const ATTENTION_THREADS: u32 = 256;
+
+/// The most blocks of the one-pass kernel that share a head's context (ATTN_MAX_SPLITS).
+const ATTENTION_MAX_SPLITS: usize = 8;
+
+/// The largest head the attention kernels take.
+pub(super) const ATTENTION_MAX_HEAD_DIM: usize = 256;
+
+impl CudaBackend {
+    /// `Backend::attention`; with `quantized_for`, the one-pass kernel also writes its output into
+    /// that staging as `quantize_activations` would for that weight (the head size then a multiple
+    /// of 32). With `new`, a step of one token also rotates the query and the new key and stores
+    /// the token's cache row, as `rope_kv_write` would before it; a flash-attention step rotates
+    /// its queries, whose keys `rotate_and_store` has stored with their angles.
+    pub(super) fn attend(
+        &self,
+        q: BlockHandle,
+        new: Option<NewRows>,
+        kv: AttentionKv,
+        out: BlockHandle,
+        quantized_for: Option<((BlockHandle, BlockHandle), &CudaWeight)>,
+        n_tokens: usize,
+        shape: AttentionShape,
+    ) -> Result<()> {
+        if shape.head_dim > ATTENTION_MAX_HEAD_DIM || !shape.head_dim.is_multiple_of(8) {
+            return Err(Error::Backend(format!(
+                "head dimension {}: the CUDA attention kernels take multiples of 8 up to {ATTENTION_MAX_HEAD_DIM}",
+                shape.head_dim
+            )));
+        }
+        if self.takes_flash(shape, n_tokens) {
+            let rotate = new.map(|new| new.rope);
+            return self.flash_attention(q, rotate, kv, self.ptr(out), GgmlType::F32, n_tokens, shape);
+        }
+        let (k_new, v_new, freqs, (dims, halves)) = match new {
+            Some(new) => (
+                self.ptr(new.k),
+                self.ptr(new.v),
+                self.ptr(new.freqs),
+                rope_args(new.rope)?,
+            ),
+            None => (0, 0, 0, (0, 0)),
+        };
+        let AttentionKv {
+            k_cache,
+            v_cache,
+            positions,
+            pages,
+        } = kv;
+        let (nh, nkv, hd) = (shape.n_heads as i32, shape.n_kv_heads as i32, shape.head_dim as i32);
+        let (table_width, page_size) = (pages.table_width as i32, page_size_arg(&pages)?);
+        let n = n_tokens * shape.q_width();
+        let (xq, xd, interleave, start_next) = match quantized_for {
+            Some(((xq, _), _)) if n > xq.len => {
+                return Err(Error::Backend(format!(
+                    "{n} outputs exceed the int8 staging of {}",
+                    xq.len
+                )))
+            }
+            Some(((xq, xd), w)) => (
+                self.ptr(xq),
+                self.ptr(xd),
+                i32::from(interleaves_activations(w.ty)),
+                i32::from(starts_next_early(w.ty)),
+            ),
+            None => (0, 0, 0, 0),
+        };
+        // Where the step's heads leave multiprocessors idle, several blocks share each head's
+        // context (heads times splits at most the multiprocessors: their states fit past the
+        // arena).
+        let heads = n_tokens * shape.n_heads;
+        let splits = (self.device.multiprocessors as usize / heads).clamp(1, ATTENTION_MAX_SPLITS);
+        self.launch(
+            &format!("attention_{}", self.kv_suffix()),
+            (n_tokens as u32, shape.n_heads as u32, splits as u32),
+            ATTENTION_THREADS,
+            &[
+                &self.ptr(q),
+                &self.ptr(k_cache),
+                &self.ptr(v_cache),
+                &self.ptr(positions),
+                &self.ptr(pages.block_tables),
+                &table_width,
+                &self.ptr(pages.token_seqs),
+                &page_size,
+                &k_new,
+                &v_new,
+                &freqs,
+                &dims,
+                &halves,
+                &self.ptr(out),
+                &xq,
+                &xd,
+                &interleave,
+                &start_next,
+                &self.attention_partials,
+                &nh,
+                &nkv,
+                &hd,
+            ],
+        )
+    }
+
+    /// Where the output projection runs on integers (decode of a quantized `wo`), the one-pass
+    /// attention kernel quantizes its output for it as it writes it: no launch of its own. Where
+    /// it runs through cuBLAS after flash attention (prefill), attention writes its 16-bit input.
+    /// `new` as for `attend`.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn attend_then_project(
+        &self,
+        q: BlockHandle,
+        new: Option<NewRows>,
+        kv: AttentionKv,
+        wo: &CudaWeight,
+        [out, residual, scratch]: [BlockHandle; 3],
+        n_tokens: usize,
+        shape: AttentionShape,
+    ) -> Result<()> {
+        let input = gemm_input(wo.ty);
+        if self.takes_flash(shape, n_tokens) && n_tokens > gemv_max_tokens(wo.ty) && input != GgmlType::F32 {
+            // Flash attention writes its output in the 16-bit type cuBLAS reads, straight into the
+            // staging: no f32 round trip and no conversion pass.
+            let (_, x_stage) = self.cublas_staging()?;
+            let n = n_tokens * shape.q_width();
+            if n * 2 > x_stage.len {
+                return Err(Error::Backend(format!(
+                    "{n} attention outputs exceed the cuBLAS staging of {} bytes",
+                    x_stage.len
+                )));
+            }
+            let rotate = new.map(|new| new.rope);
+            self.flash_attention(q, rotate, kv, self.ptr(x_stage), input, n_tokens, shape)?;
+            return self.gemm(out, wo, residual, n_tokens, GemmOutput::Add, &mut Some(input));
+        }
+        let folds = n_tokens <= gemv_max_tokens(wo.ty)
+            && self.takes_int8(wo)
+            && !self.takes_flash(shape, n_tokens)
+            && shape.head_dim.is_multiple_of(32);
+        match self.int8_activations.filter(|_| folds) {
+            Some(staging) => {
+                self.attend(q, new, kv, out, Some((staging, wo)), n_tokens, shape)?;
+                let (xq, xd) = staging;
+                let quantized = Quantized {
+                    xq,
+                    xd,
+                    interleaved: interleaves_activations(wo.ty),
+                    by_quiet_kernel: n_tokens == 1,
+                };
+                self.gemv(
+                    out.into(),
+                    &[wo],
+                    &[residual],
+                    n_tokens,
+                    Epilogue::Add,
+                    &mut Some(quantized),
+                )
+            }
+            None => {
+                self.attend(q, new, kv, out, None, n_tokens, shape)?;
+                self.matmul_add(out, wo, residual, scratch, n_tokens)
+            }
+        }
+    }
+
+    /// In a step of one token, the attention kernel rotates the query and the key and stores the
+    /// token's cache row itself: no rope_kv_write launch, and one kernel boundary less a layer.
+    /// Steps of more tokens rotate and store the keys first (their tokens read each other's rows);
+    /// in flash-attention steps that rotate whole heads, flash attention rotates the queries as it
+    /// loads them.
+    pub(super) fn rope_attend_then_project(
+        &self,
+        new: NewRows,
+        kv: AttentionKv,
+        wo: &CudaWeight,
+        buffers: [BlockHandle; 3],
+        n_tokens: usize,
+        shape: AttentionShape,
+    ) -> Result<()> {
+        if self.takes_flash(shape, n_tokens) && new.rope.dims == shape.head_dim {
+            self.rotate_and_store(new, kv, n_tokens, shape, self.flash_turns)?;
+        } else if n_tokens != 1 {
+            return rope_attend_and_project_in_steps(self, new, kv, wo, buffers, n_tokens, shape);
+        }
+        self.attend_then_project(new.q, Some(new), kv, wo, buffers, n_tokens, shape)
+    }
+}

@@ -1,0 +1,388 @@
+//! Matrix products: the matrix-vector kernels of kernels/matmul.cu for steps of a few tokens (on
+//! int8 activations where the weights take them), and the choice between them and cuBLAS.
+
+use super::gemm::{gemm_input, GemmOutput};
+use super::launch::blocks_for;
+use super::norms::norm_q8_kernel;
+use super::weights::CudaWeight;
+use super::{kernels, CudaBackend};
+use crate::backend::{gate_up_swiglu_in_steps, Backend, BlockHandle, Input};
+use crate::format::quant::GgmlType;
+use crate::{Error, Result};
+
+/// Tokens up to which a matmul of quantized weights uses the matrix-vector kernels rather than
+/// cuBLAS (which needs the whole matrix dequantized first).
+pub(super) const GEMV_MAX_TOKENS: usize = 8;
+
+/// Tokens up to which a matmul of weights of type `ty` uses the matrix-vector kernels. Float
+/// weights go to cuBLAS from two tokens on: there is nothing to dequantize, and the kernels'
+/// activation reads grow with every token.
+pub(super) fn gemv_max_tokens(ty: GgmlType) -> usize {
+    match ty {
+        GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => 1,
+        _ => GEMV_MAX_TOKENS,
+    }
+}
+
+/// Quantized matrices with rows at least this long are multiplied on integers (gemv_int in
+/// matmul.cu: activations quantized to int8, dp4a), and so are matrices of at least
+/// `INT_GEMV_MIN_VALUES` (a small model's output head). Other small ones keep the f32 kernels:
+/// their products are too small to repay the extra launch that quantizes the activations.
+const INT_GEMV_MIN_N_IN: usize = 2048;
+const INT_GEMV_MIN_VALUES: usize = 16 << 20;
+
+/// The f32 matrix-vector kernels normalize their input themselves (each block its own copy, in
+/// shared memory) for matrices up to this many values: a small model's decode is latency-bound,
+/// and the norm's own launch costs more. Large ones stream their weights, and a block that
+/// normalizes first streams later.
+const NORMED_GEMV_MAX_VALUES: usize = 4 << 20;
+
+/// Weights one matrix-vector launch takes at most (MAX_MATRICES in kernels/matmul.cu).
+const MAX_MATRICES: usize = 3;
+
+/// Rows a warp of the one-token Q4_K integer matrix-vector kernel takes (as Q4K_ROWS in
+/// kernels/matmul.cu).
+const Q4K_ROWS: usize = 2;
+
+/// Whether the integer kernels for `ty` take their activations interleaved (`q8_slot` in
+/// kernels/common.cuh): Q4_K's, whose lanes take 64 values each. Their scales then come with each
+/// block's sum (`store_q8_scale`).
+pub(super) fn interleaves_activations(ty: GgmlType) -> bool {
+    ty == GgmlType::Q4K
+}
+
+/// Bytes of block scales for `n` activations quantized for `ty`'s integer kernels: an f32 per 32
+/// values, and for interleaved ones the block's sum beside it.
+pub(super) fn q8_scale_bytes(ty: GgmlType, n: usize) -> usize {
+    let per_block = if interleaves_activations(ty) { 8 } else { 4 };
+    n / 32 * per_block
+}
+
+/// Whether the kernel that quantizes an integer matrix-vector kernel's activations lets that
+/// kernel's blocks start early, to read their first weights meanwhile (`start_dependents` in
+/// common.cuh; the types whose kernels read before their wait, `ReadsBeforeWait` in matmul.cu).
+/// The other types' kernels read nothing before their wait, so they would have nothing to overlap.
+pub(super) fn starts_next_early(ty: GgmlType) -> bool {
+    matches!(ty, GgmlType::Q8_0 | GgmlType::Q4K)
+}
+
+/// `n_tokens` split into groups the matrix-vector kernels take (8, 4, 2 or 1 tokens):
+/// `(first token, count)`.
+fn token_groups(n_tokens: usize) -> impl Iterator<Item = (usize, usize)> {
+    let mut done = 0;
+    std::iter::from_fn(move || {
+        let t = [8, 4, 2, 1].into_iter().find(|&t| t <= n_tokens - done)?;
+        let group = (done, t);
+        done += t;
+        Some(group)
+    })
+}
+
+impl CudaBackend {
+    /// `Backend::matmul_many`.
+    pub(super) fn multiply(&self, x: Input, ws: &[&CudaWeight], outs: &[BlockHandle], n_tokens: usize) -> Result<()> {
+        let gemm = |w: &CudaWeight| n_tokens > gemv_max_tokens(w.ty);
+        // One quantization (or 16-bit conversion, for cuBLAS) of the activations serves every
+        // weight that takes it, and weights of one type go to the matrix-vector kernels together,
+        // in one launch.
+        let (mut quantized, mut staged) = (None, None);
+        // The norm goes into the matrix-vector kernels where they take it (`gemv_normalizes`), or,
+        // where only cuBLAS reads the rows and in one 16-bit type, into their conversion. Every
+        // other path reads normalized f32 rows, written once here.
+        let input = gemm_input(ws[0].ty);
+        let only_16bit_gemms = input != GgmlType::F32 && ws.iter().all(|w| gemm(w) && gemm_input(w.ty) == input);
+        let rows = match x {
+            Input::RmsNormed { .. } if only_16bit_gemms => {
+                Some(self.stage_16bit(x, n_tokens, ws[0].n_in, input, &mut staged)?)
+            }
+            _ if ws.iter().any(|w| gemm(w) || !self.gemv_normalizes(w, n_tokens)) => {
+                Some(self.input_rows(x, n_tokens, ws[0].n_in)?)
+            }
+            _ => None,
+        };
+        let x = rows.map_or(x, Input::Rows);
+        let mut i = 0;
+        while i < ws.len() {
+            let w = ws[i];
+            if let Some(rows) = rows.filter(|_| gemm(w)) {
+                self.gemm(rows, w, outs[i], n_tokens, GemmOutput::Store, &mut staged)?;
+                i += 1;
+                continue;
+            }
+            let together = ws[i..]
+                .iter()
+                .take(MAX_MATRICES)
+                .take_while(|v| v.ty == w.ty && v.n_in == w.n_in)
+                .count();
+            let (group, group_outs) = (&ws[i..i + together], &outs[i..i + together]);
+            self.gemv(x, group, group_outs, n_tokens, Epilogue::Store, &mut quantized)?;
+            i += together;
+        }
+        Ok(())
+    }
+
+    /// `Backend::matmul_add`.
+    pub(super) fn multiply_add(&self, x: BlockHandle, w: &CudaWeight, out: BlockHandle, n_tokens: usize) -> Result<()> {
+        if n_tokens > gemv_max_tokens(w.ty) {
+            return self.gemm(x, w, out, n_tokens, GemmOutput::Add, &mut None);
+        }
+        self.gemv(x.into(), &[w], &[out], n_tokens, Epilogue::Add, &mut None)
+    }
+
+    /// `Backend::gate_up_swiglu`: one launch of the matrix-vector kernels for both products where
+    /// they take the step.
+    pub(super) fn gate_up_swiglu_products(
+        &self,
+        x: Input,
+        w_gate: &CudaWeight,
+        w_up: &CudaWeight,
+        scratch: [BlockHandle; 2],
+        out: BlockHandle,
+        n_tokens: usize,
+        ffn_dim: usize,
+    ) -> Result<()> {
+        let same_shape = (w_gate.ty, w_gate.n_in, w_gate.n_out) == (w_up.ty, w_up.n_in, w_up.n_out);
+        if !same_shape || n_tokens > gemv_max_tokens(w_gate.ty) {
+            return gate_up_swiglu_in_steps(self, x, [w_gate, w_up], scratch, out, n_tokens, ffn_dim);
+        }
+        self.gemv(x, &[w_gate, w_up], &[out], n_tokens, Epilogue::SwiGlu, &mut None)
+    }
+
+    /// The kernel argument for `ws` (one type, at most `MAX_MATRICES`), writing token rows
+    /// `first..first + count` of `outs` (with `Epilogue::SwiGlu`, ws is gate and up, and outs one
+    /// output); and the blocks their rows need, a warp taking `rows_per_warp` rows of a matrix.
+    fn matrices(
+        &self,
+        ws: &[&CudaWeight],
+        outs: &[BlockHandle],
+        epilogue: Epilogue,
+        (first, count): (usize, usize),
+        rows_per_warp: usize,
+    ) -> (Matrices, u32) {
+        let mut m = Matrices {
+            count: ws.len() as i32,
+            accumulate: i32::from(epilogue == Epilogue::Add),
+            ..Matrices::default()
+        };
+        for (i, (w, out)) in ws.iter().zip(outs.iter().cycle()).enumerate() {
+            (m.q[i], m.s[i], m.m[i]) = self.weight_ptrs(w);
+            m.n_out[i] = w.n_out as i32;
+            m.out[i] = self.ptr(out.slice(first * w.n_out * 4, count * w.n_out * 4));
+        }
+        // Eight warps per block. With SwiGLU a warp of several rows takes gate rows and the same up
+        // rows, and warps of one row pair up (gemv_rows in matmul.cu): 4 * rows_per_warp outputs a
+        // block either way.
+        let blocks = match epilogue {
+            Epilogue::SwiGlu => ws[0].n_out.div_ceil(4 * rows_per_warp),
+            _ => ws
+                .iter()
+                .map(|w| w.n_out.div_ceil(rows_per_warp))
+                .sum::<usize>()
+                .div_ceil(8),
+        };
+        (m, blocks as u32)
+    }
+
+    /// The matrix-vector kernels for `ws` (one type, at most `MAX_MATRICES`; with
+    /// `Epilogue::SwiGlu`, gate and up) in groups of up to 8 tokens: on int8 activations for the
+    /// weights that take them, quantized (and normalized) here unless `quantized` already holds
+    /// them in the layout they read, else on the f32 rows.
+    pub(super) fn gemv(
+        &self,
+        x: Input,
+        ws: &[&CudaWeight],
+        outs: &[BlockHandle],
+        n_tokens: usize,
+        epilogue: Epilogue,
+        quantized: &mut Option<Quantized>,
+    ) -> Result<()> {
+        let w = ws[0];
+        let suffix = Self::type_suffix(w.ty)?;
+        let n_in = w.n_in as i32;
+        let input = match self.int8_activations.filter(|_| self.takes_int8(w)) {
+            Some(staging) => GemvInput::Int8(match *quantized {
+                Some(q) if q.interleaved == interleaves_activations(w.ty) => q,
+                _ => *quantized.insert(self.quantize_activations(x, staging, n_tokens, w)?),
+            }),
+            None => match x {
+                Input::RmsNormed { x, weight, eps, .. } if self.gemv_normalizes(w, n_tokens) => {
+                    GemvInput::Normed { x, weight, eps }
+                }
+                _ => GemvInput::F32(self.input_rows(x, n_tokens, w.n_in)?),
+            },
+        };
+        let glu = epilogue == Epilogue::SwiGlu;
+        for (done, t) in token_groups(n_tokens) {
+            // Q4_K's one-token integer kernels take two rows a warp and spread their blocks.
+            let q4k_one_token = matches!(input, GemvInput::Int8(_)) && w.ty == GgmlType::Q4K && t == 1;
+            let rows_per_warp = if q4k_one_token { Q4K_ROWS } else { 1 };
+            let (mut mats, blocks) = self.matrices(ws, outs, epilogue, (done, t), rows_per_warp);
+            match input {
+                GemvInput::Int8(Quantized {
+                    xq,
+                    xd,
+                    by_quiet_kernel,
+                    ..
+                }) => {
+                    mats.copy_whole = i32::from(by_quiet_kernel);
+                    let xqs = self.ptr(xq.slice(done * w.n_in, t * w.n_in));
+                    let scale_bytes = q8_scale_bytes(w.ty, w.n_in);
+                    let xds = self.ptr(xd.slice(done * scale_bytes, t * scale_bytes));
+                    let name = kernels::gemv_kernel(true, glu, suffix, t);
+                    let shared = match &self.q4k_spread {
+                        Some(spread) if q4k_one_token => spread[usize::from(glu)].padding(blocks),
+                        _ => 0,
+                    };
+                    self.launch_shared(&name, (blocks, 1, 1), 256, shared, &[&mats, &n_in, &xqs, &xds])?
+                }
+                GemvInput::F32(rows) => {
+                    let xs = self.ptr(rows.slice(done * w.n_in * 4, t * w.n_in * 4));
+                    let name = kernels::gemv_kernel(false, glu, suffix, t);
+                    self.launch(&name, (blocks, 1, 1), 256, &[&mats, &n_in, &xs])?
+                }
+                GemvInput::Normed { x, weight, eps } => {
+                    let name = kernels::gemv_normed_kernel(glu, suffix);
+                    let (x, weight) = (self.ptr(x), self.ptr(weight));
+                    self.launch(&name, (blocks, 1, 1), 256, &[&mats, &n_in, &x, &weight, &eps])?
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether the matrix-vector kernels for `w` normalize an `Input::RmsNormed` themselves: the
+    /// integer ones as they quantize it; the f32 ones for one token of a small matrix (see
+    /// `NORMED_GEMV_MAX_VALUES`). (Their float4 reads need rows of a multiple of 4 values;
+    /// `upload_weight` admits only multiples of 32.)
+    fn gemv_normalizes(&self, w: &CudaWeight, n_tokens: usize) -> bool {
+        let small = w.n_in * w.n_out <= NORMED_GEMV_MAX_VALUES && w.n_in <= kernels::GEMV_NORMED_MAX_IN;
+        self.takes_int8(w) || (n_tokens == 1 && small)
+    }
+
+    /// Whether `w` is multiplied on integers at decode (see `INT_GEMV_MIN_N_IN`).
+    pub(super) fn takes_int8(&self, w: &CudaWeight) -> bool {
+        let large = w.n_in >= INT_GEMV_MIN_N_IN || w.n_in * w.n_out >= INT_GEMV_MIN_VALUES;
+        self.int8_activations.is_some() && w.ty.block_len() > 1 && large
+    }
+
+    /// Quantizes `n_tokens` rows of activations for `w` into `staging` (int8 values, f32 scale
+    /// per 32) in the layout `w`'s kernels read, normalizing them first if `x` says so.
+    fn quantize_activations(
+        &self,
+        x: Input,
+        (xq, xd): (BlockHandle, BlockHandle),
+        n_tokens: usize,
+        w: &CudaWeight,
+    ) -> Result<Quantized> {
+        let n_in = w.n_in;
+        let n = n_tokens * n_in;
+        if n > xq.len {
+            return Err(Error::Backend(format!(
+                "{n} activations exceed the int8 staging of {}",
+                xq.len
+            )));
+        }
+        let (xq_ptr, xd_ptr) = (self.ptr(xq), self.ptr(xd));
+        let interleaved = interleaves_activations(w.ty);
+        let (interleave, start_next) = (i32::from(interleaved), i32::from(starts_next_early(w.ty)));
+        match x {
+            Input::Rows(x) => {
+                let blocks = blocks_for(n / 4, 256);
+                let padding = if w.ty == GgmlType::Q4K && blocks <= self.device.multiprocessors {
+                    self.quantize_padding
+                } else {
+                    0
+                };
+                self.launch_shared(
+                    "quantize_q8",
+                    (blocks, 1, 1),
+                    256,
+                    padding,
+                    &[
+                        &self.ptr(x),
+                        &xq_ptr,
+                        &xd_ptr,
+                        &(n as u64),
+                        &(n_in as i32),
+                        &interleave,
+                        &start_next,
+                    ],
+                )?
+            }
+            Input::RmsNormed { x, weight, eps, .. } => {
+                let (kernel, threads) = norm_q8_kernel(n_in)?;
+                self.launch(
+                    kernel,
+                    (n_tokens as u32, 1, 1),
+                    threads,
+                    &[
+                        &self.ptr(x),
+                        &self.ptr(weight),
+                        &xq_ptr,
+                        &xd_ptr,
+                        &(n_in as i32),
+                        &eps,
+                        &interleave,
+                        &start_next,
+                    ],
+                )?
+            }
+        }
+        Ok(Quantized {
+            xq,
+            xd,
+            interleaved,
+            by_quiet_kernel: false,
+        })
+    }
+}
+
+/// Up to `MAX_MATRICES` weights of one type for one matrix-vector launch: their fields, outputs
+/// and rows, as `struct Matrices` in kernels/matmul.cu lays them out.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub(super) struct Matrices {
+    q: [u64; MAX_MATRICES],
+    s: [u64; MAX_MATRICES],
+    m: [u64; MAX_MATRICES],
+    out: [u64; MAX_MATRICES],
+    n_out: [i32; MAX_MATRICES],
+    count: i32,
+    accumulate: i32,
+    copy_whole: i32,
+}
+
+/// Activations quantized for the integer matrix-vector kernels: int8 values, f32 block scales,
+/// and whether the values are interleaved (`interleaves_activations`). `by_quiet_kernel`: written
+/// by a kernel that reads little memory after its wait (one-token attention, whose cache reads
+/// come before it), so the product may copy more of its rows before its own wait (`copy_whole`
+/// in matmul.cu).
+#[derive(Clone, Copy)]
+pub(super) struct Quantized {
+    pub(super) xq: BlockHandle,
+    pub(super) xd: BlockHandle,
+    pub(super) interleaved: bool,
+    pub(super) by_quiet_kernel: bool,
+}
+
+/// The activations of a matrix-vector launch: quantized to int8, f32 rows, or one f32 row that
+/// the kernel RMS-normalizes itself.
+#[derive(Clone, Copy)]
+enum GemvInput {
+    Int8(Quantized),
+    F32(BlockHandle),
+    Normed {
+        x: BlockHandle,
+        weight: BlockHandle,
+        eps: f32,
+    },
+}
+
+/// What a matrix-vector launch does with its products: stores them, adds them to its output, or
+/// (gate and up) stores silu(gate) * up.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum Epilogue {
+    Store,
+    Add,
+    SwiGlu,
+}

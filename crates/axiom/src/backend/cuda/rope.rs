@@ -1,0 +1,52 @@
+//! Rotary position embeddings (kernels/rope.cu), and the RoPE arguments of every kernel that
+//! rotates.
+
+use super::CudaBackend;
+use crate::backend::{BlockHandle, Rope, RopeLayout};
+use crate::{Error, Result};
+
+/// The most rotated pairs of a head (rope_kv_write.cu).
+const ROPE_MAX_PAIRS: usize = 128;
+
+/// The rotated dimensions and whether pairs are halves apart, as the RoPE kernels take them.
+pub(super) fn rope_args(rope: Rope) -> Result<(i32, i32)> {
+    if rope.dims > 2 * ROPE_MAX_PAIRS {
+        return Err(Error::Backend(format!(
+            "RoPE over {} dimensions: the CUDA kernels take up to {}",
+            rope.dims,
+            2 * ROPE_MAX_PAIRS
+        )));
+    }
+    Ok((rope.dims as i32, i32::from(rope.layout == RopeLayout::Halves)))
+}
+
+impl CudaBackend {
+    /// `Backend::rope`.
+    pub(super) fn launch_rope(
+        &self,
+        x: BlockHandle,
+        positions: BlockHandle,
+        freqs: BlockHandle,
+        n_tokens: usize,
+        n_heads: usize,
+        head_dim: usize,
+        rope: Rope,
+    ) -> Result<()> {
+        let (nh, hd, dims) = (n_heads as i32, head_dim as i32, rope.dims as i32);
+        let halves = i32::from(rope.layout == RopeLayout::Halves);
+        self.launch(
+            "rope",
+            (n_tokens as u32, n_heads as u32, 1),
+            64,
+            &[
+                &self.ptr(x),
+                &self.ptr(positions),
+                &self.ptr(freqs),
+                &nh,
+                &hd,
+                &dims,
+                &halves,
+            ],
+        )
+    }
+}

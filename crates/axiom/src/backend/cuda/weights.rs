@@ -1,0 +1,166 @@
+//! Weights in device memory: repacked at upload into the split layout the kernels read
+//! (kernels/dequant.cuh), and their fields' addresses as the kernels take them.
+
+use super::device::driver_error;
+use super::matmul::gemv_max_tokens;
+use super::memory::ALIGN;
+use super::CudaBackend;
+use crate::backend::{Backend, BlockHandle, HostTensor};
+use crate::format::quant::GgmlType;
+use crate::{Error, Result};
+
+/// A weight matrix in device memory, in its stored type, split by field (see `split_weight`):
+/// quants in `q`, per-block scales or K-quant metadata in `s`, minimums or Q6_K high bits in `m`.
+pub struct CudaWeight {
+    pub ty: GgmlType,
+    pub n_out: usize,
+    pub n_in: usize,
+    pub(super) q: BlockHandle,
+    s: Option<BlockHandle>,
+    m: Option<BlockHandle>,
+}
+
+crate::backend::impl_matrix!(CudaWeight);
+
+/// A weight's fields in the split layout the kernels read (kernels/dequant.cuh): every row's
+/// quants contiguous, so a lane loads 16 or 32 aligned bytes at once (Q4_K's interleaved:
+/// `interleave_row`), and the small per-block fields in side arrays. Float weights stay as they
+/// are.
+struct SplitWeight {
+    q: Vec<u8>,
+    s: Vec<u8>,
+    m: Vec<u8>,
+}
+
+fn split_weight(ty: GgmlType, bytes: &[u8], n_in: usize) -> SplitWeight {
+    let (mut q, mut s, mut m) = (Vec::with_capacity(bytes.len()), Vec::new(), Vec::new());
+    let blocks = bytes.chunks_exact(ty.block_bytes());
+    match ty {
+        GgmlType::Q8_0 => blocks.for_each(|b| {
+            s.extend_from_slice(&b[0..2]);
+            q.extend_from_slice(&b[2..34]);
+        }),
+        GgmlType::Q4_0 => blocks.for_each(|b| {
+            s.extend_from_slice(&b[0..2]);
+            q.extend_from_slice(&b[2..18]);
+        }),
+        GgmlType::Q4_1 => blocks.for_each(|b| {
+            s.extend_from_slice(&b[0..2]);
+            m.extend_from_slice(&b[2..4]);
+            q.extend_from_slice(&b[4..20]);
+        }),
+        GgmlType::Q4K => {
+            let mut row = Vec::with_capacity(n_in / 2);
+            for row_blocks in bytes.chunks_exact(n_in / 256 * ty.block_bytes()) {
+                row.clear();
+                for b in row_blocks.chunks_exact(ty.block_bytes()) {
+                    s.extend_from_slice(&b[0..16]);
+                    row.extend_from_slice(&b[16..144]);
+                }
+                interleave_row(&row, Q4K_GROUP_BYTES, &mut q);
+            }
+        }
+        GgmlType::Q6K => blocks.for_each(|b| {
+            q.extend_from_slice(&b[0..128]);
+            m.extend_from_slice(&b[128..192]);
+            s.extend_from_slice(&b[192..210]);
+            s.extend_from_slice(&[0, 0]);
+        }),
+        _ => q.extend_from_slice(bytes),
+    }
+    SplitWeight { q, s, m }
+}
+
+/// Units per tile of the interleaved layout (INTERLEAVE_UNITS in kernels/common.cuh).
+const INTERLEAVE_UNITS: usize = 8;
+
+/// A Q4_K lane's unit of quants: 32 bytes, two sub-blocks.
+const Q4K_GROUP_BYTES: usize = 32;
+
+/// Appends a row of units of `unit_bytes` (a multiple of 16) in the interleaved order of
+/// kernels/common.cuh: tiles of `INTERLEAVE_UNITS` units, each stored 16-byte piece by piece.
+fn interleave_row(row: &[u8], unit_bytes: usize, out: &mut Vec<u8>) {
+    for tile in row.chunks(unit_bytes * INTERLEAVE_UNITS) {
+        for piece in (0..unit_bytes).step_by(16) {
+            for unit in tile.chunks_exact(unit_bytes) {
+                out.extend_from_slice(&unit[piece..piece + 16]);
+            }
+        }
+    }
+}
+
+impl CudaBackend {
+    pub(super) fn upload_split_weight(&mut self, t: &HostTensor) -> Result<CudaWeight> {
+        let (n_in, n_out) = t.matrix_shape()?;
+        Self::type_suffix(t.ty).map_err(|_| Error::UnsupportedTensorType {
+            name: t.name.to_string(),
+            ty: t.ty.to_string(),
+            op: "the CUDA backend",
+        })?;
+        if !n_in.is_multiple_of(32) {
+            return Err(Error::Model(format!(
+                "tensor {}: rows of {n_in} are not a multiple of 32",
+                t.name
+            )));
+        }
+        let split = split_weight(t.ty, t.bytes, n_in);
+        let mut upload = |data: &[u8]| -> Result<Option<BlockHandle>> {
+            if data.is_empty() {
+                return Ok(None);
+            }
+            let block = self.alloc(data.len())?;
+            let dst = self.base + block.offset as u64;
+            // SAFETY: the block holds `data.len()` bytes; the copy from pageable host memory
+            // completes before the call returns.
+            unsafe { cudarc::driver::result::memcpy_htod_async(dst, data, self.stream.cu_stream()) }
+                .map_err(driver_error("weight upload"))?;
+            Ok(Some(block))
+        };
+        let q = upload(&split.q)?.ok_or_else(|| Error::Model(format!("tensor {} is empty", t.name)))?;
+        let (s, m) = (upload(&split.s)?, upload(&split.m)?);
+        self.largest_weight = self.largest_weight.max(n_in * n_out);
+        self.capture_max_tokens = self.capture_max_tokens.min(gemv_max_tokens(t.ty));
+        Ok(CudaWeight {
+            ty: t.ty,
+            n_out,
+            n_in,
+            q,
+            s,
+            m,
+        })
+    }
+
+    /// Device pointers of a weight's three fields (0 for a field it does not have).
+    pub(super) fn weight_ptrs(&self, w: &CudaWeight) -> (u64, u64, u64) {
+        let field = |b: Option<BlockHandle>| b.map_or(0, |b| self.ptr(b));
+        (self.ptr(w.q), field(w.s), field(w.m))
+    }
+}
+
+/// `Backend::weight_bytes`: the arena bytes the weights of `matrices` bytes take once split.
+pub(super) fn arena_bytes(matrices: &[usize]) -> usize {
+    // Up to three fields per matrix, each aligned; Q6_K's metadata grows by 2 bytes a block.
+    matrices.iter().map(|b| b + b / 100 + 3 * ALIGN).sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn interleaved_rows_are_tiles_stored_piece_by_piece() {
+        // Twelve 32-byte units, byte j of unit u = 32 u + j: a tile of eight, then one of four.
+        let row: Vec<u8> = (0..12 * 32).map(|i| i as u8).collect();
+        let mut out = Vec::new();
+        interleave_row(&row, 32, &mut out);
+        let pieces: Vec<u8> = out.chunks_exact(16).map(|p| p[0]).collect();
+        let piece = |unit: u8, k: u8| 32 * unit + 16 * k;
+        let mut expected: Vec<u8> = Vec::new();
+        expected.extend((0..8).map(|u| piece(u, 0)));
+        expected.extend((0..8).map(|u| piece(u, 1)));
+        expected.extend((8..12).map(|u| piece(u, 0)));
+        expected.extend((8..12).map(|u| piece(u, 1)));
+        assert_eq!(pieces, expected);
+        assert!(out.chunks_exact(16).all(|p| p.windows(2).all(|w| w[1] == w[0] + 1)));
+    }
+}
