@@ -1,9 +1,7 @@
 //! `axiom chat`: an interactive conversation in the terminal, or one reply to piped input.
 
-use crate::{
-    context_tokens, load_session, model_config, outln, print_out, with_session, ModelArgs, Output, SamplingArgs,
-    DEFAULT_CONTEXT,
-};
+use crate::load::{load_session, open_model};
+use crate::{context_tokens, outln, print_out, with_session, ModelArgs, Output, SamplingArgs, DEFAULT_CONTEXT};
 use anyhow::{Context, Result};
 use axiom::backend::Backend;
 use axiom::engine::conversation::{Conversation, Transcript, Turn};
@@ -41,9 +39,11 @@ End a line with \\ to continue on the next one. Ctrl-C stops a reply.";
 
 pub fn chat(args: ChatArgs, out: Output) -> Result<()> {
     let sampler_config = args.sampling.sampler()?;
-    let ctx = context_tokens(args.ctx_size, DEFAULT_CONTEXT, &model_config(&args.model)?);
+    let model = open_model(&args.model)?;
+    let ctx = context_tokens(args.ctx_size, DEFAULT_CONTEXT, &model.files.config);
     let loaded = load_session(
         &args.model,
+        model,
         LoadOptions {
             kv_tokens: ctx,
             ..LoadOptions::default()

@@ -1,9 +1,7 @@
 //! The one-shot commands: run, tokenize, perplexity, info, bench.
 
-use crate::{
-    context_tokens, load_session, model_config, outln, print_out, with_session, ModelArgs, Output, SamplingArgs,
-    DEFAULT_CONTEXT,
-};
+use crate::load::{load_session, open_model};
+use crate::{context_tokens, outln, print_out, with_session, ModelArgs, Output, SamplingArgs, DEFAULT_CONTEXT};
 use anyhow::{bail, Context, Result};
 use axiom::backend::Backend;
 use axiom::chat::Message;
@@ -130,9 +128,11 @@ pub fn run(args: RunArgs, out: Output) -> Result<()> {
         .or(args.prompt_text)
         .context("no prompt: give one as an argument or with -p")?;
     let config = args.sampling.sampler()?;
-    let ctx = context_tokens(args.ctx_size, DEFAULT_CONTEXT, &model_config(&args.model)?);
+    let model = open_model(&args.model)?;
+    let ctx = context_tokens(args.ctx_size, DEFAULT_CONTEXT, &model.files.config);
     let loaded = load_session(
         &args.model,
+        model,
         LoadOptions {
             kv_tokens: ctx,
             ..LoadOptions::default()
@@ -215,7 +215,8 @@ pub fn tokenize(args: TokenizeArgs) -> Result<()> {
 
 pub fn perplexity(args: PerplexityArgs, out: Output) -> Result<()> {
     let text = std::fs::read_to_string(&args.file).with_context(|| format!("reading {}", args.file.display()))?;
-    let context_length = model_config(&args.model)?.context_length;
+    let model = open_model(&args.model)?;
+    let context_length = model.files.config.context_length;
     if args.ctx_size > context_length {
         bail!(
             "--ctx-size {} exceeds the model's context of {context_length} tokens",
@@ -227,7 +228,7 @@ pub fn perplexity(args: PerplexityArgs, out: Output) -> Result<()> {
         max_batch: args.ctx_size.min(512),
         max_seqs: 1,
     };
-    let loaded = load_session(&args.model, options, out)?;
+    let loaded = load_session(&args.model, model, options, out)?;
     with_session!(loaded, session => {
         let tokens = session.tokenizer.encode(&text, false, false)?;
         let bos = if session.tokenizer.add_bos {
@@ -272,7 +273,8 @@ pub fn bench(args: BenchArgs, out: Output) -> Result<()> {
         .chain(args.generate.iter().filter(|&&n| n > 0).map(|&n| Test::Generation(n)))
         .collect();
     let longest = tests.iter().map(|t| t.tokens()).max().unwrap_or(1);
-    let context_length = model_config(&args.model)?.context_length;
+    let model = open_model(&args.model)?;
+    let context_length = model.files.config.context_length;
     if longest > context_length {
         bail!("a test of {longest} tokens exceeds the model's context of {context_length} tokens");
     }
@@ -281,7 +283,7 @@ pub fn bench(args: BenchArgs, out: Output) -> Result<()> {
         kv_tokens: longest,
         max_seqs: 1,
     };
-    let loaded = load_session(&args.model, options, out)?;
+    let loaded = load_session(&args.model, model, options, out)?;
     with_session!(loaded, session => {
         let threads = session.model.backend.threads();
         let info = session.info.clone();

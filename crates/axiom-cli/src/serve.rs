@@ -1,11 +1,11 @@
 //! `axiom serve`: the OpenAI-compatible server. The model lives on an engine thread (a GPU
 //! context stays on the thread that made it); HTTP runs on a tokio runtime.
 
-use crate::{load_session, ModelArgs, Output};
+use crate::load::{available_memory, kv_type, load_session, open_model, Chosen};
+use crate::{ModelArgs, Output};
 use anyhow::{bail, Context, Result};
 use axiom::backend::Backend;
 use axiom::engine::scheduler::{Scheduler, SchedulerConfig};
-use axiom::engine::session::read_config;
 use axiom::engine::Session;
 use axiom::model::llama::LoadOptions;
 use axiom_server::callers::CallerPolicy;
@@ -144,21 +144,12 @@ fn api_key(args: &ServeArgs) -> Result<Option<String>> {
     Ok(Some(key))
 }
 
-/// Bytes of memory available to the process (MemAvailable), if the system says.
-pub fn available_memory() -> Option<usize> {
-    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib * 1024)
-}
-
 pub fn serve(args: ServeArgs, out: Output) -> Result<()> {
-    let path = axiom::source::resolve_model(args.model.model.as_deref())?;
-    let config = read_config(&path).with_context(|| format!("reading {}", path.display()))?;
-    let use_cuda = crate::choose_backend(&args.model)? == crate::Chosen::Cuda;
-    let kv_type = crate::kv_type(&args.model);
-    let per_token = config.kv_bytes_per_token(kv_type);
-    let weights = std::fs::metadata(&path).map(|m| m.len() as usize).unwrap_or(0);
+    let model = open_model(&args.model)?;
+    let config = &model.files.config;
+    let use_cuda = model.backend == Chosen::Cuda;
+    let per_token = config.kv_bytes_per_token(kv_type(&args.model));
+    let weights = model.files.weight_bytes();
     let default = if use_cuda { "0.9" } else { "2GiB" };
     let kv_bytes = match parse_kv_memory(args.kv_memory.as_deref().unwrap_or(default))? {
         KvMemory::Bytes(b) => b,
@@ -187,7 +178,10 @@ pub fn serve(args: ServeArgs, out: Output) -> Result<()> {
         max_seqs: args.max_seqs.clamp(1, max_batch),
     };
     let model_id = args.model_id.clone().unwrap_or_else(|| {
-        path.file_name()
+        model
+            .files
+            .path
+            .file_name()
             .map_or("axiom".into(), |n| n.to_string_lossy().into_owned())
     });
     let server = ServerOptions {
@@ -217,7 +211,7 @@ pub fn serve(args: ServeArgs, out: Output) -> Result<()> {
     let model_args = args.model.clone();
     let engine_metrics = metrics.clone();
     let engine = std::thread::Builder::new().name("axiom-engine".into()).spawn(move || {
-        let loaded = match load_session(&model_args, options, out) {
+        let loaded = match load_session(&model_args, model, options, out) {
             Ok(l) => l,
             Err(e) => {
                 let _ = ready_tx.send(Err(e));

@@ -5,9 +5,10 @@ use crate::backend::Backend;
 use crate::chat::{ChatTemplate, Message};
 use crate::format::gguf::{GgufFile, Value};
 use crate::format::safetensors::SafetensorsModel;
+use crate::model::files::Container;
 use crate::model::llama::LoadOptions;
 use crate::model::weights::TensorSource;
-use crate::model::{Llama, ModelConfig};
+use crate::model::{Llama, ModelConfig, ModelFiles};
 use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
 use std::path::Path;
@@ -68,32 +69,35 @@ impl ModelInfo {
     }
 }
 
-/// The hyperparameters of a GGUF file or model directory, without loading any weights.
-pub fn read_config(path: &Path) -> Result<ModelConfig> {
-    if path.is_dir() {
-        let file = path.join("config.json");
-        let text = std::fs::read_to_string(&file).map_err(Error::io(format!("reading {}", file.display())))?;
-        let json: serde_json::Value =
-            serde_json::from_str(&text).map_err(|e| Error::Model(format!("config.json: {e}")))?;
-        return ModelConfig::from_hf(&json);
-    }
-    ModelConfig::from_gguf(&GgufFile::open(path)?)
-}
-
 impl<B: Backend> Session<B> {
     /// Loads a GGUF file, or a Hugging Face model directory (config.json, safetensors,
     /// tokenizer.json).
     pub fn load(path: &Path, backend: B, options: LoadOptions) -> Result<Session<B>> {
-        if path.is_dir() {
-            return Self::from_hf_dir(path, backend, options);
-        }
-        let file = GgufFile::open(path)?;
-        Self::from_gguf(&file, backend, options)
+        Self::from_files(ModelFiles::open(path)?, backend, options)
     }
 
+    /// Loads a model already opened, reading nothing of it again. The files are taken so that
+    /// their maps are released once the weights are on the backend.
+    pub fn from_files(files: ModelFiles, backend: B, options: LoadOptions) -> Result<Session<B>> {
+        let ModelFiles {
+            path,
+            config,
+            container,
+        } = files;
+        match &container {
+            Container::Gguf(file) => Self::gguf(file, config, backend, options),
+            Container::HfDir(checkpoint) => Self::hf_dir(&path, checkpoint, config, backend, options),
+        }
+    }
+
+    /// Loads a GGUF image already parsed (tests build them in memory).
     pub fn from_gguf(file: &GgufFile, backend: B, options: LoadOptions) -> Result<Session<B>> {
+        Self::gguf(file, ModelConfig::from_gguf(file)?, backend, options)
+    }
+
+    fn gguf(file: &GgufFile, config: ModelConfig, backend: B, options: LoadOptions) -> Result<Session<B>> {
         let tokenizer = Tokenizer::from_gguf(file)?;
-        let model = Llama::from_gguf(file, backend, options)?;
+        let model = Llama::load(file, config, backend, options)?;
         let template = file
             .get("tokenizer.chat_template")
             .and_then(Value::as_str)
@@ -103,12 +107,16 @@ impl<B: Backend> Session<B> {
         Self::assemble(model, tokenizer, template, info)
     }
 
-    pub fn from_hf_dir(dir: &Path, backend: B, options: LoadOptions) -> Result<Session<B>> {
+    fn hf_dir(
+        dir: &Path,
+        checkpoint: &SafetensorsModel,
+        config: ModelConfig,
+        backend: B,
+        options: LoadOptions,
+    ) -> Result<Session<B>> {
         let read = |name: &str| {
             std::fs::read_to_string(dir.join(name)).map_err(Error::io(format!("reading {}", dir.join(name).display())))
         };
-        let config = read_config(dir)?;
-        let checkpoint = SafetensorsModel::open_dir(dir)?;
         let tokenizer = Tokenizer::from_hf_dir(dir)?;
         // transformers 5 keeps the template in its own file; earlier versions in the tokenizer config.
         let template = read("chat_template.jinja").ok().or_else(|| {
@@ -123,9 +131,8 @@ impl<B: Backend> Session<B> {
                 _ => None,
             }
         });
-        let bytes = checkpoint.all().iter().map(|(_, _, b)| b).sum();
-        let info = ModelInfo::new(&checkpoint, &config.architecture, None, bytes);
-        let model = Llama::load(&checkpoint, config, backend, options)?;
+        let info = ModelInfo::new(checkpoint, &config.architecture, None, checkpoint.file_size());
+        let model = Llama::load(checkpoint, config, backend, options)?;
         Self::assemble(model, tokenizer, template, info)
     }
 

@@ -171,4 +171,9 @@ impl SafetensorsModel {
     pub fn names(&self) -> impl Iterator<Item = (&String, &StEntry)> {
         self.tensors.iter()
     }
+
+    /// Bytes of all its files together, headers included.
+    pub fn file_size(&self) -> usize {
+        self.files.iter().map(|map| map.len()).sum()
+    }
 }

@@ -6,7 +6,6 @@ use super::weights::{self, TensorSource, Weights};
 use crate::backend::{
     AttentionKv, Backend, BlockHandle, FeedForward, FeedForwardScratch, Input, NewRows, NextInput, PagedKv,
 };
-use crate::format::gguf::GgufFile;
 use crate::{Error, Result};
 
 mod greedy;
@@ -191,10 +190,6 @@ pub struct Llama<B: Backend> {
 }
 
 impl<B: Backend> Llama<B> {
-    pub fn from_gguf(file: &GgufFile, backend: B, options: LoadOptions) -> Result<Llama<B>> {
-        Self::load(file, ModelConfig::from_gguf(file)?, backend, options)
-    }
-
     /// Loads the weights `config` calls for from `source` onto `backend`, reserving the arena
     /// for them, the activations of `options.max_batch` tokens and `options.kv_tokens` of cache.
     pub fn load<S: TensorSource + ?Sized>(

@@ -1,10 +1,12 @@
-//! The model: normalized hyperparameters, weights, and the Llama forward pass.
+//! The model: the files it is read from, normalized hyperparameters, weights, and the Llama forward pass.
 
 pub mod config;
+pub mod files;
 pub mod kv_cache;
 pub mod llama;
 pub mod weights;
 
 pub use config::ModelConfig;
+pub use files::ModelFiles;
 pub use kv_cache::{KvCache, OutOfPages, PageUsage};
 pub use llama::{GreedyDecode, Llama, LoadOptions, LogitRows, SeqStep, StepOutput, Want, PAGE_SIZE};

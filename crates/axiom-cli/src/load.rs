@@ -1,0 +1,204 @@
+//! The one path from `--model` to a loaded session, taken by every command that runs a model:
+//! the model is resolved and opened once (its configuration and weight size read there), the
+//! memory it needs checked once, and the opened files handed to the load.
+
+use crate::{BackendKind, ModelArgs, Output};
+use anyhow::{bail, Context, Result};
+use axiom::backend::cpu::{physical_cores, CpuBackend};
+use axiom::backend::cuda::CudaBackend;
+use axiom::backend::{Backend, KvType};
+use axiom::engine::Session;
+use axiom::model::llama::LoadOptions;
+use axiom::model::ModelFiles;
+use axiom::source::resolve_model;
+use std::io::IsTerminal;
+use std::time::Instant;
+
+/// A model opened for a command, and the backend it will run on: what the command sizes its
+/// KV cache from, before the load takes it.
+pub struct OpenModel {
+    pub files: ModelFiles,
+    pub backend: Chosen,
+}
+
+/// Resolves the model `args` names (fetching it if need be) and opens it.
+pub fn open_model(args: &ModelArgs) -> Result<OpenModel> {
+    // A bad --backend is named before the model is fetched or read.
+    let backend = choose_backend(args)?;
+    let path = resolve_model(args.model.as_deref())?;
+    let files = ModelFiles::open(&path).with_context(|| format!("reading {}", path.display()))?;
+    Ok(OpenModel { files, backend })
+}
+
+/// A loaded model on whichever backend was chosen (boxed: sessions differ in size by backend).
+pub enum Loaded {
+    Cpu(Box<Session<CpuBackend>>),
+    Cuda(Box<Session<CudaBackend>>),
+    #[cfg(any(target_vendor = "apple", axiom_metal_check))]
+    Metal(Box<Session<axiom::backend::metal::MetalBackend>>),
+}
+
+/// Runs `$body` with `$session` bound to the loaded session (`&loaded`: a reference to it),
+/// whatever its backend: the body is written once and compiled for each.
+#[macro_export]
+macro_rules! with_session {
+    (&$loaded:expr, $session:ident => $body:block) => {
+        match &$loaded {
+            $crate::load::Loaded::Cpu(boxed) => {
+                let $session = &**boxed;
+                $body
+            }
+            $crate::load::Loaded::Cuda(boxed) => {
+                let $session = &**boxed;
+                $body
+            }
+            #[cfg(any(target_vendor = "apple", axiom_metal_check))]
+            $crate::load::Loaded::Metal(boxed) => {
+                let $session = &**boxed;
+                $body
+            }
+        }
+    };
+    ($loaded:expr, $session:ident => $body:block) => {
+        match $loaded {
+            $crate::load::Loaded::Cpu(boxed) => {
+                #[allow(unused_mut)]
+                let mut $session = *boxed;
+                $body
+            }
+            $crate::load::Loaded::Cuda(boxed) => {
+                #[allow(unused_mut)]
+                let mut $session = *boxed;
+                $body
+            }
+            #[cfg(any(target_vendor = "apple", axiom_metal_check))]
+            $crate::load::Loaded::Metal(boxed) => {
+                #[allow(unused_mut)]
+                let mut $session = *boxed;
+                $body
+            }
+        }
+    };
+}
+
+/// Most `--threads`: beyond any machine's cores, and a typo's million threads are refused.
+const MAX_THREADS: usize = 1024;
+
+fn cpu_backend(args: &ModelArgs) -> Result<CpuBackend> {
+    let threads = args.threads.unwrap_or_else(physical_cores);
+    if !(1..=MAX_THREADS).contains(&threads) {
+        bail!("--threads must be between 1 and {MAX_THREADS}, got {threads}");
+    }
+    Ok(CpuBackend::new(threads).with_kv_type(kv_type(args)))
+}
+
+/// The backend a command runs on, `auto` resolved.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Chosen {
+    Cpu,
+    Cuda,
+    #[cfg(any(target_vendor = "apple", axiom_metal_check))]
+    Metal,
+}
+
+/// `auto` is CUDA when a GPU is present, else the CPU. Metal is used only when asked for: it has
+/// been type-checked and its kernels run on the CPU, but not yet run on a Mac (docs/metal.md).
+fn choose_backend(args: &ModelArgs) -> Result<Chosen> {
+    Ok(match args.backend {
+        BackendKind::Cuda => Chosen::Cuda,
+        BackendKind::Auto if axiom::backend::cuda::device::available() => Chosen::Cuda,
+        BackendKind::Auto | BackendKind::Cpu => Chosen::Cpu,
+        #[cfg(any(target_vendor = "apple", axiom_metal_check))]
+        BackendKind::Metal => Chosen::Metal,
+        #[cfg(not(any(target_vendor = "apple", axiom_metal_check)))]
+        BackendKind::Metal => bail!("the Metal backend is only built on macOS"),
+    })
+}
+
+pub fn kv_type(args: &ModelArgs) -> KvType {
+    if args.kv_f32 {
+        KvType::F32
+    } else {
+        KvType::F16
+    }
+}
+
+/// Refuses, before loading, a model whose weights and KV cache do not fit the memory the
+/// system says is available (or whose size does not even fit a `u64`).
+fn check_host_memory(files: &ModelFiles, options: &LoadOptions, kv_type: KvType) -> Result<()> {
+    let Some(available) = available_memory() else {
+        return Ok(());
+    };
+    let weights = files.weight_bytes() as u64;
+    let kv = (options.kv_tokens as u64)
+        .checked_mul(files.config.kv_bytes_per_token(kv_type) as u64)
+        .filter(|kv| kv.checked_add(weights).is_some())
+        .with_context(|| format!("a KV cache of {} tokens is too large to address", options.kv_tokens))?;
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    if weights + kv > available as u64 {
+        bail!(
+            "the model needs {:.2} GiB ({:.2} GiB of weights, {:.2} GiB of KV cache) but only {:.2} GiB of memory is available; \
+             use a smaller model, a smaller --ctx-size or --kv-memory",
+            gib(weights + kv),
+            gib(weights),
+            gib(kv),
+            gib(available as u64)
+        );
+    }
+    Ok(())
+}
+
+/// Bytes of memory available to the process (MemAvailable), if the system says.
+pub fn available_memory() -> Option<usize> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// Loads the opened model on its backend; prints a one-line summary on a terminal unless `--quiet`.
+pub fn load_session(args: &ModelArgs, model: OpenModel, options: LoadOptions, out: Output) -> Result<Loaded> {
+    let start = Instant::now();
+    let OpenModel { files, backend } = model;
+    // The CPU and Metal (unified memory) hold the weights in host memory; a CUDA device has its own.
+    if backend != Chosen::Cuda {
+        check_host_memory(&files, &options, kv_type(args))?;
+    }
+    let path = files.path.clone();
+    let context = || format!("loading {}", path.display());
+    let loaded = match backend {
+        Chosen::Cuda => {
+            let backend = CudaBackend::new(0)
+                .context("starting the CUDA backend")?
+                .with_kv_type(kv_type(args));
+            Loaded::Cuda(Box::new(
+                Session::from_files(files, backend, options).with_context(context)?,
+            ))
+        }
+        #[cfg(any(target_vendor = "apple", axiom_metal_check))]
+        Chosen::Metal => {
+            let backend = axiom::backend::metal::MetalBackend::new()
+                .context("starting the Metal backend")?
+                .with_kv_type(kv_type(args));
+            Loaded::Metal(Box::new(
+                Session::from_files(files, backend, options).with_context(context)?,
+            ))
+        }
+        Chosen::Cpu => Loaded::Cpu(Box::new(
+            Session::from_files(files, cpu_backend(args)?, options).with_context(context)?,
+        )),
+    };
+    if !out.quiet && std::io::stderr().is_terminal() {
+        let (description, bytes, device, context_length) = with_session!(&loaded, session => {
+            let info = &session.info;
+            (info.description.clone(), info.file_bytes, session.model.backend.device_name(), session.model.config.context_length)
+        });
+        eprintln!(
+            "axiom: {description} ({:.1} MiB) on {device}, context {} tokens, loaded in {:.2} s",
+            bytes as f64 / (1 << 20) as f64,
+            options.kv_tokens.min(context_length),
+            start.elapsed().as_secs_f64()
+        );
+    }
+    Ok(loaded)
+}
