@@ -2,7 +2,8 @@
 //! already hold (the new message and the template's glue), and the oldest turns are dropped
 //! when the context fills up.
 
-use super::generate::{generate, GenerateOptions, Generation, StopReason};
+use super::generate::{generate, GenerateOptions, Generation};
+use super::output::StopReason;
 use super::sampler::Sampler;
 use super::session::Session;
 use crate::backend::Backend;

@@ -10,11 +10,11 @@
 //! When the KV cache runs out of pages, the newest sequence is preempted: its pages are freed
 //! and it goes back to the front of the queue, to be recomputed when there is room again.
 
-use super::generate::StopMatcher;
+use super::output::{OutputLimits, OutputState, StopReason};
 use super::sampler::{Sampler, SamplerConfig};
 use crate::backend::Backend;
 use crate::model::{KvCache, Llama, PageUsage, SeqStep, StepOutput, Want};
-use crate::tokenizer::{TextStream, Tokenizer};
+use crate::tokenizer::Tokenizer;
 use crate::Result;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -84,6 +84,17 @@ pub enum FinishReason {
     Stop,
     /// `max_tokens`, or the context is full.
     Length,
+}
+
+impl From<StopReason> for FinishReason {
+    fn from(reason: StopReason) -> Self {
+        match reason {
+            // A sequence is never cancelled by its output; a cancelled request ends without a
+            // completion.
+            StopReason::EndOfGeneration | StopReason::StopString | StopReason::Cancelled => FinishReason::Stop,
+            StopReason::MaxTokens | StopReason::ContextFull => FinishReason::Length,
+        }
+    }
 }
 
 impl FinishReason {
@@ -223,11 +234,8 @@ struct Sequence {
     /// The prompt, then every token generated so far; the last one may not have run yet.
     tokens: Vec<u32>,
     kv: KvCache,
-    /// The most tokens the sequence may hold (`kv` is lent to the model during a step).
-    capacity: usize,
     sampler: Sampler,
-    text: TextStream,
-    stops: StopMatcher,
+    output: OutputState,
     cached_tokens: usize,
     arrived: Instant,
     last_token: Option<Instant>,
@@ -333,15 +341,20 @@ impl<B: Backend> Scheduler<B> {
 
     fn enqueue(&mut self, request: Request) {
         let sampler = Sampler::new(request.sampling.clone());
-        let stops = StopMatcher::new(request.stop.clone());
         let kv = self.model.new_kv_cache(self.context);
+        let limits = OutputLimits {
+            max_tokens: request.max_tokens,
+            // Every token, the last included, fits in the sequence: `submit` holds the prompt
+            // and `max_tokens` to the context.
+            context_room: kv.capacity().saturating_sub(request.prompt.len()),
+            ignore_eos: request.ignore_eos,
+        };
+        let output = OutputState::new(request.stop.clone(), limits);
         self.waiting.push_back(Sequence {
             tokens: request.prompt.clone(),
-            capacity: kv.capacity(),
             kv,
             sampler,
-            text: TextStream::default(),
-            stops,
+            output,
             cached_tokens: 0,
             arrived: Instant::now(),
             last_token: None,
@@ -550,20 +563,24 @@ fn next_token(seq: &mut Sequence, output: StepOutput, tokenizer: &Tokenizer, met
         Some(last) => metrics.inter_token_latency((now - last).as_secs_f64()),
     }
     seq.last_token = Some(now);
-    if tokenizer.is_end_of_generation(token) && !seq.request.ignore_eos {
-        seq.finished = Some(FinishReason::Stop);
-        let mut text = String::new();
-        if let Ok(Some(rest)) = seq.text.finish(tokenizer) {
-            seq.stops.push(&rest, &mut |t| text.push_str(t));
+    let step = match seq.output.push(tokenizer, token) {
+        Ok(step) => step,
+        Err(e) => {
+            seq.send(Event::Error(e.to_string()));
+            seq.cancelled = true;
+            return;
         }
-        seq.stops.flush(&mut |t| text.push_str(t));
-        if !text.is_empty() {
-            let event = TokenEvent {
+    };
+    seq.finished = step.finished.map(FinishReason::from);
+    if !step.token_is_output {
+        // The end-of-generation token that ended the sequence: an event only for the text it
+        // released.
+        if !step.text.is_empty() {
+            seq.send(Event::Token(TokenEvent {
                 id: token,
-                text,
+                text: step.text,
                 logprob: None,
-            };
-            seq.send(Event::Token(event));
+            }));
         }
         return;
     }
@@ -572,34 +589,9 @@ fn next_token(seq: &mut Sequence, output: StepOutput, tokenizer: &Tokenizer, met
         _ => None,
     };
     seq.tokens.push(token);
-    let mut text = String::new();
-    let piece = match seq.text.push(tokenizer, token) {
-        Ok(piece) => piece,
-        Err(e) => {
-            seq.send(Event::Error(e.to_string()));
-            seq.cancelled = true;
-            return;
-        }
-    };
-    if let Some(piece) = piece {
-        if seq.stops.push(&piece, &mut |t| text.push_str(t)) {
-            seq.finished = Some(FinishReason::Stop);
-        }
-    }
-    if seq.finished.is_none() && (seq.generated() >= seq.request.max_tokens || seq.tokens.len() >= seq.capacity) {
-        seq.finished = Some(FinishReason::Length);
-        if let Ok(Some(rest)) = seq.text.finish(tokenizer) {
-            if seq.stops.push(&rest, &mut |t| text.push_str(t)) {
-                seq.finished = Some(FinishReason::Stop);
-            }
-        }
-        if seq.finished == Some(FinishReason::Length) {
-            seq.stops.flush(&mut |t| text.push_str(t));
-        }
-    }
     seq.send(Event::Token(TokenEvent {
         id: token,
-        text,
+        text: step.text,
         logprob,
     }));
 }

@@ -44,11 +44,6 @@ impl<'a, B: Backend> GreedyDecode<'a, B> {
         })
     }
 
-    /// Tokens the sequence holds before the next one: `kv`'s and the last one returned.
-    pub fn sequence_len(&self) -> usize {
-        self.kv.len() + usize::from(self.held.is_some())
-    }
-
     /// Waits for the next token. With `run_it`, first queues the step that runs it (and chooses
     /// the one after), so the device has work while the host waits; without, decoding ends.
     pub fn next_token(&mut self, run_it: bool) -> Result<u32> {
