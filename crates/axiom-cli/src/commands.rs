@@ -206,8 +206,12 @@ pub fn run(args: RunArgs, out: Output) -> Result<()> {
 
 pub fn tokenize(args: TokenizeArgs) -> Result<()> {
     let path = resolve_model(args.model.as_deref())?;
-    let file = GgufFile::open(&path)?;
-    let tokenizer = Tokenizer::from_gguf(&file)?;
+    // Only the tokenizer is read: a model this engine cannot run still tokenizes.
+    let tokenizer = if path.is_dir() {
+        Tokenizer::from_hf_dir(&path)?
+    } else {
+        Tokenizer::from_gguf(&GgufFile::open(&path)?)?
+    };
     let ids = tokenizer.encode(&args.text, args.special, true)?;
     outln!("{}", serde_json::to_string(&ids)?)?;
     Ok(())

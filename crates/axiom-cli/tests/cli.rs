@@ -102,6 +102,17 @@ fn tokenize_prints_ids() {
 }
 
 #[test]
+fn tokenize_reads_a_hugging_face_directory() {
+    // The qwen2 fixture's first text and the ids transformers gave it (no BOS for Qwen2).
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../axiom/tests/fixtures/hf/qwen2");
+    let refs: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("logits.json")).unwrap()).unwrap();
+    let text = refs["texts"][0].as_str().unwrap();
+    let out = ok(&axiom(&["tokenize", "-m", dir.to_str().unwrap(), text]));
+    let got: Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(ids(&got), ids(&refs["ids"][0]));
+}
+
+#[test]
 fn info_describes_the_model() {
     let out = ok(&axiom(&["info", model().to_str().unwrap()]));
     for needle in [
