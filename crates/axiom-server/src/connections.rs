@@ -9,7 +9,6 @@ use crate::metrics::ServerMetrics;
 use axum::body::Body;
 use axum::http::StatusCode;
 use axum::Router;
-use http_body_util::BodyExt;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -113,12 +112,7 @@ async fn serve_connection(stream: TcpStream, app: Router, limits: ConnectionLimi
             async move {
                 let response = app.oneshot(request.map(Body::new)).await?;
                 // The request stays in flight until its body (a stream, maybe) is done or dropped.
-                Ok::<_, Infallible>(response.map(|body| {
-                    Body::new(body.map_frame(move |frame| {
-                        let _ = &busy;
-                        frame
-                    }))
-                }))
+                Ok::<_, Infallible>(crate::hold_until_body_ends(response, busy))
             }
         })
     };

@@ -165,6 +165,17 @@ async fn openai_errors(request: axum::extract::Request, next: Next) -> Response 
     Response::from_parts(parts, error.into_body())
 }
 
+/// `response` with `keep` dropped only once its body (a stream, maybe) has ended or been dropped.
+fn hold_until_body_ends<T: Send + 'static>(response: Response, keep: T) -> Response {
+    use http_body_util::BodyExt;
+    response.map(|body| {
+        Body::new(body.map_frame(move |frame| {
+            let _ = &keep;
+            frame
+        }))
+    })
+}
+
 /// The whole request body, within the read timeout and the body limit.
 async fn read_body(body: Body, read_timeout: Duration) -> Result<Bytes, ApiError> {
     match tokio::time::timeout(read_timeout, axum::body::to_bytes(body, usize::MAX)).await {

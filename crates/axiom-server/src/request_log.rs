@@ -3,11 +3,9 @@
 
 use crate::metrics::ServerMetrics;
 use axiom::engine::scheduler::Completion;
-use axum::body::Body;
 use axum::extract::{Request, State};
 use axum::middleware::Next;
 use axum::response::Response;
-use http_body_util::BodyExt;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 use tower_http::request_id::RequestId;
@@ -111,10 +109,5 @@ pub async fn log_request(State(metrics): State<Arc<ServerMetrics>>, mut request:
         start,
         record,
     };
-    response.map(|body| {
-        Body::new(body.map_frame(move |frame| {
-            let _ = &line;
-            frame
-        }))
-    })
+    crate::hold_until_body_ends(response, line)
 }
