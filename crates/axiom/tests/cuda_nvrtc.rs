@@ -22,3 +22,65 @@ fn nvrtc_compiles_every_kernel_for_hopper_and_ampere() {
         }
     }
 }
+
+/// Each kernel parameter struct has the same size, and each field the same offset and size, in
+/// Rust (params.rs) as in CUDA (kernels/params.cuh): NVRTC compiles globals initialised with the
+/// CUDA side's sizeof and offsetof, whose values the PTX spells out, so no GPU is needed.
+#[test]
+fn kernel_params_are_laid_out_alike_in_rust_and_cuda() {
+    use axiom::backend::cuda::{kernels::SOURCES, params::layouts};
+    let headers: String = SOURCES
+        .iter()
+        .filter(|(name, _)| ["common.cuh", "params.cuh"].contains(name))
+        .map(|(_, src)| format!("{src}\n"))
+        .collect();
+    // What Rust says each probe's value is, by the global that holds CUDA's.
+    let mut expected = Vec::new();
+    let mut probes = String::new();
+    let mut probe = |global: String, cuda: String, rust: usize| {
+        probes.push_str(&format!("__device__ unsigned long long {global} = {cuda};\n"));
+        expected.push((global, rust));
+    };
+    for layout in layouts() {
+        let name = layout.name;
+        probe(format!("{name}_size"), format!("sizeof({name})"), layout.size);
+        for field in &layout.fields {
+            let f = field.name;
+            probe(
+                format!("{name}_{f}_offset"),
+                format!("__builtin_offsetof({name}, {f})"),
+                field.offset,
+            );
+            probe(
+                format!("{name}_{f}_size"),
+                format!("sizeof((({name}*)0)->{f})"),
+                field.size,
+            );
+        }
+    }
+    let options = cudarc::nvrtc::CompileOptions {
+        arch: Some("sm_90a"),
+        options: vec!["--std=c++17".into()],
+        ..Default::default()
+    };
+    let ptx = cudarc::nvrtc::compile_ptx_with_opts(format!("{headers}{probes}"), options)
+        .unwrap_or_else(|e| panic!("{e:?}"))
+        .to_src();
+    // Lines such as `.global .align 8 .u64 AddParams_n_offset = 16;`; zeros have no initialiser.
+    let values: std::collections::HashMap<&str, usize> = ptx
+        .lines()
+        .filter_map(|line| {
+            let (_, global) = line.trim().trim_end_matches(';').split_once(".global .align 8 .u64 ")?;
+            Some(match global.split_once(" = ") {
+                Some((global, value)) => (global, value.parse().ok()?),
+                None => (global, 0),
+            })
+        })
+        .collect();
+    for (global, rust) in &expected {
+        let cuda = values
+            .get(global.as_str())
+            .unwrap_or_else(|| panic!("no {global} in the PTX"));
+        assert_eq!(cuda, rust, "{global}: CUDA says {cuda}, Rust {rust}");
+    }
+}

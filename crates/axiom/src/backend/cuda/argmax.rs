@@ -2,6 +2,7 @@
 //! queued choice is written to, so that the host waits for that choice alone.
 
 use super::device::{driver_error, Pinned};
+use super::params::ArgmaxParams;
 use super::CudaBackend;
 use crate::backend::{BlockHandle, NextInput};
 use crate::{Error, Result};
@@ -73,7 +74,16 @@ impl CudaBackend {
             "argmax",
             (width.div_ceil(ARGMAX_PER_BLOCK) as u32, rows as u32, 1),
             ARGMAX_THREADS,
-            &[&x, &n, &out, &chosen, &chosen_at, &position, &keys, &arrivals],
+            &ArgmaxParams {
+                rows: x,
+                n,
+                outs: out,
+                chosen,
+                chosen_at,
+                position,
+                keys,
+                arrivals,
+            },
         )
     }
 

@@ -3,11 +3,14 @@
 
 use super::gemm::{gemm_input, GemmOutput};
 use super::launch::page_size_arg;
-use super::matmul::{gemv_max_tokens, interleaves_activations, starts_next_early, Epilogue, Quantized};
+use super::matmul::{interleaves_activations, starts_next_early, Epilogue, GemvPlan, MatmulPlan, Quantized};
+use super::params::AttentionParams;
 use super::rope::rope_args;
 use super::weights::CudaWeight;
 use super::CudaBackend;
-use crate::backend::{rope_attend_and_project_in_steps, AttentionKv, AttentionShape, Backend, BlockHandle, NewRows};
+use crate::backend::{
+    rope_attend_and_project_in_steps, AttentionKv, AttentionShape, Backend, BlockHandle, NewRows, Rope,
+};
 use crate::format::quant::GgmlType;
 use crate::{Error, Result};
 
@@ -61,8 +64,7 @@ impl CudaBackend {
             positions,
             pages,
         } = kv;
-        let (nh, nkv, hd) = (shape.n_heads as i32, shape.n_kv_heads as i32, shape.head_dim as i32);
-        let (table_width, page_size) = (pages.table_width as i32, page_size_arg(&pages)?);
+        let page_size = page_size_arg(&pages)?;
         let n = n_tokens * shape.q_width();
         let (xq, xd, interleave, start_next) = match quantized_for {
             Some(((xq, _), _)) if n > xq.len => {
@@ -88,30 +90,30 @@ impl CudaBackend {
             &format!("attention_{}", self.kv_suffix()),
             (n_tokens as u32, shape.n_heads as u32, splits as u32),
             ATTENTION_THREADS,
-            &[
-                &self.ptr(q),
-                &self.ptr(k_cache),
-                &self.ptr(v_cache),
-                &self.ptr(positions),
-                &self.ptr(pages.block_tables),
-                &table_width,
-                &self.ptr(pages.token_seqs),
-                &page_size,
-                &k_new,
-                &v_new,
-                &freqs,
-                &dims,
-                &halves,
-                &self.ptr(out),
-                &xq,
-                &xd,
-                &interleave,
-                &start_next,
-                &self.attention_partials,
-                &nh,
-                &nkv,
-                &hd,
-            ],
+            &AttentionParams {
+                q: self.ptr(q),
+                k_cache: self.ptr(k_cache),
+                v_cache: self.ptr(v_cache),
+                positions: self.ptr(positions),
+                tables: self.ptr(pages.block_tables),
+                table_width: pages.table_width as i32,
+                token_seqs: self.ptr(pages.token_seqs),
+                page_size,
+                k_new,
+                v_new,
+                freqs,
+                dims,
+                halves,
+                out: self.ptr(out),
+                xq,
+                xd,
+                interleave,
+                start_next,
+                partials: self.attention_partials,
+                n_heads: shape.n_heads as i32,
+                n_kv_heads: shape.n_kv_heads as i32,
+                head_dim: shape.head_dim as i32,
+            },
         )
     }
 
@@ -130,28 +132,23 @@ impl CudaBackend {
         n_tokens: usize,
         shape: AttentionShape,
     ) -> Result<()> {
-        let input = gemm_input(wo.ty);
-        if self.takes_flash(shape, n_tokens) && n_tokens > gemv_max_tokens(wo.ty) && input != GgmlType::F32 {
-            // Flash attention writes its output in the 16-bit type cuBLAS reads, straight into the
-            // staging: no f32 round trip and no conversion pass.
-            let (_, x_stage) = self.cublas_staging()?;
-            let n = n_tokens * shape.q_width();
-            if n * 2 > x_stage.len {
-                return Err(Error::Backend(format!(
-                    "{n} attention outputs exceed the cuBLAS staging of {} bytes",
-                    x_stage.len
-                )));
+        match self.projection_plan(wo, n_tokens, shape) {
+            ProjectionPlan::Flash16(input) => {
+                // Flash attention writes its output in the 16-bit type cuBLAS reads, straight into
+                // the staging: no f32 round trip and no conversion pass.
+                let (_, x_stage) = self.cublas_staging()?;
+                let n = n_tokens * shape.q_width();
+                if n * 2 > x_stage.len {
+                    return Err(Error::Backend(format!(
+                        "{n} attention outputs exceed the cuBLAS staging of {} bytes",
+                        x_stage.len
+                    )));
+                }
+                let rotate = new.map(|new| new.rope);
+                self.flash_attention(q, rotate, kv, self.ptr(x_stage), input, n_tokens, shape)?;
+                self.gemm(out, wo, residual, n_tokens, GemmOutput::Add, &mut Some(input))
             }
-            let rotate = new.map(|new| new.rope);
-            self.flash_attention(q, rotate, kv, self.ptr(x_stage), input, n_tokens, shape)?;
-            return self.gemm(out, wo, residual, n_tokens, GemmOutput::Add, &mut Some(input));
-        }
-        let folds = n_tokens <= gemv_max_tokens(wo.ty)
-            && self.takes_int8(wo)
-            && !self.takes_flash(shape, n_tokens)
-            && shape.head_dim.is_multiple_of(32);
-        match self.int8_activations.filter(|_| folds) {
-            Some(staging) => {
+            ProjectionPlan::Folded(staging) => {
                 self.attend(q, new, kv, out, Some((staging, wo)), n_tokens, shape)?;
                 let (xq, xd) = staging;
                 let quantized = Quantized {
@@ -165,14 +162,43 @@ impl CudaBackend {
                     &[wo],
                     &[residual],
                     n_tokens,
+                    GemvPlan::Int8 { staging },
                     Epilogue::Add,
                     &mut Some(quantized),
                 )
             }
-            None => {
+            ProjectionPlan::Separate => {
                 self.attend(q, new, kv, out, None, n_tokens, shape)?;
                 self.matmul_add(out, wo, residual, scratch, n_tokens)
             }
+        }
+    }
+
+    /// How `attend_then_project` runs attention and the projection after it: flash attention
+    /// into cuBLAS's 16-bit staging where both take the step; the one-pass kernel quantizing its
+    /// output where the projection runs on integers (its blocks of 32 then within a head); else
+    /// attention, then `matmul_add` on its f32 output.
+    fn projection_plan(&self, wo: &CudaWeight, n_tokens: usize, shape: AttentionShape) -> ProjectionPlan {
+        let input = gemm_input(wo.ty);
+        match (self.takes_flash(shape, n_tokens), self.matmul_plan(wo, n_tokens)) {
+            (true, MatmulPlan::Gemm) if input != GgmlType::F32 => ProjectionPlan::Flash16(input),
+            (false, MatmulPlan::Gemv(GemvPlan::Int8 { staging })) if shape.head_dim.is_multiple_of(32) => {
+                ProjectionPlan::Folded(staging)
+            }
+            _ => ProjectionPlan::Separate,
+        }
+    }
+
+    /// How `rope_attend_then_project` rotates and stores the step's new rows: before flash
+    /// attention, which rotates the queries as it loads them, where it takes the step and rotates
+    /// whole heads; in the one-pass kernel, for a step of one token; else in steps.
+    fn rope_plan(&self, rope: Rope, n_tokens: usize, shape: AttentionShape) -> RopePlan {
+        if self.takes_flash(shape, n_tokens) && rope.dims == shape.head_dim {
+            RopePlan::KeysBeforeFlash
+        } else if n_tokens == 1 {
+            RopePlan::InAttention
+        } else {
+            RopePlan::InSteps
         }
     }
 
@@ -190,11 +216,29 @@ impl CudaBackend {
         n_tokens: usize,
         shape: AttentionShape,
     ) -> Result<()> {
-        if self.takes_flash(shape, n_tokens) && new.rope.dims == shape.head_dim {
-            self.rotate_and_store(new, kv, n_tokens, shape, self.flash_turns)?;
-        } else if n_tokens != 1 {
-            return rope_attend_and_project_in_steps(self, new, kv, wo, buffers, n_tokens, shape);
+        match self.rope_plan(new.rope, n_tokens, shape) {
+            RopePlan::KeysBeforeFlash => self.rotate_and_store(new, kv, n_tokens, shape, self.flash_turns)?,
+            RopePlan::InAttention => {}
+            RopePlan::InSteps => return rope_attend_and_project_in_steps(self, new, kv, wo, buffers, n_tokens, shape),
         }
         self.attend_then_project(new.q, Some(new), kv, wo, buffers, n_tokens, shape)
     }
+}
+
+/// How attention and the output projection after it run (`projection_plan`): flash attention
+/// writing the 16-bit type cuBLAS reads; the one-pass kernel quantizing its output into `staging`
+/// for the integer matrix-vector kernels; or attention, then `matmul_add`.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum ProjectionPlan {
+    Flash16(GgmlType),
+    Folded((BlockHandle, BlockHandle)),
+    Separate,
+}
+
+/// Where a step's new rows are rotated and stored (`rope_plan`).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum RopePlan {
+    KeysBeforeFlash,
+    InAttention,
+    InSteps,
 }

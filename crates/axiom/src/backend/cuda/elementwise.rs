@@ -1,6 +1,7 @@
 //! Elementwise kernels on f32 rows (kernels/elementwise.cu): residual adds, biases, SwiGLU.
 
 use super::launch::blocks_for;
+use super::params::{AddBiasParams, AddParams, SwigluParams};
 use super::CudaBackend;
 use crate::backend::BlockHandle;
 use crate::Result;
@@ -8,12 +9,15 @@ use crate::Result;
 impl CudaBackend {
     /// `Backend::add`.
     pub(super) fn launch_add(&self, x: BlockHandle, y: BlockHandle, n: usize) -> Result<()> {
-        let n64 = n as u64;
         self.launch(
             "add",
             (blocks_for(n, 256).min(4096), 1, 1),
             256,
-            &[&self.ptr(x), &self.ptr(y), &n64],
+            &AddParams {
+                x: self.ptr(x),
+                y: self.ptr(y),
+                n: n as u64,
+            },
         )
     }
 
@@ -25,23 +29,32 @@ impl CudaBackend {
         n_tokens: usize,
         width: usize,
     ) -> Result<()> {
-        let (n, w) = ((n_tokens * width) as u64, width as u64);
+        let (n, width) = ((n_tokens * width) as u64, width as u64);
         self.launch(
             "add_bias",
             (blocks_for(n as usize, 256).min(4096), 1, 1),
             256,
-            &[&self.ptr(x), &self.ptr(bias), &n, &w],
+            &AddBiasParams {
+                x: self.ptr(x),
+                bias: self.ptr(bias),
+                n,
+                width,
+            },
         )
     }
 
     /// `Backend::swiglu`.
     pub(super) fn launch_swiglu(&self, gate: BlockHandle, up: BlockHandle, out: BlockHandle, n: usize) -> Result<()> {
-        let n64 = n as u64;
         self.launch(
             "swiglu",
             (blocks_for(n, 256).min(4096), 1, 1),
             256,
-            &[&self.ptr(gate), &self.ptr(up), &self.ptr(out), &n64],
+            &SwigluParams {
+                gate: self.ptr(gate),
+                up: self.ptr(up),
+                out: self.ptr(out),
+                n: n as u64,
+            },
         )
     }
 }

@@ -1,5 +1,6 @@
 //! Token embedding (kernels/embed.cu): table rows gathered by id, dequantized to f32.
 
+use super::params::EmbedParams;
 use super::weights::CudaWeight;
 use super::CudaBackend;
 use crate::backend::BlockHandle;
@@ -16,12 +17,18 @@ impl CudaBackend {
     ) -> Result<()> {
         let name = format!("embed_{}", Self::type_suffix(table.ty)?);
         let (q, s, m) = self.weight_ptrs(table);
-        let dim = table.n_in as i32;
         self.launch(
             &name,
             (n_tokens as u32, 1, 1),
             128,
-            &[&q, &s, &m, &dim, &self.ptr(ids), &self.ptr(out)],
+            &EmbedParams {
+                q,
+                s,
+                m,
+                n_in: table.n_in as i32,
+                ids: self.ptr(ids),
+                out: self.ptr(out),
+            },
         )
     }
 }

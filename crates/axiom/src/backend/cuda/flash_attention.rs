@@ -5,6 +5,7 @@ use super::device::CudaDevice;
 use super::kernels::{self, Kernels};
 use super::launch::page_size_arg;
 use super::occupancy::allow_dynamic_shared;
+use super::params::FlashAttentionParams;
 use super::CudaBackend;
 use crate::backend::{AttentionKv, AttentionShape, Backend, BlockHandle, KvType, Rope, RopeLayout};
 use crate::format::quant::GgmlType;
@@ -234,8 +235,7 @@ impl CudaBackend {
                 n_tiles
             }
         };
-        let (nh, nkv) = (shape.n_heads as i32, shape.n_kv_heads as i32);
-        let (table_width, page_size) = (pages.table_width as i32, page_size_arg(&pages)?);
+        let page_size = page_size_arg(&pages)?;
         // How the kernel pairs the dimensions it rotates (FA_ADJACENT, FA_HALVES).
         let (turns, pairing) = match rotate {
             Some(rope) if rope.dims == shape.head_dim => {
@@ -259,23 +259,23 @@ impl CudaBackend {
             (shape.n_heads as u32, n_tiles, 1),
             blocks.threads(),
             blocks.shared(),
-            &[
-                &self.ptr(q),
-                &self.ptr(k_cache),
-                &self.ptr(v_cache),
-                &self.ptr(positions),
-                &self.ptr(pages.block_tables),
-                &table_width,
-                &self.ptr(pages.token_seqs),
-                &page_size,
-                &self.ptr(tiles_block),
-                &turns,
-                &pairing,
-                &out,
-                &(out_type.id() as i32),
-                &nh,
-                &nkv,
-            ],
+            &FlashAttentionParams {
+                q: self.ptr(q),
+                k_cache: self.ptr(k_cache),
+                v_cache: self.ptr(v_cache),
+                positions: self.ptr(positions),
+                tables: self.ptr(pages.block_tables),
+                table_width: pages.table_width as i32,
+                token_seqs: self.ptr(pages.token_seqs),
+                page_size,
+                tiles: self.ptr(tiles_block),
+                turns,
+                pairing,
+                out,
+                out_type: out_type.id() as i32,
+                n_heads: shape.n_heads as i32,
+                n_kv_heads: shape.n_kv_heads as i32,
+            },
         )
     }
 }

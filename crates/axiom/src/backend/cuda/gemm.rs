@@ -2,7 +2,8 @@
 //! quantized weights dequantized to f16 first, activations staged in 16 bits.
 
 use super::launch::blocks_for;
-use super::matmul::gemv_max_tokens;
+use super::matmul::MatmulPlan;
+use super::params::{ConvertF32Params, DequantParams, Swiglu16Params};
 use super::weights::CudaWeight;
 use super::CudaBackend;
 use crate::backend::{feed_forward_in_steps, BlockHandle, FeedForward, FeedForwardScratch, Input};
@@ -51,12 +52,18 @@ impl CudaBackend {
             let name = format!("dequant_f16_{}", Self::type_suffix(w.ty)?);
             let chunks = n_out * n_in / 32;
             let (q, s, m) = self.weight_ptrs(w);
-            let (n_in_i, n_out_i) = (n_in as i32, n_out as i32);
             self.launch(
                 &name,
                 (blocks_for(chunks, 256), 1, 1),
                 256,
-                &[&q, &s, &m, &n_in_i, &self.ptr(w_stage), &n_out_i],
+                &DequantParams {
+                    q,
+                    s,
+                    m,
+                    n_in: n_in as i32,
+                    out: self.ptr(w_stage),
+                    n_out: n_out as i32,
+                },
             )?;
             self.ptr(w_stage)
         };
@@ -69,7 +76,12 @@ impl CudaBackend {
                     "convert_f32",
                     (blocks_for(n.div_ceil(4) as usize, 256), 1, 1),
                     256,
-                    &[&self.ptr(x), &self.ptr(x_stage), &n, &kind],
+                    &ConvertF32Params {
+                        x: self.ptr(x),
+                        out: self.ptr(x_stage),
+                        n,
+                        kind,
+                    },
                 )?;
                 *staged = Some(input);
             }
@@ -160,7 +172,7 @@ impl CudaBackend {
         n_tokens: usize,
     ) -> Result<()> {
         let input = gemm_input(ffn.gate.ty);
-        let by_cublas = |w: &CudaWeight| n_tokens > gemv_max_tokens(w.ty) && gemm_input(w.ty) == input;
+        let by_cublas = |w: &CudaWeight| self.matmul_plan(w, n_tokens) == MatmulPlan::Gemm && gemm_input(w.ty) == input;
         let same_shape = (ffn.gate.n_in, ffn.gate.n_out) == (ffn.up.n_in, ffn.up.n_out);
         if input == GgmlType::F32 || !same_shape || ![ffn.gate, ffn.up, ffn.down].into_iter().all(by_cublas) {
             return feed_forward_in_steps(self, x, ffn, scratch, residual, n_tokens);
@@ -177,18 +189,17 @@ impl CudaBackend {
                 x_stage.len
             )));
         }
-        let (n64, kind) = (n as u64, input.id() as i32);
         self.launch(
             "swiglu_16",
             (blocks_for(n.div_ceil(8), 256).min(4096), 1, 1),
             256,
-            &[
-                &self.ptr(scratch.gate),
-                &self.ptr(scratch.up),
-                &self.ptr(x_stage),
-                &n64,
-                &kind,
-            ],
+            &Swiglu16Params {
+                gate: self.ptr(scratch.gate),
+                up: self.ptr(scratch.up),
+                out: self.ptr(x_stage),
+                n: n as u64,
+                kind: input.id() as i32,
+            },
         )?;
         // The down projection reads the staged rows; `scratch.hidden` stands in for their f32 form.
         let mut staged = Some(input);

@@ -15,6 +15,7 @@ use std::sync::Arc;
 pub const SOURCES: &[(&str, &str)] = &[
     ("common.cuh", include_str!("kernels/common.cuh")),
     ("dequant.cuh", include_str!("kernels/dequant.cuh")),
+    ("params.cuh", include_str!("kernels/params.cuh")),
     ("embed.cu", include_str!("kernels/embed.cu")),
     ("rms_norm.cu", include_str!("kernels/rms_norm.cu")),
     ("rope.cu", include_str!("kernels/rope.cu")),

@@ -3,6 +3,7 @@
 
 use super::flash_attention::FLASH_MIN_TOKENS;
 use super::launch::page_size_arg;
+use super::params::{KvWriteParams, RopeKvWriteParams};
 use super::rope::rope_args;
 use super::CudaBackend;
 use crate::backend::{AttentionKv, AttentionShape, BlockHandle, NewRows, PagedKv};
@@ -26,24 +27,22 @@ impl CudaBackend {
         n_tokens: usize,
         kv_width: usize,
     ) -> Result<()> {
-        let width = kv_width as i32;
-        let (table_width, page_size) = (pages.table_width as i32, page_size_arg(&pages)?);
         self.launch(
             &format!("kv_write_{}", self.kv_suffix()),
             (n_tokens as u32, 1, 1),
             256,
-            &[
-                &self.ptr(k),
-                &self.ptr(v),
-                &self.ptr(k_cache),
-                &self.ptr(v_cache),
-                &self.ptr(positions),
-                &self.ptr(pages.block_tables),
-                &table_width,
-                &self.ptr(pages.token_seqs),
-                &page_size,
-                &width,
-            ],
+            &KvWriteParams {
+                k: self.ptr(k),
+                v: self.ptr(v),
+                k_cache: self.ptr(k_cache),
+                v_cache: self.ptr(v_cache),
+                positions: self.ptr(positions),
+                tables: self.ptr(pages.block_tables),
+                table_width: pages.table_width as i32,
+                token_seqs: self.ptr(pages.token_seqs),
+                page_size: page_size_arg(&pages)?,
+                width: kv_width as i32,
+            },
         )
     }
 
@@ -58,8 +57,7 @@ impl CudaBackend {
         shape: AttentionShape,
         turns: Option<BlockHandle>,
     ) -> Result<()> {
-        let (nh, nkv, hd) = (shape.n_heads as i32, shape.n_kv_heads as i32, shape.head_dim as i32);
-        let (table_width, page_size) = (kv.pages.table_width as i32, page_size_arg(&kv.pages)?);
+        let page_size = page_size_arg(&kv.pages)?;
         let (dims, halves) = rope_args(new.rope)?;
         let heads = shape.n_heads + shape.n_kv_heads;
         let (first_head, group) = match turns {
@@ -72,27 +70,27 @@ impl CudaBackend {
             &format!("rope_kv_write_{}", self.kv_suffix()),
             (n_tokens as u32, groups as u32, 1),
             256,
-            &[
-                &self.ptr(new.q),
-                &self.ptr(new.k),
-                &self.ptr(new.v),
-                &self.ptr(kv.k_cache),
-                &self.ptr(kv.v_cache),
-                &self.ptr(kv.positions),
-                &self.ptr(new.freqs),
-                &self.ptr(kv.pages.block_tables),
-                &table_width,
-                &self.ptr(kv.pages.token_seqs),
-                &page_size,
-                &nh,
-                &nkv,
-                &hd,
-                &dims,
-                &halves,
-                &(first_head as i32),
-                &(group as i32),
-                &turns.map_or(0, |t| self.ptr(t)),
-            ],
+            &RopeKvWriteParams {
+                q: self.ptr(new.q),
+                k: self.ptr(new.k),
+                v: self.ptr(new.v),
+                k_cache: self.ptr(kv.k_cache),
+                v_cache: self.ptr(kv.v_cache),
+                positions: self.ptr(kv.positions),
+                freqs: self.ptr(new.freqs),
+                tables: self.ptr(kv.pages.block_tables),
+                table_width: kv.pages.table_width as i32,
+                token_seqs: self.ptr(kv.pages.token_seqs),
+                page_size,
+                n_heads: shape.n_heads as i32,
+                n_kv_heads: shape.n_kv_heads as i32,
+                head_dim: shape.head_dim as i32,
+                dims,
+                halves,
+                first_head: first_head as i32,
+                group: group as i32,
+                turns_out: turns.map_or(0, |t| self.ptr(t)),
+            },
         )
     }
 }

@@ -1,8 +1,8 @@
-//! Launch plumbing: the one call every kernel launch goes through, its arguments, and the
-//! conversions of handles, types and sizes into the arguments the kernels take.
+//! Launch plumbing: the one call every kernel launch goes through, and the conversions of handles,
+//! types and sizes into the parameters the kernels take.
 
 use super::device::driver_error;
-use super::matmul::Matrices;
+use super::params::KernelParams;
 use super::CudaBackend;
 use crate::backend::{gpu_kernel_suffix, BlockHandle, KvType, PagedKv};
 use crate::format::quant::GgmlType;
@@ -22,20 +22,28 @@ impl CudaBackend {
         }
     }
 
-    pub(super) fn launch(&self, name: &str, grid: (u32, u32, u32), block: u32, args: &[&dyn KernelArg]) -> Result<()> {
-        self.launch_shared(name, grid, block, 0, args)
+    pub(super) fn launch(
+        &self,
+        name: &str,
+        grid: (u32, u32, u32),
+        block: u32,
+        params: &impl KernelParams,
+    ) -> Result<()> {
+        self.launch_shared(name, grid, block, 0, params)
     }
 
+    /// Launches kernel `name` on its parameter struct, its one argument (copied by the launch, and
+    /// into a graph being captured, so it need not outlive the call).
     pub(super) fn launch_shared(
         &self,
         name: &str,
         grid: (u32, u32, u32),
         block: u32,
         shared: u32,
-        args: &[&dyn KernelArg],
+        params: &impl KernelParams,
     ) -> Result<()> {
         let f = self.kernels.get(name)?.cu_function();
-        let mut params: Vec<*mut c_void> = args.iter().map(|a| a.param()).collect();
+        let mut args = [params as *const _ as *mut c_void];
         // Every kernel waits for its inputs itself (begin_after_inputs in common.cuh), so each may
         // be scheduled while the one before is finishing.
         let mut overlap = sys::CUlaunchAttribute {
@@ -57,10 +65,10 @@ impl CudaBackend {
             attrs: &mut overlap,
             numAttrs: u32::from(self.device.dependent_launch),
         };
-        // SAFETY: every kernel's argument list matches its `extern "C"` signature (see kernels/),
-        // pointers are arena blocks sized by the caller's checked shapes; `params` and `overlap`
-        // outlive the call, which copies them.
-        unsafe { sys::cuLaunchKernelEx(&config, f, params.as_mut_ptr(), std::ptr::null_mut()) }
+        // SAFETY: every kernel takes one struct, laid out as its `KernelParams` (params.rs, checked
+        // against kernels/params.cuh by tests/cuda_nvrtc.rs); pointers are arena blocks sized by the
+        // caller's checked shapes; `args` and `overlap` outlive the call, which copies them.
+        unsafe { sys::cuLaunchKernelEx(&config, f, args.as_mut_ptr(), std::ptr::null_mut()) }
             .result()
             .map_err(driver_error(name))
     }
@@ -89,21 +97,3 @@ pub(super) fn page_size_arg(pages: &PagedKv) -> Result<i32> {
 pub(super) fn blocks_for(n: usize, per_block: usize) -> u32 {
     n.div_ceil(per_block).clamp(1, 65535 * 16) as u32
 }
-
-/// A kernel argument, passed by address as cuLaunchKernelEx takes them: device pointers as u64,
-/// sizes as i32 or u64, scalars as f32, and the `Matrices` struct.
-pub(super) trait KernelArg {
-    fn param(&self) -> *mut c_void;
-}
-
-macro_rules! kernel_arg {
-    ($($t:ty),*) => {$(
-        impl KernelArg for $t {
-            fn param(&self) -> *mut c_void {
-                self as *const $t as *mut c_void
-            }
-        }
-    )*};
-}
-
-kernel_arg!(u64, i32, u32, f32, Matrices);

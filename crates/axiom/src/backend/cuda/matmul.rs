@@ -4,6 +4,7 @@
 use super::gemm::{gemm_input, GemmOutput};
 use super::launch::blocks_for;
 use super::norms::norm_q8_kernel;
+use super::params::{GemvIntParams, GemvNormedParams, GemvParams, Matrices, QuantizeQ8Params, RmsNormQ8Params};
 use super::weights::CudaWeight;
 use super::{kernels, CudaBackend};
 use crate::backend::{gate_up_swiglu_in_steps, Backend, BlockHandle, Input};
@@ -38,7 +39,7 @@ const INT_GEMV_MIN_VALUES: usize = 16 << 20;
 const NORMED_GEMV_MAX_VALUES: usize = 4 << 20;
 
 /// Weights one matrix-vector launch takes at most (MAX_MATRICES in kernels/matmul.cu).
-const MAX_MATRICES: usize = 3;
+pub(super) const MAX_MATRICES: usize = 3;
 
 /// Rows a warp of the one-token Q4_K integer matrix-vector kernel takes (as Q4K_ROWS in
 /// kernels/matmul.cu).
@@ -81,52 +82,59 @@ fn token_groups(n_tokens: usize) -> impl Iterator<Item = (usize, usize)> {
 impl CudaBackend {
     /// `Backend::matmul_many`.
     pub(super) fn multiply(&self, x: Input, ws: &[&CudaWeight], outs: &[BlockHandle], n_tokens: usize) -> Result<()> {
-        let gemm = |w: &CudaWeight| n_tokens > gemv_max_tokens(w.ty);
+        let plan = |w: &CudaWeight| self.matmul_plan(w, n_tokens);
         // One quantization (or 16-bit conversion, for cuBLAS) of the activations serves every
         // weight that takes it, and weights of one type go to the matrix-vector kernels together,
         // in one launch.
         let (mut quantized, mut staged) = (None, None);
-        // The norm goes into the matrix-vector kernels where they take it (`gemv_normalizes`), or,
+        // The norm goes into the matrix-vector kernels where they take it (`normalizes_input`), or,
         // where only cuBLAS reads the rows and in one 16-bit type, into their conversion. Every
         // other path reads normalized f32 rows, written once here.
         let input = gemm_input(ws[0].ty);
-        let only_16bit_gemms = input != GgmlType::F32 && ws.iter().all(|w| gemm(w) && gemm_input(w.ty) == input);
+        let only_16bit_gemms = input != GgmlType::F32
+            && ws
+                .iter()
+                .all(|w| plan(w) == MatmulPlan::Gemm && gemm_input(w.ty) == input);
         let rows = match x {
             Input::RmsNormed { .. } if only_16bit_gemms => {
                 Some(self.stage_16bit(x, n_tokens, ws[0].n_in, input, &mut staged)?)
             }
-            _ if ws.iter().any(|w| gemm(w) || !self.gemv_normalizes(w, n_tokens)) => {
-                Some(self.input_rows(x, n_tokens, ws[0].n_in)?)
-            }
+            _ if ws.iter().any(|w| !plan(w).normalizes_input()) => Some(self.input_rows(x, n_tokens, ws[0].n_in)?),
             _ => None,
         };
         let x = rows.map_or(x, Input::Rows);
         let mut i = 0;
         while i < ws.len() {
             let w = ws[i];
-            if let Some(rows) = rows.filter(|_| gemm(w)) {
-                self.gemm(rows, w, outs[i], n_tokens, GemmOutput::Store, &mut staged)?;
-                i += 1;
-                continue;
+            match plan(w) {
+                MatmulPlan::Gemm => {
+                    // `x` is rows here: a GEMM's were written above.
+                    let rows = self.input_rows(x, n_tokens, w.n_in)?;
+                    self.gemm(rows, w, outs[i], n_tokens, GemmOutput::Store, &mut staged)?;
+                    i += 1;
+                }
+                // The group goes as its first weight's plan says.
+                MatmulPlan::Gemv(gemv) => {
+                    let together = ws[i..]
+                        .iter()
+                        .take(MAX_MATRICES)
+                        .take_while(|v| v.ty == w.ty && v.n_in == w.n_in)
+                        .count();
+                    let (group, group_outs) = (&ws[i..i + together], &outs[i..i + together]);
+                    self.gemv(x, group, group_outs, n_tokens, gemv, Epilogue::Store, &mut quantized)?;
+                    i += together;
+                }
             }
-            let together = ws[i..]
-                .iter()
-                .take(MAX_MATRICES)
-                .take_while(|v| v.ty == w.ty && v.n_in == w.n_in)
-                .count();
-            let (group, group_outs) = (&ws[i..i + together], &outs[i..i + together]);
-            self.gemv(x, group, group_outs, n_tokens, Epilogue::Store, &mut quantized)?;
-            i += together;
         }
         Ok(())
     }
 
     /// `Backend::matmul_add`.
     pub(super) fn multiply_add(&self, x: BlockHandle, w: &CudaWeight, out: BlockHandle, n_tokens: usize) -> Result<()> {
-        if n_tokens > gemv_max_tokens(w.ty) {
-            return self.gemm(x, w, out, n_tokens, GemmOutput::Add, &mut None);
+        match self.matmul_plan(w, n_tokens) {
+            MatmulPlan::Gemm => self.gemm(x, w, out, n_tokens, GemmOutput::Add, &mut None),
+            MatmulPlan::Gemv(plan) => self.gemv(x.into(), &[w], &[out], n_tokens, plan, Epilogue::Add, &mut None),
         }
-        self.gemv(x.into(), &[w], &[out], n_tokens, Epilogue::Add, &mut None)
     }
 
     /// `Backend::gate_up_swiglu`: one launch of the matrix-vector kernels for both products where
@@ -142,10 +150,12 @@ impl CudaBackend {
         ffn_dim: usize,
     ) -> Result<()> {
         let same_shape = (w_gate.ty, w_gate.n_in, w_gate.n_out) == (w_up.ty, w_up.n_in, w_up.n_out);
-        if !same_shape || n_tokens > gemv_max_tokens(w_gate.ty) {
-            return gate_up_swiglu_in_steps(self, x, [w_gate, w_up], scratch, out, n_tokens, ffn_dim);
+        match self.matmul_plan(w_gate, n_tokens) {
+            MatmulPlan::Gemv(plan) if same_shape => {
+                self.gemv(x, &[w_gate, w_up], &[out], n_tokens, plan, Epilogue::SwiGlu, &mut None)
+            }
+            _ => gate_up_swiglu_in_steps(self, x, [w_gate, w_up], scratch, out, n_tokens, ffn_dim),
         }
-        self.gemv(x, &[w_gate, w_up], &[out], n_tokens, Epilogue::SwiGlu, &mut None)
     }
 
     /// The kernel argument for `ws` (one type, at most `MAX_MATRICES`), writing token rows
@@ -184,30 +194,30 @@ impl CudaBackend {
     }
 
     /// The matrix-vector kernels for `ws` (one type, at most `MAX_MATRICES`; with
-    /// `Epilogue::SwiGlu`, gate and up) in groups of up to 8 tokens: on int8 activations for the
-    /// weights that take them, quantized (and normalized) here unless `quantized` already holds
+    /// `Epilogue::SwiGlu`, gate and up) in groups of up to 8 tokens, as `plan` (the first weight's)
+    /// says: on int8 activations, quantized (and normalized) here unless `quantized` already holds
     /// them in the layout they read, else on the f32 rows.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn gemv(
         &self,
         x: Input,
         ws: &[&CudaWeight],
         outs: &[BlockHandle],
         n_tokens: usize,
+        plan: GemvPlan,
         epilogue: Epilogue,
         quantized: &mut Option<Quantized>,
     ) -> Result<()> {
         let w = ws[0];
         let suffix = Self::type_suffix(w.ty)?;
         let n_in = w.n_in as i32;
-        let input = match self.int8_activations.filter(|_| self.takes_int8(w)) {
-            Some(staging) => GemvInput::Int8(match *quantized {
+        let input = match plan {
+            GemvPlan::Int8 { staging } => GemvInput::Int8(match *quantized {
                 Some(q) if q.interleaved == interleaves_activations(w.ty) => q,
                 _ => *quantized.insert(self.quantize_activations(x, staging, n_tokens, w)?),
             }),
-            None => match x {
-                Input::RmsNormed { x, weight, eps, .. } if self.gemv_normalizes(w, n_tokens) => {
-                    GemvInput::Normed { x, weight, eps }
-                }
+            GemvPlan::F32 { normalizes } => match x {
+                Input::RmsNormed { x, weight, eps, .. } if normalizes => GemvInput::Normed { x, weight, eps },
                 _ => GemvInput::F32(self.input_rows(x, n_tokens, w.n_in)?),
             },
         };
@@ -233,36 +243,54 @@ impl CudaBackend {
                         Some(spread) if q4k_one_token => spread[usize::from(glu)].padding(blocks),
                         _ => 0,
                     };
-                    self.launch_shared(&name, (blocks, 1, 1), 256, shared, &[&mats, &n_in, &xqs, &xds])?
+                    let params = GemvIntParams {
+                        mats,
+                        n_in,
+                        xq: xqs,
+                        xd: xds,
+                    };
+                    self.launch_shared(&name, (blocks, 1, 1), 256, shared, &params)?
                 }
                 GemvInput::F32(rows) => {
                     let xs = self.ptr(rows.slice(done * w.n_in * 4, t * w.n_in * 4));
                     let name = kernels::gemv_kernel(false, glu, suffix, t);
-                    self.launch(&name, (blocks, 1, 1), 256, &[&mats, &n_in, &xs])?
+                    self.launch(&name, (blocks, 1, 1), 256, &GemvParams { mats, n_in, x: xs })?
                 }
                 GemvInput::Normed { x, weight, eps } => {
                     let name = kernels::gemv_normed_kernel(glu, suffix);
-                    let (x, weight) = (self.ptr(x), self.ptr(weight));
-                    self.launch(&name, (blocks, 1, 1), 256, &[&mats, &n_in, &x, &weight, &eps])?
+                    let params = GemvNormedParams {
+                        mats,
+                        n_in,
+                        x: self.ptr(x),
+                        norm: self.ptr(weight),
+                        eps,
+                    };
+                    self.launch(&name, (blocks, 1, 1), 256, &params)?
                 }
             }
         }
         Ok(())
     }
 
-    /// Whether the matrix-vector kernels for `w` normalize an `Input::RmsNormed` themselves: the
-    /// integer ones as they quantize it; the f32 ones for one token of a small matrix (see
-    /// `NORMED_GEMV_MAX_VALUES`). (Their float4 reads need rows of a multiple of 4 values;
-    /// `upload_weight` admits only multiples of 32.)
-    fn gemv_normalizes(&self, w: &CudaWeight, n_tokens: usize) -> bool {
-        let small = w.n_in * w.n_out <= NORMED_GEMV_MAX_VALUES && w.n_in <= kernels::GEMV_NORMED_MAX_IN;
-        self.takes_int8(w) || (n_tokens == 1 && small)
-    }
-
-    /// Whether `w` is multiplied on integers at decode (see `INT_GEMV_MIN_N_IN`).
-    pub(super) fn takes_int8(&self, w: &CudaWeight) -> bool {
+    /// How the product of `w` over `n_tokens` runs: cuBLAS above `gemv_max_tokens`; else the
+    /// matrix-vector kernels, on integers where the int8 staging is reserved and `w` is quantized
+    /// and large (see `INT_GEMV_MIN_N_IN`), else on f32 rows, which they normalize themselves for
+    /// one token of a small matrix (see `NORMED_GEMV_MAX_VALUES`; their float4 reads need rows of
+    /// a multiple of 4 values, and `upload_weight` admits only multiples of 32).
+    pub(super) fn matmul_plan(&self, w: &CudaWeight, n_tokens: usize) -> MatmulPlan {
+        if n_tokens > gemv_max_tokens(w.ty) {
+            return MatmulPlan::Gemm;
+        }
         let large = w.n_in >= INT_GEMV_MIN_N_IN || w.n_in * w.n_out >= INT_GEMV_MIN_VALUES;
-        self.int8_activations.is_some() && w.ty.block_len() > 1 && large
+        match self.int8_activations.filter(|_| w.ty.block_len() > 1 && large) {
+            Some(staging) => MatmulPlan::Gemv(GemvPlan::Int8 { staging }),
+            None => {
+                let small = w.n_in * w.n_out <= NORMED_GEMV_MAX_VALUES && w.n_in <= kernels::GEMV_NORMED_MAX_IN;
+                MatmulPlan::Gemv(GemvPlan::F32 {
+                    normalizes: n_tokens == 1 && small,
+                })
+            }
+        }
     }
 
     /// Quantizes `n_tokens` rows of activations for `w` into `staging` (int8 values, f32 scale
@@ -298,15 +326,15 @@ impl CudaBackend {
                     (blocks, 1, 1),
                     256,
                     padding,
-                    &[
-                        &self.ptr(x),
-                        &xq_ptr,
-                        &xd_ptr,
-                        &(n as u64),
-                        &(n_in as i32),
-                        &interleave,
-                        &start_next,
-                    ],
+                    &QuantizeQ8Params {
+                        x: self.ptr(x),
+                        xq: xq_ptr,
+                        xd: xd_ptr,
+                        n: n as u64,
+                        n_in: n_in as i32,
+                        interleave,
+                        start_next,
+                    },
                 )?
             }
             Input::RmsNormed { x, weight, eps, .. } => {
@@ -315,16 +343,16 @@ impl CudaBackend {
                     kernel,
                     (n_tokens as u32, 1, 1),
                     threads,
-                    &[
-                        &self.ptr(x),
-                        &self.ptr(weight),
-                        &xq_ptr,
-                        &xd_ptr,
-                        &(n_in as i32),
-                        &eps,
-                        &interleave,
-                        &start_next,
-                    ],
+                    &RmsNormQ8Params {
+                        x: self.ptr(x),
+                        w: self.ptr(weight),
+                        xq: xq_ptr,
+                        xd: xd_ptr,
+                        dim: n_in as i32,
+                        eps,
+                        interleave,
+                        start_next,
+                    },
                 )?
             }
         }
@@ -337,19 +365,31 @@ impl CudaBackend {
     }
 }
 
-/// Up to `MAX_MATRICES` weights of one type for one matrix-vector launch: their fields, outputs
-/// and rows, as `struct Matrices` in kernels/matmul.cu lays them out.
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-pub(super) struct Matrices {
-    q: [u64; MAX_MATRICES],
-    s: [u64; MAX_MATRICES],
-    m: [u64; MAX_MATRICES],
-    out: [u64; MAX_MATRICES],
-    n_out: [i32; MAX_MATRICES],
-    count: i32,
-    accumulate: i32,
-    copy_whole: i32,
+/// How one weight's product over a step runs (`matmul_plan`): through cuBLAS (`gemm`, on inputs
+/// in `gemm_input`'s type), or on the matrix-vector kernels.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(super) enum MatmulPlan {
+    Gemm,
+    Gemv(GemvPlan),
+}
+
+/// The matrix-vector kernels' activations: int8, quantized (and normalized) into `staging` for
+/// them; or f32 rows, which with `normalizes` they RMS-normalize themselves from an
+/// `Input::RmsNormed`.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(super) enum GemvPlan {
+    Int8 { staging: (BlockHandle, BlockHandle) },
+    F32 { normalizes: bool },
+}
+
+impl MatmulPlan {
+    /// Whether the kernels take an `Input::RmsNormed` as it is and normalize it themselves.
+    fn normalizes_input(self) -> bool {
+        matches!(
+            self,
+            MatmulPlan::Gemv(GemvPlan::Int8 { .. } | GemvPlan::F32 { normalizes: true })
+        )
+    }
 }
 
 /// Activations quantized for the integer matrix-vector kernels: int8 values, f32 block scales,

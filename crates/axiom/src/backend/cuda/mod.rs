@@ -12,6 +12,7 @@
 
 pub mod device;
 pub mod kernels;
+pub mod params;
 
 mod argmax;
 mod attention;

@@ -1,6 +1,7 @@
 //! RMS norms (kernels/rms_norm.cu): their launchers, and the block sizes that hold a row in
 //! registers.
 
+use super::params::{RmsNorm16Params, RmsNormParams};
 use super::CudaBackend;
 use crate::backend::BlockHandle;
 use crate::format::quant::GgmlType;
@@ -58,13 +59,17 @@ impl CudaBackend {
         dim: usize,
         eps: f32,
     ) -> Result<()> {
-        let block = norm_block(dim, 1)?;
-        let dim = dim as i32;
         self.launch(
             "rms_norm",
             (n_tokens as u32, 1, 1),
-            block,
-            &[&self.ptr(x), &self.ptr(weight), &self.ptr(out), &dim, &eps],
+            norm_block(dim, 1)?,
+            &RmsNormParams {
+                x: self.ptr(x),
+                w: self.ptr(weight),
+                out: self.ptr(out),
+                dim: dim as i32,
+                eps,
+            },
         )
     }
 
@@ -91,14 +96,14 @@ impl CudaBackend {
             "rms_norm_16",
             (n_tokens as u32, 1, 1),
             norm_block(dim, NORM_LOADS)?,
-            &[
-                &self.ptr(x),
-                &self.ptr(weight),
-                &self.ptr(x_stage),
-                &(dim as i32),
-                &eps,
-                &(ty.id() as i32),
-            ],
+            &RmsNorm16Params {
+                x: self.ptr(x),
+                w: self.ptr(weight),
+                out: self.ptr(x_stage),
+                dim: dim as i32,
+                eps,
+                kind: ty.id() as i32,
+            },
         )
     }
 }

@@ -1,6 +1,7 @@
 //! Rotary position embeddings (kernels/rope.cu), and the RoPE arguments of every kernel that
 //! rotates.
 
+use super::params::RopeParams;
 use super::CudaBackend;
 use crate::backend::{BlockHandle, Rope, RopeLayout};
 use crate::{Error, Result};
@@ -32,21 +33,19 @@ impl CudaBackend {
         head_dim: usize,
         rope: Rope,
     ) -> Result<()> {
-        let (nh, hd, dims) = (n_heads as i32, head_dim as i32, rope.dims as i32);
-        let halves = i32::from(rope.layout == RopeLayout::Halves);
         self.launch(
             "rope",
             (n_tokens as u32, n_heads as u32, 1),
             64,
-            &[
-                &self.ptr(x),
-                &self.ptr(positions),
-                &self.ptr(freqs),
-                &nh,
-                &hd,
-                &dims,
-                &halves,
-            ],
+            &RopeParams {
+                x: self.ptr(x),
+                positions: self.ptr(positions),
+                freqs: self.ptr(freqs),
+                n_heads: n_heads as i32,
+                head_dim: head_dim as i32,
+                dims: rope.dims as i32,
+                halves: i32::from(rope.layout == RopeLayout::Halves),
+            },
         )
     }
 }

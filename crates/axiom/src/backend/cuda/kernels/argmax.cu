@@ -18,8 +18,12 @@ __device__ __forceinline__ u64 argmax_key(float v, int i) {
     return ((u64)ordered << 32) | (0xffffffffu - (u32)i);
 }
 
-extern "C" __global__ void argmax(const float* rows, int n, u32* outs, u32* chosen, const u32* chosen_at,
-                                  u32* position, u64* keys, u32* arrivals) {
+extern "C" __global__ void argmax(ArgmaxParams p) {
+    const float* rows = p.rows;
+    int n = p.n;
+    u32 *outs = p.outs, *chosen = p.chosen, *position = p.position, *arrivals = p.arrivals;
+    const u32* chosen_at = p.chosen_at;
+    u64* keys = p.keys;
     u32 next_position = position && threadIdx.x == 0 ? *chosen_at + 1 : 0;
     begin_after_inputs();
     const float* x = rows + (u64)blockIdx.y * n;

@@ -159,10 +159,10 @@ __device__ void attention(const float* __restrict__ q, T* __restrict__ k_cache, 
     bool in_head = c < chunks;  // lanes past the head's last chunk only take part in the shuffles
     int group_size = n_heads / n_kv_heads;
     u64 kv_width = (u64)n_kv_heads * head_dim, kv_head = (u64)(h / group_size) * head_dim, kv_off = kv_head + 8 * c;
-    int n_ctx = positions[t] + 1, pass = ATTN_BATCH * n_groups, first = split * pass;
+    int n_ctx = __ldg(positions + t) + 1, pass = ATTN_BATCH * n_groups, first = split * pass;
     int active = min(splits, (n_ctx + pass - 1) / pass);  // the splits with a pass
     if (split >= active) return;
-    const u32* table = tables + (u64)token_seqs[t] * table_width;
+    const u32* table = tables + (u64)__ldg(token_seqs + t) * table_width;
     bool rotates = fresh.k != nullptr;
     auto load = [&](int p, Raw8<T>& k, Raw8<T>& v) {
         if (rotates && p == n_ctx - 1) {  // the token's own row, rotated below
@@ -170,7 +170,7 @@ __device__ void attention(const float* __restrict__ q, T* __restrict__ k_cache, 
             narrow8(own_v + 8 * c, v);
             return;
         }
-        u64 row = page_row(table, page_size, p) * kv_width + kv_off;
+        u64 row = page_row<true>(table, page_size, p) * kv_width + kv_off;
         k = load_raw8(k_cache + row);
         v = load_raw8(v_cache + row);
     };
@@ -192,7 +192,7 @@ __device__ void attention(const float* __restrict__ q, T* __restrict__ k_cache, 
     u64 own_row = 0;
     if (rotates) {
         for (int i = threadIdx.x; i < half; i += ATTN_THREADS) turns[i] = turn(n_ctx - 1, fresh.freqs, i);
-        own_row = page_row(table, page_size, n_ctx - 1) * kv_width + kv_head;
+        own_row = page_row<true>(table, page_size, n_ctx - 1) * kv_width + kv_head;
     }
     begin_after_inputs();
     if (start_next) start_dependents();
@@ -341,13 +341,10 @@ __device__ void attention(const float* __restrict__ q, T* __restrict__ k_cache, 
 }
 
 #define ATTENTION(NAME, T)                                                                                        \
-    extern "C" __global__ void attention_##NAME(                                                                  \
-        const float* q, T* k, T* v, const u32* pos, const u32* tables, int table_width, const u32* token_seqs,     \
-        int page_size, const float* k_new, const float* v_new, const float* freqs, int dims, int halves,          \
-        float* out, i8* xq, float* xd, int interleave, int start_next, u64* partials, int n_heads, int n_kv_heads,  \
-        int head_dim) {                                                                                            \
-        attention(q, k, v, pos, tables, table_width, token_seqs, page_size, NewToken{k_new, v_new, freqs, dims, halves}, \
-                  out, xq, xd, interleave, start_next, partials, n_heads, n_kv_heads, head_dim);                    \
+    extern "C" __global__ void attention_##NAME(AttentionParams p) {                                             \
+        attention(p.q, (T*)p.k_cache, (T*)p.v_cache, p.positions, p.tables, p.table_width, p.token_seqs,           \
+                  p.page_size, NewToken{p.k_new, p.v_new, p.freqs, p.dims, p.halves}, p.out, p.xq, p.xd,           \
+                  p.interleave, p.start_next, p.partials, p.n_heads, p.n_kv_heads, p.head_dim);                   \
     }
 ATTENTION(f16, u16)
 ATTENTION(f32, float)

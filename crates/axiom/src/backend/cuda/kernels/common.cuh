@@ -145,10 +145,13 @@ __device__ __forceinline__ float from_16bit(u16 v, int kind) { return kind == TY
 // The paged KV cache: a sequence's position p lives in row table[p / page_size] * page_size +
 // p % page_size of each layer's cache, where table is its row of the block tables. The page size
 // is a power of two (the host checks), so these are a shift and a mask: a division by a run-time
-// value is a long run of instructions, and attention finds a row per key.
+// value is a long run of instructions, and attention finds a row per key. READ_ONLY: the table
+// is read through the read-only cache (__ldg), as attention's `const __restrict__` tables are.
+template <bool READ_ONLY = false>
 __device__ __forceinline__ u64 page_row(const u32* table, int page_size, u32 p) {
     int shift = __ffs(page_size) - 1;
-    return ((u64)table[p >> shift] << shift) | (p & (page_size - 1));
+    u32 page = READ_ONLY ? __ldg(table + (p >> shift)) : table[p >> shift];
+    return ((u64)page << shift) | (p & (page_size - 1));
 }
 
 // Programmatic dependent launch (Hopper and later; a no-op before). The host launches every kernel

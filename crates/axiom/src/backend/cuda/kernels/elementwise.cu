@@ -1,7 +1,10 @@
 __device__ __forceinline__ float silu_times(float g, float u) { return g / (1.0f + expf(-g)) * u; }
 
 // out = silu(gate) * up
-extern "C" __global__ void swiglu(const float* gate, const float* up, float* out, u64 n) {
+extern "C" __global__ void swiglu(SwigluParams p) {
+    const float *gate = p.gate, *up = p.up;
+    float* out = p.out;
+    u64 n = p.n;
     begin_after_inputs();
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
         out[i] = silu_times(gate[i], up[i]);
@@ -10,7 +13,11 @@ extern "C" __global__ void swiglu(const float* gate, const float* up, float* out
 // swiglu on 16-bit gate and up products, written in their type (`kind` as in to_16bit): the
 // feed-forward block's hidden rows as the down projection's cuBLAS GEMM reads them. Eight values
 // a thread, with 16-byte loads (the buffers are arena blocks, 16-byte aligned).
-extern "C" __global__ void swiglu_16(const u16* gate, const u16* up, u16* out, u64 n, int kind) {
+extern "C" __global__ void swiglu_16(Swiglu16Params p) {
+    const u16 *gate = p.gate, *up = p.up;
+    u16* out = p.out;
+    u64 n = p.n;
+    int kind = p.kind;
     begin_after_inputs();
     for (u64 i = 8 * (blockIdx.x * (u64)blockDim.x + threadIdx.x); i < n; i += 8 * (u64)gridDim.x * blockDim.x) {
         if (i + 8 <= n) {
@@ -29,13 +36,19 @@ extern "C" __global__ void swiglu_16(const u16* gate, const u16* up, u16* out, u
 }
 
 // x += y
-extern "C" __global__ void add(float* x, const float* y, u64 n) {
+extern "C" __global__ void add(AddParams p) {
+    float* x = p.x;
+    const float* y = p.y;
+    u64 n = p.n;
     begin_after_inputs();
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) x[i] += y[i];
 }
 
 // x[t] += bias for rows of `width`
-extern "C" __global__ void add_bias(float* x, const float* bias, u64 n, u64 width) {
+extern "C" __global__ void add_bias(AddBiasParams p) {
+    float* x = p.x;
+    const float* bias = p.bias;
+    u64 n = p.n, width = p.width;
     begin_after_inputs();
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) x[i] += bias[i % width];
 }
@@ -43,7 +56,11 @@ extern "C" __global__ void add_bias(float* x, const float* bias, u64 n, u64 widt
 // f32 to f16 or bf16 (to_16bit, common.cuh), for the cuBLAS inputs: four values a thread, with
 // 16-byte loads where the buffers allow.
 
-extern "C" __global__ void convert_f32(const float* x, u16* out, u64 n, int kind) {
+extern "C" __global__ void convert_f32(ConvertF32Params p) {
+    const float* x = p.x;
+    u16* out = p.out;
+    u64 n = p.n;
+    int kind = p.kind;
     begin_after_inputs();
     bool aligned = ((u64)x | (u64)out) % 16 == 0;
     for (u64 i = 4 * (blockIdx.x * (u64)blockDim.x + threadIdx.x); i < n; i += 4 * (u64)gridDim.x * blockDim.x) {

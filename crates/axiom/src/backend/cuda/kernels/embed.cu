@@ -17,8 +17,8 @@ __device__ void embed(Weight w, const u32* ids, float* out) {
 }
 
 #define EMBED(NAME, TY) \
-    extern "C" __global__ void embed_##NAME(const u8* q, const u8* s, const u8* m, int n_in, const u32* ids, float* out) { \
-        embed<TY>(Weight{q, s, m, n_in}, ids, out); \
+    extern "C" __global__ void embed_##NAME(EmbedParams p) { \
+        embed<TY>(Weight{p.q, p.s, p.m, p.n_in}, p.ids, p.out); \
     }
 EMBED(f32, TY_F32)
 EMBED(f16, TY_F16)

@@ -313,17 +313,17 @@ __device__ __forceinline__ QueryTile query_tile(const u32* tiles, const u32* pos
     return t;
 }
 
-// The kernels' parameters, and their names as arguments.
+// The device functions' parameters, and FlashAttentionParams' fields as their arguments.
 #define FLASH_ATTENTION_PARAMS                                                                                 \
     const float* q, const u16* k_cache, const u16* v_cache, const u32* positions, const u32* tables,          \
         int table_width, const u32* token_seqs, int page_size, const u32* tiles, const float2* turns, int pairing, \
         void* out, int out_type, int n_heads, int n_kv_heads
 #define FLASH_ATTENTION_ARGS                                                                                     \
-    q, k_cache, v_cache, positions, tables, table_width, token_seqs, page_size, tiles, turns, pairing, out, out_type, \
-        n_heads, n_kv_heads
-// The kernel NAME_D_N, NAME<D, N> under launch bounds of THREADS and BLOCKS.
+    p.q, p.k_cache, p.v_cache, p.positions, p.tables, p.table_width, p.token_seqs, p.page_size, p.tiles, p.turns, \
+        p.pairing, p.out, p.out_type, p.n_heads, p.n_kv_heads
+// The kernel NAME_D_N, NAME<D, N> on its FlashAttentionParams under launch bounds of THREADS and BLOCKS.
 #define FLASH_ATTENTION_KERNEL(NAME, D, N, THREADS, BLOCKS)                                                      \
-    extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS) NAME##_##D##_##N(FLASH_ATTENTION_PARAMS) {  \
+    extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS) NAME##_##D##_##N(FlashAttentionParams p) {  \
         NAME<D, N>(FLASH_ATTENTION_ARGS);                                                                      \
     }
 

@@ -16,13 +16,10 @@ __device__ void kv_write(const float* k, const float* v, T* k_cache, T* v_cache,
     }
 }
 
-extern "C" __global__ void kv_write_f16(const float* k, const float* v, u16* kc, u16* vc, const u32* pos,
-                                        const u32* tables, int table_width, const u32* token_seqs, int page_size,
-                                        int width) {
-    kv_write(k, v, kc, vc, pos, tables, table_width, token_seqs, page_size, width);
-}
-extern "C" __global__ void kv_write_f32(const float* k, const float* v, float* kc, float* vc, const u32* pos,
-                                        const u32* tables, int table_width, const u32* token_seqs, int page_size,
-                                        int width) {
-    kv_write(k, v, kc, vc, pos, tables, table_width, token_seqs, page_size, width);
-}
+#define KV_WRITE(NAME, T)                                                                                        \
+    extern "C" __global__ void kv_write_##NAME(KvWriteParams p) {                                                \
+        kv_write(p.k, p.v, (T*)p.k_cache, (T*)p.v_cache, p.positions, p.tables, p.table_width, p.token_seqs,     \
+                 p.page_size, p.width);                                                                          \
+    }
+KV_WRITE(f16, u16)
+KV_WRITE(f32, float)

@@ -20,20 +20,7 @@ __device__ __forceinline__ float dot16(const float* y, const float* x) {
 // warps 0-3 taking four rows of the gate matrix and warps 4-7 the same rows of the up matrix,
 // which hand their sums over through shared memory. (Q4_K's one-token kernel takes two rows a
 // warp, so it pairs within the warp: fewer registers and no barrier.)
-#define MAX_MATRICES 3
-struct Matrices {
-    const u8* q[MAX_MATRICES];
-    const u8* s[MAX_MATRICES];
-    const u8* m[MAX_MATRICES];
-    float* out[MAX_MATRICES];
-    int n_out[MAX_MATRICES];
-    int count;
-    // Whether the products are added to out (the residual stream) instead of stored; not with GLU.
-    int accumulate;
-    // Whether the one-token Q4_K kernel copies all of a row pair that its two stages hold before
-    // its wait (q4k_rows), where the kernel before reads little memory after its own.
-    int copy_whole;
-};
+// Their weights, outputs and rows come in `Matrices` (params.cuh).
 
 // This warp's first row (ok is false for a warp past the last row); with GLU and R >= 2, of the
 // gate matrix w and of up.
@@ -152,8 +139,12 @@ __device__ __forceinline__ int dp4a(u32 a, u32 b, int c) {
 
 // The activations quantized by store_q8x4 (common.cuh), four values a thread: rows of n_in (a
 // multiple of 32; of 256 with `interleave`), n values in all. With start_next, as rms_norm_q8.
-extern "C" __global__ void quantize_q8(const float4* x, u32* xq, float* xd, u64 n, int n_in, int interleave,
-                                       int start_next) {
+extern "C" __global__ void quantize_q8(QuantizeQ8Params p) {
+    const float4* x = p.x;
+    u32* xq = p.xq;
+    float* xd = p.xd;
+    u64 n = p.n;
+    int n_in = p.n_in, interleave = p.interleave, start_next = p.start_next;
     begin_after_inputs();
     if (start_next) start_dependents();
     u64 i4 = blockIdx.x * (u64)blockDim.x + threadIdx.x;
@@ -436,7 +427,11 @@ __device__ __forceinline__ void q4k_rows(const Weight& w, const Weight& up, int 
 }
 
 #define GEMV_INT(NAME, TY, T, GLU, KIND)                                                                       \
-    extern "C" __global__ void KIND##_##NAME##_##T(Matrices mats, int n_in, const i8* xq, const float* xd) {           \
+    extern "C" __global__ void KIND##_##NAME##_##T(GemvIntParams p) {                                          \
+        const Matrices& mats = p.mats;                                                                         \
+        int n_in = p.n_in;                                                                                     \
+        const i8* xq = p.xq;                                                                                   \
+        const float* xd = p.xd;                                                                                \
         if (!ReadsBeforeWait<TY>::value) begin_after_inputs();                                                 \
         if (T == 1 && ReadsBeforeWait<TY>::value) start_dependents();                                          \
         gemv_rows<TY, T, GLU, RowsPerWarp<TY, T>::value>(mats, n_in, [&](const Weight& w, const Weight& up, int row, \
@@ -513,7 +508,10 @@ __device__ __forceinline__ void float_row(const Weight& w, int row, const float*
 // of five, to keep more loads in flight; a tighter bound spills.
 #define GEMV(NAME, TY, ROW, T, GLU, KIND)                                                                      \
     extern "C" __global__ void __launch_bounds__(256, T == 1 ? 6 : 1)                                          \
-        KIND##_##NAME##_##T(Matrices mats, int n_in, const float* x) {                                         \
+        KIND##_##NAME##_##T(GemvParams p) {                                                                    \
+        const Matrices& mats = p.mats;                                                                         \
+        int n_in = p.n_in;                                                                                     \
+        const float* x = p.x;                                                                                  \
         begin_after_inputs();                                                                                  \
         gemv_rows<TY, T, GLU, 1>(mats, n_in, [&](const Weight& w, const Weight&, int row, int, float* acc, auto ready) {      \
             ready();                                                                                           \
@@ -553,9 +551,11 @@ __device__ __forceinline__ void normalize_row(float* xs, const float* x, const f
 
 #define GEMV_NORMED(NAME, TY, ROW, GLU, KIND)                                                                  \
     extern "C" __global__ void __launch_bounds__(256, 6)                                                        \
-        KIND##_normed_##NAME(Matrices mats, int n_in, const float* x, const float* norm, float eps) {          \
+        KIND##_normed_##NAME(GemvNormedParams p) {                                                             \
+        const Matrices& mats = p.mats;                                                                         \
+        int n_in = p.n_in;                                                                                     \
         __shared__ __align__(16) float xs[NORMED_MAX_IN];                                                      \
-        normalize_row(xs, x, norm, n_in, eps);                                                                 \
+        normalize_row(xs, p.x, p.norm, n_in, p.eps);                                                           \
         gemv_rows<TY, 1, GLU, 1>(mats, n_in, [&](const Weight& w, const Weight&, int row, int, float* acc, auto ready) {      \
             ready();                                                                                           \
             ROW<TY, 1>(w, row, xs, acc);                                                                       \
@@ -599,8 +599,8 @@ __device__ void dequant_f16(Weight w, u16* out, int n_out) {
 }
 
 #define DEQUANT(NAME, TY) \
-    extern "C" __global__ void dequant_f16_##NAME(const u8* q, const u8* s, const u8* m, int n_in, u16* out, int n_out) { \
-        dequant_f16<TY>(Weight{q, s, m, n_in}, out, n_out); \
+    extern "C" __global__ void dequant_f16_##NAME(DequantParams p) { \
+        dequant_f16<TY>(Weight{p.q, p.s, p.m, p.n_in}, p.out, p.n_out); \
     }
 DEQUANT(q8_0, TY_Q8_0)
 DEQUANT(q4_0, TY_Q4_0)

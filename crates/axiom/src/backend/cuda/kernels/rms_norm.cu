@@ -17,14 +17,14 @@ __device__ __forceinline__ void held_rms_norm(const float4* __restrict__ row, co
     const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     for (int k = 0; k < LOADS; k++) {
         int i = k * blockDim.x + threadIdx.x;
-        wv[k] = i < n4 ? w[i] : zero;
+        wv[k] = i < n4 ? __ldg(w + i) : zero;
     }
     begin_after_inputs();
     if (start_next) start_dependents();
     float sum = 0.0f;
     for (int k = 0; k < LOADS; k++) {
         int i = k * blockDim.x + threadIdx.x;
-        xv[k] = i < n4 ? row[i] : zero;
+        xv[k] = i < n4 ? __ldg(row + i) : zero;
         sum += xv[k].x * xv[k].x + xv[k].y * xv[k].y + xv[k].z * xv[k].z + xv[k].w * xv[k].w;
     }
     float scale = rsqrtf(block_sum(sum) / dim + eps);
@@ -36,20 +36,21 @@ __device__ __forceinline__ void held_rms_norm(const float4* __restrict__ row, co
     }
 }
 
-extern "C" __global__ void rms_norm(const float4* __restrict__ x, const float4* __restrict__ w, float4* __restrict__ out,
-                                    int dim, float eps) {
+__device__ __forceinline__ void norm_f32(const float4* __restrict__ x, const float4* __restrict__ w,
+                                         float4* __restrict__ out, int dim, float eps) {
     u64 base = (u64)blockIdx.x * (dim / 4);
     held_rms_norm(x + base, w, dim, eps, 0, [&](int i4, float4 v, bool valid) {
         if (valid) out[base + i4] = v;
     });
 }
+extern "C" __global__ void rms_norm(RmsNormParams p) { norm_f32(p.x, p.w, p.out, p.dim, p.eps); }
 
 // rms_norm written in 16 bits (f16 or bf16, `kind` as in to_16bit), the input of cuBLAS GEMMs: the
 // norm and the conversion in one pass. Only prefill's many rows take it, so a block is as small as
 // holds its row (up to NORM_LOADS float4 a thread: the host sizes it, norm_16_block) and many rows
 // are in flight.
-extern "C" __global__ void rms_norm_16(const float4* __restrict__ x, const float4* __restrict__ w,
-                                       uint2* __restrict__ out, int dim, float eps, int kind) {
+__device__ __forceinline__ void norm_16(const float4* __restrict__ x, const float4* __restrict__ w,
+                                        uint2* __restrict__ out, int dim, float eps, int kind) {
     u64 base = (u64)blockIdx.x * (dim / 4);
     held_rms_norm(x + base, w, dim, eps, 0, [&](int i4, float4 v, bool valid) {
         if (valid)
@@ -57,6 +58,7 @@ extern "C" __global__ void rms_norm_16(const float4* __restrict__ x, const float
                                         (u32)to_16bit(v.z, kind) | ((u32)to_16bit(v.w, kind) << 16));
     });
 }
+extern "C" __global__ void rms_norm_16(RmsNorm16Params p) { norm_16(p.x, p.w, p.out, p.dim, p.eps, p.kind); }
 
 // rms_norm with the normalized row quantized as quantize_q8 does (store_q8x4), for an integer
 // matrix-vector product: the norm of its input and the quantization in one pass. dim is a
@@ -71,9 +73,8 @@ __device__ __forceinline__ void norm_q8(const float4* __restrict__ x, const floa
     });
 }
 
-extern "C" __global__ void rms_norm_q8(const float4* __restrict__ x, const float4* __restrict__ w, u32* __restrict__ xq,
-                                       float* __restrict__ xd, int dim, float eps, int interleave, int start_next) {
-    norm_q8<NORM_LOADS>(x, w, xq, xd, dim, eps, interleave, start_next);
+extern "C" __global__ void rms_norm_q8(RmsNormQ8Params p) {
+    norm_q8<NORM_LOADS>(p.x, p.w, p.xq, p.xd, p.dim, p.eps, p.interleave, p.start_next);
 }
 
 // The same at one float4 a thread (rows up to 4096 values), held to 24 registers: a block of 1024
@@ -81,8 +82,6 @@ extern "C" __global__ void rms_norm_q8(const float4* __restrict__ x, const float
 // of the product before it (wo or down, EvenSpread: 36,864), so it is placed, and loads its
 // weight, while that product streams. (Left to itself NVRTC takes 27, which the hardware
 // allocates as 32, and then the block does not fit.)
-extern "C" __global__ void __maxnreg__(24) rms_norm_q8_1(const float4* __restrict__ x, const float4* __restrict__ w,
-                                                          u32* __restrict__ xq, float* __restrict__ xd, int dim,
-                                                          float eps, int interleave, int start_next) {
-    norm_q8<1>(x, w, xq, xd, dim, eps, interleave, start_next);
+extern "C" __global__ void __maxnreg__(24) rms_norm_q8_1(RmsNormQ8Params p) {
+    norm_q8<1>(p.x, p.w, p.xq, p.xd, p.dim, p.eps, p.interleave, p.start_next);
 }

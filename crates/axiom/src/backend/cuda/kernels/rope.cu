@@ -34,8 +34,11 @@ __device__ __forceinline__ void rotate_head(float* head, u32 pos, const float* f
 }
 
 // Grid: (tokens, heads).
-extern "C" __global__ void rope(float* x, const u32* positions, const float* freqs, int n_heads, int head_dim, int dims,
-                                int halves) {
+extern "C" __global__ void rope(RopeParams p) {
+    float* x = p.x;
+    const u32* positions = p.positions;
+    const float* freqs = p.freqs;
+    int n_heads = p.n_heads, head_dim = p.head_dim, dims = p.dims, halves = p.halves;
     begin_after_inputs();
     int t = blockIdx.x, h = blockIdx.y;
     rotate_head(x + ((u64)t * n_heads + h) * head_dim, positions[t], freqs, dims, halves);

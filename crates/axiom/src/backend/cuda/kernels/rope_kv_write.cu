@@ -53,13 +53,10 @@ __device__ void rope_kv_write(float* q, float* k, const float* v, T* k_cache, T*
 }
 
 #define ROPE_KV_WRITE(NAME, T)                                                                                     \
-    extern "C" __global__ void rope_kv_write_##NAME(float* q, float* k, const float* v, T* kc, T* vc,              \
-                                                    const u32* positions, const float* freqs, const u32* tables,   \
-                                                    int table_width, const u32* token_seqs, int page_size,         \
-                                                    int n_heads, int n_kv_heads, int head_dim, int dims, int halves, \
-                                                    int first_head, int group, float2* turns_out) {                \
-        rope_kv_write(q, k, v, kc, vc, positions, freqs, tables, table_width, token_seqs, page_size, n_heads,      \
-                      n_kv_heads, head_dim, dims, halves, first_head, group, turns_out);                           \
+    extern "C" __global__ void rope_kv_write_##NAME(RopeKvWriteParams p) {                                       \
+        rope_kv_write(p.q, p.k, p.v, (T*)p.k_cache, (T*)p.v_cache, p.positions, p.freqs, p.tables, p.table_width,  \
+                      p.token_seqs, p.page_size, p.n_heads, p.n_kv_heads, p.head_dim, p.dims, p.halves,            \
+                      p.first_head, p.group, p.turns_out);                                                         \
     }
 ROPE_KV_WRITE(f16, u16)
 ROPE_KV_WRITE(f32, float)

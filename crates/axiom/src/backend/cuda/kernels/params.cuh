@@ -1,0 +1,251 @@
+// Every kernel's parameters, as one struct passed by value (a kernel's parameters live in its
+// constant bank, so reading a field costs what reading a separate parameter did). The host lays out
+// each one identically (cuda/params.rs); tests/cuda_nvrtc.rs compares their sizes and offsets.
+// Caches of either element type (f16 as u16, or f32) are `void*`, cast by the kernel of that type.
+// A pointer read from a struct is not a `const __restrict__` kernel parameter to the compiler, so
+// the loads that took the read-only cache for being one (the norms' rows and weights, attention's
+// positions and block tables) ask for it by __ldg.
+
+// embed.cu: table rows (a Weight's fields) gathered by ids.
+struct EmbedParams {
+    const u8* q;
+    const u8* s;
+    const u8* m;
+    int n_in;
+    const u32* ids;
+    float* out;
+};
+
+// rms_norm.cu
+struct RmsNormParams {
+    const float4* x;
+    const float4* w;
+    float4* out;
+    int dim;
+    float eps;
+};
+
+struct RmsNorm16Params {
+    const float4* x;
+    const float4* w;
+    uint2* out;
+    int dim;
+    float eps;
+    int kind;
+};
+
+// rms_norm_q8 and rms_norm_q8_1.
+struct RmsNormQ8Params {
+    const float4* x;
+    const float4* w;
+    u32* xq;
+    float* xd;
+    int dim;
+    float eps;
+    int interleave;
+    int start_next;
+};
+
+// rope.cu
+struct RopeParams {
+    float* x;
+    const u32* positions;
+    const float* freqs;
+    int n_heads;
+    int head_dim;
+    int dims;
+    int halves;
+};
+
+// matmul.cu: up to three matrices of one type multiplied by the same activations in one launch
+// (Q, K and V; gate and up). The GLU kernels take a gate and an up matrix and write silu(gate) *
+// up.
+#define MAX_MATRICES 3
+struct Matrices {
+    const u8* q[MAX_MATRICES];
+    const u8* s[MAX_MATRICES];
+    const u8* m[MAX_MATRICES];
+    float* out[MAX_MATRICES];
+    int n_out[MAX_MATRICES];
+    int count;
+    // Whether the products are added to out (the residual stream) instead of stored; not with GLU.
+    int accumulate;
+    // Whether the one-token Q4_K kernel copies all of a row pair that its two stages hold before
+    // its wait (q4k_rows), where the kernel before reads little memory after its own.
+    int copy_whole;
+};
+
+// The matrix-vector kernels on f32 activations.
+struct GemvParams {
+    Matrices mats;
+    int n_in;
+    const float* x;
+};
+
+// The matrix-vector kernels on int8 activations with their f32 block scales.
+struct GemvIntParams {
+    Matrices mats;
+    int n_in;
+    const i8* xq;
+    const float* xd;
+};
+
+// The one-token matrix-vector kernels that RMS-normalize their input (by `norm`) first.
+struct GemvNormedParams {
+    Matrices mats;
+    int n_in;
+    const float* x;
+    const float* norm;
+    float eps;
+};
+
+struct QuantizeQ8Params {
+    const float4* x;
+    u32* xq;
+    float* xd;
+    u64 n;
+    int n_in;
+    int interleave;
+    int start_next;
+};
+
+// dequant_f16_*: a Weight's fields, and its rows out in f16.
+struct DequantParams {
+    const u8* q;
+    const u8* s;
+    const u8* m;
+    int n_in;
+    u16* out;
+    int n_out;
+};
+
+// kv_write.cu
+struct KvWriteParams {
+    const float* k;
+    const float* v;
+    void* k_cache;
+    void* v_cache;
+    const u32* positions;
+    const u32* tables;
+    int table_width;
+    const u32* token_seqs;
+    int page_size;
+    int width;
+};
+
+// rope_kv_write.cu
+struct RopeKvWriteParams {
+    float* q;
+    float* k;
+    const float* v;
+    void* k_cache;
+    void* v_cache;
+    const u32* positions;
+    const float* freqs;
+    const u32* tables;
+    int table_width;
+    const u32* token_seqs;
+    int page_size;
+    int n_heads;
+    int n_kv_heads;
+    int head_dim;
+    int dims;
+    int halves;
+    int first_head;
+    int group;
+    float2* turns_out;
+};
+
+// attention.cu: k_new, v_new and freqs are null unless the kernel rotates and stores the step's
+// token itself (NewToken); xq and xd unless it also quantizes its output.
+struct AttentionParams {
+    const float* q;
+    void* k_cache;
+    void* v_cache;
+    const u32* positions;
+    const u32* tables;
+    int table_width;
+    const u32* token_seqs;
+    int page_size;
+    const float* k_new;
+    const float* v_new;
+    const float* freqs;
+    int dims;
+    int halves;
+    float* out;
+    i8* xq;
+    float* xd;
+    int interleave;
+    int start_next;
+    u64* partials;
+    int n_heads;
+    int n_kv_heads;
+    int head_dim;
+};
+
+// flash_attention.cu and flash_attention_wg.cu.
+struct FlashAttentionParams {
+    const float* q;
+    const u16* k_cache;
+    const u16* v_cache;
+    const u32* positions;
+    const u32* tables;
+    int table_width;
+    const u32* token_seqs;
+    int page_size;
+    const u32* tiles;
+    const float2* turns;
+    int pairing;
+    void* out;
+    int out_type;
+    int n_heads;
+    int n_kv_heads;
+};
+
+// elementwise.cu
+struct SwigluParams {
+    const float* gate;
+    const float* up;
+    float* out;
+    u64 n;
+};
+
+struct Swiglu16Params {
+    const u16* gate;
+    const u16* up;
+    u16* out;
+    u64 n;
+    int kind;
+};
+
+struct AddParams {
+    float* x;
+    const float* y;
+    u64 n;
+};
+
+struct AddBiasParams {
+    float* x;
+    const float* bias;
+    u64 n;
+    u64 width;
+};
+
+struct ConvertF32Params {
+    const float* x;
+    u16* out;
+    u64 n;
+    int kind;
+};
+
+// argmax.cu
+struct ArgmaxParams {
+    const float* rows;
+    int n;
+    u32* outs;
+    u32* chosen;
+    const u32* chosen_at;
+    u32* position;
+    u64* keys;
+    u32* arrivals;
+};
