@@ -84,3 +84,49 @@ fn kernel_params_are_laid_out_alike_in_rust_and_cuda() {
         assert_eq!(cuda, rust, "{global}: CUDA says {cuda}, Rust {rust}");
     }
 }
+
+/// Each kernel takes one parameter, as large as the struct the launchers give it (the one
+/// `kernel_params_of` names; `launch` refuses any other): the PTX of the whole program spells out
+/// each entry's parameters.
+#[test]
+fn every_kernel_takes_the_struct_its_launcher_passes() {
+    use axiom::backend::cuda::{kernels, params::kernel_params_of};
+    let arch = "sm_90a";
+    let options = cudarc::nvrtc::CompileOptions {
+        arch: Some(arch),
+        options: vec!["--std=c++17".into(), "-default-device".into()],
+        ..Default::default()
+    };
+    let ptx = cudarc::nvrtc::compile_ptx_with_opts(kernels::program_source(), options)
+        .unwrap_or_else(|e| panic!("{e:?}"))
+        .to_src();
+    // `.visible .entry add(` then one `.param .align 8 .b8 add_param_0[24]` line a parameter.
+    let mut entries = std::collections::HashMap::new();
+    let mut lines = ptx.lines();
+    while let Some(line) = lines.next() {
+        let Some((_, rest)) = line.split_once(".entry ") else {
+            continue;
+        };
+        let name = rest.trim_end_matches('(').trim();
+        let sizes: Vec<usize> = lines
+            .by_ref()
+            .take_while(|l| !l.trim().starts_with(')'))
+            .map(|l| {
+                let size = l
+                    .rsplit_once('[')
+                    .and_then(|(_, s)| s.trim_end_matches([']', ',']).parse().ok());
+                size.unwrap_or_else(|| panic!("{name}: a parameter that is not a struct: {l}"))
+            })
+            .collect();
+        entries.insert(name.to_string(), sizes);
+    }
+    for name in kernels::kernel_names(arch) {
+        let (params, size) = kernel_params_of(&name).unwrap_or_else(|| panic!("{name}: no struct"));
+        let sizes = entries.get(&name).unwrap_or_else(|| panic!("{name}: not in the PTX"));
+        assert_eq!(
+            sizes,
+            &[size],
+            "{name} takes {sizes:?} bytes; its launcher passes {params}"
+        );
+    }
+}

@@ -2,6 +2,7 @@
 //! architecture. The compiled module is cached on disk, keyed by the sources, the architecture
 //! and the NVRTC and driver versions, so a warm start does not compile.
 
+use super::params::{self, KernelParams};
 use crate::backend::GPU_WEIGHT_TYPES;
 use crate::{Error, Result};
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
@@ -30,7 +31,7 @@ pub const SOURCES: &[(&str, &str)] = &[
 ];
 
 /// All sources as one translation unit (NVRTC compiles them together, once).
-fn program_source() -> String {
+pub fn program_source() -> String {
     SOURCES
         .iter()
         .map(|(name, src)| format!("// ---- {name}\n{src}\n"))
@@ -91,7 +92,8 @@ fn nvrtc_version() -> (i32, i32) {
 /// The compiled module and its functions, looked up by name once.
 pub struct Kernels {
     _module: Arc<CudaModule>,
-    functions: HashMap<String, CudaFunction>,
+    /// Each kernel, and the name of the parameter struct it takes.
+    functions: HashMap<String, (CudaFunction, &'static str)>,
 }
 
 /// The matrix-vector kernel for `tokens` tokens of weights with kernel suffix `ty`: on int8
@@ -220,7 +222,9 @@ impl Kernels {
             let f = module
                 .load_function(&name)
                 .map_err(|e| Error::Backend(format!("kernel {name}: {e}")))?;
-            functions.insert(name, f);
+            let (params, _) = params::kernel_params_of(&name)
+                .ok_or_else(|| Error::Backend(format!("kernel {name} has no parameter struct")))?;
+            functions.insert(name, (f, params));
         }
         Ok(Kernels {
             _module: module,
@@ -231,6 +235,20 @@ impl Kernels {
     pub fn get(&self, name: &str) -> Result<&CudaFunction> {
         self.functions
             .get(name)
+            .map(|(f, _)| f)
             .ok_or_else(|| Error::Backend(format!("no kernel named {name}")))
+    }
+
+    /// Kernel `name`, to be launched on a `P`: refused if it takes another struct, whose bytes it
+    /// would misread.
+    pub(super) fn launchable<P: KernelParams>(&self, name: &str) -> Result<&CudaFunction> {
+        match self.functions.get(name) {
+            Some((f, params)) if *params == P::NAME => Ok(f),
+            Some((_, params)) => Err(Error::Backend(format!(
+                "kernel {name} takes {params}, launched with {}",
+                P::NAME
+            ))),
+            None => Err(Error::Backend(format!("no kernel named {name}"))),
+        }
     }
 }

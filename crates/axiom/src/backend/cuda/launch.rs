@@ -34,15 +34,15 @@ impl CudaBackend {
 
     /// Launches kernel `name` on its parameter struct, its one argument (copied by the launch, and
     /// into a graph being captured, so it need not outlive the call).
-    pub(super) fn launch_shared(
+    pub(super) fn launch_shared<P: KernelParams>(
         &self,
         name: &str,
         grid: (u32, u32, u32),
         block: u32,
         shared: u32,
-        params: &impl KernelParams,
+        params: &P,
     ) -> Result<()> {
-        let f = self.kernels.get(name)?.cu_function();
+        let f = self.kernels.launchable::<P>(name)?.cu_function();
         let mut args = [params as *const _ as *mut c_void];
         // Every kernel waits for its inputs itself (begin_after_inputs in common.cuh), so each may
         // be scheduled while the one before is finishing.

@@ -38,7 +38,7 @@ const INT_GEMV_MIN_VALUES: usize = 16 << 20;
 /// normalizes first streams later.
 const NORMED_GEMV_MAX_VALUES: usize = 4 << 20;
 
-/// Weights one matrix-vector launch takes at most (MAX_MATRICES in kernels/matmul.cu).
+/// Weights one matrix-vector launch takes at most (MAX_MATRICES in kernels/params.cuh).
 pub(super) const MAX_MATRICES: usize = 3;
 
 /// Rows a warp of the one-token Q4_K integer matrix-vector kernel takes (as Q4K_ROWS in
@@ -158,9 +158,10 @@ impl CudaBackend {
         }
     }
 
-    /// The kernel argument for `ws` (one type, at most `MAX_MATRICES`), writing token rows
-    /// `first..first + count` of `outs` (with `Epilogue::SwiGlu`, ws is gate and up, and outs one
-    /// output); and the blocks their rows need, a warp taking `rows_per_warp` rows of a matrix.
+    /// The `Matrices` of a launch's parameter struct for `ws` (one type, at most `MAX_MATRICES`),
+    /// writing token rows `first..first + count` of `outs` (with `Epilogue::SwiGlu`, ws is gate and
+    /// up, and outs one output); and the blocks their rows need, a warp taking `rows_per_warp`
+    /// rows of a matrix.
     fn matrices(
         &self,
         ws: &[&CudaWeight],

@@ -17,12 +17,19 @@ pub struct FieldLayout {
     pub size: usize,
 }
 
-/// A kernel's parameter struct: `launch` passes it as the kernel's one argument.
-pub(super) trait KernelParams: Copy {}
+/// A kernel's parameter struct: `launch` passes it as the kernel's one argument, and refuses a
+/// kernel whose name `kernel_params_of` gives another struct.
+pub(super) trait KernelParams: Copy {
+    const NAME: &'static str;
+}
 
-/// Declares each struct (`#[repr(C)]`, `Copy`, fields visible to the launchers) and `layouts`.
+/// Declares each struct (`#[repr(C)]`, `Copy`, fields visible to the launchers) with the prefixes
+/// of the names of the kernels that take it (`for [...]`), `layouts` and `kernel_params_of`.
 macro_rules! kernel_params {
-    ($($(#[$meta:meta])* struct $name:ident { $($field:ident: $ty:ty,)* })*) => {
+    ($(
+        $(#[$meta:meta])*
+        struct $name:ident for [$($kernel:literal),*] { $($field:ident: $ty:ty,)* }
+    )*) => {
         $(
             $(#[$meta])*
             #[repr(C)]
@@ -30,7 +37,9 @@ macro_rules! kernel_params {
             pub(super) struct $name {
                 $(pub(super) $field: $ty,)*
             }
-            impl KernelParams for $name {}
+            impl KernelParams for $name {
+                const NAME: &'static str = stringify!($name);
+            }
         )*
 
         /// Every parameter struct's layout, by the name its CUDA twin has.
@@ -45,12 +54,26 @@ macro_rules! kernel_params {
                 }),*],
             }),*]
         }
+
+        /// The struct kernel `name` takes, and its size: the struct with the longest prefix of
+        /// `name` among its kernels' prefixes (`gemv_glu_normed_` before `gemv_`).
+        pub fn kernel_params_of(name: &str) -> Option<(&'static str, usize)> {
+            let structs: &[(&str, &[&str], usize)] = &[
+                $((stringify!($name), &[$($kernel),*], std::mem::size_of::<$name>()),)*
+            ];
+            structs
+                .iter()
+                .flat_map(|&(params, prefixes, size)| prefixes.iter().map(move |p| (*p, params, size)))
+                .filter(|(prefix, _, _)| name.starts_with(prefix))
+                .max_by_key(|(prefix, _, _)| prefix.len())
+                .map(|(_, params, size)| (params, size))
+        }
     };
 }
 
 kernel_params! {
     /// embed_*: a weight's fields (`weight_ptrs`), then the ids and the f32 rows out.
-    struct EmbedParams {
+    struct EmbedParams for ["embed_"] {
         q: u64,
         s: u64,
         m: u64,
@@ -59,7 +82,7 @@ kernel_params! {
         out: u64,
     }
 
-    struct RmsNormParams {
+    struct RmsNormParams for ["rms_norm"] {
         x: u64,
         w: u64,
         out: u64,
@@ -68,7 +91,7 @@ kernel_params! {
     }
 
     /// `kind`: the 16-bit type's `GgmlType::id`.
-    struct RmsNorm16Params {
+    struct RmsNorm16Params for ["rms_norm_16"] {
         x: u64,
         w: u64,
         out: u64,
@@ -78,7 +101,7 @@ kernel_params! {
     }
 
     /// rms_norm_q8 and rms_norm_q8_1.
-    struct RmsNormQ8Params {
+    struct RmsNormQ8Params for ["rms_norm_q8"] {
         x: u64,
         w: u64,
         xq: u64,
@@ -89,7 +112,7 @@ kernel_params! {
         start_next: i32,
     }
 
-    struct RopeParams {
+    struct RopeParams for ["rope"] {
         x: u64,
         positions: u64,
         freqs: u64,
@@ -102,7 +125,7 @@ kernel_params! {
     /// Up to `MAX_MATRICES` weights of one type for one matrix-vector launch: their fields,
     /// outputs and rows.
     #[derive(Default)]
-    struct Matrices {
+    struct Matrices for [] {
         q: [u64; MAX_MATRICES],
         s: [u64; MAX_MATRICES],
         m: [u64; MAX_MATRICES],
@@ -114,14 +137,14 @@ kernel_params! {
     }
 
     /// The matrix-vector kernels on f32 activations.
-    struct GemvParams {
+    struct GemvParams for ["gemv_"] {
         mats: Matrices,
         n_in: i32,
         x: u64,
     }
 
     /// The matrix-vector kernels on int8 activations and their f32 block scales.
-    struct GemvIntParams {
+    struct GemvIntParams for ["gemv_int_"] {
         mats: Matrices,
         n_in: i32,
         xq: u64,
@@ -129,7 +152,7 @@ kernel_params! {
     }
 
     /// The one-token matrix-vector kernels that RMS-normalize their input first.
-    struct GemvNormedParams {
+    struct GemvNormedParams for ["gemv_normed_", "gemv_glu_normed_"] {
         mats: Matrices,
         n_in: i32,
         x: u64,
@@ -137,7 +160,7 @@ kernel_params! {
         eps: f32,
     }
 
-    struct QuantizeQ8Params {
+    struct QuantizeQ8Params for ["quantize_q8"] {
         x: u64,
         xq: u64,
         xd: u64,
@@ -148,7 +171,7 @@ kernel_params! {
     }
 
     /// dequant_f16_*: a weight's fields, then its rows out in f16.
-    struct DequantParams {
+    struct DequantParams for ["dequant_f16_"] {
         q: u64,
         s: u64,
         m: u64,
@@ -157,7 +180,7 @@ kernel_params! {
         n_out: i32,
     }
 
-    struct KvWriteParams {
+    struct KvWriteParams for ["kv_write_"] {
         k: u64,
         v: u64,
         k_cache: u64,
@@ -171,7 +194,7 @@ kernel_params! {
     }
 
     /// `turns_out` is 0 unless the step is flash attention's (`rotate_and_store`).
-    struct RopeKvWriteParams {
+    struct RopeKvWriteParams for ["rope_kv_write_"] {
         q: u64,
         k: u64,
         v: u64,
@@ -195,7 +218,7 @@ kernel_params! {
 
     /// The one-pass attention kernel: `k_new`, `v_new` and `freqs` are 0 unless it stores the
     /// step's token itself, `xq` and `xd` unless it quantizes its output too.
-    struct AttentionParams {
+    struct AttentionParams for ["attention_"] {
         q: u64,
         k_cache: u64,
         v_cache: u64,
@@ -221,7 +244,7 @@ kernel_params! {
     }
 
     /// Flash attention on either kind of MMA: `turns` is 0 unless it rotates the queries.
-    struct FlashAttentionParams {
+    struct FlashAttentionParams for ["flash_attention"] {
         q: u64,
         k_cache: u64,
         v_cache: u64,
@@ -239,14 +262,14 @@ kernel_params! {
         n_kv_heads: i32,
     }
 
-    struct SwigluParams {
+    struct SwigluParams for ["swiglu"] {
         gate: u64,
         up: u64,
         out: u64,
         n: u64,
     }
 
-    struct Swiglu16Params {
+    struct Swiglu16Params for ["swiglu_16"] {
         gate: u64,
         up: u64,
         out: u64,
@@ -254,20 +277,20 @@ kernel_params! {
         kind: i32,
     }
 
-    struct AddParams {
+    struct AddParams for ["add"] {
         x: u64,
         y: u64,
         n: u64,
     }
 
-    struct AddBiasParams {
+    struct AddBiasParams for ["add_bias"] {
         x: u64,
         bias: u64,
         n: u64,
         width: u64,
     }
 
-    struct ConvertF32Params {
+    struct ConvertF32Params for ["convert_f32"] {
         x: u64,
         out: u64,
         n: u64,
@@ -275,7 +298,7 @@ kernel_params! {
     }
 
     /// `chosen`, `chosen_at` and `position` are 0 unless the choice is a queued greedy one.
-    struct ArgmaxParams {
+    struct ArgmaxParams for ["argmax"] {
         rows: u64,
         n: i32,
         outs: u64,
