@@ -207,15 +207,39 @@ impl From<BlockHandle> for Input {
     }
 }
 
-/// What attention reads besides the queries: a layer's paged caches, and the step's positions
-/// and pages.
+/// The host's description of a step, as the model packed it into the step inputs: each token's
+/// position and sequence row (`token_seqs` of [`PagedKv`]). A backend plans its attention from it
+/// (`Backend::plan_step`) instead of reading back what the host wrote.
 #[derive(Debug, Clone, Copy)]
-pub struct AttentionKv {
+pub struct StepLayout<'a> {
+    pub positions: &'a [u32],
+    pub token_seqs: &'a [u32],
+}
+
+impl StepLayout<'_> {
+    pub fn n_tokens(&self) -> usize {
+        self.positions.len()
+    }
+}
+
+/// What attention reads besides the queries: a layer's paged caches, the step's positions and
+/// pages, and the backend's plan of the step (`Backend::plan_step`).
+#[derive(Debug)]
+pub struct AttentionKv<'a, P> {
     pub k_cache: BlockHandle,
     pub v_cache: BlockHandle,
     pub positions: BlockHandle,
     pub pages: PagedKv,
+    pub plan: &'a P,
 }
+
+// By hand: derived, they would ask for `P: Clone` of a plan only ever borrowed.
+impl<P> Clone for AttentionKv<'_, P> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<P> Copy for AttentionKv<'_, P> {}
 
 /// Where a greedy choice (`Backend::queue_argmax`) leaves the next step's one input token on the
 /// device: its id in `token`, and in `position` the position after `chosen_at`'s (the position of
@@ -243,7 +267,7 @@ pub struct NewRows {
 pub fn rope_attend_and_project_in_steps<B: Backend + ?Sized>(
     b: &B,
     new: NewRows,
-    kv: AttentionKv,
+    kv: AttentionKv<'_, B::StepPlan>,
     wo: &B::Weight,
     buffers: [BlockHandle; 3],
     n_tokens: usize,
@@ -270,13 +294,13 @@ pub fn rope_attend_and_project_in_steps<B: Backend + ?Sized>(
 pub fn attend_and_project_in_steps<B: Backend + ?Sized>(
     b: &B,
     q: BlockHandle,
-    kv: AttentionKv,
+    kv: AttentionKv<'_, B::StepPlan>,
     wo: &B::Weight,
     [out, residual, scratch]: [BlockHandle; 3],
     n_tokens: usize,
     shape: AttentionShape,
 ) -> Result<()> {
-    b.attention(q, kv.k_cache, kv.v_cache, kv.positions, kv.pages, out, n_tokens, shape)?;
+    b.attention(q, kv, out, n_tokens, shape)?;
     b.matmul_add(out, wo, residual, scratch, n_tokens)
 }
 
@@ -390,6 +414,9 @@ pub trait Backend {
     type HostF32: std::ops::DerefMut<Target = [f32]>;
     /// Host-visible memory a queued greedy choice is written to (see `queue_argmax`).
     type ChoiceSlot;
+    /// What the backend works out once a step, from the step's layout, for its attention ops
+    /// (they receive it in [`AttentionKv`]).
+    type StepPlan;
 
     /// What the backend runs on, for logs and `axiom bench`.
     fn device_name(&self) -> String;
@@ -587,16 +614,15 @@ pub trait Backend {
         self.rope(k, positions, freqs, n_tokens, shape.n_kv_heads, shape.head_dim, rope)?;
         self.kv_write(k, v, k_cache, v_cache, positions, pages, n_tokens, shape.kv_width())
     }
+    /// The plan of a step of `layout` for the attention ops of `shape`: called by the host once
+    /// a step, after the step's inputs are written and outside any graph recording.
+    fn plan_step(&self, layout: StepLayout, shape: AttentionShape) -> Result<Self::StepPlan>;
     /// Causal grouped-query attention over the paged caches: token t attends to positions
     /// `0..=positions[t]` of its own sequence.
-    #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
         q: BlockHandle,
-        k_cache: BlockHandle,
-        v_cache: BlockHandle,
-        positions: BlockHandle,
-        pages: PagedKv,
+        kv: AttentionKv<'_, Self::StepPlan>,
         out: BlockHandle,
         n_tokens: usize,
         shape: AttentionShape,
@@ -608,7 +634,7 @@ pub trait Backend {
     fn attend_and_project(
         &self,
         q: BlockHandle,
-        kv: AttentionKv,
+        kv: AttentionKv<'_, Self::StepPlan>,
         wo: &Self::Weight,
         [out, residual, scratch]: [BlockHandle; 3],
         n_tokens: usize,
@@ -623,7 +649,7 @@ pub trait Backend {
     fn rope_attend_and_project(
         &self,
         new: NewRows,
-        kv: AttentionKv,
+        kv: AttentionKv<'_, Self::StepPlan>,
         wo: &Self::Weight,
         buffers: [BlockHandle; 3],
         n_tokens: usize,

@@ -4,7 +4,7 @@ use super::config::ModelConfig;
 use super::kv_cache::{KvCache, OutOfPages, PagePool, PageUsage};
 use super::weights::{self, TensorSource, Weights};
 use crate::backend::{
-    AttentionKv, Backend, BlockHandle, FeedForward, FeedForwardScratch, Input, NewRows, NextInput, PagedKv,
+    AttentionKv, Backend, BlockHandle, FeedForward, FeedForwardScratch, Input, NewRows, NextInput, PagedKv, StepLayout,
 };
 use crate::{Error, Result};
 
@@ -133,6 +133,19 @@ impl StepInputs {
     fn tables(&self) -> BlockHandle {
         let start = 3 * self.max_batch * 4;
         self.block.slice(start, self.block.len - start)
+    }
+    /// The positions and sequence rows of the first `n` tokens, as last sent (`write_inputs`
+    /// leaves them in `sent`).
+    fn layout(&self, n: usize) -> Result<StepLayout<'_>> {
+        let field = |i: usize| {
+            self.sent
+                .get(i * self.max_batch..i * self.max_batch + n)
+                .ok_or_else(|| Error::Backend(format!("the inputs of a step of {n} tokens were not sent")))
+        };
+        Ok(StepLayout {
+            positions: field(1)?,
+            token_seqs: field(2)?,
+        })
     }
 }
 
@@ -428,9 +441,12 @@ impl<B: Backend> Llama<B> {
             self.pages.grow(s.kv, len)?;
         }
         self.write_inputs(steps, kind)?;
+        let plan = self
+            .backend
+            .plan_step(self.inputs.layout(n)?, self.config.attention())?;
         let run = |model: &Self| match kind {
-            StepKind::Host => model.layers(n),
-            StepKind::Greedy { slot } => model.layers(n).and_then(|_| model.choose(0, slot)),
+            StepKind::Host => model.layers(n, &plan),
+            StepKind::Greedy { slot } => model.layers(n, &plan).and_then(|_| model.choose(0, slot)),
         };
         if let Some(&(_, graph)) = self.graphs.iter().find(|(k, _)| *k == (n, kind)) {
             self.backend.replay(graph)?;
@@ -521,7 +537,7 @@ impl<B: Backend> Llama<B> {
     }
 
     /// The layer loop, written once.
-    fn layers(&self, n: usize) -> Result<()> {
+    fn layers(&self, n: usize, plan: &B::StepPlan) -> Result<()> {
         let c = &self.config;
         let shape = c.attention();
         let (b, s) = (&self.backend, &self.scratch);
@@ -563,6 +579,7 @@ impl<B: Backend> Llama<B> {
                 v_cache: *v_cache,
                 positions,
                 pages,
+                plan,
             };
             b.rope_attend_and_project(new, kv, &layer.wo, [s.attn, s.x, s.proj], n, shape)?;
             // Feed-forward block, the same way.

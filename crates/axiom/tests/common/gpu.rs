@@ -6,8 +6,8 @@ use super::{paged_queries, random_weight_bytes, PagedCase, PAGED_LENS};
 use axiom::backend::cpu::kernels::argmax::argmax;
 use axiom::backend::cpu::CpuBackend;
 use axiom::backend::{
-    AttentionShape, Backend, BlockHandle, FeedForward, FeedForwardScratch, HostTensor, Input, KvType, NewRows,
-    NextInput, PagedKv, Rope, RopeLayout, RopeScaling,
+    AttentionKv, AttentionShape, Backend, BlockHandle, FeedForward, FeedForwardScratch, HostTensor, Input, KvType,
+    NewRows, NextInput, PagedKv, Rope, RopeLayout, RopeScaling, StepLayout,
 };
 use axiom::chat::Message;
 use axiom::engine::perplexity::perplexity;
@@ -689,16 +689,7 @@ fn rope_step<B: Backend>(
             let stream = put(b, residual);
             b.rope_attend_and_project(new, kv, wo, [out, stream, scratch], queries.len(), shape)?;
             let (q_after, read) = (put(b, q_after), poisoned(b, q.len()));
-            b.attention(
-                q_after,
-                kv.k_cache,
-                kv.v_cache,
-                kv.positions,
-                kv.pages,
-                read,
-                queries.len(),
-                shape,
-            )?;
+            b.attention(q_after, kv, read, queries.len(), shape)?;
             Ok((get(b, stream, residual.len()), get(b, read, q.len())))
         })
         .unwrap();
@@ -752,18 +743,31 @@ fn rope_kv_write_step<B: Backend>(
     let n = q.len() / shape.q_width();
     let cache_values = case.n_pages * case.page_size * shape.kv_width() * b.kv_type().bytes() / 4;
     let (kc, vc) = (poisoned(b, cache_values), poisoned(b, cache_values));
+    let (host_positions, host_seqs): (Vec<u32>, Vec<u32>) = ((0..n as u32).collect(), vec![0; n]);
     let pages = PagedKv {
         block_tables: put_u32(b, &case.flat_tables()),
         table_width: case.table_width(),
-        token_seqs: put_u32(b, &vec![0; n]),
+        token_seqs: put_u32(b, &host_seqs),
         page_size: case.page_size,
     };
-    let positions = put_u32(b, &(0..n as u32).collect::<Vec<_>>());
+    let positions = put_u32(b, &host_positions);
     let freqs = put(b, &rope.inverse_frequencies());
     let (qh, kh, vh, out) = (put(b, q), put(b, k), put(b, v), poisoned(b, q.len()));
     b.rope_kv_write(qh, kh, vh, kc, vc, positions, freqs, pages, n, shape, rope)
         .unwrap();
-    b.attention(qh, kc, vc, positions, pages, out, n, shape).unwrap();
+    let layout = StepLayout {
+        positions: &host_positions,
+        token_seqs: &host_seqs,
+    };
+    let plan = b.plan_step(layout, shape).unwrap();
+    let kv = AttentionKv {
+        k_cache: kc,
+        v_cache: vc,
+        positions,
+        pages,
+        plan: &plan,
+    };
+    b.attention(qh, kv, out, n, shape).unwrap();
     (get(b, qh, q.len()), get(b, out, q.len()))
 }
 

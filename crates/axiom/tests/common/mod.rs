@@ -3,7 +3,7 @@
 
 pub mod gpu;
 
-use axiom::backend::{AttentionKv, AttentionShape, Backend, BlockHandle, PagedKv};
+use axiom::backend::{AttentionKv, AttentionShape, Backend, BlockHandle, PagedKv, StepLayout};
 use axiom::engine::Session;
 use axiom::format::quant::GgmlType;
 use axiom::model::llama::LoadOptions;
@@ -293,16 +293,7 @@ impl PagedCase {
     ) -> axiom::Result<Vec<f32>> {
         self.with_cache(b, k, v, queries, q, shape, |b, qh, kv| {
             let out = put_f32(b, &vec![f32::NAN; q.len()])?;
-            b.attention(
-                qh,
-                kv.k_cache,
-                kv.v_cache,
-                kv.positions,
-                kv.pages,
-                out,
-                queries.len(),
-                shape,
-            )?;
+            b.attention(qh, kv, out, queries.len(), shape)?;
             let mut got = vec![0f32; q.len()];
             b.read_f32(out, &mut got)?;
             Ok(got)
@@ -320,7 +311,7 @@ impl PagedCase {
         queries: &[(u32, u32)],
         q: &[f32],
         shape: AttentionShape,
-        step: impl FnOnce(&mut B, BlockHandle, AttentionKv) -> axiom::Result<R>,
+        step: impl FnOnce(&mut B, BlockHandle, AttentionKv<'_, B::StepPlan>) -> axiom::Result<R>,
     ) -> axiom::Result<R> {
         let kv_w = shape.kv_width();
         let cache_bytes = self.n_pages * self.page_size * kv_w * b.kv_type().bytes();
@@ -350,11 +341,17 @@ impl PagedCase {
             ..written
         };
         let (qh, positions) = (put_f32(b, q)?, put_u32(b, &qpos)?);
+        let layout = StepLayout {
+            positions: &qpos,
+            token_seqs: &qseqs,
+        };
+        let plan = b.plan_step(layout, shape)?;
         let kv = AttentionKv {
             k_cache: kc,
             v_cache: vc,
             positions,
             pages,
+            plan: &plan,
         };
         step(b, qh, kv)
     }

@@ -11,7 +11,9 @@ pub mod fast;
 pub mod kernels;
 pub mod pool;
 
-use super::{Arena, AttentionShape, Backend, BlockHandle, HostTensor, Input, KvType, PagedKv, Rope};
+use super::{
+    Arena, AttentionKv, AttentionShape, Backend, BlockHandle, HostTensor, Input, KvType, PagedKv, Rope, StepLayout,
+};
 use crate::format::quant::GgmlType;
 use crate::{Error, Result};
 use fast::{Isa, OutPtr, Q8Activations, Stage, CHUNK, GROUPS_PER_CHUNK};
@@ -397,6 +399,8 @@ impl Backend for CpuBackend {
     type Weight = CpuWeight;
     type HostF32 = Vec<f32>;
     type ChoiceSlot = Cell<u32>;
+    /// Nothing: the kernels read the step's layout where the host wrote it.
+    type StepPlan = ();
 
     fn kv_type(&self) -> KvType {
         self.kv_type
@@ -627,13 +631,20 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn plan_step(&self, _: StepLayout, _: AttentionShape) -> Result<()> {
+        Ok(())
+    }
+
     fn attention(
         &self,
         q: BlockHandle,
-        k_cache: BlockHandle,
-        v_cache: BlockHandle,
-        positions: BlockHandle,
-        pages: PagedKv,
+        AttentionKv {
+            k_cache,
+            v_cache,
+            positions,
+            pages,
+            ..
+        }: AttentionKv<'_, ()>,
         out: BlockHandle,
         n_tokens: usize,
         shape: AttentionShape,

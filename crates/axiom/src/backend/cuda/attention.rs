@@ -6,7 +6,7 @@ use super::launch::page_size_arg;
 use super::matmul::{gemv_max_tokens, interleaves_activations, starts_next_early, Epilogue, Quantized};
 use super::rope::rope_args;
 use super::weights::CudaWeight;
-use super::CudaBackend;
+use super::{CudaBackend, FlashPlan};
 use crate::backend::{rope_attend_and_project_in_steps, AttentionKv, AttentionShape, Backend, BlockHandle, NewRows};
 use crate::format::quant::GgmlType;
 use crate::{Error, Result};
@@ -30,7 +30,7 @@ impl CudaBackend {
         &self,
         q: BlockHandle,
         new: Option<NewRows>,
-        kv: AttentionKv,
+        kv: AttentionKv<'_, Option<FlashPlan>>,
         out: BlockHandle,
         quantized_for: Option<((BlockHandle, BlockHandle), &CudaWeight)>,
         n_tokens: usize,
@@ -60,6 +60,7 @@ impl CudaBackend {
             v_cache,
             positions,
             pages,
+            ..
         } = kv;
         let (nh, nkv, hd) = (shape.n_heads as i32, shape.n_kv_heads as i32, shape.head_dim as i32);
         let (table_width, page_size) = (pages.table_width as i32, page_size_arg(&pages)?);
@@ -124,7 +125,7 @@ impl CudaBackend {
         &self,
         q: BlockHandle,
         new: Option<NewRows>,
-        kv: AttentionKv,
+        kv: AttentionKv<'_, Option<FlashPlan>>,
         wo: &CudaWeight,
         [out, residual, scratch]: [BlockHandle; 3],
         n_tokens: usize,
@@ -184,7 +185,7 @@ impl CudaBackend {
     pub(super) fn rope_attend_then_project(
         &self,
         new: NewRows,
-        kv: AttentionKv,
+        kv: AttentionKv<'_, Option<FlashPlan>>,
         wo: &CudaWeight,
         buffers: [BlockHandle; 3],
         n_tokens: usize,

@@ -4,7 +4,7 @@
 use super::flash_attention::FLASH_MIN_TOKENS;
 use super::launch::page_size_arg;
 use super::rope::rope_args;
-use super::CudaBackend;
+use super::{CudaBackend, FlashPlan};
 use crate::backend::{AttentionKv, AttentionShape, BlockHandle, NewRows, PagedKv};
 use crate::Result;
 
@@ -53,7 +53,7 @@ impl CudaBackend {
     pub(super) fn rotate_and_store(
         &self,
         new: NewRows,
-        kv: AttentionKv,
+        kv: AttentionKv<'_, Option<FlashPlan>>,
         n_tokens: usize,
         shape: AttentionShape,
         turns: Option<BlockHandle>,

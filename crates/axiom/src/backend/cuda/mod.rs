@@ -31,7 +31,7 @@ mod weights;
 
 use super::{
     Arena, AttentionKv, AttentionShape, Backend, BlockHandle, FeedForward, FeedForwardScratch, HostTensor, Input,
-    KvType, NewRows, NextInput, PagedKv, Rope,
+    KvType, NewRows, NextInput, PagedKv, Rope, StepLayout,
 };
 use crate::format::quant::GgmlType;
 use crate::{Error, Result};
@@ -40,12 +40,13 @@ use cudarc::cublas::{result as cublas, sys as cublas_sys};
 use cudarc::driver::{sys, CudaGraph, CudaSlice, CudaStream};
 pub use device::PinnedF32;
 use device::{driver_error, CudaDevice};
-use flash_attention::{flash_head_dims, FlashPlan};
+use flash_attention::flash_head_dims;
+pub use flash_attention::FlashPlan;
 use kernels::Kernels;
 use matmul::GEMV_MAX_TOKENS;
 use memory::ALIGN;
 use occupancy::{prefer_shared_memory, quantize_padding, EvenSpread};
-use std::cell::{Cell, RefCell};
+use std::cell::RefCell;
 use std::sync::Arc;
 pub use weights::CudaWeight;
 
@@ -64,11 +65,6 @@ pub struct CudaBackend {
     /// Each token's RoPE angles, (cos, sin) of each pair as two f32, where flash attention
     /// rotates the queries itself (`rope_attend_and_project`): at most `FLASH_MAX_PAIRS` a token.
     flash_turns: Option<BlockHandle>,
-    /// What `flash_tiles` holds the tiles of, for the layers after the first of a step. Every
-    /// `write_u32`, which is how a multi-token step's positions and sequences arrive, forgets it.
-    /// (A greedy step's position, which the argmax advances on the device, is one token's: it
-    /// never takes flash attention.)
-    flash_plan: Cell<Option<FlashPlan>>,
     /// Activations quantized for the integer matrix-vector kernels: int8 values, f32 block scales.
     int8_activations: Option<(BlockHandle, BlockHandle)>,
     largest_weight: usize,
@@ -133,7 +129,6 @@ impl CudaBackend {
             staging: None,
             flash_tiles: None,
             flash_turns: None,
-            flash_plan: Cell::new(None),
             int8_activations: None,
             largest_weight: 0,
             graphs: RefCell::new(Vec::new()),
@@ -167,6 +162,8 @@ impl Backend for CudaBackend {
     type Weight = CudaWeight;
     type HostF32 = PinnedF32;
     type ChoiceSlot = ChoiceSlot;
+    /// The flash-attention tiles of a step that takes flash attention.
+    type StepPlan = Option<FlashPlan>;
 
     fn device_name(&self) -> String {
         format!("CUDA {} ({})", self.device.name, self.device.arch)
@@ -204,7 +201,6 @@ impl Backend for CudaBackend {
 
     fn write_u32(&self, dst: BlockHandle, src: &[u32]) -> Result<()> {
         assert!(std::mem::size_of_val(src) <= dst.len);
-        self.flash_plan.set(None);
         // SAFETY: as write_f32.
         unsafe { cudarc::driver::result::memcpy_htod_async(self.ptr(dst), src, self.stream.cu_stream()) }
             .map_err(driver_error("copy to device"))
@@ -356,34 +352,30 @@ impl Backend for CudaBackend {
             v_cache,
             positions,
             pages,
+            plan: &None,
         };
         self.rotate_and_store(new, kv, n_tokens, shape, None)
+    }
+
+    fn plan_step(&self, layout: StepLayout, shape: AttentionShape) -> Result<Option<FlashPlan>> {
+        self.plan_flash(layout, shape)
     }
 
     fn attention(
         &self,
         q: BlockHandle,
-        k_cache: BlockHandle,
-        v_cache: BlockHandle,
-        positions: BlockHandle,
-        pages: PagedKv,
+        kv: AttentionKv<'_, Option<FlashPlan>>,
         out: BlockHandle,
         n_tokens: usize,
         shape: AttentionShape,
     ) -> Result<()> {
-        let kv = AttentionKv {
-            k_cache,
-            v_cache,
-            positions,
-            pages,
-        };
         self.attend(q, None, kv, out, None, n_tokens, shape)
     }
 
     fn attend_and_project(
         &self,
         q: BlockHandle,
-        kv: AttentionKv,
+        kv: AttentionKv<'_, Option<FlashPlan>>,
         wo: &CudaWeight,
         buffers: [BlockHandle; 3],
         n_tokens: usize,
@@ -395,7 +387,7 @@ impl Backend for CudaBackend {
     fn rope_attend_and_project(
         &self,
         new: NewRows,
-        kv: AttentionKv,
+        kv: AttentionKv<'_, Option<FlashPlan>>,
         wo: &CudaWeight,
         buffers: [BlockHandle; 3],
         n_tokens: usize,
