@@ -3,7 +3,7 @@
 use crate::load::{load_session, open_model};
 use crate::{context_tokens, outln, print_out, with_session, ModelArgs, Output, SamplingArgs, DEFAULT_CONTEXT};
 use anyhow::{bail, Context, Result};
-use axiom::backend::Backend;
+use axiom::backend::Kernels;
 use axiom::chat::Message;
 use axiom::engine::bench::{run_test, Test};
 use axiom::engine::{generate, Sampler};

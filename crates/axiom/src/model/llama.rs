@@ -4,7 +4,8 @@ use super::config::ModelConfig;
 use super::kv_cache::{KvCache, OutOfPages, PagePool, PageUsage};
 use super::weights::{self, TensorSource, Weights};
 use crate::backend::{
-    AttentionKv, Backend, BlockHandle, FeedForward, FeedForwardScratch, Input, NewRows, NextInput, PagedKv, StepLayout,
+    AttentionKv, Backend, BlockHandle, FeedForward, FeedForwardScratch, Input, NewRows, NextInput, PagedKv, Projection,
+    Residual, StepLayout,
 };
 use crate::{Error, Result};
 
@@ -581,7 +582,15 @@ impl<B: Backend> Llama<B> {
                 pages,
                 plan,
             };
-            b.rope_attend_and_project(new, kv, &layer.wo, [s.attn, s.x, s.proj], n, shape)?;
+            let proj = Projection {
+                wo: &layer.wo,
+                attn: s.attn,
+                residual: Residual {
+                    stream: s.x,
+                    scratch: s.proj,
+                },
+            };
+            b.rope_attend_and_project(new, kv, proj, n, shape)?;
             // Feed-forward block, the same way.
             let ffn_in = self.normed(s.x, layer.ffn_norm);
             let ffn = FeedForward {

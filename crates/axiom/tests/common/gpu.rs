@@ -6,8 +6,8 @@ use super::{paged_queries, random_weight_bytes, PagedCase, PAGED_LENS};
 use axiom::backend::cpu::kernels::argmax::argmax;
 use axiom::backend::cpu::CpuBackend;
 use axiom::backend::{
-    AttentionKv, AttentionShape, Backend, BlockHandle, FeedForward, FeedForwardScratch, HostTensor, Input, KvType,
-    NewRows, NextInput, PagedKv, Rope, RopeLayout, RopeScaling, StepLayout,
+    AttentionKv, AttentionShape, Backend, BlockHandle, FeedForward, FeedForwardScratch, HostTensor, Input, Kernels,
+    KvType, NewRows, NextInput, PagedKv, Projection, Residual, Rope, RopeLayout, RopeScaling, StepLayout, SwigluRows,
 };
 use axiom::chat::Message;
 use axiom::engine::perplexity::perplexity;
@@ -74,7 +74,7 @@ fn random_weight<B: Backend>(
     ty: GgmlType,
     n_in: usize,
     n_out: usize,
-) -> (B::Weight, <CpuBackend as Backend>::Weight) {
+) -> (B::Weight, <CpuBackend as Kernels>::Weight) {
     let bytes = random_weight_bytes(rng, ty, n_in * n_out);
     let tensor = HostTensor {
         name: "w",
@@ -163,8 +163,8 @@ pub fn matmul_every_type_and_token_count<B: Backend>(
             // The product added to a residual.
             let (og, oc) = (put(&mut gpu, &residual), put(&mut cpu, &residual));
             let (sg, sc) = (poisoned(&mut gpu, n), poisoned(&mut cpu, n));
-            gpu.matmul_add(xg, &wg, og, sg, n_tokens).unwrap();
-            cpu.matmul_add(xc, &wc, oc, sc, n_tokens).unwrap();
+            gpu.matmul_add(xg, &wg, residual_in(og, sg), n_tokens).unwrap();
+            cpu.matmul_add(xc, &wc, residual_in(oc, sc), n_tokens).unwrap();
             check(&gpu, &cpu, "matmul_add", og, oc);
         }
     }
@@ -232,15 +232,23 @@ pub fn matmul_every_type_and_token_count<B: Backend>(
             let residual = randn(&mut rng, n);
             let (og, oc) = (put(&mut gpu, &residual), put(&mut cpu, &residual));
             let (sg, sc) = (poisoned(&mut gpu, n), poisoned(&mut cpu, n));
-            gpu.matmul_add(xg, &up.0, og, sg, n_tokens).unwrap();
-            cpu.matmul_add(xc, &up.1, oc, sc, n_tokens).unwrap();
+            gpu.matmul_add(xg, &up.0, residual_in(og, sg), n_tokens).unwrap();
+            cpu.matmul_add(xc, &up.1, residual_in(oc, sc), n_tokens).unwrap();
             check(&gpu, &cpu, "tall matmul_add", og, oc, tol);
-            let scratch_g = [poisoned(&mut gpu, n), poisoned(&mut gpu, n)];
-            let scratch_c = [poisoned(&mut cpu, n), poisoned(&mut cpu, n)];
-            let (og, oc) = (poisoned(&mut gpu, n), poisoned(&mut cpu, n));
-            gpu.gate_up_swiglu(xg.into(), &gate.0, &up.0, scratch_g, og, n_tokens, n_out)
+            let rows_g = SwigluRows {
+                gate: poisoned(&mut gpu, n),
+                up: poisoned(&mut gpu, n),
+                out: poisoned(&mut gpu, n),
+            };
+            let rows_c = SwigluRows {
+                gate: poisoned(&mut cpu, n),
+                up: poisoned(&mut cpu, n),
+                out: poisoned(&mut cpu, n),
+            };
+            let (og, oc) = (rows_g.out, rows_c.out);
+            gpu.gate_up_swiglu(xg.into(), [&gate.0, &up.0], rows_g, n_tokens)
                 .unwrap();
-            cpu.gate_up_swiglu(xc.into(), &gate.1, &up.1, scratch_c, oc, n_tokens, n_out)
+            cpu.gate_up_swiglu(xc.into(), [&gate.1, &up.1], rows_c, n_tokens)
                 .unwrap();
             // Two products multiplied: their errors add.
             check(&gpu, &cpu, "tall gate_up_swiglu", og, oc, 2.0 * tol);
@@ -546,6 +554,11 @@ pub fn attention_then_output_projection<B: Backend>(
     }
 }
 
+/// A product added to `stream`, held first in `scratch` by a backend that adds in two steps.
+fn residual_in(stream: BlockHandle, scratch: BlockHandle) -> Residual {
+    Residual { stream, scratch }
+}
+
 /// What `attend_and_project` adds to `residual` for a `PagedCase`'s queries.
 type AttentionInputs<'a> = (
     &'a PagedCase,
@@ -559,9 +572,14 @@ fn projected<B: Backend>(b: &mut B, inputs: AttentionInputs, wo: &B::Weight, res
     let (case, k, v, queries, q, shape) = inputs;
     let sum = case
         .with_cache(b, k, v, queries, q, shape, |b, qh, kv| {
-            let (out, scratch) = (poisoned(b, q.len()), poisoned(b, residual.len()));
+            let (attn, scratch) = (poisoned(b, q.len()), poisoned(b, residual.len()));
             let stream = put(b, residual);
-            b.attend_and_project(qh, kv, wo, [out, stream, scratch], queries.len(), shape)?;
+            let proj = Projection {
+                wo,
+                attn,
+                residual: residual_in(stream, scratch),
+            };
+            b.attend_and_project(qh, kv, proj, queries.len(), shape)?;
             Ok(get(b, stream, residual.len()))
         })
         .unwrap();
@@ -685,9 +703,14 @@ fn rope_step<B: Backend>(
                 freqs: put(b, &rope.inverse_frequencies()),
                 rope,
             };
-            let (out, scratch) = (poisoned(b, q.len()), poisoned(b, residual.len()));
+            let (attn, scratch) = (poisoned(b, q.len()), poisoned(b, residual.len()));
             let stream = put(b, residual);
-            b.rope_attend_and_project(new, kv, wo, [out, stream, scratch], queries.len(), shape)?;
+            let proj = Projection {
+                wo,
+                attn,
+                residual: residual_in(stream, scratch),
+            };
+            b.rope_attend_and_project(new, kv, proj, queries.len(), shape)?;
             let (q_after, read) = (put(b, q_after), poisoned(b, q.len()));
             b.attention(q_after, kv, read, queries.len(), shape)?;
             Ok((get(b, stream, residual.len()), get(b, read, q.len())))
@@ -753,8 +776,6 @@ fn rope_kv_write_step<B: Backend>(
     let positions = put_u32(b, &host_positions);
     let freqs = put(b, &rope.inverse_frequencies());
     let (qh, kh, vh, out) = (put(b, q), put(b, k), put(b, v), poisoned(b, q.len()));
-    b.rope_kv_write(qh, kh, vh, kc, vc, positions, freqs, pages, n, shape, rope)
-        .unwrap();
     let layout = StepLayout {
         positions: &host_positions,
         token_seqs: &host_seqs,
@@ -767,6 +788,14 @@ fn rope_kv_write_step<B: Backend>(
         pages,
         plan: &plan,
     };
+    let new = NewRows {
+        q: qh,
+        k: kh,
+        v: vh,
+        freqs,
+        rope,
+    };
+    b.rope_kv_write(new, kv, n, shape).unwrap();
     b.attention(qh, kv, out, n, shape).unwrap();
     (get(b, qh, q.len()), get(b, out, q.len()))
 }

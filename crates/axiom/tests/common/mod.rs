@@ -333,7 +333,19 @@ impl PagedCase {
             page_size: self.page_size,
         };
         let (kh, vh, ph) = (put_f32(b, &ks)?, put_f32(b, &vs)?, put_u32(b, &positions)?);
-        b.kv_write(kh, vh, kc, vc, ph, written, positions.len(), kv_w)?;
+        let layout = StepLayout {
+            positions: &positions,
+            token_seqs: &seqs,
+        };
+        let plan = b.plan_step(layout, shape)?;
+        let kv = AttentionKv {
+            k_cache: kc,
+            v_cache: vc,
+            positions: ph,
+            pages: written,
+            plan: &plan,
+        };
+        b.kv_write(kh, vh, kv, positions.len(), kv_w)?;
 
         let (qseqs, qpos): (Vec<u32>, Vec<u32>) = queries.iter().copied().unzip();
         let pages = PagedKv {

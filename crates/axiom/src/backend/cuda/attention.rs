@@ -7,7 +7,9 @@ use super::matmul::{gemv_max_tokens, interleaves_activations, starts_next_early,
 use super::rope::rope_args;
 use super::weights::CudaWeight;
 use super::{CudaBackend, FlashPlan};
-use crate::backend::{rope_attend_and_project_in_steps, AttentionKv, AttentionShape, Backend, BlockHandle, NewRows};
+use crate::backend::{
+    rope_attend_and_project_in_steps, AttentionKv, AttentionShape, Backend, BlockHandle, NewRows, Projection,
+};
 use crate::format::quant::GgmlType;
 use crate::{Error, Result};
 
@@ -21,7 +23,7 @@ const ATTENTION_MAX_SPLITS: usize = 8;
 pub(super) const ATTENTION_MAX_HEAD_DIM: usize = 256;
 
 impl CudaBackend {
-    /// `Backend::attention`; with `quantized_for`, the one-pass kernel also writes its output into
+    /// `Kernels::attention`; with `quantized_for`, the one-pass kernel also writes its output into
     /// that staging as `quantize_activations` would for that weight (the head size then a multiple
     /// of 32). With `new`, a step of one token also rotates the query and the new key and stores
     /// the token's cache row, as `rope_kv_write` would before it; a flash-attention step rotates
@@ -120,17 +122,20 @@ impl CudaBackend {
     /// attention kernel quantizes its output for it as it writes it: no launch of its own. Where
     /// it runs through cuBLAS after flash attention (prefill), attention writes its 16-bit input.
     /// `new` as for `attend`.
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn attend_then_project(
         &self,
         q: BlockHandle,
         new: Option<NewRows>,
         kv: AttentionKv<'_, Option<FlashPlan>>,
-        wo: &CudaWeight,
-        [out, residual, scratch]: [BlockHandle; 3],
+        proj: Projection<'_, CudaWeight>,
         n_tokens: usize,
         shape: AttentionShape,
     ) -> Result<()> {
+        let Projection {
+            wo,
+            attn: out,
+            residual,
+        } = proj;
         let input = gemm_input(wo.ty);
         if self.takes_flash(shape, n_tokens) && n_tokens > gemv_max_tokens(wo.ty) && input != GgmlType::F32 {
             // Flash attention writes its output in the 16-bit type cuBLAS reads, straight into the
@@ -145,7 +150,7 @@ impl CudaBackend {
             }
             let rotate = new.map(|new| new.rope);
             self.flash_attention(q, rotate, kv, self.ptr(x_stage), input, n_tokens, shape)?;
-            return self.gemm(out, wo, residual, n_tokens, GemmOutput::Add, &mut Some(input));
+            return self.gemm(out, wo, residual.stream, n_tokens, GemmOutput::Add, &mut Some(input));
         }
         let folds = n_tokens <= gemv_max_tokens(wo.ty)
             && self.takes_int8(wo)
@@ -164,7 +169,7 @@ impl CudaBackend {
                 self.gemv(
                     out.into(),
                     &[wo],
-                    &[residual],
+                    &[residual.stream],
                     n_tokens,
                     Epilogue::Add,
                     &mut Some(quantized),
@@ -172,7 +177,7 @@ impl CudaBackend {
             }
             None => {
                 self.attend(q, new, kv, out, None, n_tokens, shape)?;
-                self.matmul_add(out, wo, residual, scratch, n_tokens)
+                self.matmul_add(out, wo, residual, n_tokens)
             }
         }
     }
@@ -186,16 +191,15 @@ impl CudaBackend {
         &self,
         new: NewRows,
         kv: AttentionKv<'_, Option<FlashPlan>>,
-        wo: &CudaWeight,
-        buffers: [BlockHandle; 3],
+        proj: Projection<'_, CudaWeight>,
         n_tokens: usize,
         shape: AttentionShape,
     ) -> Result<()> {
         if self.takes_flash(shape, n_tokens) && new.rope.dims == shape.head_dim {
             self.rotate_and_store(new, kv, n_tokens, shape, self.flash_turns)?;
         } else if n_tokens != 1 {
-            return rope_attend_and_project_in_steps(self, new, kv, wo, buffers, n_tokens, shape);
+            return rope_attend_and_project_in_steps(self, new, kv, proj, n_tokens, shape);
         }
-        self.attend_then_project(new.q, Some(new), kv, wo, buffers, n_tokens, shape)
+        self.attend_then_project(new.q, Some(new), kv, proj, n_tokens, shape)
     }
 }

@@ -6,7 +6,7 @@ use crate::backend::BlockHandle;
 use crate::Result;
 
 impl CudaBackend {
-    /// `Backend::add`.
+    /// `Kernels::add`.
     pub(super) fn launch_add(&self, x: BlockHandle, y: BlockHandle, n: usize) -> Result<()> {
         let n64 = n as u64;
         self.launch(
@@ -17,7 +17,7 @@ impl CudaBackend {
         )
     }
 
-    /// `Backend::add_bias`.
+    /// `Kernels::add_bias`.
     pub(super) fn launch_add_bias(
         &self,
         x: BlockHandle,
@@ -34,7 +34,7 @@ impl CudaBackend {
         )
     }
 
-    /// `Backend::swiglu`.
+    /// `Kernels::swiglu`.
     pub(super) fn launch_swiglu(&self, gate: BlockHandle, up: BlockHandle, out: BlockHandle, n: usize) -> Result<()> {
         let n64 = n as u64;
         self.launch(

@@ -6,7 +6,7 @@ use super::kernels::{self, Kernels};
 use super::launch::page_size_arg;
 use super::occupancy::allow_dynamic_shared;
 use super::CudaBackend;
-use crate::backend::{AttentionKv, AttentionShape, Backend, BlockHandle, KvType, Rope, RopeLayout, StepLayout};
+use crate::backend::{AttentionKv, AttentionShape, BlockHandle, Kernels as _, KvType, Rope, RopeLayout, StepLayout};
 use crate::format::quant::GgmlType;
 use crate::{Error, Result};
 
@@ -105,7 +105,7 @@ fn query_tiles(positions: &[u32], token_seqs: &[u32], tile: usize) -> Vec<u32> {
     tiles
 }
 
-/// A flash-attention step's plan (`Backend::plan_step`): its blocks, and the query tiles it
+/// A flash-attention step's plan (`Kernels::plan_step`): its blocks, and the query tiles it
 /// made, already written to the tiles block.
 #[derive(Clone, Copy)]
 pub struct FlashPlan {

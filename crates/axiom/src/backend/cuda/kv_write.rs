@@ -14,7 +14,7 @@ use crate::Result;
 const ROPE_HEADS: usize = 4;
 
 impl CudaBackend {
-    /// `Backend::kv_write`.
+    /// `Kernels::kv_write`.
     pub(super) fn launch_kv_write(
         &self,
         k: BlockHandle,

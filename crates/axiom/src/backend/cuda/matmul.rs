@@ -6,7 +6,7 @@ use super::launch::blocks_for;
 use super::norms::norm_q8_kernel;
 use super::weights::CudaWeight;
 use super::{kernels, CudaBackend};
-use crate::backend::{gate_up_swiglu_in_steps, Backend, BlockHandle, Input};
+use crate::backend::{gate_up_swiglu_in_steps, Backend, BlockHandle, Input, SwigluRows};
 use crate::format::quant::GgmlType;
 use crate::{Error, Result};
 
@@ -134,18 +134,15 @@ impl CudaBackend {
     pub(super) fn gate_up_swiglu_products(
         &self,
         x: Input,
-        w_gate: &CudaWeight,
-        w_up: &CudaWeight,
-        scratch: [BlockHandle; 2],
-        out: BlockHandle,
+        [w_gate, w_up]: [&CudaWeight; 2],
+        rows: SwigluRows,
         n_tokens: usize,
-        ffn_dim: usize,
     ) -> Result<()> {
         let same_shape = (w_gate.ty, w_gate.n_in, w_gate.n_out) == (w_up.ty, w_up.n_in, w_up.n_out);
         if !same_shape || n_tokens > gemv_max_tokens(w_gate.ty) {
-            return gate_up_swiglu_in_steps(self, x, [w_gate, w_up], scratch, out, n_tokens, ffn_dim);
+            return gate_up_swiglu_in_steps(self, x, [w_gate, w_up], rows, n_tokens);
         }
-        self.gemv(x, &[w_gate, w_up], &[out], n_tokens, Epilogue::SwiGlu, &mut None)
+        self.gemv(x, &[w_gate, w_up], &[rows.out], n_tokens, Epilogue::SwiGlu, &mut None)
     }
 
     /// The kernel argument for `ws` (one type, at most `MAX_MATRICES`), writing token rows

@@ -18,7 +18,7 @@ pub mod device;
 pub mod kernels;
 
 use super::{
-    gpu_kernel_suffix, AttentionKv, AttentionShape, Backend, BlockHandle, HostTensor, KvType, PagedKv, Rope,
+    gpu_kernel_suffix, AttentionKv, AttentionShape, Backend, BlockHandle, HostTensor, Kernels, KvType, NewRows, Rope,
     RopeLayout, StepLayout,
 };
 use crate::format::quant::GgmlType;
@@ -282,7 +282,7 @@ impl From<MetalError> for Error {
     }
 }
 
-impl Backend for MetalBackend {
+impl Kernels for MetalBackend {
     type Weight = MetalWeight;
     type HostF32 = Vec<f32>;
     type ChoiceSlot = Cell<u32>;
@@ -476,10 +476,13 @@ impl Backend for MetalBackend {
         &self,
         k: BlockHandle,
         v: BlockHandle,
-        k_cache: BlockHandle,
-        v_cache: BlockHandle,
-        positions: BlockHandle,
-        pages: PagedKv,
+        AttentionKv {
+            k_cache,
+            v_cache,
+            positions,
+            pages,
+            ..
+        }: AttentionKv<'_, StepContext>,
         n_tokens: usize,
         kv_width: usize,
     ) -> Result<()> {
@@ -498,45 +501,6 @@ impl Backend for MetalBackend {
                 Arg::Buf(pages.token_seqs),
                 u32_arg(pages.page_size),
                 u32_arg(kv_width),
-            ],
-        )
-    }
-
-    fn rope_kv_write(
-        &self,
-        q: BlockHandle,
-        k: BlockHandle,
-        v: BlockHandle,
-        k_cache: BlockHandle,
-        v_cache: BlockHandle,
-        positions: BlockHandle,
-        freqs: BlockHandle,
-        pages: PagedKv,
-        n_tokens: usize,
-        shape: AttentionShape,
-        rope: Rope,
-    ) -> Result<()> {
-        self.launch(
-            &format!("rope_kv_write_{}", self.kv_suffix()),
-            (n_tokens, shape.n_heads + shape.n_kv_heads),
-            |k| threads(k, 64),
-            &[
-                Arg::Buf(q),
-                Arg::Buf(k),
-                Arg::Buf(v),
-                Arg::Buf(k_cache),
-                Arg::Buf(v_cache),
-                Arg::Buf(positions),
-                Arg::Buf(freqs),
-                Arg::Buf(pages.block_tables),
-                u32_arg(pages.table_width),
-                Arg::Buf(pages.token_seqs),
-                u32_arg(pages.page_size),
-                u32_arg(shape.n_heads),
-                u32_arg(shape.n_kv_heads),
-                u32_arg(shape.head_dim),
-                u32_arg(rope.dims),
-                Arg::U32(u32::from(rope.layout == RopeLayout::Halves)),
             ],
         )
     }
@@ -617,6 +581,48 @@ impl Backend for MetalBackend {
     // Read at once: overlapping it would take the index into a buffer of its own and a wait on
     // its command buffer alone.
     super::choices_at_once!();
+}
+
+impl Backend for MetalBackend {
+    fn rope_kv_write(
+        &self,
+        new: NewRows,
+        kv: AttentionKv<'_, StepContext>,
+        n_tokens: usize,
+        shape: AttentionShape,
+    ) -> Result<()> {
+        let NewRows { q, k, v, freqs, rope } = new;
+        let AttentionKv {
+            k_cache,
+            v_cache,
+            positions,
+            pages,
+            ..
+        } = kv;
+        self.launch(
+            &format!("rope_kv_write_{}", self.kv_suffix()),
+            (n_tokens, shape.n_heads + shape.n_kv_heads),
+            |k| threads(k, 64),
+            &[
+                Arg::Buf(q),
+                Arg::Buf(k),
+                Arg::Buf(v),
+                Arg::Buf(k_cache),
+                Arg::Buf(v_cache),
+                Arg::Buf(positions),
+                Arg::Buf(freqs),
+                Arg::Buf(pages.block_tables),
+                u32_arg(pages.table_width),
+                Arg::Buf(pages.token_seqs),
+                u32_arg(pages.page_size),
+                u32_arg(shape.n_heads),
+                u32_arg(shape.n_kv_heads),
+                u32_arg(shape.head_dim),
+                u32_arg(rope.dims),
+                Arg::U32(u32::from(rope.layout == RopeLayout::Halves)),
+            ],
+        )
+    }
 }
 
 impl MetalBackend {
