@@ -1,7 +1,7 @@
 //! The Llama forward pass, written once against the [`Backend`] ops.
 
 use super::config::ModelConfig;
-use super::kv_cache::{KvCache, OutOfPages, PagePool, PageUsage};
+use super::kv_cache::{KvCache, PagePool};
 use super::weights::{self, TensorSource, Weights};
 use crate::backend::{
     AttentionKv, Backend, BlockHandle, FeedForward, FeedForwardScratch, Input, NewRows, NextInput, PagedKv, Projection,
@@ -189,7 +189,6 @@ pub struct Llama<B: Backend> {
     scratch: Scratch,
     inputs: StepInputs,
     cache: PagedCache,
-    pages: PagePool,
     max_batch: usize,
     max_seqs: usize,
     /// Host copies of a few rows of logits; after `forward_last`, the first row is the last token's.
@@ -205,13 +204,14 @@ pub struct Llama<B: Backend> {
 
 impl<B: Backend> Llama<B> {
     /// Loads the weights `config` calls for from `source` onto `backend`, reserving the arena
-    /// for them, the activations of `options.max_batch` tokens and `options.kv_tokens` of cache.
+    /// for them, the activations of `options.max_batch` tokens and `options.kv_tokens` of cache;
+    /// with the pool of that cache's pages, for the engine to hand out.
     pub fn load<S: TensorSource + ?Sized>(
         source: &S,
         config: ModelConfig,
         mut backend: B,
         options: LoadOptions,
-    ) -> Result<Llama<B>> {
+    ) -> Result<(Llama<B>, PagePool)> {
         for (what, tokens) in [("KV cache", options.kv_tokens), ("batch", options.max_batch)] {
             if tokens > MAX_LOAD_TOKENS {
                 return Err(Error::InvalidArgument(format!(
@@ -261,7 +261,7 @@ impl<B: Backend> Llama<B> {
         backend.prepare(steps, max_n_in)?;
         let logits = backend.host_f32(config.vocab_size * LOGIT_ROWS_PER_STEP)?;
         let choices = [backend.choice_slot()?, backend.choice_slot()?];
-        Ok(Llama {
+        let model = Llama {
             config,
             backend,
             weights,
@@ -269,60 +269,21 @@ impl<B: Backend> Llama<B> {
             scratch,
             inputs,
             cache,
-            pages: PagePool::new(n_pages, PAGE_SIZE),
             max_batch,
             max_seqs,
             logits,
             graphs: Vec::new(),
             choices,
             output_rows: Vec::new(),
-        })
+        };
+        Ok((model, PagePool::new(n_pages, PAGE_SIZE)))
     }
 
     /// An empty KV cache for a sequence of up to `capacity` tokens (bounded by the context and
-    /// the pool). It takes pages as it grows; give them back with [`Llama::free_kv_cache`].
+    /// the pool). The engine gives it its pages ([`PagePool::reserve`]) and takes them back
+    /// ([`PagePool::free`]).
     pub fn new_kv_cache(&self, capacity: usize) -> KvCache {
         KvCache::new(capacity.min(self.cache.table_width * PAGE_SIZE))
-    }
-
-    /// Returns the pages of `kv` to the pool (full ones stay reusable as cached prefixes).
-    pub fn free_kv_cache(&mut self, mut kv: KvCache) {
-        self.pages.free(&mut kv);
-    }
-
-    /// Shortens `kv` to at most `len` tokens; returns the length kept (see [`PagePool::truncate`]).
-    pub fn truncate_kv(&mut self, kv: &mut KvCache, len: usize) -> usize {
-        self.pages.truncate(kv, len)
-    }
-
-    /// Makes the empty `kv` share the cached pages that begin `tokens`; returns the tokens reused.
-    pub fn share_prefix(&mut self, kv: &mut KvCache, tokens: &[u32]) -> usize {
-        self.pages.share_prefix(kv, tokens)
-    }
-
-    /// Gives `kv` its pages for `more` tokens now (all or nothing), so a step cannot run out.
-    pub fn reserve_kv(&mut self, kv: &mut KvCache, more: usize) -> std::result::Result<(), OutOfPages> {
-        self.pages.grow(kv, kv.len() + more)
-    }
-
-    pub fn page_usage(&self) -> PageUsage {
-        self.pages.usage()
-    }
-
-    /// Pages `kv` would still need to hold `len` tokens.
-    pub fn pages_needed(&self, kv: &KvCache, len: usize) -> usize {
-        self.pages.pages_for(len).saturating_sub(kv.pages.len())
-    }
-
-    /// Pages that can be handed out now.
-    pub fn pages_available(&self) -> usize {
-        self.pages.available()
-    }
-
-    /// Tokens `kv` could grow by now: the rest of its pages and every page still available.
-    pub fn kv_room(&self, kv: &KvCache) -> usize {
-        let room = (kv.pages.len() + self.pages.available()) * PAGE_SIZE;
-        room.min(kv.capacity()).saturating_sub(kv.len())
     }
 
     /// Most tokens one step runs.
@@ -335,8 +296,9 @@ impl<B: Backend> Llama<B> {
         self.max_seqs
     }
 
-    /// Runs `tokens` after the ones already in `kv`, appending theirs. For each row that `rows`
-    /// asks for, calls `sink(row index within tokens, logits)`.
+    /// Runs `tokens` after the ones already in `kv`, appending theirs; `kv` holds the pages for
+    /// them ([`PagePool::reserve`]). For each row that `rows` asks for, calls
+    /// `sink(row index within tokens, logits)`.
     pub fn forward(
         &mut self,
         tokens: &[u32],
@@ -351,7 +313,6 @@ impl<B: Backend> Llama<B> {
                 context: kv.capacity(),
             });
         }
-        self.reserve_kv(kv, tokens.len())?;
         let first_scored = match rows {
             LogitRows::None => tokens.len(),
             LogitRows::Last => tokens.len().saturating_sub(1),
@@ -439,7 +400,12 @@ impl<B: Backend> Llama<B> {
                     context: s.kv.capacity(),
                 });
             }
-            self.pages.grow(s.kv, len)?;
+            let held = s.kv.pages.len() * PAGE_SIZE;
+            if len > held {
+                return Err(Error::InvalidArgument(format!(
+                    "a step to {len} tokens over pages for {held}: the engine reserves a sequence's pages first"
+                )));
+            }
         }
         self.write_inputs(steps, kind)?;
         let plan = self
@@ -464,7 +430,6 @@ impl<B: Backend> Llama<B> {
             StepKind::Host => {
                 for s in steps.iter_mut() {
                     s.kv.push_tokens(s.tokens);
-                    self.pages.index_full_pages(s.kv);
                 }
             }
             StepKind::Greedy { slot } => self.chosen(0, slot)?,

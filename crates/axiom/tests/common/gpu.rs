@@ -821,8 +821,8 @@ pub fn smollm2_matches_transformers<B: Backend>(backend: B) {
             _ => s.raw_prompt(text).unwrap(),
         };
         let mut kv = s.model.new_kv_cache(512);
-        let logits = s.model.forward_last(&prompt, &mut kv).unwrap().to_vec();
-        s.model.free_kv_cache(kv);
+        let logits = s.forward_last(&prompt, &mut kv).unwrap().to_vec();
+        s.pages.free(&mut kv);
         let first = argmax(&logits);
         assert_eq!(
             first as u64,
@@ -833,7 +833,7 @@ pub fn smollm2_matches_transformers<B: Backend>(backend: B) {
     }
     let text = std::fs::read_to_string(super::refs("apache-2.0.txt")).unwrap();
     let tokens = s.tokenizer.encode(&text, false, false).unwrap();
-    let ppl = perplexity(&mut s.model, &tokens, 512, None, |_, _, _| {})
+    let ppl = perplexity(&mut s.model, &mut s.pages, &tokens, 512, None, |_, _, _| {})
         .unwrap()
         .perplexity;
     println!("SmolLM2 perplexity on {device}: {ppl:.4}");
@@ -879,11 +879,10 @@ pub fn every_architecture_matches_transformers<B: Backend>(make: impl Fn(KvType)
                 // One token at a time, as decoding runs (the matrix-vector kernels and the graphs).
                 let mut kv = s.model.new_kv_cache(64);
                 for &id in &ids {
-                    s.model
-                        .forward(&[id], &mut kv, LogitRows::Last, |_, l| got.extend_from_slice(l))
+                    s.forward(&[id], &mut kv, LogitRows::Last, |_, l| got.extend_from_slice(l))
                         .unwrap();
                 }
-                s.model.free_kv_cache(kv);
+                s.pages.free(&mut kv);
             }
             let err = rel_l2(&got, &want);
             println!("{name} on {device}, {kv_type:?} KV cache: relative L2 error {err:.2e}");
@@ -912,26 +911,26 @@ pub fn greedy_decode_matches_host_argmax<B: Backend>(backend: B) {
     let n = 40;
     let mut kv = s.model.new_kv_cache(128);
     let mut want = Vec::new();
-    let mut logits = s.model.forward_last(&prompt, &mut kv).unwrap().to_vec();
+    let mut logits = s.forward_last(&prompt, &mut kv).unwrap().to_vec();
     for i in 0..n {
         want.push(argmax(&logits));
         if i + 1 < n {
-            logits = s.model.forward_last(&[want[i]], &mut kv).unwrap().to_vec();
+            logits = s.forward_last(&[want[i]], &mut kv).unwrap().to_vec();
         }
     }
-    s.model.free_kv_cache(kv);
+    s.pages.free(&mut kv);
 
     let mut kv = s.model.new_kv_cache(128);
     let mut got = Vec::new();
-    let mut decode = GreedyDecode::new(&mut s.model, &mut kv, &prompt).unwrap();
+    let mut decode = GreedyDecode::new(&mut s.model, &mut s.pages, &mut kv, &prompt).unwrap();
     for _ in 0..24 {
         got.push(decode.next_token(true).unwrap());
     }
     drop(decode);
     // 8 + 23 tokens and the 24th, whose queued step took a third page, dropped.
     assert_eq!(kv.tokens(), [&prompt[..], &want[..23]].concat());
-    assert_eq!(s.model.page_usage().used, 2);
-    let mut decode = GreedyDecode::new(&mut s.model, &mut kv, &got[23..]).unwrap();
+    assert_eq!(s.pages.usage().used, 2);
+    let mut decode = GreedyDecode::new(&mut s.model, &mut s.pages, &mut kv, &got[23..]).unwrap();
     for i in 24..n {
         got.push(decode.next_token(i + 1 < n).unwrap());
     }

@@ -210,10 +210,9 @@ pub fn worst_error<B: Backend>(model: &Path, reference: &Path, backend: B) -> f6
         );
         let mut kv = s.model.new_kv_cache(64);
         let mut got = Vec::new();
-        s.model
-            .forward(&ids, &mut kv, LogitRows::From(0), |_, l| got.extend_from_slice(l))
+        s.forward(&ids, &mut kv, LogitRows::From(0), |_, l| got.extend_from_slice(l))
             .unwrap();
-        s.model.free_kv_cache(kv);
+        s.pages.free(&mut kv);
         let reference = &want[offset..offset + ids.len() * vocab];
         offset += ids.len() * vocab;
         let err: f64 = got.iter().zip(reference).map(|(g, w)| ((g - w) as f64).powi(2)).sum();
