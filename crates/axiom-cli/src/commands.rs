@@ -3,7 +3,7 @@
 use crate::load::{load_session, open_model};
 use crate::{context_tokens, outln, print_out, with_session, ModelArgs, Output, SamplingArgs, DEFAULT_CONTEXT};
 use anyhow::{bail, Context, Result};
-use axiom::backend::Backend;
+use axiom::backend::Kernels;
 use axiom::chat::Message;
 use axiom::engine::bench::{run_test, Test};
 use axiom::engine::{generate, Sampler};
@@ -157,8 +157,7 @@ pub fn run(args: RunArgs, out: Output) -> Result<()> {
         let json_mode = args.json;
         let mut written = Ok(());
         let generation = generate(
-            &mut session.model,
-            &session.tokenizer,
+            &mut session,
             &mut kv,
             &prompt,
             &mut sampler,
@@ -242,10 +241,17 @@ pub fn perplexity(args: PerplexityArgs, out: Output) -> Result<()> {
         };
         let bar = progress((tokens.len() / args.ctx_size.max(1)) as u64, "perplexity", out);
         let result =
-            axiom::engine::perplexity::perplexity(&mut session.model, &tokens, args.ctx_size, bos, |done, _, ppl| {
-                bar.set_position(done as u64);
-                bar.set_message(format!("perplexity {ppl:.4}"));
-            })?;
+            axiom::engine::perplexity::perplexity(
+                &mut session.model,
+                &mut session.pages,
+                &tokens,
+                args.ctx_size,
+                bos,
+                |done, _, ppl| {
+                    bar.set_position(done as u64);
+                    bar.set_message(format!("perplexity {ppl:.4}"));
+                },
+            )?;
         bar.finish_and_clear();
         if args.json {
             outln!(
@@ -298,7 +304,7 @@ pub fn bench(args: BenchArgs, out: Output) -> Result<()> {
         let bar = progress(tests.len() as u64, "bench", out);
         for test in tests {
             bar.set_message(format!("bench {}", test.name()));
-            let r = run_test(&mut session.model, test, args.repetitions)?;
+            let r = run_test(&mut session.model, &mut session.pages, test, args.repetitions)?;
             bar.inc(1);
             let gbps = matches!(test, Test::Generation(_)).then(|| r.mean * info.weight_bytes_per_token as f64 / 1e9);
             rows.push((r, gbps));

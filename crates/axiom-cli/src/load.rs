@@ -6,7 +6,7 @@ use crate::{BackendKind, ModelArgs, Output};
 use anyhow::{bail, Context, Result};
 use axiom::backend::cpu::{physical_cores, CpuBackend};
 use axiom::backend::cuda::CudaBackend;
-use axiom::backend::{Backend, KvType};
+use axiom::backend::{Kernels, KvType};
 use axiom::engine::Session;
 use axiom::model::llama::LoadOptions;
 use axiom::model::ModelFiles;

@@ -269,12 +269,13 @@ fn run_engine<B: Backend>(
 ) {
     let Session {
         model,
+        pages,
         tokenizer,
         chat_template,
         info,
     } = session;
     let tokenizer = Arc::new(tokenizer);
-    let (scheduler, handle) = Scheduler::new(model, tokenizer.clone(), config);
+    let (scheduler, handle) = Scheduler::new(model, pages, tokenizer.clone(), config);
     let description = format!("{} on {}", info.description, scheduler.model().backend.device_name());
     if ready.send(Ok((handle, tokenizer, chat_template, description))).is_ok() {
         scheduler.with_metrics(metrics).run();

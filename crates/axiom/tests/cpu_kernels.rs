@@ -11,7 +11,8 @@
 use axiom::backend::cpu::fast::{has_int8_kernel, quantize_row, Isa, Q8Activations, CHUNK, GROUPS_PER_CHUNK};
 use axiom::backend::cpu::{CpuBackend, CpuKernels};
 use axiom::backend::{
-    AttentionShape, Backend, BlockHandle, HostTensor, KvType, PagedKv, Rope, RopeLayout, RopeScaling,
+    AttentionKv, AttentionShape, Backend, BlockHandle, HostTensor, Kernels, KvType, PagedKv, Rope, RopeLayout,
+    RopeScaling,
 };
 use axiom::format::quant::{dequantize, GgmlType};
 use half::f16;
@@ -262,7 +263,14 @@ fn kv_write_and_attention_refuse_tables_that_point_outside_the_cache() {
     for (i, (table, seq, pos, what)) in cases.into_iter().enumerate() {
         let p = pages(&mut b, table, seq);
         let ph = upload_u32(&mut b, &[pos]);
-        let result = b.kv_write(k, v, kc, vc, ph, p, 1, kv_w);
+        let kv = AttentionKv {
+            k_cache: kc,
+            v_cache: vc,
+            positions: ph,
+            pages: p,
+            plan: &(),
+        };
+        let result = b.kv_write(k, v, kv, 1, kv_w);
         assert_eq!(result.is_ok(), i == 0, "{what}: {result:?}");
     }
     // The write landed in page 0 (the table's second entry), row 3.

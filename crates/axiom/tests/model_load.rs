@@ -83,18 +83,12 @@ fn tiny_model_runs() {
     let mut s = load(&tiny_llama("llama", None, None)).unwrap();
     let mut kv = s.model.new_kv_cache(16);
     // Longer than max_batch: the prompt is split into steps.
-    let logits = s.model.forward_last(&[1, 2, 3, 4, 5, 6], &mut kv).unwrap();
+    let logits = s.forward_last(&[1, 2, 3, 4, 5, 6], &mut kv).unwrap();
     assert_eq!(logits.len(), 8);
     assert!(logits.iter().all(|l| l.is_finite()));
     assert_eq!(kv.len(), 6);
-    assert!(
-        s.model.forward_last(&[8], &mut kv).is_err(),
-        "a token id past the vocabulary"
-    );
-    assert!(
-        s.model.forward_last(&[0; 11], &mut kv).is_err(),
-        "past the cache capacity"
-    );
+    assert!(s.forward_last(&[8], &mut kv).is_err(), "a token id past the vocabulary");
+    assert!(s.forward_last(&[0; 11], &mut kv).is_err(), "past the cache capacity");
 }
 
 #[test]

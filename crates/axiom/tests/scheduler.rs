@@ -22,9 +22,14 @@ use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
 
 fn scheduler(options: LoadOptions) -> (Scheduler<CpuBackend>, EngineHandle, Arc<Tokenizer>) {
-    let Session { model, tokenizer, .. } = Session::load(&common::smollm2(), CpuBackend::new(2), options).unwrap();
+    let Session {
+        model,
+        pages,
+        tokenizer,
+        ..
+    } = Session::load(&common::smollm2(), CpuBackend::new(2), options).unwrap();
     let tokenizer = Arc::new(tokenizer);
-    let (sched, handle) = Scheduler::new(model, tokenizer.clone(), SchedulerConfig::default());
+    let (sched, handle) = Scheduler::new(model, pages, tokenizer.clone(), SchedulerConfig::default());
     (sched, handle, tokenizer)
 }
 

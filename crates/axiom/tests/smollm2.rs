@@ -48,8 +48,8 @@ fn fast_session() -> Session<CpuBackend> {
 
 fn last_logits(s: &mut Session<CpuBackend>, prompt: &[u32]) -> Vec<f32> {
     let mut kv = s.model.new_kv_cache(512);
-    let logits = s.model.forward_last(prompt, &mut kv).unwrap().to_vec();
-    s.model.free_kv_cache(kv);
+    let logits = s.forward_last(prompt, &mut kv).unwrap().to_vec();
+    s.pages.free(&mut kv);
     logits
 }
 
@@ -93,12 +93,11 @@ fn reference_backend_matches_transformers_prompts_logits_and_greedy_text() {
         let mut kv = s.model.new_kv_cache(512);
         let mut argmaxes = Vec::new();
         let mut last = Vec::new();
-        s.model
-            .forward(&prompt, &mut kv, LogitRows::From(0), |_, l| {
-                argmaxes.push(argmax(l));
-                last = l.to_vec();
-            })
-            .unwrap();
+        s.forward(&prompt, &mut kv, LogitRows::From(0), |_, l| {
+            argmaxes.push(argmax(l));
+            last = l.to_vec();
+        })
+        .unwrap();
         assert_eq!(
             argmaxes,
             ids(&case["argmax_per_position"]),
@@ -109,7 +108,7 @@ fn reference_backend_matches_transformers_prompts_logits_and_greedy_text() {
 
         // Greedy generation reproduces transformers' 64 tokens (which end at <|im_end|> if it came).
         let want = ids(&case["greedy64_ids"]);
-        s.model.truncate_kv(&mut kv, 0);
+        s.pages.truncate(&mut kv, 0);
         let mut sampler = Sampler::new(SamplerConfig::greedy());
         let g = run(&mut s, &mut kv, &prompt, &mut sampler, 64, &[], |_| {}).unwrap();
         let mut got = g.tokens.clone();
@@ -119,7 +118,7 @@ fn reference_backend_matches_transformers_prompts_logits_and_greedy_text() {
         assert_eq!(got, want, "{name}: greedy tokens");
         let want_text = case["greedy64_text"].as_str().unwrap();
         assert!(want_text.starts_with(&g.text), "{name}: {:?} vs {want_text:?}", g.text);
-        s.model.free_kv_cache(kv);
+        s.pages.free(&mut kv);
     }
 }
 
@@ -145,7 +144,7 @@ fn fast_backend_first_tokens_and_logits_stay_close_to_transformers() {
 fn apache_perplexity(s: &mut Session<CpuBackend>) -> f64 {
     let text = std::fs::read_to_string(refs("apache-2.0.txt")).unwrap();
     let tokens = s.tokenizer.encode(&text, false, false).unwrap();
-    let got = perplexity(&mut s.model, &tokens, 512, None, |_, _, _| {}).unwrap();
+    let got = perplexity(&mut s.model, &mut s.pages, &tokens, 512, None, |_, _, _| {}).unwrap();
     assert_eq!((got.chunks, got.scored_tokens), (4, 4 * 255));
     got.perplexity
 }
@@ -176,7 +175,7 @@ fn run(
         stop: stop.iter().map(|s| s.to_string()).collect(),
         ..Default::default()
     };
-    generate(&mut s.model, &s.tokenizer, kv, prompt, sampler, &options, on_text)
+    generate(s, kv, prompt, sampler, &options, on_text)
 }
 
 #[test]
@@ -195,13 +194,13 @@ fn stop_strings_and_token_limits() {
     assert_eq!(g.text, " Paris.");
     assert_eq!(streamed, g.text);
 
-    s.model.truncate_kv(&mut kv, 0);
+    s.pages.truncate(&mut kv, 0);
     let g = run(&mut s, &mut kv, &prompt, &mut sampler, 3, &[], |_| {}).unwrap();
     assert_eq!((g.tokens.len(), g.stop_reason), (3, StopReason::MaxTokens));
     assert_eq!(kv.len(), prompt.len() + 2, "the last token is sampled but not run");
 
     // A context too small for the prompt is an error; one too small for the answer ends it early.
-    s.model.free_kv_cache(kv);
+    s.pages.free(&mut kv);
     let mut small = s.model.new_kv_cache(4);
     assert!(run(&mut s, &mut small, &prompt, &mut sampler, 3, &[], |_| {}).is_err());
     let mut tight = s.model.new_kv_cache(prompt.len() + 1);
@@ -223,7 +222,7 @@ fn seeded_sampling_is_reproducible() {
             ..SamplerConfig::default()
         });
         let g = run(&mut s, &mut kv, &prompt, &mut sampler, 24, &[], |_| {}).unwrap();
-        s.model.free_kv_cache(kv);
+        s.pages.free(&mut kv);
         g.tokens
     };
     let a = sample(42);

@@ -7,7 +7,7 @@
 //! times.
 
 use crate::backend::Backend;
-use crate::model::{GreedyDecode, Llama, LogitRows};
+use crate::model::{GreedyDecode, Llama, LogitRows, PagePool};
 use crate::{Error, Result};
 use rand::{Rng, SeedableRng};
 use std::time::Instant;
@@ -43,7 +43,12 @@ pub struct BenchResult {
     pub stddev: f64,
 }
 
-pub fn run_test<B: Backend>(model: &mut Llama<B>, test: Test, repetitions: usize) -> Result<BenchResult> {
+pub fn run_test<B: Backend>(
+    model: &mut Llama<B>,
+    pages: &mut PagePool,
+    test: Test,
+    repetitions: usize,
+) -> Result<BenchResult> {
     let n = test.tokens();
     if n == 0 {
         return Err(Error::InvalidArgument(format!("{} runs no tokens", test.name())));
@@ -54,12 +59,16 @@ pub fn run_test<B: Backend>(model: &mut Llama<B>, test: Test, repetitions: usize
     let mut kv = model.new_kv_cache(n);
     let mut samples = Vec::new();
     for rep in 0..=repetitions {
-        model.truncate_kv(&mut kv, 0);
+        pages.truncate(&mut kv, 0);
         let start = Instant::now();
         match test {
-            Test::Prompt(_) => model.forward(&tokens, &mut kv, LogitRows::Last, |_, _| {})?,
+            Test::Prompt(_) => {
+                pages.reserve(&mut kv, tokens.len())?;
+                model.forward(&tokens, &mut kv, LogitRows::Last, |_, _| {})?;
+                pages.index_full_pages(&mut kv);
+            }
             Test::Generation(_) => {
-                let mut decode = GreedyDecode::new(model, &mut kv, &tokens[..1])?;
+                let mut decode = GreedyDecode::new(model, pages, &mut kv, &tokens[..1])?;
                 for i in 1..=n {
                     decode.next_token(i < n)?;
                 }
@@ -71,7 +80,7 @@ pub fn run_test<B: Backend>(model: &mut Llama<B>, test: Test, repetitions: usize
             samples.push(n as f64 / seconds);
         }
     }
-    model.free_kv_cache(kv);
+    pages.free(&mut kv);
     let mean = samples.iter().sum::<f64>() / samples.len() as f64;
     let var = samples.iter().map(|s| (s - mean).powi(2)).sum::<f64>() / (samples.len().max(2) - 1) as f64;
     Ok(BenchResult {

@@ -8,7 +8,7 @@ use super::sampler::Sampler;
 use super::session::Session;
 use crate::backend::Backend;
 use crate::chat::Message;
-use crate::model::{KvCache, Llama};
+use crate::model::{KvCache, PagePool};
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 
@@ -52,7 +52,7 @@ impl Conversation {
     /// Starts over with `transcript` (nothing is cached for it yet).
     pub fn replace<B: Backend>(&mut self, session: &mut Session<B>, transcript: Transcript) {
         self.transcript = transcript;
-        self.forget_cache(&mut session.model);
+        self.forget_cache(&mut session.pages);
     }
 
     /// Tokens in the KV cache, and its capacity.
@@ -60,8 +60,8 @@ impl Conversation {
         (self.kv.len(), self.kv.capacity())
     }
 
-    fn forget_cache<B: Backend>(&mut self, model: &mut Llama<B>) {
-        model.truncate_kv(&mut self.kv, 0);
+    fn forget_cache(&mut self, pages: &mut PagePool) {
+        pages.truncate(&mut self.kv, 0);
         self.cached_text.clear();
     }
 
@@ -91,7 +91,7 @@ impl Conversation {
             let new_tokens = if cached {
                 session.tokenizer.encode_chat(&chat.tail(self.cached_text.len()))?
             } else {
-                self.forget_cache(&mut session.model);
+                self.forget_cache(&mut session.pages);
                 session.tokenizer.encode_chat(&chat)?
             };
             let text = chat.text().to_owned();
@@ -111,27 +111,19 @@ impl Conversation {
                     .map_or(self.transcript.messages.len() - 1, |i| first_user + 1 + i);
                 self.transcript.messages.drain(..end.max(1));
                 dropped_turns += 1;
-                self.forget_cache(&mut session.model);
+                self.forget_cache(&mut session.pages);
                 continue;
             }
             break (text, new_tokens);
         };
         let start_len = self.kv.len();
-        let result = generate(
-            &mut session.model,
-            &session.tokenizer,
-            &mut self.kv,
-            &new_tokens,
-            sampler,
-            options,
-            on_text,
-        );
+        let result = generate(session, &mut self.kv, &new_tokens, sampler, options, on_text);
         let generation = match result {
             Ok(g) => g,
             Err(e) => {
                 self.transcript.messages.pop();
-                if session.model.truncate_kv(&mut self.kv, start_len) < start_len {
-                    self.forget_cache(&mut session.model);
+                if session.pages.truncate(&mut self.kv, start_len) < start_len {
+                    self.forget_cache(&mut session.pages);
                 }
                 return Err(e);
             }
@@ -142,10 +134,10 @@ impl Conversation {
         let prompt_len = start_len + new_tokens.len();
         if generation.stop_reason == StopReason::EndOfGeneration {
             self.cached_text = text + &generation.text;
-        } else if session.model.truncate_kv(&mut self.kv, prompt_len) == prompt_len {
+        } else if session.pages.truncate(&mut self.kv, prompt_len) == prompt_len {
             self.cached_text = text;
         } else {
-            self.forget_cache(&mut session.model);
+            self.forget_cache(&mut session.pages);
         }
         self.transcript
             .messages

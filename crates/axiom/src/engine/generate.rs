@@ -3,8 +3,9 @@
 
 use super::output::{OutputLimits, OutputState, StopReason};
 use super::sampler::Sampler;
+use super::session::Session;
 use crate::backend::Backend;
-use crate::model::{GreedyDecode, KvCache, Llama};
+use crate::model::{GreedyDecode, KvCache, Llama, PagePool};
 use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
 use std::time::{Duration, Instant};
@@ -33,8 +34,7 @@ pub struct Generation {
 /// Greedy sampling without penalties chooses each token on the device, a step ahead of the host
 /// ([`GreedyDecode`]); other sampling brings each step's logits back.
 pub fn generate<B: Backend>(
-    model: &mut Llama<B>,
-    tokenizer: &Tokenizer,
+    session: &mut Session<B>,
     kv: &mut KvCache,
     prompt: &[u32],
     sampler: &mut Sampler,
@@ -58,18 +58,27 @@ pub fn generate<B: Backend>(
         ignore_eos: false,
     };
     let output = OutputState::new(options.stop.clone(), limits);
+    let Session {
+        model,
+        pages,
+        tokenizer,
+        ..
+    } = session;
     let start = Instant::now();
     if sampler.config().is_plain_greedy() {
-        let decode = GreedyDecode::new(model, kv, prompt)?;
+        let decode = GreedyDecode::new(model, pages, kv, prompt)?;
         let prompt_time = start.elapsed();
         let tokens = Tokens::Greedy(decode);
         decode_loop(tokens, tokenizer, output, options, on_text, prompt_time)
     } else {
+        pages.reserve(kv, prompt.len())?;
         model.forward_last(prompt, kv)?;
+        pages.index_full_pages(kv);
         let prompt_time = start.elapsed();
         let history = prompt.to_vec();
         let tokens = Tokens::Sampled {
             model,
+            pages,
             kv,
             sampler,
             history,
@@ -84,6 +93,7 @@ enum Tokens<'a, B: Backend> {
     /// From the logits of the last step, on the host.
     Sampled {
         model: &'a mut Llama<B>,
+        pages: &'a mut PagePool,
         kv: &'a mut KvCache,
         sampler: &'a mut Sampler,
         /// Prompt and generated tokens, for the penalties.
@@ -110,9 +120,18 @@ impl<B: Backend> Tokens<'_, B> {
     fn run(&mut self, token: u32) -> Result<()> {
         match self {
             Tokens::Greedy(_) => Ok(()),
-            Tokens::Sampled { model, kv, history, .. } => {
+            Tokens::Sampled {
+                model,
+                pages,
+                kv,
+                history,
+                ..
+            } => {
                 history.push(token);
-                model.forward_last(&[token], kv).map(|_| ())
+                pages.reserve(kv, 1)?;
+                model.forward_last(&[token], kv)?;
+                pages.index_full_pages(kv);
+                Ok(())
             }
         }
     }

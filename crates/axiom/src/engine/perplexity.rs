@@ -4,7 +4,7 @@
 //! positions `n_ctx/2 .. n_ctx-1` score the next token.
 
 use crate::backend::Backend;
-use crate::model::{Llama, LogitRows};
+use crate::model::{Llama, LogitRows, PagePool};
 use crate::{Error, Result};
 
 #[derive(Debug, Clone, serde::Serialize)]
@@ -19,6 +19,7 @@ pub struct Perplexity {
 
 pub fn perplexity<B: Backend>(
     model: &mut Llama<B>,
+    pages: &mut PagePool,
     tokens: &[u32],
     n_ctx: usize,
     bos: Option<u32>,
@@ -46,7 +47,8 @@ pub fn perplexity<B: Backend>(
         if let Some(bos) = bos {
             chunk[0] = bos;
         }
-        model.truncate_kv(&mut kv, 0);
+        pages.truncate(&mut kv, 0);
+        pages.reserve(&mut kv, chunk.len())?;
         let targets = &tokens[c * n_ctx..(c + 1) * n_ctx];
         model.forward(&chunk, &mut kv, LogitRows::From(first), |row, logits| {
             if row + 1 < n_ctx {
@@ -54,11 +56,12 @@ pub fn perplexity<B: Backend>(
                 scored += 1;
             }
         })?;
+        pages.index_full_pages(&mut kv);
         let ppl = (nll / scored as f64).exp();
         running.push(ppl);
         on_chunk(c + 1, chunks, ppl);
     }
-    model.free_kv_cache(kv);
+    pages.free(&mut kv);
     Ok(Perplexity {
         n_ctx,
         chunks,

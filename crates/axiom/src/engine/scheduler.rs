@@ -13,7 +13,7 @@
 use super::output::{OutputLimits, OutputState, StopReason};
 use super::sampler::{Sampler, SamplerConfig};
 use crate::backend::Backend;
-use crate::model::{KvCache, Llama, PageUsage, SeqStep, StepOutput, Want};
+use crate::model::{KvCache, Llama, PagePool, PageUsage, SeqStep, StepOutput, Want};
 use crate::tokenizer::Tokenizer;
 use crate::Result;
 use std::collections::VecDeque;
@@ -263,6 +263,8 @@ impl Sequence {
 
 pub struct Scheduler<B: Backend> {
     model: Llama<B>,
+    /// The model's KV pages: the scheduler gives each sequence its own, and shares cached prefixes.
+    pages: PagePool,
     tokenizer: Arc<Tokenizer>,
     requests: Receiver<Request>,
     shared: Arc<Shared>,
@@ -275,14 +277,19 @@ pub struct Scheduler<B: Backend> {
 }
 
 impl<B: Backend> Scheduler<B> {
-    pub fn new(model: Llama<B>, tokenizer: Arc<Tokenizer>, config: SchedulerConfig) -> (Scheduler<B>, EngineHandle) {
+    pub fn new(
+        model: Llama<B>,
+        pages: PagePool,
+        tokenizer: Arc<Tokenizer>,
+        config: SchedulerConfig,
+    ) -> (Scheduler<B>, EngineHandle) {
         let (tx, rx) = channel();
         let context = model.new_kv_cache(config.max_context).capacity();
         let shared = Arc::new(Shared {
             queued: AtomicUsize::new(0),
             shutting_down: AtomicBool::new(false),
             status: Mutex::new(EngineStatus {
-                pages: model.page_usage(),
+                pages: pages.usage(),
                 ..EngineStatus::default()
             }),
         });
@@ -294,6 +301,7 @@ impl<B: Backend> Scheduler<B> {
         };
         let scheduler = Scheduler {
             model,
+            pages,
             tokenizer,
             requests: rx,
             shared,
@@ -332,7 +340,7 @@ impl<B: Backend> Scheduler<B> {
                 tracing::error!("step failed: {e}");
                 for mut seq in self.running.drain(..) {
                     seq.send(Event::Error(e.to_string()));
-                    self.model.free_kv_cache(std::mem::take(&mut seq.kv));
+                    self.pages.free(&mut seq.kv);
                 }
                 self.publish_status();
             }
@@ -377,7 +385,7 @@ impl<B: Backend> Scheduler<B> {
             // Only possible when a lone sequence outgrows the whole cache.
             for mut seq in self.running.drain(..) {
                 seq.send(Event::Error("the KV cache cannot hold this sequence".into()));
-                self.model.free_kv_cache(std::mem::take(&mut seq.kv));
+                self.pages.free(&mut seq.kv);
             }
             self.publish_status();
             return Ok(false);
@@ -416,6 +424,9 @@ impl<B: Backend> Scheduler<B> {
             self.running[i].kv = kv;
         }
         result?;
+        for &(i, _) in &batch {
+            self.pages.index_full_pages(&mut self.running[i].kv);
+        }
         self.retire_finished();
         self.publish_status();
         Ok(true)
@@ -432,7 +443,7 @@ impl<B: Backend> Scheduler<B> {
         let (gone_running, running): (Vec<_>, Vec<_>) = self.running.drain(..).partition(|s| closed(s));
         self.running = running;
         for mut seq in gone_waiting.into_iter().chain(gone_running) {
-            self.model.free_kv_cache(std::mem::take(&mut seq.kv));
+            self.pages.free(&mut seq.kv);
             self.metrics.request_cancelled();
         }
     }
@@ -443,15 +454,15 @@ impl<B: Backend> Scheduler<B> {
         while self.running.len() < self.model.max_seqs() {
             let Some(seq) = self.waiting.front_mut() else { break };
             if seq.kv.is_empty() {
-                let reused = self.model.share_prefix(&mut seq.kv, &seq.tokens);
+                let reused = self.pages.share_prefix(&mut seq.kv, &seq.tokens);
                 if seq.generated() == 0 {
                     seq.cached_tokens = reused;
                 }
             }
-            let needed = self.model.pages_needed(&seq.kv, seq.tokens.len() + 1);
-            if needed > self.model.pages_available() {
+            let needed = self.pages.pages_needed(&seq.kv, seq.tokens.len() + 1);
+            if needed > self.pages.available() {
                 // Give the shared pages back until there is room (they stay cached).
-                self.model.truncate_kv(&mut seq.kv, 0);
+                self.pages.truncate(&mut seq.kv, 0);
                 break;
             }
             if let Some(seq) = self.waiting.pop_front() {
@@ -470,9 +481,9 @@ impl<B: Backend> Scheduler<B> {
                 .running
                 .iter()
                 .filter(|s| s.pending() == 1)
-                .map(|s| self.model.pages_needed(&s.kv, s.kv.len() + 1))
+                .map(|s| self.pages.pages_needed(&s.kv, s.kv.len() + 1))
                 .sum();
-            if needed > self.model.pages_available() && self.running.len() > 1 {
+            if needed > self.pages.available() && self.running.len() > 1 {
                 self.preempt_newest();
                 continue;
             }
@@ -488,15 +499,15 @@ impl<B: Backend> Scheduler<B> {
         let mut budget = self.model.max_batch();
         let mut batch = Vec::new();
         for (i, seq) in self.running.iter_mut().enumerate() {
-            if seq.pending() == 1 && budget > 0 && self.model.reserve_kv(&mut seq.kv, 1).is_ok() {
+            if seq.pending() == 1 && budget > 0 && self.pages.reserve(&mut seq.kv, 1).is_ok() {
                 batch.push((i, 1));
                 budget -= 1;
             }
         }
         for (i, seq) in self.running.iter_mut().enumerate() {
             if seq.pending() > 1 && budget > 0 {
-                let n = seq.pending().min(budget).min(self.model.kv_room(&seq.kv));
-                if n > 0 && self.model.reserve_kv(&mut seq.kv, n).is_ok() {
+                let n = seq.pending().min(budget).min(self.pages.room(&seq.kv));
+                if n > 0 && self.pages.reserve(&mut seq.kv, n).is_ok() {
                     batch.push((i, n));
                     budget -= n;
                 }
@@ -508,7 +519,7 @@ impl<B: Backend> Scheduler<B> {
 
     fn preempt_newest(&mut self) {
         if let Some(mut seq) = self.running.pop() {
-            self.model.truncate_kv(&mut seq.kv, 0);
+            self.pages.truncate(&mut seq.kv, 0);
             self.shared.queued.fetch_add(1, Ordering::SeqCst);
             self.waiting.push_front(seq);
             self.metrics.preempted();
@@ -524,7 +535,7 @@ impl<B: Backend> Scheduler<B> {
                 continue;
             }
             let mut seq = self.running.remove(i);
-            self.model.free_kv_cache(std::mem::take(&mut seq.kv));
+            self.pages.free(&mut seq.kv);
             if let Some(finish) = seq.finished {
                 let completion = Completion {
                     finish,
@@ -544,7 +555,7 @@ impl<B: Backend> Scheduler<B> {
         let status = EngineStatus {
             queued: self.shared.queued.load(Ordering::SeqCst),
             running: self.running.len(),
-            pages: self.model.page_usage(),
+            pages: self.pages.usage(),
         };
         *self.shared.status.lock().unwrap_or_else(|e| e.into_inner()) = status;
     }

@@ -8,13 +8,15 @@ use crate::format::safetensors::SafetensorsModel;
 use crate::model::files::Container;
 use crate::model::llama::LoadOptions;
 use crate::model::weights::TensorSource;
-use crate::model::{Llama, ModelConfig, ModelFiles};
+use crate::model::{KvCache, Llama, LogitRows, ModelConfig, ModelFiles, PagePool};
 use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
 use std::path::Path;
 
 pub struct Session<B: Backend> {
     pub model: Llama<B>,
+    /// The pages of the model's KV cache, which the engine gives each sequence.
+    pub pages: PagePool,
     pub tokenizer: Tokenizer,
     pub chat_template: Option<ChatTemplate>,
     pub info: ModelInfo,
@@ -103,7 +105,7 @@ impl<B: Backend> Session<B> {
             .and_then(Value::as_str)
             .map(str::to_owned);
         let size_label = file.get("general.size_label").and_then(Value::as_str);
-        let info = ModelInfo::new(file, &model.config.architecture, size_label, file.file_size());
+        let info = ModelInfo::new(file, &model.0.config.architecture, size_label, file.file_size());
         Self::assemble(model, tokenizer, template, info)
     }
 
@@ -137,7 +139,7 @@ impl<B: Backend> Session<B> {
     }
 
     fn assemble(
-        model: Llama<B>,
+        (model, pages): (Llama<B>, PagePool),
         tokenizer: Tokenizer,
         template: Option<String>,
         info: ModelInfo,
@@ -160,10 +162,34 @@ impl<B: Backend> Session<B> {
         };
         Ok(Session {
             model,
+            pages,
             tokenizer,
             chat_template,
             info,
         })
+    }
+
+    /// [`Llama::forward`] after giving `kv` its pages for `tokens`, whose full pages it then
+    /// indexes for prefix sharing.
+    pub fn forward(
+        &mut self,
+        tokens: &[u32],
+        kv: &mut KvCache,
+        rows: LogitRows,
+        sink: impl FnMut(usize, &[f32]),
+    ) -> Result<()> {
+        self.pages.reserve(kv, tokens.len())?;
+        self.model.forward(tokens, kv, rows, sink)?;
+        self.pages.index_full_pages(kv);
+        Ok(())
+    }
+
+    /// [`Llama::forward_last`], the pages given and indexed as by [`Session::forward`].
+    pub fn forward_last(&mut self, tokens: &[u32], kv: &mut KvCache) -> Result<&[f32]> {
+        self.pages.reserve(kv, tokens.len())?;
+        self.model.forward_last(tokens, kv)?;
+        self.pages.index_full_pages(kv);
+        Ok(self.model.last_logits())
     }
 
     /// Token ids for a raw prompt (BOS added if the model wants it, special-token text parsed).

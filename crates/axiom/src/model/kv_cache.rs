@@ -3,7 +3,8 @@
 //! same tokens shares them instead of recomputing (prefix caching).
 //!
 //! A page is `page_size` positions of every layer's keys and values (the device memory lives in
-//! [`super::Llama`]). A full page's contents are a function of the tokens up to its end, so it is
+//! [`super::Llama`], which hands its pool to the engine at load: the engine gives sequences their
+//! pages, and the model reads each sequence's pages, its block table, from its [`KvCache`]). A full page's contents are a function of the tokens up to its end, so it is
 //! indexed by a hash chained over those tokens; an indexed page is never written again while
 //! indexed. Pages nobody holds stay indexed (and reusable) until their memory is needed.
 
@@ -127,6 +128,27 @@ impl PagePool {
     /// Pages a sequence of `len` tokens needs.
     pub fn pages_for(&self, len: usize) -> usize {
         len.div_ceil(self.page_size)
+    }
+
+    /// Pages `kv` would still need to hold `len` tokens.
+    pub fn pages_needed(&self, kv: &KvCache, len: usize) -> usize {
+        self.pages_for(len).saturating_sub(kv.pages.len())
+    }
+
+    /// Tokens `kv` could grow by now: the rest of its pages and every page still available.
+    pub fn room(&self, kv: &KvCache) -> usize {
+        let room = (kv.pages.len() + self.available()) * self.page_size;
+        room.min(kv.capacity()).saturating_sub(kv.len())
+    }
+
+    /// Gives `kv` its pages for `more` tokens after those it holds (all or nothing), so that a
+    /// step of them cannot run out; none where they would pass its capacity (the model refuses
+    /// that step, naming the context).
+    pub fn reserve(&mut self, kv: &mut KvCache, more: usize) -> Result<(), OutOfPages> {
+        match kv.len() + more {
+            len if len > kv.capacity() => Ok(()),
+            len => self.grow(kv, len),
+        }
     }
 
     /// Gives `kv` pages for `len` tokens in all (all or nothing).

@@ -1,10 +1,11 @@
 //! The Llama forward pass, written once against the [`Backend`] ops.
 
 use super::config::ModelConfig;
-use super::kv_cache::{KvCache, OutOfPages, PagePool, PageUsage};
+use super::kv_cache::{KvCache, PagePool};
 use super::weights::{self, TensorSource, Weights};
 use crate::backend::{
-    AttentionKv, Backend, BlockHandle, FeedForward, FeedForwardScratch, Input, NewRows, NextInput, PagedKv,
+    AttentionKv, Backend, BlockHandle, FeedForward, FeedForwardScratch, Input, NewRows, NextInput, PagedKv, Projection,
+    Residual, StepLayout,
 };
 use crate::{Error, Result};
 
@@ -134,6 +135,19 @@ impl StepInputs {
         let start = 3 * self.max_batch * 4;
         self.block.slice(start, self.block.len - start)
     }
+    /// The positions and sequence rows of the first `n` tokens, as last sent (`write_inputs`
+    /// leaves them in `sent`).
+    fn layout(&self, n: usize) -> Result<StepLayout<'_>> {
+        let field = |i: usize| {
+            self.sent
+                .get(i * self.max_batch..i * self.max_batch + n)
+                .ok_or_else(|| Error::Backend(format!("the inputs of a step of {n} tokens were not sent")))
+        };
+        Ok(StepLayout {
+            positions: field(1)?,
+            token_seqs: field(2)?,
+        })
+    }
 }
 
 /// Per-step activation buffers, sized for `max_batch` tokens.
@@ -175,7 +189,6 @@ pub struct Llama<B: Backend> {
     scratch: Scratch,
     inputs: StepInputs,
     cache: PagedCache,
-    pages: PagePool,
     max_batch: usize,
     max_seqs: usize,
     /// Host copies of a few rows of logits; after `forward_last`, the first row is the last token's.
@@ -191,13 +204,14 @@ pub struct Llama<B: Backend> {
 
 impl<B: Backend> Llama<B> {
     /// Loads the weights `config` calls for from `source` onto `backend`, reserving the arena
-    /// for them, the activations of `options.max_batch` tokens and `options.kv_tokens` of cache.
+    /// for them, the activations of `options.max_batch` tokens and `options.kv_tokens` of cache;
+    /// with the pool of that cache's pages, for the engine to hand out.
     pub fn load<S: TensorSource + ?Sized>(
         source: &S,
         config: ModelConfig,
         mut backend: B,
         options: LoadOptions,
-    ) -> Result<Llama<B>> {
+    ) -> Result<(Llama<B>, PagePool)> {
         for (what, tokens) in [("KV cache", options.kv_tokens), ("batch", options.max_batch)] {
             if tokens > MAX_LOAD_TOKENS {
                 return Err(Error::InvalidArgument(format!(
@@ -247,7 +261,7 @@ impl<B: Backend> Llama<B> {
         backend.prepare(steps, max_n_in)?;
         let logits = backend.host_f32(config.vocab_size * LOGIT_ROWS_PER_STEP)?;
         let choices = [backend.choice_slot()?, backend.choice_slot()?];
-        Ok(Llama {
+        let model = Llama {
             config,
             backend,
             weights,
@@ -255,60 +269,21 @@ impl<B: Backend> Llama<B> {
             scratch,
             inputs,
             cache,
-            pages: PagePool::new(n_pages, PAGE_SIZE),
             max_batch,
             max_seqs,
             logits,
             graphs: Vec::new(),
             choices,
             output_rows: Vec::new(),
-        })
+        };
+        Ok((model, PagePool::new(n_pages, PAGE_SIZE)))
     }
 
     /// An empty KV cache for a sequence of up to `capacity` tokens (bounded by the context and
-    /// the pool). It takes pages as it grows; give them back with [`Llama::free_kv_cache`].
+    /// the pool). The engine gives it its pages ([`PagePool::reserve`]) and takes them back
+    /// ([`PagePool::free`]).
     pub fn new_kv_cache(&self, capacity: usize) -> KvCache {
         KvCache::new(capacity.min(self.cache.table_width * PAGE_SIZE))
-    }
-
-    /// Returns the pages of `kv` to the pool (full ones stay reusable as cached prefixes).
-    pub fn free_kv_cache(&mut self, mut kv: KvCache) {
-        self.pages.free(&mut kv);
-    }
-
-    /// Shortens `kv` to at most `len` tokens; returns the length kept (see [`PagePool::truncate`]).
-    pub fn truncate_kv(&mut self, kv: &mut KvCache, len: usize) -> usize {
-        self.pages.truncate(kv, len)
-    }
-
-    /// Makes the empty `kv` share the cached pages that begin `tokens`; returns the tokens reused.
-    pub fn share_prefix(&mut self, kv: &mut KvCache, tokens: &[u32]) -> usize {
-        self.pages.share_prefix(kv, tokens)
-    }
-
-    /// Gives `kv` its pages for `more` tokens now (all or nothing), so a step cannot run out.
-    pub fn reserve_kv(&mut self, kv: &mut KvCache, more: usize) -> std::result::Result<(), OutOfPages> {
-        self.pages.grow(kv, kv.len() + more)
-    }
-
-    pub fn page_usage(&self) -> PageUsage {
-        self.pages.usage()
-    }
-
-    /// Pages `kv` would still need to hold `len` tokens.
-    pub fn pages_needed(&self, kv: &KvCache, len: usize) -> usize {
-        self.pages.pages_for(len).saturating_sub(kv.pages.len())
-    }
-
-    /// Pages that can be handed out now.
-    pub fn pages_available(&self) -> usize {
-        self.pages.available()
-    }
-
-    /// Tokens `kv` could grow by now: the rest of its pages and every page still available.
-    pub fn kv_room(&self, kv: &KvCache) -> usize {
-        let room = (kv.pages.len() + self.pages.available()) * PAGE_SIZE;
-        room.min(kv.capacity()).saturating_sub(kv.len())
     }
 
     /// Most tokens one step runs.
@@ -321,8 +296,9 @@ impl<B: Backend> Llama<B> {
         self.max_seqs
     }
 
-    /// Runs `tokens` after the ones already in `kv`, appending theirs. For each row that `rows`
-    /// asks for, calls `sink(row index within tokens, logits)`.
+    /// Runs `tokens` after the ones already in `kv`, appending theirs; `kv` holds the pages for
+    /// them ([`PagePool::reserve`]). For each row that `rows` asks for, calls
+    /// `sink(row index within tokens, logits)`.
     pub fn forward(
         &mut self,
         tokens: &[u32],
@@ -337,7 +313,6 @@ impl<B: Backend> Llama<B> {
                 context: kv.capacity(),
             });
         }
-        self.reserve_kv(kv, tokens.len())?;
         let first_scored = match rows {
             LogitRows::None => tokens.len(),
             LogitRows::Last => tokens.len().saturating_sub(1),
@@ -425,12 +400,20 @@ impl<B: Backend> Llama<B> {
                     context: s.kv.capacity(),
                 });
             }
-            self.pages.grow(s.kv, len)?;
+            let held = s.kv.pages.len() * PAGE_SIZE;
+            if len > held {
+                return Err(Error::InvalidArgument(format!(
+                    "a step to {len} tokens over pages for {held}: the engine reserves a sequence's pages first"
+                )));
+            }
         }
         self.write_inputs(steps, kind)?;
+        let plan = self
+            .backend
+            .plan_step(self.inputs.layout(n)?, self.config.attention())?;
         let run = |model: &Self| match kind {
-            StepKind::Host => model.layers(n),
-            StepKind::Greedy { slot } => model.layers(n).and_then(|_| model.choose(0, slot)),
+            StepKind::Host => model.layers(n, &plan),
+            StepKind::Greedy { slot } => model.layers(n, &plan).and_then(|_| model.choose(0, slot)),
         };
         if let Some(&(_, graph)) = self.graphs.iter().find(|(k, _)| *k == (n, kind)) {
             self.backend.replay(graph)?;
@@ -447,7 +430,6 @@ impl<B: Backend> Llama<B> {
             StepKind::Host => {
                 for s in steps.iter_mut() {
                     s.kv.push_tokens(s.tokens);
-                    self.pages.index_full_pages(s.kv);
                 }
             }
             StepKind::Greedy { slot } => self.chosen(0, slot)?,
@@ -521,7 +503,7 @@ impl<B: Backend> Llama<B> {
     }
 
     /// The layer loop, written once.
-    fn layers(&self, n: usize) -> Result<()> {
+    fn layers(&self, n: usize, plan: &B::StepPlan) -> Result<()> {
         let c = &self.config;
         let shape = c.attention();
         let (b, s) = (&self.backend, &self.scratch);
@@ -563,8 +545,17 @@ impl<B: Backend> Llama<B> {
                 v_cache: *v_cache,
                 positions,
                 pages,
+                plan,
             };
-            b.rope_attend_and_project(new, kv, &layer.wo, [s.attn, s.x, s.proj], n, shape)?;
+            let proj = Projection {
+                wo: &layer.wo,
+                attn: s.attn,
+                residual: Residual {
+                    stream: s.x,
+                    scratch: s.proj,
+                },
+            };
+            b.rope_attend_and_project(new, kv, proj, n, shape)?;
             // Feed-forward block, the same way.
             let ffn_in = self.normed(s.x, layer.ffn_norm);
             let ffn = FeedForward {

@@ -8,5 +8,5 @@ pub mod weights;
 
 pub use config::ModelConfig;
 pub use files::ModelFiles;
-pub use kv_cache::{KvCache, OutOfPages, PageUsage};
+pub use kv_cache::{KvCache, OutOfPages, PagePool, PageUsage};
 pub use llama::{GreedyDecode, Llama, LoadOptions, LogitRows, SeqStep, StepOutput, Want, PAGE_SIZE};

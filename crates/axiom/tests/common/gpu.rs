@@ -6,8 +6,8 @@ use super::{paged_queries, random_weight_bytes, PagedCase, PAGED_LENS};
 use axiom::backend::cpu::kernels::argmax::argmax;
 use axiom::backend::cpu::CpuBackend;
 use axiom::backend::{
-    AttentionShape, Backend, BlockHandle, FeedForward, FeedForwardScratch, HostTensor, Input, KvType, NewRows,
-    NextInput, PagedKv, Rope, RopeLayout, RopeScaling,
+    AttentionKv, AttentionShape, Backend, BlockHandle, FeedForward, FeedForwardScratch, HostTensor, Input, Kernels,
+    KvType, NewRows, NextInput, PagedKv, Projection, Residual, Rope, RopeLayout, RopeScaling, StepLayout, SwigluRows,
 };
 use axiom::chat::Message;
 use axiom::engine::perplexity::perplexity;
@@ -74,7 +74,7 @@ fn random_weight<B: Backend>(
     ty: GgmlType,
     n_in: usize,
     n_out: usize,
-) -> (B::Weight, <CpuBackend as Backend>::Weight) {
+) -> (B::Weight, <CpuBackend as Kernels>::Weight) {
     let bytes = random_weight_bytes(rng, ty, n_in * n_out);
     let tensor = HostTensor {
         name: "w",
@@ -163,8 +163,8 @@ pub fn matmul_every_type_and_token_count<B: Backend>(
             // The product added to a residual.
             let (og, oc) = (put(&mut gpu, &residual), put(&mut cpu, &residual));
             let (sg, sc) = (poisoned(&mut gpu, n), poisoned(&mut cpu, n));
-            gpu.matmul_add(xg, &wg, og, sg, n_tokens).unwrap();
-            cpu.matmul_add(xc, &wc, oc, sc, n_tokens).unwrap();
+            gpu.matmul_add(xg, &wg, residual_in(og, sg), n_tokens).unwrap();
+            cpu.matmul_add(xc, &wc, residual_in(oc, sc), n_tokens).unwrap();
             check(&gpu, &cpu, "matmul_add", og, oc);
         }
     }
@@ -232,15 +232,23 @@ pub fn matmul_every_type_and_token_count<B: Backend>(
             let residual = randn(&mut rng, n);
             let (og, oc) = (put(&mut gpu, &residual), put(&mut cpu, &residual));
             let (sg, sc) = (poisoned(&mut gpu, n), poisoned(&mut cpu, n));
-            gpu.matmul_add(xg, &up.0, og, sg, n_tokens).unwrap();
-            cpu.matmul_add(xc, &up.1, oc, sc, n_tokens).unwrap();
+            gpu.matmul_add(xg, &up.0, residual_in(og, sg), n_tokens).unwrap();
+            cpu.matmul_add(xc, &up.1, residual_in(oc, sc), n_tokens).unwrap();
             check(&gpu, &cpu, "tall matmul_add", og, oc, tol);
-            let scratch_g = [poisoned(&mut gpu, n), poisoned(&mut gpu, n)];
-            let scratch_c = [poisoned(&mut cpu, n), poisoned(&mut cpu, n)];
-            let (og, oc) = (poisoned(&mut gpu, n), poisoned(&mut cpu, n));
-            gpu.gate_up_swiglu(xg.into(), &gate.0, &up.0, scratch_g, og, n_tokens, n_out)
+            let rows_g = SwigluRows {
+                gate: poisoned(&mut gpu, n),
+                up: poisoned(&mut gpu, n),
+                out: poisoned(&mut gpu, n),
+            };
+            let rows_c = SwigluRows {
+                gate: poisoned(&mut cpu, n),
+                up: poisoned(&mut cpu, n),
+                out: poisoned(&mut cpu, n),
+            };
+            let (og, oc) = (rows_g.out, rows_c.out);
+            gpu.gate_up_swiglu(xg.into(), [&gate.0, &up.0], rows_g, n_tokens)
                 .unwrap();
-            cpu.gate_up_swiglu(xc.into(), &gate.1, &up.1, scratch_c, oc, n_tokens, n_out)
+            cpu.gate_up_swiglu(xc.into(), [&gate.1, &up.1], rows_c, n_tokens)
                 .unwrap();
             // Two products multiplied: their errors add.
             check(&gpu, &cpu, "tall gate_up_swiglu", og, oc, 2.0 * tol);
@@ -546,6 +554,11 @@ pub fn attention_then_output_projection<B: Backend>(
     }
 }
 
+/// A product added to `stream`, held first in `scratch` by a backend that adds in two steps.
+fn residual_in(stream: BlockHandle, scratch: BlockHandle) -> Residual {
+    Residual { stream, scratch }
+}
+
 /// What `attend_and_project` adds to `residual` for a `PagedCase`'s queries.
 type AttentionInputs<'a> = (
     &'a PagedCase,
@@ -559,9 +572,14 @@ fn projected<B: Backend>(b: &mut B, inputs: AttentionInputs, wo: &B::Weight, res
     let (case, k, v, queries, q, shape) = inputs;
     let sum = case
         .with_cache(b, k, v, queries, q, shape, |b, qh, kv| {
-            let (out, scratch) = (poisoned(b, q.len()), poisoned(b, residual.len()));
+            let (attn, scratch) = (poisoned(b, q.len()), poisoned(b, residual.len()));
             let stream = put(b, residual);
-            b.attend_and_project(qh, kv, wo, [out, stream, scratch], queries.len(), shape)?;
+            let proj = Projection {
+                wo,
+                attn,
+                residual: residual_in(stream, scratch),
+            };
+            b.attend_and_project(qh, kv, proj, queries.len(), shape)?;
             Ok(get(b, stream, residual.len()))
         })
         .unwrap();
@@ -685,20 +703,16 @@ fn rope_step<B: Backend>(
                 freqs: put(b, &rope.inverse_frequencies()),
                 rope,
             };
-            let (out, scratch) = (poisoned(b, q.len()), poisoned(b, residual.len()));
+            let (attn, scratch) = (poisoned(b, q.len()), poisoned(b, residual.len()));
             let stream = put(b, residual);
-            b.rope_attend_and_project(new, kv, wo, [out, stream, scratch], queries.len(), shape)?;
+            let proj = Projection {
+                wo,
+                attn,
+                residual: residual_in(stream, scratch),
+            };
+            b.rope_attend_and_project(new, kv, proj, queries.len(), shape)?;
             let (q_after, read) = (put(b, q_after), poisoned(b, q.len()));
-            b.attention(
-                q_after,
-                kv.k_cache,
-                kv.v_cache,
-                kv.positions,
-                kv.pages,
-                read,
-                queries.len(),
-                shape,
-            )?;
+            b.attention(q_after, kv, read, queries.len(), shape)?;
             Ok((get(b, stream, residual.len()), get(b, read, q.len())))
         })
         .unwrap();
@@ -752,18 +766,37 @@ fn rope_kv_write_step<B: Backend>(
     let n = q.len() / shape.q_width();
     let cache_values = case.n_pages * case.page_size * shape.kv_width() * b.kv_type().bytes() / 4;
     let (kc, vc) = (poisoned(b, cache_values), poisoned(b, cache_values));
+    let (host_positions, host_seqs): (Vec<u32>, Vec<u32>) = ((0..n as u32).collect(), vec![0; n]);
     let pages = PagedKv {
         block_tables: put_u32(b, &case.flat_tables()),
         table_width: case.table_width(),
-        token_seqs: put_u32(b, &vec![0; n]),
+        token_seqs: put_u32(b, &host_seqs),
         page_size: case.page_size,
     };
-    let positions = put_u32(b, &(0..n as u32).collect::<Vec<_>>());
+    let positions = put_u32(b, &host_positions);
     let freqs = put(b, &rope.inverse_frequencies());
     let (qh, kh, vh, out) = (put(b, q), put(b, k), put(b, v), poisoned(b, q.len()));
-    b.rope_kv_write(qh, kh, vh, kc, vc, positions, freqs, pages, n, shape, rope)
-        .unwrap();
-    b.attention(qh, kc, vc, positions, pages, out, n, shape).unwrap();
+    let layout = StepLayout {
+        positions: &host_positions,
+        token_seqs: &host_seqs,
+    };
+    let plan = b.plan_step(layout, shape).unwrap();
+    let kv = AttentionKv {
+        k_cache: kc,
+        v_cache: vc,
+        positions,
+        pages,
+        plan: &plan,
+    };
+    let new = NewRows {
+        q: qh,
+        k: kh,
+        v: vh,
+        freqs,
+        rope,
+    };
+    b.rope_kv_write(new, kv, n, shape).unwrap();
+    b.attention(qh, kv, out, n, shape).unwrap();
     (get(b, qh, q.len()), get(b, out, q.len()))
 }
 
@@ -788,8 +821,8 @@ pub fn smollm2_matches_transformers<B: Backend>(backend: B) {
             _ => s.raw_prompt(text).unwrap(),
         };
         let mut kv = s.model.new_kv_cache(512);
-        let logits = s.model.forward_last(&prompt, &mut kv).unwrap().to_vec();
-        s.model.free_kv_cache(kv);
+        let logits = s.forward_last(&prompt, &mut kv).unwrap().to_vec();
+        s.pages.free(&mut kv);
         let first = argmax(&logits);
         assert_eq!(
             first as u64,
@@ -800,7 +833,7 @@ pub fn smollm2_matches_transformers<B: Backend>(backend: B) {
     }
     let text = std::fs::read_to_string(super::refs("apache-2.0.txt")).unwrap();
     let tokens = s.tokenizer.encode(&text, false, false).unwrap();
-    let ppl = perplexity(&mut s.model, &tokens, 512, None, |_, _, _| {})
+    let ppl = perplexity(&mut s.model, &mut s.pages, &tokens, 512, None, |_, _, _| {})
         .unwrap()
         .perplexity;
     println!("SmolLM2 perplexity on {device}: {ppl:.4}");
@@ -846,11 +879,10 @@ pub fn every_architecture_matches_transformers<B: Backend>(make: impl Fn(KvType)
                 // One token at a time, as decoding runs (the matrix-vector kernels and the graphs).
                 let mut kv = s.model.new_kv_cache(64);
                 for &id in &ids {
-                    s.model
-                        .forward(&[id], &mut kv, LogitRows::Last, |_, l| got.extend_from_slice(l))
+                    s.forward(&[id], &mut kv, LogitRows::Last, |_, l| got.extend_from_slice(l))
                         .unwrap();
                 }
-                s.model.free_kv_cache(kv);
+                s.pages.free(&mut kv);
             }
             let err = rel_l2(&got, &want);
             println!("{name} on {device}, {kv_type:?} KV cache: relative L2 error {err:.2e}");
@@ -879,26 +911,26 @@ pub fn greedy_decode_matches_host_argmax<B: Backend>(backend: B) {
     let n = 40;
     let mut kv = s.model.new_kv_cache(128);
     let mut want = Vec::new();
-    let mut logits = s.model.forward_last(&prompt, &mut kv).unwrap().to_vec();
+    let mut logits = s.forward_last(&prompt, &mut kv).unwrap().to_vec();
     for i in 0..n {
         want.push(argmax(&logits));
         if i + 1 < n {
-            logits = s.model.forward_last(&[want[i]], &mut kv).unwrap().to_vec();
+            logits = s.forward_last(&[want[i]], &mut kv).unwrap().to_vec();
         }
     }
-    s.model.free_kv_cache(kv);
+    s.pages.free(&mut kv);
 
     let mut kv = s.model.new_kv_cache(128);
     let mut got = Vec::new();
-    let mut decode = GreedyDecode::new(&mut s.model, &mut kv, &prompt).unwrap();
+    let mut decode = GreedyDecode::new(&mut s.model, &mut s.pages, &mut kv, &prompt).unwrap();
     for _ in 0..24 {
         got.push(decode.next_token(true).unwrap());
     }
     drop(decode);
     // 8 + 23 tokens and the 24th, whose queued step took a third page, dropped.
     assert_eq!(kv.tokens(), [&prompt[..], &want[..23]].concat());
-    assert_eq!(s.model.page_usage().used, 2);
-    let mut decode = GreedyDecode::new(&mut s.model, &mut kv, &got[23..]).unwrap();
+    assert_eq!(s.pages.usage().used, 2);
+    let mut decode = GreedyDecode::new(&mut s.model, &mut s.pages, &mut kv, &got[23..]).unwrap();
     for i in 24..n {
         got.push(decode.next_token(i + 1 < n).unwrap());
     }

@@ -3,7 +3,7 @@
 
 pub mod gpu;
 
-use axiom::backend::{AttentionKv, AttentionShape, Backend, BlockHandle, PagedKv};
+use axiom::backend::{AttentionKv, AttentionShape, Backend, BlockHandle, PagedKv, StepLayout};
 use axiom::engine::Session;
 use axiom::format::quant::GgmlType;
 use axiom::model::llama::LoadOptions;
@@ -210,10 +210,9 @@ pub fn worst_error<B: Backend>(model: &Path, reference: &Path, backend: B) -> f6
         );
         let mut kv = s.model.new_kv_cache(64);
         let mut got = Vec::new();
-        s.model
-            .forward(&ids, &mut kv, LogitRows::From(0), |_, l| got.extend_from_slice(l))
+        s.forward(&ids, &mut kv, LogitRows::From(0), |_, l| got.extend_from_slice(l))
             .unwrap();
-        s.model.free_kv_cache(kv);
+        s.pages.free(&mut kv);
         let reference = &want[offset..offset + ids.len() * vocab];
         offset += ids.len() * vocab;
         let err: f64 = got.iter().zip(reference).map(|(g, w)| ((g - w) as f64).powi(2)).sum();
@@ -293,16 +292,7 @@ impl PagedCase {
     ) -> axiom::Result<Vec<f32>> {
         self.with_cache(b, k, v, queries, q, shape, |b, qh, kv| {
             let out = put_f32(b, &vec![f32::NAN; q.len()])?;
-            b.attention(
-                qh,
-                kv.k_cache,
-                kv.v_cache,
-                kv.positions,
-                kv.pages,
-                out,
-                queries.len(),
-                shape,
-            )?;
+            b.attention(qh, kv, out, queries.len(), shape)?;
             let mut got = vec![0f32; q.len()];
             b.read_f32(out, &mut got)?;
             Ok(got)
@@ -320,7 +310,7 @@ impl PagedCase {
         queries: &[(u32, u32)],
         q: &[f32],
         shape: AttentionShape,
-        step: impl FnOnce(&mut B, BlockHandle, AttentionKv) -> axiom::Result<R>,
+        step: impl FnOnce(&mut B, BlockHandle, AttentionKv<'_, B::StepPlan>) -> axiom::Result<R>,
     ) -> axiom::Result<R> {
         let kv_w = shape.kv_width();
         let cache_bytes = self.n_pages * self.page_size * kv_w * b.kv_type().bytes();
@@ -342,7 +332,19 @@ impl PagedCase {
             page_size: self.page_size,
         };
         let (kh, vh, ph) = (put_f32(b, &ks)?, put_f32(b, &vs)?, put_u32(b, &positions)?);
-        b.kv_write(kh, vh, kc, vc, ph, written, positions.len(), kv_w)?;
+        let layout = StepLayout {
+            positions: &positions,
+            token_seqs: &seqs,
+        };
+        let plan = b.plan_step(layout, shape)?;
+        let kv = AttentionKv {
+            k_cache: kc,
+            v_cache: vc,
+            positions: ph,
+            pages: written,
+            plan: &plan,
+        };
+        b.kv_write(kh, vh, kv, positions.len(), kv_w)?;
 
         let (qseqs, qpos): (Vec<u32>, Vec<u32>) = queries.iter().copied().unzip();
         let pages = PagedKv {
@@ -350,11 +352,17 @@ impl PagedCase {
             ..written
         };
         let (qh, positions) = (put_f32(b, q)?, put_u32(b, &qpos)?);
+        let layout = StepLayout {
+            positions: &qpos,
+            token_seqs: &qseqs,
+        };
+        let plan = b.plan_step(layout, shape)?;
         let kv = AttentionKv {
             k_cache: kc,
             v_cache: vc,
             positions,
             pages,
+            plan: &plan,
         };
         step(b, qh, kv)
     }

@@ -11,7 +11,10 @@ pub mod fast;
 pub mod kernels;
 pub mod pool;
 
-use super::{Arena, AttentionShape, Backend, BlockHandle, HostTensor, Input, KvType, PagedKv, Rope};
+use super::{
+    Arena, AttentionKv, AttentionShape, Backend, BlockHandle, HostTensor, Input, Kernels, KvType, PagedKv, Rope,
+    StepLayout,
+};
 use crate::format::quant::GgmlType;
 use crate::{Error, Result};
 use fast::{Isa, OutPtr, Q8Activations, Stage, CHUNK, GROUPS_PER_CHUNK};
@@ -393,10 +396,12 @@ fn disjoint(outputs: &[BlockHandle], inputs: &[BlockHandle]) -> Result<()> {
     Ok(())
 }
 
-impl Backend for CpuBackend {
+impl Kernels for CpuBackend {
     type Weight = CpuWeight;
     type HostF32 = Vec<f32>;
     type ChoiceSlot = Cell<u32>;
+    /// Nothing: the kernels read the step's layout where the host wrote it.
+    type StepPlan = ();
 
     fn kv_type(&self) -> KvType {
         self.kv_type
@@ -537,28 +542,6 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn matmul_many(&self, x: Input, ws: &[&CpuWeight], outs: &[BlockHandle], n_tokens: usize) -> Result<()> {
-        let n_in = ws.first().map_or(0, |w| w.n_in);
-        let x = self.input_rows(x, n_tokens, n_in)?;
-        let shared = ws.iter().all(|w| w.n_in == n_in && fast::has_int8_kernel(w.ty));
-        let isa = match self.kernels {
-            CpuKernels::Fast(isa) if shared => isa,
-            _ => {
-                return ws
-                    .iter()
-                    .zip(outs)
-                    .try_for_each(|(w, &out)| self.matmul(x, w, out, n_tokens))
-            }
-        };
-        disjoint(outs, &[x])?;
-        // One quantization of the shared input for all the weights.
-        self.quantize_activations(isa, self.view::<f32>(x, n_tokens * n_in), n_in, n_tokens);
-        for (w, &out) in ws.iter().zip(outs) {
-            self.matmul_quantized(isa, w, self.view_mut::<f32>(out, n_tokens * w.n_out), n_tokens);
-        }
-        Ok(())
-    }
-
     fn rope(
         &self,
         x: BlockHandle,
@@ -586,10 +569,13 @@ impl Backend for CpuBackend {
         &self,
         k: BlockHandle,
         v: BlockHandle,
-        k_cache: BlockHandle,
-        v_cache: BlockHandle,
-        positions: BlockHandle,
-        pages: PagedKv,
+        AttentionKv {
+            k_cache,
+            v_cache,
+            positions,
+            pages,
+            ..
+        }: AttentionKv<'_, ()>,
         n_tokens: usize,
         kv_width: usize,
     ) -> Result<()> {
@@ -627,13 +613,20 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn plan_step(&self, _: StepLayout, _: AttentionShape) -> Result<()> {
+        Ok(())
+    }
+
     fn attention(
         &self,
         q: BlockHandle,
-        k_cache: BlockHandle,
-        v_cache: BlockHandle,
-        positions: BlockHandle,
-        pages: PagedKv,
+        AttentionKv {
+            k_cache,
+            v_cache,
+            positions,
+            pages,
+            ..
+        }: AttentionKv<'_, ()>,
         out: BlockHandle,
         n_tokens: usize,
         shape: AttentionShape,
@@ -689,6 +682,30 @@ impl Backend for CpuBackend {
     fn add(&self, x: BlockHandle, y: BlockHandle, n: usize) -> Result<()> {
         disjoint(&[x], &[y])?;
         kernels::add::add(self.view_mut(x, n), self.view(y, n));
+        Ok(())
+    }
+}
+
+impl Backend for CpuBackend {
+    fn matmul_many(&self, x: Input, ws: &[&CpuWeight], outs: &[BlockHandle], n_tokens: usize) -> Result<()> {
+        let n_in = ws.first().map_or(0, |w| w.n_in);
+        let x = self.input_rows(x, n_tokens, n_in)?;
+        let shared = ws.iter().all(|w| w.n_in == n_in && fast::has_int8_kernel(w.ty));
+        let isa = match self.kernels {
+            CpuKernels::Fast(isa) if shared => isa,
+            _ => {
+                return ws
+                    .iter()
+                    .zip(outs)
+                    .try_for_each(|(w, &out)| self.matmul(x, w, out, n_tokens))
+            }
+        };
+        disjoint(outs, &[x])?;
+        // One quantization of the shared input for all the weights.
+        self.quantize_activations(isa, self.view::<f32>(x, n_tokens * n_in), n_in, n_tokens);
+        for (w, &out) in ws.iter().zip(outs) {
+            self.matmul_quantized(isa, w, self.view_mut::<f32>(out, n_tokens * w.n_out), n_tokens);
+        }
         Ok(())
     }
 }

@@ -87,7 +87,7 @@ impl CudaBackend {
         )
     }
 
-    /// `Backend::argmax`, in launches of at most `ARGMAX_ROWS` rows.
+    /// `Kernels::argmax`, in launches of at most `ARGMAX_ROWS` rows.
     pub(super) fn argmax_rows(&self, x: BlockHandle, out: BlockHandle, n_rows: usize, width: usize) -> Result<()> {
         for first in (0..n_rows).step_by(ARGMAX_ROWS) {
             let rows = (n_rows - first).min(ARGMAX_ROWS);
@@ -97,7 +97,7 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// `Backend::queue_argmax`.
+    /// `Kernels::queue_argmax`.
     pub(super) fn queue_choice(&self, x: BlockHandle, next: NextInput, width: usize, slot: &ChoiceSlot) -> Result<()> {
         self.launch_argmax(self.ptr(x), self.ptr(next.token), 1, width, slot.device, Some(next))
     }

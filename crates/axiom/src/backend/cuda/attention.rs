@@ -7,9 +7,9 @@ use super::matmul::{interleaves_activations, starts_next_early, Epilogue, GemvPl
 use super::params::AttentionParams;
 use super::rope::rope_args;
 use super::weights::CudaWeight;
-use super::CudaBackend;
+use super::{CudaBackend, FlashPlan};
 use crate::backend::{
-    rope_attend_and_project_in_steps, AttentionKv, AttentionShape, Backend, BlockHandle, NewRows, Rope,
+    rope_attend_and_project_in_steps, AttentionKv, AttentionShape, Backend, BlockHandle, NewRows, Projection, Rope,
 };
 use crate::format::quant::GgmlType;
 use crate::{Error, Result};
@@ -24,7 +24,7 @@ const ATTENTION_MAX_SPLITS: usize = 8;
 pub(super) const ATTENTION_MAX_HEAD_DIM: usize = 256;
 
 impl CudaBackend {
-    /// `Backend::attention`; with `quantized_for`, the one-pass kernel also writes its output into
+    /// `Kernels::attention`; with `quantized_for`, the one-pass kernel also writes its output into
     /// that staging as `quantize_activations` would for that weight (the head size then a multiple
     /// of 32). With `new`, a step of one token also rotates the query and the new key and stores
     /// the token's cache row, as `rope_kv_write` would before it; a flash-attention step rotates
@@ -33,7 +33,7 @@ impl CudaBackend {
         &self,
         q: BlockHandle,
         new: Option<NewRows>,
-        kv: AttentionKv,
+        kv: AttentionKv<'_, Option<FlashPlan>>,
         out: BlockHandle,
         quantized_for: Option<((BlockHandle, BlockHandle), &CudaWeight)>,
         n_tokens: usize,
@@ -63,6 +63,7 @@ impl CudaBackend {
             v_cache,
             positions,
             pages,
+            ..
         } = kv;
         let page_size = page_size_arg(&pages)?;
         let n = n_tokens * shape.q_width();
@@ -121,17 +122,20 @@ impl CudaBackend {
     /// attention kernel quantizes its output for it as it writes it: no launch of its own. Where
     /// it runs through cuBLAS after flash attention (prefill), attention writes its 16-bit input.
     /// `new` as for `attend`.
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn attend_then_project(
         &self,
         q: BlockHandle,
         new: Option<NewRows>,
-        kv: AttentionKv,
-        wo: &CudaWeight,
-        [out, residual, scratch]: [BlockHandle; 3],
+        kv: AttentionKv<'_, Option<FlashPlan>>,
+        proj: Projection<'_, CudaWeight>,
         n_tokens: usize,
         shape: AttentionShape,
     ) -> Result<()> {
+        let Projection {
+            wo,
+            attn: out,
+            residual,
+        } = proj;
         match self.projection_plan(wo, n_tokens, shape) {
             ProjectionPlan::Flash16(input) => {
                 // Flash attention writes its output in the 16-bit type cuBLAS reads, straight into
@@ -146,7 +150,7 @@ impl CudaBackend {
                 }
                 let rotate = new.map(|new| new.rope);
                 self.flash_attention(q, rotate, kv, self.ptr(x_stage), input, n_tokens, shape)?;
-                self.gemm(out, wo, residual, n_tokens, GemmOutput::Add, &mut Some(input))
+                self.gemm(out, wo, residual.stream, n_tokens, GemmOutput::Add, &mut Some(input))
             }
             ProjectionPlan::Folded(staging) => {
                 self.attend(q, new, kv, out, Some((staging, wo)), n_tokens, shape)?;
@@ -160,7 +164,7 @@ impl CudaBackend {
                 self.gemv(
                     out.into(),
                     &[wo],
-                    &[residual],
+                    &[residual.stream],
                     n_tokens,
                     GemvPlan::Int8 { staging },
                     Epilogue::Add,
@@ -169,7 +173,7 @@ impl CudaBackend {
             }
             ProjectionPlan::Separate => {
                 self.attend(q, new, kv, out, None, n_tokens, shape)?;
-                self.matmul_add(out, wo, residual, scratch, n_tokens)
+                self.matmul_add(out, wo, residual, n_tokens)
             }
         }
     }
@@ -210,18 +214,17 @@ impl CudaBackend {
     pub(super) fn rope_attend_then_project(
         &self,
         new: NewRows,
-        kv: AttentionKv,
-        wo: &CudaWeight,
-        buffers: [BlockHandle; 3],
+        kv: AttentionKv<'_, Option<FlashPlan>>,
+        proj: Projection<'_, CudaWeight>,
         n_tokens: usize,
         shape: AttentionShape,
     ) -> Result<()> {
         match self.rope_plan(new.rope, n_tokens, shape) {
             RopePlan::KeysBeforeFlash => self.rotate_and_store(new, kv, n_tokens, shape, self.flash_turns)?,
             RopePlan::InAttention => {}
-            RopePlan::InSteps => return rope_attend_and_project_in_steps(self, new, kv, wo, buffers, n_tokens, shape),
+            RopePlan::InSteps => return rope_attend_and_project_in_steps(self, new, kv, proj, n_tokens, shape),
         }
-        self.attend_then_project(new.q, Some(new), kv, wo, buffers, n_tokens, shape)
+        self.attend_then_project(new.q, Some(new), kv, proj, n_tokens, shape)
     }
 }
 

@@ -7,7 +7,7 @@ use crate::backend::BlockHandle;
 use crate::Result;
 
 impl CudaBackend {
-    /// `Backend::add`.
+    /// `Kernels::add`.
     pub(super) fn launch_add(&self, x: BlockHandle, y: BlockHandle, n: usize) -> Result<()> {
         self.launch(
             "add",
@@ -21,7 +21,7 @@ impl CudaBackend {
         )
     }
 
-    /// `Backend::add_bias`.
+    /// `Kernels::add_bias`.
     pub(super) fn launch_add_bias(
         &self,
         x: BlockHandle,
@@ -43,7 +43,7 @@ impl CudaBackend {
         )
     }
 
-    /// `Backend::swiglu`.
+    /// `Kernels::swiglu`.
     pub(super) fn launch_swiglu(&self, gate: BlockHandle, up: BlockHandle, out: BlockHandle, n: usize) -> Result<()> {
         self.launch(
             "swiglu",

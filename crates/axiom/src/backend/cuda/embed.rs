@@ -7,7 +7,7 @@ use crate::backend::BlockHandle;
 use crate::Result;
 
 impl CudaBackend {
-    /// `Backend::embed`.
+    /// `Kernels::embed`.
     pub(super) fn launch_embed(
         &self,
         table: &CudaWeight,

@@ -7,7 +7,7 @@ use super::launch::page_size_arg;
 use super::occupancy::allow_dynamic_shared;
 use super::params::FlashAttentionParams;
 use super::CudaBackend;
-use crate::backend::{AttentionKv, AttentionShape, Backend, BlockHandle, KvType, Rope, RopeLayout};
+use crate::backend::{AttentionKv, AttentionShape, BlockHandle, Kernels as _, KvType, Rope, RopeLayout, StepLayout};
 use crate::format::quant::GgmlType;
 use crate::{Error, Result};
 
@@ -106,14 +106,12 @@ fn query_tiles(positions: &[u32], token_seqs: &[u32], tile: usize) -> Vec<u32> {
     tiles
 }
 
-/// The flash-attention tiles of a step: the step's position and sequence blocks, its tokens, and
-/// how many tiles they make.
+/// A flash-attention step's plan (`Kernels::plan_step`): its blocks, and the query tiles it
+/// made, already written to the tiles block.
 #[derive(Clone, Copy)]
-pub(super) struct FlashPlan {
-    positions: BlockHandle,
-    token_seqs: BlockHandle,
+pub struct FlashPlan {
+    blocks: FlashBlocks,
     n_tokens: usize,
-    tile: usize,
     n_tiles: u32,
 }
 
@@ -174,6 +172,37 @@ impl CudaBackend {
             && self.flash_tiles.is_some()
     }
 
+    /// The plan of a step that takes flash attention (none for one that does not): its blocks,
+    /// and its tiles written to `flash_tiles` for every layer's launch to read.
+    pub(super) fn plan_flash(&self, layout: StepLayout, shape: AttentionShape) -> Result<Option<FlashPlan>> {
+        let n_tokens = layout.n_tokens();
+        if !self.takes_flash(shape, n_tokens) {
+            return Ok(None);
+        }
+        let tiles_block = self
+            .flash_tiles
+            .ok_or_else(|| Error::Backend("no flash-attention tiles reserved".into()))?;
+        let blocks = match self.flash_fixed {
+            Some((groups, warpgroups)) => FlashBlocks {
+                head_dim: shape.head_dim,
+                groups,
+                warpgroups,
+            },
+            None => FlashBlocks::for_step(shape, n_tokens, self.device.multiprocessors, self.flash_warpgroups),
+        };
+        let tiles = query_tiles(layout.positions, layout.token_seqs, blocks.tile());
+        let n_tiles = u32::try_from(tiles.len() / 2)
+            .ok()
+            .filter(|&n| n <= MAX_GRID_Y)
+            .ok_or_else(|| Error::Backend(format!("{n_tokens} tokens make too many attention tiles")))?;
+        self.write_u32(tiles_block, &tiles)?;
+        Ok(Some(FlashPlan {
+            blocks,
+            n_tokens,
+            n_tiles,
+        }))
+    }
+
     /// Attention on tensor cores (flash_attention.cu), its output written at `out` as `out_type`:
     /// f32, or f16 or bf16 for a cuBLAS GEMM to read. With `rotate` (of whole heads), the queries
     /// are rotated as they are loaded, by the angles `rotate_and_store` left in `flash_turns`.
@@ -187,7 +216,8 @@ impl CudaBackend {
             v_cache,
             positions,
             pages,
-        }: AttentionKv,
+            plan,
+        }: AttentionKv<'_, Option<FlashPlan>>,
         out: u64,
         out_type: GgmlType,
         n_tokens: usize,
@@ -196,45 +226,13 @@ impl CudaBackend {
         let tiles_block = self
             .flash_tiles
             .ok_or_else(|| Error::Backend("no flash-attention tiles reserved".into()))?;
-        let blocks = match self.flash_fixed {
-            Some((groups, warpgroups)) => FlashBlocks {
-                head_dim: shape.head_dim,
-                groups,
-                warpgroups,
-            },
-            None => FlashBlocks::for_step(shape, n_tokens, self.device.multiprocessors, self.flash_warpgroups),
-        };
-        let tile = blocks.tile();
-        let n_tiles = match self.flash_plan.get() {
-            Some(plan)
-                if (plan.positions, plan.token_seqs, plan.n_tokens, plan.tile)
-                    == (positions, pages.token_seqs, n_tokens, tile) =>
-            {
-                plan.n_tiles
-            }
-            _ => {
-                // The step's layout comes back to the host to be cut into tiles, once a step: a
-                // prefill step is not recorded into a graph, and the copies wait for all the work
-                // before them.
-                let (mut host_positions, mut host_seqs) = (vec![0u32; n_tokens], vec![0u32; n_tokens]);
-                self.read_u32(positions, &mut host_positions)?;
-                self.read_u32(pages.token_seqs, &mut host_seqs)?;
-                let tiles = query_tiles(&host_positions, &host_seqs, tile);
-                let n_tiles = u32::try_from(tiles.len() / 2)
-                    .ok()
-                    .filter(|&n| n <= MAX_GRID_Y)
-                    .ok_or_else(|| Error::Backend(format!("{n_tokens} tokens make too many attention tiles")))?;
-                self.write_u32(tiles_block, &tiles)?;
-                self.flash_plan.set(Some(FlashPlan {
-                    positions,
-                    token_seqs: pages.token_seqs,
-                    n_tokens,
-                    tile,
-                    n_tiles,
-                }));
-                n_tiles
-            }
-        };
+        let FlashPlan { blocks, n_tiles, .. } = plan
+            .filter(|p| p.n_tokens == n_tokens && p.blocks.head_dim == shape.head_dim)
+            .ok_or_else(|| {
+                Error::Backend(format!(
+                    "flash attention of {n_tokens} tokens without their step's plan"
+                ))
+            })?;
         let page_size = page_size_arg(&pages)?;
         // How the kernel pairs the dimensions it rotates (FA_ADJACENT, FA_HALVES).
         let (turns, pairing) = match rotate {

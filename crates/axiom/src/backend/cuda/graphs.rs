@@ -7,7 +7,7 @@ use crate::{Error, Result};
 use cudarc::driver::sys;
 
 impl CudaBackend {
-    /// `Backend::begin_capture`.
+    /// `Kernels::begin_capture`.
     pub(super) fn begin_graph(&self, n_tokens: usize) -> Result<bool> {
         // Steps whose matmuls go through cuBLAS are not recorded.
         if n_tokens > self.capture_max_tokens {
@@ -19,7 +19,7 @@ impl CudaBackend {
         Ok(true)
     }
 
-    /// `Backend::end_capture`.
+    /// `Kernels::end_capture`.
     pub(super) fn end_graph(&self) -> Result<usize> {
         let graph = self
             .stream
@@ -31,7 +31,7 @@ impl CudaBackend {
         Ok(graphs.len() - 1)
     }
 
-    /// `Backend::replay`.
+    /// `Kernels::replay`.
     pub(super) fn launch_graph(&self, graph: usize) -> Result<()> {
         let graphs = self.graphs.borrow();
         let g = graphs

@@ -5,7 +5,7 @@ use super::flash_attention::FLASH_MIN_TOKENS;
 use super::launch::page_size_arg;
 use super::params::{KvWriteParams, RopeKvWriteParams};
 use super::rope::rope_args;
-use super::CudaBackend;
+use super::{CudaBackend, FlashPlan};
 use crate::backend::{AttentionKv, AttentionShape, BlockHandle, NewRows, PagedKv};
 use crate::Result;
 
@@ -15,7 +15,7 @@ use crate::Result;
 const ROPE_HEADS: usize = 4;
 
 impl CudaBackend {
-    /// `Backend::kv_write`.
+    /// `Kernels::kv_write`.
     pub(super) fn launch_kv_write(
         &self,
         k: BlockHandle,
@@ -52,7 +52,7 @@ impl CudaBackend {
     pub(super) fn rotate_and_store(
         &self,
         new: NewRows,
-        kv: AttentionKv,
+        kv: AttentionKv<'_, Option<FlashPlan>>,
         n_tokens: usize,
         shape: AttentionShape,
         turns: Option<BlockHandle>,

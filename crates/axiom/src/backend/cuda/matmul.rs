@@ -7,7 +7,7 @@ use super::norms::norm_q8_kernel;
 use super::params::{GemvIntParams, GemvNormedParams, GemvParams, Matrices, QuantizeQ8Params, RmsNormQ8Params};
 use super::weights::CudaWeight;
 use super::{kernels, CudaBackend};
-use crate::backend::{gate_up_swiglu_in_steps, Backend, BlockHandle, Input};
+use crate::backend::{gate_up_swiglu_in_steps, Backend, BlockHandle, Input, SwigluRows};
 use crate::format::quant::GgmlType;
 use crate::{Error, Result};
 
@@ -142,19 +142,22 @@ impl CudaBackend {
     pub(super) fn gate_up_swiglu_products(
         &self,
         x: Input,
-        w_gate: &CudaWeight,
-        w_up: &CudaWeight,
-        scratch: [BlockHandle; 2],
-        out: BlockHandle,
+        [w_gate, w_up]: [&CudaWeight; 2],
+        rows: SwigluRows,
         n_tokens: usize,
-        ffn_dim: usize,
     ) -> Result<()> {
         let same_shape = (w_gate.ty, w_gate.n_in, w_gate.n_out) == (w_up.ty, w_up.n_in, w_up.n_out);
         match self.matmul_plan(w_gate, n_tokens) {
-            MatmulPlan::Gemv(plan) if same_shape => {
-                self.gemv(x, &[w_gate, w_up], &[out], n_tokens, plan, Epilogue::SwiGlu, &mut None)
-            }
-            _ => gate_up_swiglu_in_steps(self, x, [w_gate, w_up], scratch, out, n_tokens, ffn_dim),
+            MatmulPlan::Gemv(plan) if same_shape => self.gemv(
+                x,
+                &[w_gate, w_up],
+                &[rows.out],
+                n_tokens,
+                plan,
+                Epilogue::SwiGlu,
+                &mut None,
+            ),
+            _ => gate_up_swiglu_in_steps(self, x, [w_gate, w_up], rows, n_tokens),
         }
     }
 

@@ -7,14 +7,14 @@ use super::device::driver_error;
 use super::flash_attention::{FLASH_MAX_PAIRS, FLASH_MIN_TOKENS};
 use super::matmul::{q8_scale_bytes, GEMV_MAX_TOKENS};
 use super::CudaBackend;
-use crate::backend::{Arena, Backend};
+use crate::backend::{Arena, Kernels};
 use crate::format::quant::GgmlType;
 use crate::{Error, Result};
 
 pub(super) const ALIGN: usize = 256;
 
 impl CudaBackend {
-    /// `Backend::reserve`.
+    /// `Kernels::reserve`.
     pub(super) fn reserve_memory(&mut self, bytes: usize) -> Result<()> {
         if self.memory.is_some() {
             return Err(Error::Backend("the arena is already reserved".into()));
@@ -51,7 +51,7 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// `Backend::prepare`.
+    /// `Kernels::prepare`.
     pub(super) fn reserve_staging(&mut self, max_tokens: usize, max_n_in: usize) -> Result<()> {
         if self.staging.is_none() && max_tokens > GEMV_MAX_TOKENS {
             let w = self.alloc(self.largest_weight * 2)?;
@@ -72,7 +72,7 @@ impl CudaBackend {
     }
 }
 
-/// `Backend::staging_bytes`.
+/// `Kernels::staging_bytes`.
 pub(super) fn staging_bytes(largest_weight: usize, max_tokens: usize, max_n_in: usize) -> usize {
     let cublas = if max_tokens > GEMV_MAX_TOKENS {
         largest_weight * 2 + max_tokens * max_n_in * 2 + 2 * ALIGN

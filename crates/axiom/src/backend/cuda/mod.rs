@@ -6,8 +6,8 @@
 //! compiled once by NVRTC. Decode matmuls read the stored weight types directly; prefill matmuls
 //! go through cuBLAS (quantized weights dequantized to f16 first).
 //!
-//! This file holds the backend's state and its `Backend` impl, which hands each op to the file
-//! beside that op's kernels (`matmul.rs` beside kernels/matmul.cu, `norms.rs` beside
+//! This file holds the backend's state and its `Kernels` and `Backend` impls, which hand each op
+//! to the file beside that op's kernels (`matmul.rs` beside kernels/matmul.cu, `norms.rs` beside
 //! rms_norm.cu); launch plumbing, weight repacking, occupancy, memory and graphs have one each.
 
 pub mod device;
@@ -32,7 +32,7 @@ mod weights;
 
 use super::{
     Arena, AttentionKv, AttentionShape, Backend, BlockHandle, FeedForward, FeedForwardScratch, HostTensor, Input,
-    KvType, NewRows, NextInput, PagedKv, Rope,
+    KvType, NewRows, NextInput, Projection, Residual, Rope, StepLayout, SwigluRows,
 };
 use crate::format::quant::GgmlType;
 use crate::{Error, Result};
@@ -41,12 +41,13 @@ use cudarc::cublas::{result as cublas, sys as cublas_sys};
 use cudarc::driver::{sys, CudaGraph, CudaSlice, CudaStream};
 pub use device::PinnedF32;
 use device::{driver_error, CudaDevice};
-use flash_attention::{flash_head_dims, FlashPlan};
+use flash_attention::flash_head_dims;
+pub use flash_attention::FlashPlan;
 use kernels::Kernels;
 use matmul::GEMV_MAX_TOKENS;
 use memory::ALIGN;
 use occupancy::{prefer_shared_memory, quantize_padding, EvenSpread};
-use std::cell::{Cell, RefCell};
+use std::cell::RefCell;
 use std::sync::Arc;
 pub use weights::CudaWeight;
 
@@ -65,11 +66,6 @@ pub struct CudaBackend {
     /// Each token's RoPE angles, (cos, sin) of each pair as two f32, where flash attention
     /// rotates the queries itself (`rope_attend_and_project`): at most `FLASH_MAX_PAIRS` a token.
     flash_turns: Option<BlockHandle>,
-    /// What `flash_tiles` holds the tiles of, for the layers after the first of a step. Every
-    /// `write_u32`, which is how a multi-token step's positions and sequences arrive, forgets it.
-    /// (A greedy step's position, which the argmax advances on the device, is one token's: it
-    /// never takes flash attention.)
-    flash_plan: Cell<Option<FlashPlan>>,
     /// Activations quantized for the integer matrix-vector kernels: int8 values, f32 block scales.
     int8_activations: Option<(BlockHandle, BlockHandle)>,
     largest_weight: usize,
@@ -134,7 +130,6 @@ impl CudaBackend {
             staging: None,
             flash_tiles: None,
             flash_turns: None,
-            flash_plan: Cell::new(None),
             int8_activations: None,
             largest_weight: 0,
             graphs: RefCell::new(Vec::new()),
@@ -164,10 +159,12 @@ impl Drop for CudaBackend {
     }
 }
 
-impl Backend for CudaBackend {
+impl super::Kernels for CudaBackend {
     type Weight = CudaWeight;
     type HostF32 = PinnedF32;
     type ChoiceSlot = ChoiceSlot;
+    /// The flash-attention tiles of a step that takes flash attention.
+    type StepPlan = Option<FlashPlan>;
 
     fn device_name(&self) -> String {
         format!("CUDA {} ({})", self.device.name, self.device.arch)
@@ -205,7 +202,6 @@ impl Backend for CudaBackend {
 
     fn write_u32(&self, dst: BlockHandle, src: &[u32]) -> Result<()> {
         assert!(std::mem::size_of_val(src) <= dst.len);
-        self.flash_plan.set(None);
         // SAFETY: as write_f32.
         unsafe { cudarc::driver::result::memcpy_htod_async(self.ptr(dst), src, self.stream.cu_stream()) }
             .map_err(driver_error("copy to device"))
@@ -233,6 +229,18 @@ impl Backend for CudaBackend {
 
     fn synchronize(&self) -> Result<()> {
         self.stream.synchronize().map_err(driver_error("synchronize"))
+    }
+
+    fn weight_bytes(&self, matrices: &[usize]) -> usize {
+        weights::arena_bytes(matrices)
+    }
+
+    fn staging_bytes(&self, largest_weight: usize, max_tokens: usize, max_n_in: usize) -> usize {
+        memory::staging_bytes(largest_weight, max_tokens, max_n_in)
+    }
+
+    fn prepare(&mut self, max_tokens: usize, max_n_in: usize) -> Result<()> {
+        self.reserve_staging(max_tokens, max_n_in)
     }
 
     fn begin_capture(&self, n_tokens: usize) -> Result<bool> {
@@ -264,46 +272,7 @@ impl Backend for CudaBackend {
     }
 
     fn matmul(&self, x: BlockHandle, w: &CudaWeight, out: BlockHandle, n_tokens: usize) -> Result<()> {
-        self.matmul_many(x.into(), &[w], &[out], n_tokens)
-    }
-
-    fn matmul_many(&self, x: Input, ws: &[&CudaWeight], outs: &[BlockHandle], n_tokens: usize) -> Result<()> {
-        self.multiply(x, ws, outs, n_tokens)
-    }
-
-    fn matmul_add(
-        &self,
-        x: BlockHandle,
-        w: &CudaWeight,
-        out: BlockHandle,
-        _scratch: BlockHandle,
-        n_tokens: usize,
-    ) -> Result<()> {
-        self.multiply_add(x, w, out, n_tokens)
-    }
-
-    fn gate_up_swiglu(
-        &self,
-        x: Input,
-        w_gate: &CudaWeight,
-        w_up: &CudaWeight,
-        scratch: [BlockHandle; 2],
-        out: BlockHandle,
-        n_tokens: usize,
-        ffn_dim: usize,
-    ) -> Result<()> {
-        self.gate_up_swiglu_products(x, w_gate, w_up, scratch, out, n_tokens, ffn_dim)
-    }
-
-    fn feed_forward(
-        &self,
-        x: Input,
-        ffn: FeedForward<'_, CudaWeight>,
-        scratch: FeedForwardScratch,
-        residual: BlockHandle,
-        n_tokens: usize,
-    ) -> Result<()> {
-        self.feed_forward_16bit(x, ffn, scratch, residual, n_tokens)
+        self.multiply(x.into(), &[w], &[out], n_tokens)
     }
 
     fn rope(
@@ -319,94 +288,49 @@ impl Backend for CudaBackend {
         self.launch_rope(x, positions, freqs, n_tokens, n_heads, head_dim, rope)
     }
 
-    fn add_bias(&self, x: BlockHandle, bias: BlockHandle, n_tokens: usize, width: usize) -> Result<()> {
-        self.launch_add_bias(x, bias, n_tokens, width)
-    }
-
     fn kv_write(
         &self,
         k: BlockHandle,
         v: BlockHandle,
-        k_cache: BlockHandle,
-        v_cache: BlockHandle,
-        positions: BlockHandle,
-        pages: PagedKv,
+        kv: AttentionKv<'_, Option<FlashPlan>>,
         n_tokens: usize,
         kv_width: usize,
     ) -> Result<()> {
-        self.launch_kv_write(k, v, k_cache, v_cache, positions, pages, n_tokens, kv_width)
-    }
-
-    fn rope_kv_write(
-        &self,
-        q: BlockHandle,
-        k: BlockHandle,
-        v: BlockHandle,
-        k_cache: BlockHandle,
-        v_cache: BlockHandle,
-        positions: BlockHandle,
-        freqs: BlockHandle,
-        pages: PagedKv,
-        n_tokens: usize,
-        shape: AttentionShape,
-        rope: Rope,
-    ) -> Result<()> {
-        let new = NewRows { q, k, v, freqs, rope };
-        let kv = AttentionKv {
+        let AttentionKv {
             k_cache,
             v_cache,
             positions,
             pages,
-        };
-        self.rotate_and_store(new, kv, n_tokens, shape, None)
+            ..
+        } = kv;
+        self.launch_kv_write(k, v, k_cache, v_cache, positions, pages, n_tokens, kv_width)
+    }
+
+    fn plan_step(&self, layout: StepLayout, shape: AttentionShape) -> Result<Option<FlashPlan>> {
+        self.plan_flash(layout, shape)
     }
 
     fn attention(
         &self,
         q: BlockHandle,
-        k_cache: BlockHandle,
-        v_cache: BlockHandle,
-        positions: BlockHandle,
-        pages: PagedKv,
+        kv: AttentionKv<'_, Option<FlashPlan>>,
         out: BlockHandle,
         n_tokens: usize,
         shape: AttentionShape,
     ) -> Result<()> {
-        let kv = AttentionKv {
-            k_cache,
-            v_cache,
-            positions,
-            pages,
-        };
         self.attend(q, None, kv, out, None, n_tokens, shape)
     }
 
-    fn attend_and_project(
-        &self,
-        q: BlockHandle,
-        kv: AttentionKv,
-        wo: &CudaWeight,
-        buffers: [BlockHandle; 3],
-        n_tokens: usize,
-        shape: AttentionShape,
-    ) -> Result<()> {
-        self.attend_then_project(q, None, kv, wo, buffers, n_tokens, shape)
-    }
-
-    fn rope_attend_and_project(
-        &self,
-        new: NewRows,
-        kv: AttentionKv,
-        wo: &CudaWeight,
-        buffers: [BlockHandle; 3],
-        n_tokens: usize,
-        shape: AttentionShape,
-    ) -> Result<()> {
-        self.rope_attend_then_project(new, kv, wo, buffers, n_tokens, shape)
+    fn add_bias(&self, x: BlockHandle, bias: BlockHandle, n_tokens: usize, width: usize) -> Result<()> {
+        self.launch_add_bias(x, bias, n_tokens, width)
     }
 
     fn swiglu(&self, gate: BlockHandle, up: BlockHandle, out: BlockHandle, n: usize) -> Result<()> {
         self.launch_swiglu(gate, up, out, n)
+    }
+
+    fn add(&self, x: BlockHandle, y: BlockHandle, n: usize) -> Result<()> {
+        self.launch_add(x, y, n)
     }
 
     fn argmax(&self, x: BlockHandle, out: BlockHandle, n_rows: usize, width: usize) -> Result<()> {
@@ -428,20 +352,61 @@ impl Backend for CudaBackend {
     fn wait_choice(&self, slot: &ChoiceSlot) -> Result<u32> {
         slot.wait()
     }
+}
 
-    fn add(&self, x: BlockHandle, y: BlockHandle, n: usize) -> Result<()> {
-        self.launch_add(x, y, n)
+impl Backend for CudaBackend {
+    fn matmul_many(&self, x: Input, ws: &[&CudaWeight], outs: &[BlockHandle], n_tokens: usize) -> Result<()> {
+        self.multiply(x, ws, outs, n_tokens)
     }
 
-    fn weight_bytes(&self, matrices: &[usize]) -> usize {
-        weights::arena_bytes(matrices)
+    fn matmul_add(&self, x: BlockHandle, w: &CudaWeight, residual: Residual, n_tokens: usize) -> Result<()> {
+        self.multiply_add(x, w, residual.stream, n_tokens)
     }
 
-    fn prepare(&mut self, max_tokens: usize, max_n_in: usize) -> Result<()> {
-        self.reserve_staging(max_tokens, max_n_in)
+    fn gate_up_swiglu(&self, x: Input, ws: [&CudaWeight; 2], rows: SwigluRows, n_tokens: usize) -> Result<()> {
+        self.gate_up_swiglu_products(x, ws, rows, n_tokens)
     }
 
-    fn staging_bytes(&self, largest_weight: usize, max_tokens: usize, max_n_in: usize) -> usize {
-        memory::staging_bytes(largest_weight, max_tokens, max_n_in)
+    fn feed_forward(
+        &self,
+        x: Input,
+        ffn: FeedForward<'_, CudaWeight>,
+        scratch: FeedForwardScratch,
+        residual: BlockHandle,
+        n_tokens: usize,
+    ) -> Result<()> {
+        self.feed_forward_16bit(x, ffn, scratch, residual, n_tokens)
+    }
+
+    fn rope_kv_write(
+        &self,
+        new: NewRows,
+        kv: AttentionKv<'_, Option<FlashPlan>>,
+        n_tokens: usize,
+        shape: AttentionShape,
+    ) -> Result<()> {
+        self.rotate_and_store(new, kv, n_tokens, shape, None)
+    }
+
+    fn attend_and_project(
+        &self,
+        q: BlockHandle,
+        kv: AttentionKv<'_, Option<FlashPlan>>,
+        proj: Projection<'_, CudaWeight>,
+        n_tokens: usize,
+        shape: AttentionShape,
+    ) -> Result<()> {
+        self.attend_then_project(q, None, kv, proj, n_tokens, shape)
+    }
+
+    fn rope_attend_and_project(
+        &self,
+        new: NewRows,
+        kv: AttentionKv<'_, Option<FlashPlan>>,
+        proj: Projection<'_, CudaWeight>,
+        n_tokens: usize,
+        shape: AttentionShape,
+    ) -> Result<()> {
+        self.rope_attend_then_project(new, kv, proj, n_tokens, shape)
     }
 }

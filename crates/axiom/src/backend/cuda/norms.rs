@@ -49,7 +49,7 @@ fn check_norm_row(dim: usize) -> Result<()> {
 }
 
 impl CudaBackend {
-    /// `Backend::rms_norm`.
+    /// `Kernels::rms_norm`.
     pub(super) fn launch_rms_norm(
         &self,
         x: BlockHandle,

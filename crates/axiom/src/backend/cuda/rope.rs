@@ -22,7 +22,7 @@ pub(super) fn rope_args(rope: Rope) -> Result<(i32, i32)> {
 }
 
 impl CudaBackend {
-    /// `Backend::rope`.
+    /// `Kernels::rope`.
     pub(super) fn launch_rope(
         &self,
         x: BlockHandle,

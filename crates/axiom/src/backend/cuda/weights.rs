@@ -5,7 +5,7 @@ use super::device::driver_error;
 use super::matmul::gemv_max_tokens;
 use super::memory::ALIGN;
 use super::CudaBackend;
-use crate::backend::{Backend, BlockHandle, HostTensor};
+use crate::backend::{BlockHandle, HostTensor, Kernels};
 use crate::format::quant::GgmlType;
 use crate::{Error, Result};
 
@@ -137,7 +137,7 @@ impl CudaBackend {
     }
 }
 
-/// `Backend::weight_bytes`: the arena bytes the weights of `matrices` bytes take once split.
+/// `Kernels::weight_bytes`: the arena bytes the weights of `matrices` bytes take once split.
 pub(super) fn arena_bytes(matrices: &[usize]) -> usize {
     // Up to three fields per matrix, each aligned; Q6_K's metadata grows by 2 bytes a block.
     matrices.iter().map(|b| b + b / 100 + 3 * ALIGN).sum()

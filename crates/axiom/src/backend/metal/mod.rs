@@ -17,7 +17,10 @@ pub mod context;
 pub mod device;
 pub mod kernels;
 
-use super::{gpu_kernel_suffix, AttentionShape, Backend, BlockHandle, HostTensor, KvType, PagedKv, Rope, RopeLayout};
+use super::{
+    gpu_kernel_suffix, AttentionKv, AttentionShape, Backend, BlockHandle, HostTensor, Kernels, KvType, NewRows, Rope,
+    RopeLayout, StepLayout,
+};
 use crate::format::quant::GgmlType;
 use crate::{Error, Result};
 use allocator::MetalAllocator;
@@ -63,6 +66,13 @@ pub struct MetalWeight {
     block: BlockHandle,
 }
 super::impl_matrix!(MetalWeight);
+
+/// The plan of a step (`Backend::plan_step`): the longest context a token of it attends to,
+/// which the two-pass attention's score rows span.
+#[derive(Debug, Clone, Copy)]
+pub struct StepContext {
+    n_ctx: usize,
+}
 
 /// A kernel argument: an arena block bound as a buffer, or a scalar copied into the encoder.
 #[derive(Clone)]
@@ -168,24 +178,24 @@ impl MetalBackend {
 
     /// The two-pass attention (`attention_qk`, then `attention_pv`) over a score scratch, for heads
     /// too wide for the fused kernel; tokens go in chunks whose scores fit the scratch.
-    #[allow(clippy::too_many_arguments)]
     fn attention_two_pass(
         &self,
         q: BlockHandle,
-        k_cache: BlockHandle,
-        v_cache: BlockHandle,
-        positions: BlockHandle,
-        pages: PagedKv,
+        kv: AttentionKv<'_, StepContext>,
         out: BlockHandle,
         n_tokens: usize,
         shape: AttentionShape,
     ) -> Result<()> {
+        let AttentionKv {
+            k_cache,
+            v_cache,
+            positions,
+            pages,
+            plan: &StepContext { n_ctx },
+        } = kv;
         let scores = self
             .scores
             .ok_or_else(|| Error::Backend("no attention score scratch reserved".into()))?;
-        let mut host_positions = vec![0u32; n_tokens];
-        self.read_u32(positions, &mut host_positions)?;
-        let n_ctx = host_positions.iter().max().map_or(1, |&p| p as usize + 1);
         let per_token = shape.n_heads * n_ctx * 4;
         let chunk = scores.len / per_token;
         if chunk == 0 {
@@ -272,10 +282,11 @@ impl From<MetalError> for Error {
     }
 }
 
-impl Backend for MetalBackend {
+impl Kernels for MetalBackend {
     type Weight = MetalWeight;
     type HostF32 = Vec<f32>;
     type ChoiceSlot = Cell<u32>;
+    type StepPlan = StepContext;
 
     fn device_name(&self) -> String {
         format!("Metal {}", self.ctx.device.name)
@@ -465,10 +476,13 @@ impl Backend for MetalBackend {
         &self,
         k: BlockHandle,
         v: BlockHandle,
-        k_cache: BlockHandle,
-        v_cache: BlockHandle,
-        positions: BlockHandle,
-        pages: PagedKv,
+        AttentionKv {
+            k_cache,
+            v_cache,
+            positions,
+            pages,
+            ..
+        }: AttentionKv<'_, StepContext>,
         n_tokens: usize,
         kv_width: usize,
     ) -> Result<()> {
@@ -491,52 +505,15 @@ impl Backend for MetalBackend {
         )
     }
 
-    fn rope_kv_write(
-        &self,
-        q: BlockHandle,
-        k: BlockHandle,
-        v: BlockHandle,
-        k_cache: BlockHandle,
-        v_cache: BlockHandle,
-        positions: BlockHandle,
-        freqs: BlockHandle,
-        pages: PagedKv,
-        n_tokens: usize,
-        shape: AttentionShape,
-        rope: Rope,
-    ) -> Result<()> {
-        self.launch(
-            &format!("rope_kv_write_{}", self.kv_suffix()),
-            (n_tokens, shape.n_heads + shape.n_kv_heads),
-            |k| threads(k, 64),
-            &[
-                Arg::Buf(q),
-                Arg::Buf(k),
-                Arg::Buf(v),
-                Arg::Buf(k_cache),
-                Arg::Buf(v_cache),
-                Arg::Buf(positions),
-                Arg::Buf(freqs),
-                Arg::Buf(pages.block_tables),
-                u32_arg(pages.table_width),
-                Arg::Buf(pages.token_seqs),
-                u32_arg(pages.page_size),
-                u32_arg(shape.n_heads),
-                u32_arg(shape.n_kv_heads),
-                u32_arg(shape.head_dim),
-                u32_arg(rope.dims),
-                Arg::U32(u32::from(rope.layout == RopeLayout::Halves)),
-            ],
-        )
+    fn plan_step(&self, layout: StepLayout, _: AttentionShape) -> Result<StepContext> {
+        let n_ctx = layout.positions.iter().max().map_or(1, |&p| p as usize + 1);
+        Ok(StepContext { n_ctx })
     }
 
     fn attention(
         &self,
         q: BlockHandle,
-        k_cache: BlockHandle,
-        v_cache: BlockHandle,
-        positions: BlockHandle,
-        pages: PagedKv,
+        kv: AttentionKv<'_, StepContext>,
         out: BlockHandle,
         n_tokens: usize,
         shape: AttentionShape,
@@ -545,8 +522,15 @@ impl Backend for MetalBackend {
         let kernel = self.kernels.get(&name)?;
         let width = kernel.simd_width.max(1);
         if shape.head_dim > ATTENTION_MAX_PER_LANE * width {
-            return self.attention_two_pass(q, k_cache, v_cache, positions, pages, out, n_tokens, shape);
+            return self.attention_two_pass(q, kv, out, n_tokens, shape);
         }
+        let AttentionKv {
+            k_cache,
+            v_cache,
+            positions,
+            pages,
+            ..
+        } = kv;
         self.launch(
             &name,
             (n_tokens, shape.n_heads),
@@ -597,6 +581,48 @@ impl Backend for MetalBackend {
     // Read at once: overlapping it would take the index into a buffer of its own and a wait on
     // its command buffer alone.
     super::choices_at_once!();
+}
+
+impl Backend for MetalBackend {
+    fn rope_kv_write(
+        &self,
+        new: NewRows,
+        kv: AttentionKv<'_, StepContext>,
+        n_tokens: usize,
+        shape: AttentionShape,
+    ) -> Result<()> {
+        let NewRows { q, k, v, freqs, rope } = new;
+        let AttentionKv {
+            k_cache,
+            v_cache,
+            positions,
+            pages,
+            ..
+        } = kv;
+        self.launch(
+            &format!("rope_kv_write_{}", self.kv_suffix()),
+            (n_tokens, shape.n_heads + shape.n_kv_heads),
+            |k| threads(k, 64),
+            &[
+                Arg::Buf(q),
+                Arg::Buf(k),
+                Arg::Buf(v),
+                Arg::Buf(k_cache),
+                Arg::Buf(v_cache),
+                Arg::Buf(positions),
+                Arg::Buf(freqs),
+                Arg::Buf(pages.block_tables),
+                u32_arg(pages.table_width),
+                Arg::Buf(pages.token_seqs),
+                u32_arg(pages.page_size),
+                u32_arg(shape.n_heads),
+                u32_arg(shape.n_kv_heads),
+                u32_arg(shape.head_dim),
+                u32_arg(rope.dims),
+                Arg::U32(u32::from(rope.layout == RopeLayout::Halves)),
+            ],
+        )
+    }
 }
 
 impl MetalBackend {

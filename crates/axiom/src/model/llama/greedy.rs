@@ -6,6 +6,7 @@
 
 use super::{Llama, LogitRows, SeqStep, StepKind, Want};
 use crate::backend::Backend;
+use crate::model::kv_cache::PagePool;
 use crate::model::KvCache;
 use crate::{Error, Result};
 
@@ -16,6 +17,8 @@ use crate::{Error, Result};
 /// queued for it is dropped.
 pub struct GreedyDecode<'a, B: Backend> {
     model: &'a mut Llama<B>,
+    /// Where the sequence's pages come from, a page at a time as it grows.
+    pages: &'a mut PagePool,
     kv: &'a mut KvCache,
     /// The choice slot of the newest token, which the host has not seen; none once decoding has
     /// ended.
@@ -27,17 +30,20 @@ pub struct GreedyDecode<'a, B: Backend> {
 
 impl<'a, B: Backend> GreedyDecode<'a, B> {
     /// Runs `prompt` after what `kv` holds and queues the choice of the first token.
-    pub fn new(model: &'a mut Llama<B>, kv: &'a mut KvCache, prompt: &[u32]) -> Result<Self> {
+    pub fn new(model: &'a mut Llama<B>, pages: &'a mut PagePool, kv: &'a mut KvCache, prompt: &[u32]) -> Result<Self> {
         let last = prompt
             .len()
             .checked_sub(1)
             .ok_or_else(|| Error::InvalidArgument("the prompt has no tokens".into()))?;
+        pages.reserve(kv, prompt.len())?;
         model.forward(prompt, kv, LogitRows::None, |_, _| {})?;
+        pages.index_full_pages(kv);
         let row = last % model.max_batch;
         model.choose(row, 0)?;
         model.chosen(row, 0)?;
         Ok(GreedyDecode {
             model,
+            pages,
             kv,
             newest: Some(0),
             held: None,
@@ -53,7 +59,7 @@ impl<'a, B: Backend> GreedyDecode<'a, B> {
             .ok_or_else(|| Error::InvalidArgument("greedy decoding has ended".into()))?;
         if let Some(token) = self.held.take() {
             self.kv.push_tokens(&[token]);
-            self.model.pages.index_full_pages(self.kv);
+            self.pages.index_full_pages(self.kv);
         }
         if run_it {
             if let Err(e) = self.run_newest(1 - newest) {
@@ -69,6 +75,7 @@ impl<'a, B: Backend> GreedyDecode<'a, B> {
     /// Queues the step that runs the token the last one left on the device, its choice into
     /// `slot`.
     fn run_newest(&mut self, slot: usize) -> Result<()> {
+        self.pages.reserve(self.kv, 1)?;
         let step = SeqStep {
             kv: &mut *self.kv,
             tokens: &[0],
@@ -93,6 +100,6 @@ impl<B: Backend> Drop for GreedyDecode<'_, B> {
             let _ = self.wait(newest);
         }
         let len = self.kv.len();
-        self.model.pages.truncate(self.kv, len);
+        self.pages.truncate(self.kv, len);
     }
 }
