@@ -413,12 +413,15 @@ async fn run(s: &Arc<AppState>, job: Job, record: Arc<RequestRecord>) -> Result<
     let (tx, rx) = unbounded_channel();
     let stream = job.request.stream;
     let include_usage = job.request.stream_options.as_ref().is_some_and(|o| o.include_usage);
+    let (constraint, constraint_field) = job.request.constraint()?.unzip();
     s.engine
         .submit(Request {
             prompt: job.prompt,
             sampling: job.request.sampler(id.as_u64_pair().0),
             max_tokens,
             stop: job.request.stops(),
+            stop_token_ids: job.request.stop_token_ids.clone().unwrap_or_default(),
+            constraint,
             logprobs: job.logprobs,
             ignore_eos: job.request.ignore_eos,
             sink: Box::new(ChannelSink(tx)),
@@ -428,6 +431,8 @@ async fn run(s: &Arc<AppState>, job: Job, record: Arc<RequestRecord>) -> Result<
                 ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", e.to_string())
             }
             SubmitError::EmptyPrompt | SubmitError::TooLong { .. } => ApiError::invalid(e.to_string(), Some("prompt")),
+            SubmitError::OutOfVocabulary { field, .. } => ApiError::invalid(e.to_string(), Some(field)),
+            SubmitError::Constraint(_) => ApiError::invalid(e.to_string(), constraint_field),
         })?;
     let shape = Shape {
         id: format!("{}-{}", if job.chat { "chatcmpl" } else { "cmpl" }, id.simple()),

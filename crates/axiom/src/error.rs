@@ -35,6 +35,8 @@ pub enum Error {
     },
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+    #[error(transparent)]
+    Constraint(#[from] crate::engine::ConstraintError),
     #[error("download: {0}")]
     Download(String),
     #[error("{context}: {source}")]
