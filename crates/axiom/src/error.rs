@@ -35,7 +35,7 @@ pub enum Error {
     },
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
-    #[error(transparent)]
+    #[error("constraint: {0}")]
     Constraint(#[from] crate::engine::ConstraintError),
     #[error("download: {0}")]
     Download(String),
