@@ -182,7 +182,8 @@ fn choice_holds_on_every_seed_and_grammars_compile_from_lark_and_gbnf() {
     let mut engine = engine(s);
     let grammars = [
         ConstraintSpec::Lark(r#"start: "The answer is " /[0-9]+/ "." "#.into()),
-        ConstraintSpec::Gbnf("root ::= \"The answer is \" digit+ \".\"\ndigit ::= [0-9]\n".into()),
+        // Upper case and `_` in rule names, which Lark reads otherwise, and a rule over lines.
+        ConstraintSpec::Gbnf("root ::= (\"The answer is \"\n  Some_Digits) \".\"\nSome_Digits ::= [0-9]+\n".into()),
     ];
     let receivers = grammars
         .iter()

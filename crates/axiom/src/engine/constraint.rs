@@ -145,8 +145,4 @@ impl TokenMask {
             }
         }
     }
-
-    pub fn allows(&self, token: u32) -> bool {
-        (token as usize) < self.0.len() && self.0.is_allowed(token)
-    }
 }
