@@ -491,7 +491,7 @@ impl<B: Backend> Scheduler<B> {
             })
             .collect();
         // The constraints of the sequences that get a token this step, out for their masks.
-        let mut constraints: Vec<Option<Constraint>> = steps
+        let constraints: Vec<Option<Constraint>> = steps
             .iter()
             .zip(&batch)
             .map(|(step, &(i, _))| match step.want {
@@ -502,9 +502,9 @@ impl<B: Backend> Scheduler<B> {
         let (running, tokenizer, metrics, model) = (&mut self.running, &self.tokenizer, &self.metrics, &mut self.model);
         let result = std::thread::scope(|scope| {
             let mut masking: Vec<Option<ScopedJoinHandle<MaskResult>>> = constraints
-                .iter_mut()
+                .into_iter()
                 .map(|c| {
-                    c.take().map(|mut constraint| {
+                    c.map(|mut constraint| {
                         scope.spawn(move || {
                             let mask = constraint.mask();
                             (constraint, mask)
