@@ -6,10 +6,12 @@ sending `--requests` streaming completions one after another (prompts of random 
 greedy, `ignore_eos` so every request generates exactly `--max-tokens`). Reports per level:
 aggregate generated tokens per second over the level's wall time, time to first token and
 inter-token latency percentiles. Bounded in requests and in time (`--time-limit` per level).
-Standard library only, so it runs anywhere Python does.
+`--json-schema FILE` holds every request's output to that schema (`response_format`), to measure
+constrained decoding. Standard library only, so it runs anywhere Python does.
 
     python3 scripts/load_test.py --axiom target/release/axiom [--model M.gguf] [--backend cpu]
-        [--concurrency 1,8,32] [--requests 2] [--prompt-tokens 128] [--max-tokens 64] [--json out.json]
+        [--concurrency 1,8,32] [--requests 2] [--prompt-tokens 128] [--max-tokens 64]
+        [--json-schema schema.json] [--json out.json]
 """
 import argparse
 import http.client
@@ -41,11 +43,14 @@ def start_server(args):
     raise SystemExit("server did not start in time")
 
 
-def one_request(host, port, prompt, max_tokens, deadline):
+def one_request(host, port, prompt, max_tokens, deadline, schema=None):
     """Streams one completion; returns (ttft, [gaps], completion tokens)."""
     conn = http.client.HTTPConnection(host, port, timeout=max(1.0, deadline - time.time()))
-    body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-                       "ignore_eos": True, "stream_options": {"include_usage": True}})
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    if schema is not None:
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "load", "schema": schema}}
+    body = json.dumps(body)
     start = time.perf_counter()
     conn.request("POST", "/v1/completions", body, {"content-type": "application/json"})
     resp = conn.getresponse()
@@ -82,7 +87,7 @@ def run_level(args, host, port, streams):
                 return
             prompt = [rng.randrange(1000, 20000) for _ in range(args.prompt_tokens)]
             try:
-                r = one_request(host, port, prompt, args.max_tokens, deadline)
+                r = one_request(host, port, prompt, args.max_tokens, deadline, args.schema)
                 with lock:
                     results.append(r)
             except Exception as e:  # noqa: BLE001 - reported below
@@ -121,10 +126,15 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--time-limit", type=float, default=120, help="seconds per level")
     ap.add_argument("--load-timeout", type=float, default=300)
+    ap.add_argument("--json-schema", help="a JSON schema file every request's output must follow")
     ap.add_argument("--json")
     ap.add_argument("server_args", nargs="*", help="more `axiom serve` arguments (after --)")
     args = ap.parse_args()
     args.levels = [int(c) for c in args.concurrency.split(",")]
+    args.schema = None
+    if args.json_schema:
+        with open(args.json_schema) as f:
+            args.schema = json.load(f)
     proc, host, port, banner = start_server(args)
     print(banner)
     rows = []

@@ -2,6 +2,7 @@
 """`axiom serve` through the official `openai` client, on 127.0.0.1 with the default model.
 
 Chat and completions, streaming and not, stop strings, max_tokens, seeds, logprobs, errors,
+structured output (response_format json_schema, guided_choice, logit_bias, stop_token_ids),
 a full queue, stalled uploads, 32 concurrent streams (some abandoned mid-stream) that must each equal their solo
 greedy output and leave no KV page in use, and a SIGTERM that lets an open stream finish.
 
@@ -262,10 +263,66 @@ def stalled_upload():
             s.stop()
 
 
+def structured(s):
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    }
+    response_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}}
+    for seed in range(4):
+        r = chat(s, "Describe a person as JSON.", max_tokens=120, temperature=1.0, seed=seed, response_format=response_format)
+        person = json.loads(r.choices[0].message.content)
+        check(
+            r.choices[0].finish_reason == "stop" and set(person) == {"name", "age"}
+            and isinstance(person["name"], str) and isinstance(person["age"], int),
+            f"response_format json_schema holds (seed {seed}): {person}",
+        )
+    text, finish = streamed_chat(s, "Describe a person as JSON.", max_tokens=120, temperature=1.0, seed=9, response_format=response_format)
+    check(finish == "stop" and set(json.loads(text)) == {"name", "age"}, "a streamed reply follows the schema too")
+    c = s.client.completions.create(
+        model="any", prompt="My favourite colour is", max_tokens=8, temperature=1.0,
+        extra_body={"guided_choice": ["red", "green", "blue"]},
+    )
+    check(c.choices[0].text in ("red", "green", "blue"), f"guided_choice picks one choice: {c.choices[0].text!r}")
+
+    plain = s.client.completions.create(model="any", prompt="Once upon a time", max_tokens=6, temperature=0).choices[0].text
+    ids = json.loads(subprocess.run([str(AXIOM), "tokenize", plain], capture_output=True, text=True, check=True).stdout)
+    banned = s.client.completions.create(
+        model="any", prompt="Once upon a time", max_tokens=6, temperature=0, logit_bias={str(ids[0]): -100}
+    ).choices[0].text
+    check(banned != plain, f"logit_bias -100 bans the greedy first token ({plain!r} became {banned!r})")
+    stopped = s.client.completions.create(
+        model="any", prompt="Once upon a time", max_tokens=6, temperature=0, extra_body={"stop_token_ids": [ids[2]]}
+    ).choices[0]
+    check(
+        stopped.finish_reason == "stop" and plain.startswith(stopped.text) and len(stopped.text) < len(plain),
+        f"stop_token_ids stops before the token ({stopped.text!r})",
+    )
+
+    def error(**body):
+        try:
+            chat(s, "hi", max_tokens=4, **body)
+        except openai.BadRequestError as e:
+            return e.body.get("param") if isinstance(e.body, dict) else None
+        return None
+
+    check(error(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}})
+          == "response_format", "a bad schema is a 400 naming response_format")
+    check(error(extra_body={"guided_regex": "[0-9"}) == "guided_regex", "a bad regex is a 400 naming guided_regex")
+    check(error(response_format={"type": "json_object"}, extra_body={"guided_choice": ["a"]}) == "guided_choice",
+          "two constraints are a 400 naming the second")
+    check(error(logit_bias={"999999999": 5}) == "logit_bias", "an out-of-vocabulary logit_bias is a 400")
+    check(error(logit_bias={"5": 101}) == "logit_bias", "a bias over 100 is a 400")
+    check(error(extra_body={"stop_token_ids": [999999999]}) == "stop_token_ids", "an out-of-vocabulary stop token is a 400")
+
+
 def main():
     s = Server()
     try:
         basics(s)
+        structured(s)
         concurrency(s)
     except Exception:
         sys.stderr.write("".join(s.log))

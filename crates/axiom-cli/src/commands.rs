@@ -6,7 +6,7 @@ use anyhow::{bail, Context, Result};
 use axiom::backend::Kernels;
 use axiom::chat::Message;
 use axiom::engine::bench::{run_test, Test};
-use axiom::engine::{generate, Sampler};
+use axiom::engine::{generate, ConstraintSpec, GenerateOptions, Sampler};
 use axiom::format::gguf::GgufFile;
 use axiom::model::llama::LoadOptions;
 use axiom::model::ModelConfig;
@@ -41,6 +41,32 @@ pub struct RunArgs {
     /// Print one JSON object at the end instead of streaming text.
     #[arg(long)]
     json: bool,
+    /// Hold the output to the JSON schema in this file.
+    #[arg(long, value_name = "FILE", conflicts_with = "grammar")]
+    json_schema: Option<PathBuf>,
+    /// Hold the output to the grammar in this file: GBNF (llama.cpp's) when the name ends in
+    /// `.gbnf`, llguidance's Lark otherwise.
+    #[arg(long, value_name = "FILE")]
+    grammar: Option<PathBuf>,
+}
+
+impl RunArgs {
+    fn constraint(&self) -> Result<Option<ConstraintSpec>> {
+        let read =
+            |path: &PathBuf| std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()));
+        if let Some(path) = &self.json_schema {
+            let schema =
+                serde_json::from_str(&read(path)?).with_context(|| format!("{} is not JSON", path.display()))?;
+            return Ok(Some(ConstraintSpec::JsonSchema { schema, strict: true }));
+        }
+        let Some(path) = &self.grammar else { return Ok(None) };
+        let grammar = read(path)?;
+        Ok(Some(if path.extension().is_some_and(|e| e == "gbnf") {
+            ConstraintSpec::Gbnf(grammar)
+        } else {
+            ConstraintSpec::Lark(grammar)
+        }))
+    }
 }
 
 #[derive(Args)]
@@ -123,6 +149,7 @@ fn progress(len: u64, what: &str, out: Output) -> ProgressBar {
 }
 
 pub fn run(args: RunArgs, out: Output) -> Result<()> {
+    let constraint = args.constraint()?;
     let text = args
         .prompt
         .or(args.prompt_text)
@@ -152,7 +179,10 @@ pub fn run(args: RunArgs, out: Output) -> Result<()> {
         };
         let seed = config.seed;
         let mut sampler = Sampler::new(config);
-        let options = args.sampling.generate_options();
+        let options = GenerateOptions {
+            constraint,
+            ..args.sampling.generate_options()
+        };
         let mut kv = session.model.new_kv_cache(ctx);
         let json_mode = args.json;
         let mut written = Ok(());

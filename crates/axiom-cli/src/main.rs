@@ -105,6 +105,16 @@ struct SamplingArgs {
     /// Stop before this text (repeatable).
     #[arg(long)]
     stop: Vec<String>,
+    /// Add BIAS (-100 to 100; -100 bans) to token ID's logit, as ID=BIAS (repeatable).
+    #[arg(long, value_name = "ID=BIAS", value_parser = parse_logit_bias, allow_hyphen_values = true)]
+    logit_bias: Vec<(u32, f32)>,
+}
+
+fn parse_logit_bias(text: &str) -> std::result::Result<(u32, f32), String> {
+    let (id, bias) = text.split_once('=').ok_or("expected ID=BIAS, e.g. 42=-100")?;
+    let id = id.trim().parse().map_err(|e| format!("token id {id:?}: {e}"))?;
+    let bias = bias.trim().parse().map_err(|e| format!("bias {bias:?}: {e}"))?;
+    Ok((id, bias))
 }
 
 impl SamplingArgs {
@@ -124,6 +134,7 @@ impl SamplingArgs {
             penalty_last_n: self.repeat_last_n,
             presence_penalty: self.presence_penalty,
             frequency_penalty: self.frequency_penalty,
+            logit_bias: self.logit_bias.clone(),
             seed,
         };
         config.validate().map_err(|e| {
@@ -134,6 +145,7 @@ impl SamplingArgs {
                 SamplingField::RepeatPenalty => "--repeat-penalty",
                 SamplingField::PresencePenalty => "--presence-penalty",
                 SamplingField::FrequencyPenalty => "--frequency-penalty",
+                SamplingField::LogitBias => "--logit-bias",
             };
             anyhow!(e.describe(flag))
         })?;

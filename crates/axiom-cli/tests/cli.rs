@@ -218,12 +218,67 @@ fn bench_prints_a_llama_bench_style_table_and_json() {
 }
 
 #[test]
+fn run_holds_its_output_to_a_schema_or_a_grammar_file() {
+    let dir = std::env::temp_dir().join(format!("axiom-cli-constraint-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let schema = dir.join("person.json");
+    std::fs::write(
+        &schema,
+        r#"{"type":"object","properties":{"name":{"type":"string","maxLength":12},"age":{"type":"integer","maximum":120}},"required":["name","age"],"additionalProperties":false}"#,
+    )
+    .unwrap();
+    let gbnf = dir.join("yes.gbnf");
+    std::fs::write(&gbnf, "root ::= (\"yes\" | \"no\") \"!\"\n").unwrap();
+    let lark = dir.join("yes.lark");
+    std::fs::write(&lark, "start: (\"yes\" | \"no\") \"!\"\n").unwrap();
+    let m = model();
+    let m = m.to_str().unwrap();
+    let run = |flag: &str, file: &PathBuf| -> Value {
+        let out = axiom(&[
+            "run",
+            "-m",
+            m,
+            "--chat",
+            "--json",
+            "--seed",
+            "1",
+            "-n",
+            "60",
+            flag,
+            file.to_str().unwrap(),
+            "Describe a person.",
+        ]);
+        serde_json::from_str(&ok(&out)).unwrap()
+    };
+    let person = run("--json-schema", &schema);
+    assert_eq!(person["stop_reason"], "constraint_complete", "{person}");
+    let value: Value = serde_json::from_str(person["text"].as_str().unwrap()).unwrap();
+    assert!(value["name"].is_string() && value["age"].is_u64(), "{value}");
+    for file in [&gbnf, &lark] {
+        let answer = run("--grammar", file);
+        assert!(["yes!", "no!"].contains(&answer["text"].as_str().unwrap()), "{answer}");
+    }
+    // A GBNF grammar read as Lark (no .gbnf extension) is refused, naming what is wrong.
+    let misnamed = dir.join("yes.txt");
+    std::fs::write(&misnamed, "root ::= \"yes\"\n").unwrap();
+    let out = axiom(&["run", "-m", m, "--grammar", misnamed.to_str().unwrap(), "hi"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("constraint:"));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
 fn sampling_flags_out_of_range_are_refused_naming_the_flag() {
     // Refused before the model loads, so no model is named.
     for (flag, value, needle) in [
         ("--top-p", "2", "--top-p must be between 0 and 1, got 2"),
         ("--min-p", "5", "--min-p must be between 0 and 1"),
         ("--temp", "-1", "--temp must be between 0 and 2, got -1"),
+        (
+            "--logit-bias",
+            "5=150",
+            "--logit-bias must be between -100 and 100, got 150",
+        ),
         (
             "--repeat-penalty",
             "NaN",

@@ -2,6 +2,7 @@
 //! for the engine. Everything here is a pure function of its input (the fuzz target calls
 //! [`parse_chat`] and [`parse_completion`] directly).
 
+use axiom::engine::ConstraintSpec;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
@@ -79,6 +80,24 @@ pub struct Sampling {
     /// Generate through end-of-generation tokens (for benchmarks), as vLLM's extension does.
     #[serde(default)]
     pub ignore_eos: bool,
+    /// Token id (a string) to a bias added to its logit, -100 to 100; -100 bans the token.
+    pub logit_bias: Option<serde_json::Map<String, Value>>,
+    /// vLLM's: generation stops at any of these tokens, left out of the text.
+    pub stop_token_ids: Option<Vec<u32>>,
+    /// OpenAI's: `{"type": "text" | "json_object" | "json_schema", "json_schema": {...}}`.
+    pub response_format: Option<Value>,
+    /// llama-server's: a JSON schema the output must follow.
+    pub json_schema: Option<Value>,
+    /// llama-server's: a GBNF grammar the output must follow.
+    pub grammar: Option<String>,
+    /// vLLM's: a JSON schema (an object, or a string holding one).
+    pub guided_json: Option<Value>,
+    /// vLLM's: a regular expression the whole output must match.
+    pub guided_regex: Option<String>,
+    /// vLLM's: the output is exactly one of these.
+    pub guided_choice: Option<Vec<String>>,
+    /// vLLM's: a grammar, GBNF when it holds `::=`, llguidance's Lark otherwise.
+    pub guided_grammar: Option<String>,
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -254,6 +273,7 @@ impl Sampling {
         // The engine's ranges, so that the CLI and the server accept the same values.
         self.sampler(0).validate().map_err(|e| {
             let param = match e.field {
+                SamplingField::LogitBias => "logit_bias",
                 SamplingField::Temperature => "temperature",
                 SamplingField::TopP => "top_p",
                 SamplingField::MinP => "min_p",
@@ -266,6 +286,8 @@ impl Sampling {
         if let Some(k) = self.top_k {
             in_range(k, -1, i32::MAX as i64, "top_k")?;
         }
+        self.logit_bias()?;
+        self.constraint()?;
         if self.n.is_some_and(|n| n != 1) {
             return Err(ApiError::invalid("only n = 1 is supported", Some("n")));
         }
@@ -296,6 +318,75 @@ impl Sampling {
         .collect()
     }
 
+    /// `logit_bias` as (token id, bias) pairs; the range of each bias is the engine's to check.
+    fn logit_bias(&self) -> Result<Vec<(u32, f32)>, ApiError> {
+        let Some(map) = &self.logit_bias else {
+            return Ok(Vec::new());
+        };
+        map.iter()
+            .map(|(key, value)| {
+                let id = key.parse::<u32>().map_err(|_| {
+                    ApiError::invalid(
+                        format!("logit_bias keys are token ids, got {key:?}"),
+                        Some("logit_bias"),
+                    )
+                })?;
+                let bias = value.as_f64().ok_or_else(|| {
+                    ApiError::invalid(format!("logit_bias[{key:?}] is not a number"), Some("logit_bias"))
+                })?;
+                Ok((id, bias as f32))
+            })
+            .collect()
+    }
+
+    /// The output constraint the request asks for, and the field that asks; a second field
+    /// asking for one is refused by name.
+    pub fn constraint(&self) -> Result<Option<(ConstraintSpec, &'static str)>, ApiError> {
+        let asked = [
+            (
+                "response_format",
+                self.response_format
+                    .as_ref()
+                    .map(response_format)
+                    .transpose()?
+                    .flatten(),
+            ),
+            (
+                "json_schema",
+                self.json_schema
+                    .as_ref()
+                    .map(|schema| schema_spec(schema, true, "json_schema"))
+                    .transpose()?,
+            ),
+            ("grammar", self.grammar.clone().map(ConstraintSpec::Gbnf)),
+            ("guided_json", self.guided_json.as_ref().map(guided_json).transpose()?),
+            ("guided_regex", self.guided_regex.clone().map(ConstraintSpec::Regex)),
+            ("guided_choice", self.guided_choice.clone().map(ConstraintSpec::Choice)),
+            (
+                "guided_grammar",
+                self.guided_grammar.as_ref().map(|g| {
+                    if g.contains("::=") {
+                        ConstraintSpec::Gbnf(g.clone())
+                    } else {
+                        ConstraintSpec::Lark(g.clone())
+                    }
+                }),
+            ),
+        ];
+        let mut found = None;
+        for (field, spec) in asked {
+            let Some(spec) = spec else { continue };
+            if let Some((_, first)) = found {
+                return Err(ApiError::invalid(
+                    format!("{field} constrains the output, and so does {first}: give at most one"),
+                    Some(field),
+                ));
+            }
+            found = Some((spec, field));
+        }
+        Ok(found)
+    }
+
     /// The engine's sampler settings: OpenAI's defaults (temperature 1, no top-k, top-p 1),
     /// with a seed from `entropy` when none is given.
     pub fn sampler(&self, entropy: u64) -> axiom::engine::SamplerConfig {
@@ -308,8 +399,75 @@ impl Sampling {
             penalty_last_n: 64,
             presence_penalty: self.presence_penalty.unwrap_or(0.0),
             frequency_penalty: self.frequency_penalty.unwrap_or(0.0),
+            // `check` refused a malformed map before this is called.
+            logit_bias: self.logit_bias().unwrap_or_default(),
             seed: self.seed.map_or(entropy, |s| s as u64),
         }
+    }
+}
+
+/// OpenAI's `response_format`; `text` asks for no constraint.
+fn response_format(format: &Value) -> Result<Option<ConstraintSpec>, ApiError> {
+    let bad = |message: String| ApiError::invalid(message, Some("response_format"));
+    match format.get("type").and_then(Value::as_str) {
+        Some("text") => Ok(None),
+        Some("json_object") => Ok(Some(ConstraintSpec::JsonObject)),
+        Some("json_schema") => {
+            let spec = format
+                .get("json_schema")
+                .and_then(Value::as_object)
+                .ok_or_else(|| bad("response_format json_schema needs a json_schema object".into()))?;
+            let name = spec.get("name").and_then(Value::as_str).unwrap_or("");
+            if name.is_empty()
+                || name.len() > 64
+                || !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+            {
+                return Err(bad(format!(
+                    "response_format.json_schema.name must be 1 to 64 letters, digits, '_' or '-', got {name:?}"
+                )));
+            }
+            let strict = match spec.get("strict") {
+                None | Some(Value::Null) => false,
+                Some(Value::Bool(strict)) => *strict,
+                Some(other) => {
+                    return Err(bad(format!(
+                        "response_format.json_schema.strict must be a boolean, got {other}"
+                    )))
+                }
+            };
+            // OpenAI makes the schema optional: without one, any JSON.
+            let schema = spec.get("schema").cloned().unwrap_or_else(|| json!({}));
+            schema_spec(&schema, strict, "response_format").map(Some)
+        }
+        _ => Err(bad(format!(
+            "response_format.type must be \"text\", \"json_object\" or \"json_schema\", got {}",
+            format.get("type").unwrap_or(&Value::Null)
+        ))),
+    }
+}
+
+fn schema_spec(schema: &Value, strict: bool, field: &'static str) -> Result<ConstraintSpec, ApiError> {
+    if !schema.is_object() {
+        return Err(ApiError::invalid(
+            format!("the JSON schema in {field} must be an object"),
+            Some(field),
+        ));
+    }
+    Ok(ConstraintSpec::JsonSchema {
+        schema: schema.clone(),
+        strict,
+    })
+}
+
+/// vLLM's `guided_json`: a schema, or a string holding one.
+fn guided_json(value: &Value) -> Result<ConstraintSpec, ApiError> {
+    match value {
+        Value::String(text) => {
+            let schema: Value = serde_json::from_str(text)
+                .map_err(|e| ApiError::invalid(format!("guided_json is not JSON: {e}"), Some("guided_json")))?;
+            schema_spec(&schema, true, "guided_json")
+        }
+        schema => schema_spec(schema, true, "guided_json"),
     }
 }
 
@@ -407,5 +565,77 @@ mod tests {
             .is_err());
         assert!(parse_completion(br#"{"prompt":[1,2,3]}"#).is_ok());
         assert!(parse_completion(br#"{"prompt":"x","echo":true}"#).is_err());
+    }
+
+    #[test]
+    fn constraint_fields_map_to_the_engine_and_a_second_one_is_named() {
+        let constraint = |body: &[u8]| parse_completion(body).unwrap().sampling.constraint().unwrap();
+        let schema = json!({"type": "object"});
+        assert_eq!(
+            constraint(
+                br#"{"prompt":"x","response_format":{"type":"json_schema","json_schema":{"name":"p","schema":{"type":"object"},"strict":true}}}"#
+            ),
+            Some((
+                ConstraintSpec::JsonSchema {
+                    schema: schema.clone(),
+                    strict: true
+                },
+                "response_format"
+            ))
+        );
+        assert_eq!(constraint(br#"{"prompt":"x","response_format":{"type":"text"}}"#), None);
+        assert_eq!(
+            constraint(br#"{"prompt":"x","response_format":{"type":"json_object"}}"#),
+            Some((ConstraintSpec::JsonObject, "response_format"))
+        );
+        assert_eq!(
+            constraint(br#"{"prompt":"x","guided_json":"{\"type\":\"object\"}"}"#),
+            Some((ConstraintSpec::JsonSchema { schema, strict: true }, "guided_json"))
+        );
+        assert_eq!(
+            constraint(br#"{"prompt":"x","grammar":"root ::= \"a\""}"#),
+            Some((ConstraintSpec::Gbnf("root ::= \"a\"".into()), "grammar"))
+        );
+        assert_eq!(
+            constraint(br#"{"prompt":"x","guided_grammar":"start: \"a\""}"#),
+            Some((ConstraintSpec::Lark("start: \"a\"".into()), "guided_grammar"))
+        );
+        assert_eq!(
+            constraint(br#"{"prompt":"x","guided_choice":["a","b"]}"#),
+            Some((ConstraintSpec::Choice(vec!["a".into(), "b".into()]), "guided_choice"))
+        );
+        let bias = parse_completion(br#"{"prompt":"x","logit_bias":{"7":-100,"9":2.5}}"#).unwrap();
+        assert_eq!(bias.sampling.sampler(0).logit_bias, vec![(7, -100.0), (9, 2.5)]);
+
+        let cases: [(&[u8], &str); 7] = [
+            (
+                br#"{"prompt":"x","response_format":{"type":"json_object"},"guided_regex":"a"}"#,
+                "guided_regex",
+            ),
+            (
+                br#"{"prompt":"x","json_schema":{"type":"object"},"grammar":"root ::= \"a\""}"#,
+                "grammar",
+            ),
+            (
+                br#"{"prompt":"x","response_format":{"type":"yaml"}}"#,
+                "response_format",
+            ),
+            (
+                br#"{"prompt":"x","response_format":{"type":"json_schema","json_schema":{"schema":{}}}}"#,
+                "response_format",
+            ),
+            (br#"{"prompt":"x","guided_json":"{not json"}"#, "guided_json"),
+            (br#"{"prompt":"x","logit_bias":{"abc":1}}"#, "logit_bias"),
+            (br#"{"prompt":"x","logit_bias":{"1":-101}}"#, "logit_bias"),
+        ];
+        for (body, param) in cases {
+            let e = parse_completion(body).unwrap_err();
+            assert_eq!(
+                (e.status, e.param),
+                (StatusCode::BAD_REQUEST, Some(param)),
+                "{}",
+                e.message
+            );
+        }
     }
 }

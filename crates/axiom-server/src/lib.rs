@@ -373,6 +373,19 @@ async fn completions(
     run(&s, job, record).await
 }
 
+/// The answer to a request the engine did not accept; `constraint_field` names the field that
+/// asked for its constraint.
+fn refusal(e: SubmitError, constraint_field: Option<&'static str>) -> ApiError {
+    match e {
+        SubmitError::QueueFull(_) | SubmitError::ShuttingDown => {
+            ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", e.to_string())
+        }
+        SubmitError::EmptyPrompt | SubmitError::TooLong { .. } => ApiError::invalid(e.to_string(), Some("prompt")),
+        SubmitError::OutOfVocabulary { field, .. } => ApiError::invalid(e.to_string(), Some(field)),
+        SubmitError::Constraint(_) => ApiError::invalid(e.to_string(), constraint_field),
+    }
+}
+
 /// Delivers engine events into a tokio channel; closed when the handler or stream has gone.
 struct ChannelSink(UnboundedSender<Event>);
 
@@ -413,22 +426,26 @@ async fn run(s: &Arc<AppState>, job: Job, record: Arc<RequestRecord>) -> Result<
     let (tx, rx) = unbounded_channel();
     let stream = job.request.stream;
     let include_usage = job.request.stream_options.as_ref().is_some_and(|o| o.include_usage);
-    s.engine
-        .submit(Request {
-            prompt: job.prompt,
-            sampling: job.request.sampler(id.as_u64_pair().0),
-            max_tokens,
-            stop: job.request.stops(),
-            logprobs: job.logprobs,
-            ignore_eos: job.request.ignore_eos,
-            sink: Box::new(ChannelSink(tx)),
-        })
-        .map_err(|e| match e {
-            SubmitError::QueueFull(_) | SubmitError::ShuttingDown => {
-                ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", e.to_string())
-            }
-            SubmitError::EmptyPrompt | SubmitError::TooLong { .. } => ApiError::invalid(e.to_string(), Some("prompt")),
-        })?;
+    let (constraint, constraint_field) = job.request.constraint()?.unzip();
+    let request = Request {
+        prompt: job.prompt,
+        sampling: job.request.sampler(id.as_u64_pair().0),
+        max_tokens,
+        stop: job.request.stops(),
+        stop_token_ids: job.request.stop_token_ids.clone().unwrap_or_default(),
+        constraint,
+        logprobs: job.logprobs,
+        ignore_eos: job.request.ignore_eos,
+        sink: Box::new(ChannelSink(tx)),
+    };
+    if request.constraint.is_some() {
+        // Compiling a schema or grammar takes CPU time: off the async threads, as tokenizing is.
+        let engine = s.engine.clone();
+        s.tokenize(move || engine.submit(request).map_err(|e| refusal(e, constraint_field)))
+            .await?;
+    } else {
+        s.engine.submit(request).map_err(|e| refusal(e, constraint_field))?;
+    }
     let shape = Shape {
         id: format!("{}-{}", if job.chat { "chatcmpl" } else { "cmpl" }, id.simple()),
         created: unix_time(),

@@ -35,6 +35,8 @@ pub enum Error {
     },
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+    #[error("constraint: {0}")]
+    Constraint(#[from] crate::engine::ConstraintError),
     #[error("download: {0}")]
     Download(String),
     #[error("{context}: {source}")]

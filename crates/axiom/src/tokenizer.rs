@@ -339,6 +339,47 @@ impl Tokenizer {
         self.end_of_generation.iter().copied()
     }
 
+    /// Ids of the end-of-generation tokens, in increasing order.
+    pub fn end_of_generation_sorted(&self) -> Vec<u32> {
+        let mut ids: Vec<u32> = self.end_of_generation.iter().copied().collect();
+        ids.sort_unstable();
+        ids
+    }
+
+    /// The pipeline that encodes plain text continuing an output (no SentencePiece space
+    /// prefix), for use apart from this tokenizer.
+    pub fn continuation_encoder(&self) -> tokenizers::Tokenizer {
+        self.plain_continued.as_ref().unwrap_or(&self.plain).clone()
+    }
+
+    /// The bytes each token stands for in the text, by id: the vocabulary entry read through
+    /// GPT-2's byte map (byte-level BPE) or with "▁" as a space and "<0xNN>" as byte NN
+    /// (SentencePiece); added tokens are their literal text, and special tokens (control tokens
+    /// and the unknown token) are [`SPECIAL_TOKEN_MARKER`] followed by their text, so that no
+    /// text can spell them.
+    pub fn token_bytes(&self) -> Result<Vec<Vec<u8>>> {
+        let style = TokenStyle::of(&self.parsing)?;
+        let added = self.parsing.get_added_tokens_decoder();
+        let unknown = match self.parsing.get_model() {
+            tokenizers::ModelWrapper::BPE(bpe) => bpe.get_unk_token().clone(),
+            _ => None,
+        };
+        Ok(self
+            .tokens
+            .iter()
+            .enumerate()
+            .map(|(id, text)| {
+                let special = |text: &str| [&[SPECIAL_TOKEN_MARKER], text.as_bytes()].concat();
+                match added.get(&(id as u32)) {
+                    Some(token) if token.special => special(&token.content),
+                    Some(token) => token.content.as_bytes().to_vec(),
+                    None if unknown.as_deref() == Some(text.as_str()) => special(text),
+                    None => style.bytes(text),
+                }
+            })
+            .collect())
+    }
+
     /// Name of the tokenizer model for `axiom info`.
     pub fn describe(&self) -> String {
         let kind = match self.parsing.get_model() {
@@ -351,6 +392,75 @@ impl Tokenizer {
             self.end_of_generation.len()
         )
     }
+}
+
+/// Marks a special token's bytes: never valid UTF-8, so no text can spell one (toktrie's convention).
+pub const SPECIAL_TOKEN_MARKER: u8 = 0xff;
+
+/// How a vocabulary entry spells the bytes its token stands for.
+enum TokenStyle {
+    /// GPT-2's byte-level BPE: each byte is one printable character; this maps them back.
+    ByteLevel(std::collections::HashMap<char, u8>),
+    /// SentencePiece: "▁" for a space, "<0xNN>" for a byte, other text as itself.
+    SentencePiece,
+}
+
+impl TokenStyle {
+    /// From the tokenizer's decoder, which is what turns entries into text.
+    fn of(tk: &tokenizers::Tokenizer) -> Result<TokenStyle> {
+        use tokenizers::DecoderWrapper as D;
+        match tk.get_decoder() {
+            Some(D::ByteLevel(_)) => Ok(TokenStyle::ByteLevel(gpt2_byte_map())),
+            Some(D::Metaspace(_)) => Ok(TokenStyle::SentencePiece),
+            Some(D::Sequence(seq)) if seq.get_decoders().iter().any(|d| matches!(d, D::ByteFallback(_))) => {
+                Ok(TokenStyle::SentencePiece)
+            }
+            _ => Err(Error::Tokenizer(
+                "the tokenizer's decoder is neither byte-level BPE nor SentencePiece-style, so the \
+                 bytes of its tokens are unknown"
+                    .into(),
+            )),
+        }
+    }
+
+    fn bytes(&self, entry: &str) -> Vec<u8> {
+        match self {
+            // An entry with a character outside the map cannot come out of the byte-level
+            // pre-tokenizer; its own UTF-8 is the best reading of it.
+            TokenStyle::ByteLevel(map) => {
+                let mapped: Option<Vec<u8>> = entry.chars().map(|c| map.get(&c).copied()).collect();
+                mapped.unwrap_or_else(|| entry.as_bytes().to_vec())
+            }
+            TokenStyle::SentencePiece => match byte_fallback_entry(entry) {
+                Some(byte) => vec![byte],
+                None => entry.replace('▁', " ").into_bytes(),
+            },
+        }
+    }
+}
+
+/// The byte of a "<0xNN>" entry.
+fn byte_fallback_entry(entry: &str) -> Option<u8> {
+    let hex = entry.strip_prefix("<0x")?.strip_suffix('>')?;
+    (hex.len() == 2).then(|| u8::from_str_radix(hex, 16).ok()).flatten()
+}
+
+/// GPT-2's byte-to-character table, inverted: printable Latin-1 bytes stand for themselves, the
+/// others for the characters from U+0100 on, in byte order.
+fn gpt2_byte_map() -> std::collections::HashMap<char, u8> {
+    let printable = |b: u8| matches!(b, b'!'..=b'~' | 0xa1..=0xac | 0xae..=0xff);
+    let mut next = 0x100u32;
+    (0..=255u8)
+        .map(|b| {
+            if printable(b) {
+                (char::from(b), b)
+            } else {
+                let c = char::from_u32(next).unwrap_or(char::REPLACEMENT_CHARACTER);
+                next += 1;
+                (c, b)
+            }
+        })
+        .collect()
 }
 
 fn overlap(a: &Range<usize>, b: &Range<usize>) -> usize {

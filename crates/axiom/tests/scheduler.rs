@@ -61,6 +61,8 @@ fn greedy(prompt: Vec<u32>, max_tokens: usize, sink: Sender<Event>) -> Request {
         sampling: SamplerConfig::greedy(),
         max_tokens,
         stop: Vec::new(),
+        stop_token_ids: Vec::new(),
+        constraint: None,
         logprobs: None,
         ignore_eos: false,
         sink: Box::new(sink),

@@ -455,3 +455,50 @@ fn unsupported_tokenizers_are_named() {
         .to_string();
     assert!(err.contains("mystery"), "{err}");
 }
+
+/// The bytes behind each token, as constrained decoding sees them (0xFF marks a special token).
+#[test]
+fn token_bytes_read_both_vocabulary_styles() {
+    let (_, gpt2) = smollm2_tokenizer();
+    let bytes = gpt2.token_bytes().unwrap();
+    assert_eq!(bytes.len(), gpt2.vocab_size());
+    let id = |t: &Tokenizer, text: &str| t.encode(text, true, false).unwrap()[0] as usize;
+    // "Ġthe" is a space and "the"; "Ċ" is a newline; "<|im_start|>" is special.
+    assert_eq!(gpt2.token_text(id(&gpt2, " the") as u32), Some("Ġthe"));
+    assert_eq!(bytes[id(&gpt2, " the")], b" the");
+    assert_eq!(bytes[id(&gpt2, "\n")], b"\n");
+    assert_eq!(bytes[id(&gpt2, "<|im_start|>")], b"\xff<|im_start|>");
+    // A character split over byte tokens: "é" is 0xC3 0xA9, spelled "Ã" and "©".
+    let e_acute: Vec<u8> = gpt2
+        .encode("é", false, false)
+        .unwrap()
+        .iter()
+        .flat_map(|&t| bytes[t as usize].clone())
+        .collect();
+    assert_eq!(e_acute, "é".as_bytes());
+    for (t, b) in bytes.iter().enumerate() {
+        // A token holding part of a character decodes to U+FFFD on its own.
+        if b.first() != Some(&0xff) && std::str::from_utf8(b).is_ok() {
+            assert_eq!(
+                gpt2.decode(&[t as u32], false).unwrap().as_bytes(),
+                b.as_slice(),
+                "token {t}"
+            );
+        }
+    }
+
+    let file = GgufFile::from_bytes(&sentencepiece_file()).unwrap();
+    let sp = Tokenizer::from_gguf(&file).unwrap();
+    let bytes = sp.token_bytes().unwrap();
+    let piece = |text: &str| {
+        (0..sp.vocab_size() as u32)
+            .find(|&i| sp.token_text(i) == Some(text))
+            .unwrap() as usize
+    };
+    assert_eq!(bytes[piece("▁hello")], b" hello");
+    assert_eq!(bytes[piece("llo")], b"llo");
+    assert_eq!(bytes[piece("<0x41>")], b"A");
+    assert_eq!(bytes[piece("<0x0A>")], b"\n");
+    assert_eq!(bytes[piece("<s>")], b"\xff<s>");
+    assert_eq!(bytes[piece("<unk>")], b"\xff<unk>");
+}

@@ -1,6 +1,8 @@
 //! The generation loop: prefill the prompt in one batch, then one token per step until an
-//! end-of-generation token, the token limit, a stop string or a full context.
+//! end-of-generation token, a stop token, the token limit, a stop string, a complete constraint
+//! or a full context.
 
+use super::constraint::{Constraint, ConstraintError, ConstraintSpec, Grammars, TokenMask};
 use super::output::{OutputLimits, OutputState, StopReason};
 use super::sampler::Sampler;
 use super::session::Session;
@@ -15,6 +17,10 @@ pub struct GenerateOptions {
     pub max_tokens: usize,
     /// Generation stops before the first occurrence of any of these in the text.
     pub stop: Vec<String>,
+    /// Generation stops at any of these tokens, which are left out of the text.
+    pub stop_tokens: Vec<u32>,
+    /// What the output must match; it ends once the constraint is complete.
+    pub constraint: Option<ConstraintSpec>,
     /// Set from elsewhere (a Ctrl-C handler, a disconnected client) to stop after the current token.
     pub cancel: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
 }
@@ -31,8 +37,9 @@ pub struct Generation {
 /// Generates after `prompt` (appended to whatever `kv` already holds), calling `on_text` with
 /// each piece of text as soon as it is certain (never part of a stop string or a character).
 ///
-/// Greedy sampling without penalties chooses each token on the device, a step ahead of the host
-/// ([`GreedyDecode`]); other sampling brings each step's logits back.
+/// Greedy sampling without bias, penalties or constraint chooses each token on the device, a step
+/// ahead of the host ([`GreedyDecode`]); other sampling brings each step's logits back. A
+/// constraint's mask for the next token is computed on another thread while the model runs.
 pub fn generate<B: Backend>(
     session: &mut Session<B>,
     kv: &mut KvCache,
@@ -57,32 +64,47 @@ pub fn generate<B: Backend>(
         context_room: kv.capacity() - (kv.len() + prompt.len()) + 1,
         ignore_eos: false,
     };
-    let output = OutputState::new(options.stop.clone(), limits);
     let Session {
         model,
         pages,
         tokenizer,
         ..
     } = session;
+    let vocab = tokenizer.vocab_size();
+    let biased = sampler
+        .config()
+        .logit_bias
+        .iter()
+        .map(|&(token, _)| ("logit bias", token));
+    let stopping = options.stop_tokens.iter().map(|&token| ("stop tokens", token));
+    if let Some((what, token)) = biased.chain(stopping).find(|&(_, token)| token as usize >= vocab) {
+        return Err(Error::InvalidArgument(format!(
+            "token id {token} in the {what} is outside the vocabulary of {vocab}"
+        )));
+    }
+    let output = OutputState::new(options.stop.clone(), options.stop_tokens.clone(), limits);
+    let constraint = match &options.constraint {
+        Some(spec) => Some(Box::new(Grammars::new(tokenizer)?.compile(spec)?)),
+        None => None,
+    };
     let start = Instant::now();
-    if sampler.config().is_plain_greedy() {
+    if sampler.config().is_plain_greedy() && constraint.is_none() {
         let decode = GreedyDecode::new(model, pages, kv, prompt)?;
         let prompt_time = start.elapsed();
         let tokens = Tokens::Greedy(decode);
         decode_loop(tokens, tokenizer, output, options, on_text, prompt_time)
     } else {
-        pages.reserve(kv, prompt.len())?;
-        model.forward_last(prompt, kv)?;
-        pages.index_full_pages(kv);
-        let prompt_time = start.elapsed();
-        let history = prompt.to_vec();
-        let tokens = Tokens::Sampled {
+        let mut tokens = Tokens::Sampled {
             model,
             pages,
             kv,
             sampler,
-            history,
+            history: prompt.to_vec(),
+            constraint,
+            mask: None,
         };
+        tokens.run_with_mask(prompt)?;
+        let prompt_time = start.elapsed();
         decode_loop(tokens, tokenizer, output, options, on_text, prompt_time)
     }
 }
@@ -98,6 +120,10 @@ enum Tokens<'a, B: Backend> {
         sampler: &'a mut Sampler,
         /// Prompt and generated tokens, for the penalties.
         history: Vec<u32>,
+        /// Boxed: a parser is large beside the other variant.
+        constraint: Option<Box<Constraint>>,
+        /// The constraint's mask for the next token.
+        mask: Option<TokenMask>,
     },
 }
 
@@ -111,8 +137,24 @@ impl<B: Backend> Tokens<'_, B> {
                 model,
                 sampler,
                 history,
+                mask,
                 ..
-            } => Ok(sampler.sample(model.last_logits(), history)),
+            } => sampler
+                .sample(model.last_logits(), history, mask.as_ref())
+                .ok_or_else(|| {
+                    Error::InvalidArgument("the constraint and the logit bias leave no token to sample".into())
+                }),
+        }
+    }
+
+    /// Advances the constraint by an output token; true once it is complete.
+    fn accept(&mut self, token: u32) -> Result<bool> {
+        match self {
+            Tokens::Sampled {
+                constraint: Some(constraint),
+                ..
+            } => Ok(constraint.accept(token)?),
+            _ => Ok(false),
         }
     }
 
@@ -120,20 +162,40 @@ impl<B: Backend> Tokens<'_, B> {
     fn run(&mut self, token: u32) -> Result<()> {
         match self {
             Tokens::Greedy(_) => Ok(()),
-            Tokens::Sampled {
-                model,
-                pages,
-                kv,
-                history,
-                ..
-            } => {
+            Tokens::Sampled { history, .. } => {
                 history.push(token);
-                pages.reserve(kv, 1)?;
-                model.forward_last(&[token], kv)?;
-                pages.index_full_pages(kv);
-                Ok(())
+                self.run_with_mask(&[token])
             }
         }
+    }
+
+    /// Runs `tokens` through the model while the constraint's next mask is computed beside it.
+    fn run_with_mask(&mut self, tokens: &[u32]) -> Result<()> {
+        let Tokens::Sampled {
+            model,
+            pages,
+            kv,
+            constraint,
+            mask,
+            ..
+        } = self
+        else {
+            return Ok(());
+        };
+        pages.reserve(kv, tokens.len())?;
+        let (forward, next_mask) = std::thread::scope(|s| {
+            let masking = constraint.as_mut().map(|c| s.spawn(|| c.mask()));
+            let forward = model.forward_last(tokens, kv).map(|_| ());
+            (forward, masking.map(|m| m.join()))
+        });
+        forward?;
+        pages.index_full_pages(kv);
+        *mask = match next_mask {
+            None => None,
+            Some(Ok(computed)) => Some(computed?),
+            Some(Err(_)) => return Err(ConstraintError("the constraint's mask computation panicked".into()).into()),
+        };
+        Ok(())
     }
 }
 
@@ -153,9 +215,12 @@ fn decode_loop<B: Backend>(
         // The limits are known before the token: only an end of generation, a stop string or a
         // cancel can leave a greedy step queued for nothing.
         let token = source.next(output.remaining() > 1)?;
-        let step = output.push(tokenizer, token)?;
+        let mut step = output.push(tokenizer, token)?;
         if step.token_is_output {
             tokens.push(token);
+            if source.accept(token)? {
+                output.end_with(&mut step, tokenizer, StopReason::ConstraintComplete)?;
+            }
         }
         if !step.text.is_empty() {
             on_text(&step.text);

@@ -10,6 +10,10 @@ pub enum StopReason {
     EndOfGeneration,
     MaxTokens,
     StopString,
+    /// One of the request's stop tokens.
+    StopToken,
+    /// The output's constraint is complete: nothing may follow.
+    ConstraintComplete,
     ContextFull,
     /// The caller stopped it ([`OutputState::finish`]); the output never ends so by itself.
     Cancelled,
@@ -47,20 +51,23 @@ pub struct Ending {
 }
 
 /// Detokenizes a sequence's tokens, cuts its text before the first stop string, and decides
-/// when it ends: an end-of-generation token, a stop string, or a limit.
+/// when it ends: an end-of-generation token, a stop token, a stop string, or a limit.
 pub struct OutputState {
     stream: TextStream,
     stops: StopMatcher,
+    /// Tokens that end the output like an end-of-generation token, left out of it too.
+    stop_tokens: Vec<u32>,
     limits: OutputLimits,
     /// Tokens that joined the output.
     generated: usize,
 }
 
 impl OutputState {
-    pub fn new(stop: Vec<String>, limits: OutputLimits) -> Self {
+    pub fn new(stop: Vec<String>, stop_tokens: Vec<u32>, limits: OutputLimits) -> Self {
         OutputState {
             stream: TextStream::default(),
             stops: StopMatcher::new(stop),
+            stop_tokens,
             limits,
             generated: 0,
         }
@@ -77,8 +84,15 @@ impl OutputState {
     /// Takes the next sampled token. When it ends the output (other than by a stop string) the
     /// held-back text comes with it, as from [`OutputState::finish`].
     pub fn push(&mut self, tokenizer: &Tokenizer, token: u32) -> Result<TokenOutput> {
-        if tokenizer.is_end_of_generation(token) && !self.limits.ignore_eos {
-            let ending = self.finish(tokenizer, StopReason::EndOfGeneration)?;
+        let end = if self.stop_tokens.contains(&token) {
+            Some(StopReason::StopToken)
+        } else if tokenizer.is_end_of_generation(token) && !self.limits.ignore_eos {
+            Some(StopReason::EndOfGeneration)
+        } else {
+            None
+        };
+        if let Some(reason) = end {
+            let ending = self.finish(tokenizer, reason)?;
             return Ok(TokenOutput {
                 token_is_output: false,
                 text: ending.text,
@@ -131,6 +145,16 @@ impl OutputState {
         }
         self.stops.flush(&mut text);
         Ok(Ending { text, reason })
+    }
+
+    /// Ends the output with the token `step` came from, unless that token ended it already.
+    pub fn end_with(&mut self, step: &mut TokenOutput, tokenizer: &Tokenizer, reason: StopReason) -> Result<()> {
+        if step.finished.is_none() {
+            let ending = self.finish(tokenizer, reason)?;
+            step.text.push_str(&ending.text);
+            step.finished = Some(ending.reason);
+        }
+        Ok(())
     }
 
     /// All the text emitted so far.
@@ -281,7 +305,7 @@ mod tests {
 
     #[test]
     fn stop_string_split_across_tokens_is_held_back_then_never_emitted() {
-        let mut output = OutputState::new(stops(&["\n\nUser:"]), limits(100));
+        let mut output = OutputState::new(stops(&["\n\nUser:"]), Vec::new(), limits(100));
         let pieces = ["Hello", "▁there", "<0x0A>", "<0x0A>", "User", ":", "▁more"];
         let (texts, finished) = run(&mut output, &pieces);
         assert_eq!(texts, ["Hello", " there", "", "", "", ""]);
@@ -291,7 +315,7 @@ mod tests {
 
     #[test]
     fn held_back_text_is_released_when_the_stop_string_does_not_complete() {
-        let mut output = OutputState::new(stops(&["\n\nUser:"]), limits(100));
+        let mut output = OutputState::new(stops(&["\n\nUser:"]), Vec::new(), limits(100));
         let (texts, finished) = run(&mut output, &["Hello", "<0x0A>", "<0x0A>", "▁more"]);
         assert_eq!(texts, ["Hello", "", "", "\n\n more"]);
         assert_eq!(finished, None);
@@ -299,7 +323,7 @@ mod tests {
 
     #[test]
     fn stop_string_at_the_very_first_token_emits_nothing() {
-        let mut output = OutputState::new(stops(&["Hello"]), limits(100));
+        let mut output = OutputState::new(stops(&["Hello"]), Vec::new(), limits(100));
         let step = output.push(tokenizer(), id("Hello")).unwrap();
         assert_eq!(
             step,
@@ -314,7 +338,7 @@ mod tests {
 
     #[test]
     fn end_of_generation_ends_without_joining_the_output_and_flushes() {
-        let mut output = OutputState::new(stops(&["Hello!"]), limits(100));
+        let mut output = OutputState::new(stops(&["Hello!"]), Vec::new(), limits(100));
         assert_eq!(output.push(tokenizer(), id("Hello")).unwrap().text, "");
         let step = output.push(tokenizer(), END_OF_GENERATION).unwrap();
         assert_eq!(
@@ -334,7 +358,7 @@ mod tests {
             ignore_eos: true,
             ..limits(100)
         };
-        let mut output = OutputState::new(Vec::new(), limits);
+        let mut output = OutputState::new(Vec::new(), Vec::new(), limits);
         let step = output.push(tokenizer(), END_OF_GENERATION).unwrap();
         assert!(step.token_is_output);
         assert_eq!(step.finished, None);
@@ -343,9 +367,9 @@ mod tests {
 
     #[test]
     fn max_tokens_ends_on_the_last_token_with_the_held_back_text() {
-        let mut unlimited = OutputState::new(stops(&["re!"]), limits(100));
+        let mut unlimited = OutputState::new(stops(&["re!"]), Vec::new(), limits(100));
         assert_eq!(run(&mut unlimited, &["Hello", "▁there"]).0, ["Hello", " the"]);
-        let mut output = OutputState::new(stops(&["re!"]), limits(2));
+        let mut output = OutputState::new(stops(&["re!"]), Vec::new(), limits(2));
         assert_eq!(output.remaining(), 2);
         let (texts, finished) = run(&mut output, &["Hello", "▁there"]);
         assert_eq!(texts, ["Hello", " there"]);
@@ -361,7 +385,7 @@ mod tests {
                 context_room,
                 ignore_eos: false,
             };
-            let mut output = OutputState::new(Vec::new(), limits);
+            let mut output = OutputState::new(Vec::new(), Vec::new(), limits);
             run(&mut output, &["Hello", "▁there", "▁more"]).1
         };
         assert_eq!(room(3, 2), Some(StopReason::ContextFull));
@@ -371,7 +395,7 @@ mod tests {
 
     #[test]
     fn multi_byte_character_split_across_tokens_is_emitted_whole() {
-        let mut output = OutputState::new(Vec::new(), limits(100));
+        let mut output = OutputState::new(Vec::new(), Vec::new(), limits(100));
         let (texts, finished) = run(&mut output, &["Hello", "<0xC3>", "<0xA9>", "▁there"]);
         assert_eq!(texts, ["Hello", "", "é", " there"]);
         assert_eq!(finished, None);
@@ -380,7 +404,7 @@ mod tests {
 
     #[test]
     fn finish_flushes_text_held_for_a_possible_stop_string() {
-        let mut output = OutputState::new(stops(&[" there!"]), limits(100));
+        let mut output = OutputState::new(stops(&[" there!"]), Vec::new(), limits(100));
         let (texts, _) = run(&mut output, &["Hello", "▁there"]);
         assert_eq!(texts, ["Hello", ""]);
         let ending = output.finish(tokenizer(), StopReason::Cancelled).unwrap();

@@ -1,6 +1,7 @@
-//! Token sampling: greedy, or penalties → top-k → top-p → min-p → temperature → a seeded draw
-//! (llama.cpp's default chain order).
+//! Token sampling: a constraint's mask and the logit bias, then greedy, or penalties → top-k →
+//! top-p → min-p → temperature → a seeded draw (llama.cpp's default chain order).
 
+use super::constraint::TokenMask;
 use crate::backend::cpu::kernels::argmax::argmax;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha20Rng;
@@ -23,8 +24,13 @@ pub struct SamplerConfig {
     pub penalty_last_n: usize,
     pub presence_penalty: f32,
     pub frequency_penalty: f32,
+    /// Added to a token's logit before anything else; [`BANNED_BIAS`] bans the token.
+    pub logit_bias: Vec<(u32, f32)>,
     pub seed: u64,
 }
+
+/// The logit bias that bans a token outright (OpenAI's convention), the bottom of the range.
+pub const BANNED_BIAS: f32 = -100.0;
 
 impl Default for SamplerConfig {
     fn default() -> Self {
@@ -37,6 +43,7 @@ impl Default for SamplerConfig {
             penalty_last_n: 64,
             presence_penalty: 0.0,
             frequency_penalty: 0.0,
+            logit_bias: Vec::new(),
             seed: 0,
         }
     }
@@ -61,6 +68,7 @@ pub enum SamplingField {
     RepeatPenalty,
     PresencePenalty,
     FrequencyPenalty,
+    LogitBias,
 }
 
 impl SamplingField {
@@ -73,6 +81,7 @@ impl SamplingField {
             SamplingField::RepeatPenalty => "repeat_penalty",
             SamplingField::PresencePenalty => "presence_penalty",
             SamplingField::FrequencyPenalty => "frequency_penalty",
+            SamplingField::LogitBias => "logit_bias",
         }
     }
 }
@@ -100,7 +109,15 @@ impl SamplerConfig {
             (SamplingField::PresencePenalty, self.presence_penalty, -2.0..=2.0),
             (SamplingField::FrequencyPenalty, self.frequency_penalty, -2.0..=2.0),
         ];
-        match fields.into_iter().find(|(_, value, range)| !range.contains(value)) {
+        let biases = self
+            .logit_bias
+            .iter()
+            .map(|&(_, bias)| (SamplingField::LogitBias, bias, BANNED_BIAS..=-BANNED_BIAS));
+        match fields
+            .into_iter()
+            .chain(biases)
+            .find(|(_, value, range)| !range.contains(value))
+        {
             Some((field, value, range)) => Err(SamplingError { field, value, range }),
             None => Ok(()),
         }
@@ -113,9 +130,10 @@ impl SamplerConfig {
         }
     }
 
-    /// Whether sampling is the plain argmax of the logits (no penalties to apply first).
+    /// Whether sampling is the plain argmax of the logits (no bias or penalties to apply first).
     pub fn is_plain_greedy(&self) -> bool {
         self.temperature <= 0.0
+            && self.logit_bias.is_empty()
             && self.repeat_penalty == 1.0
             && self.presence_penalty == 0.0
             && self.frequency_penalty == 0.0
@@ -143,10 +161,17 @@ impl Sampler {
         &self.config
     }
 
-    /// Picks the next token from `logits`, given the tokens so far (for the penalties).
-    pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> u32 {
+    /// Picks the next token from `logits`, given the tokens so far (for the penalties), among
+    /// those `allowed` lets through; `None` when the mask and the bias leave no token.
+    pub fn sample(&mut self, logits: &[f32], history: &[u32], allowed: Option<&TokenMask>) -> Option<u32> {
         let c = &self.config;
         let mut logits = std::borrow::Cow::Borrowed(logits);
+        if let Some(mask) = allowed {
+            mask.apply(logits.to_mut());
+        }
+        if !c.logit_bias.is_empty() {
+            apply_bias(logits.to_mut(), &c.logit_bias);
+        }
         if c.repeat_penalty != 1.0 || c.presence_penalty != 0.0 || c.frequency_penalty != 0.0 {
             apply_penalties(
                 logits.to_mut(),
@@ -154,12 +179,20 @@ impl Sampler {
                 c,
             );
         }
+        if (allowed.is_some() || !c.logit_bias.is_empty()) && !logits.iter().any(|l| l.is_finite()) {
+            return None;
+        }
         if c.temperature <= 0.0 {
-            return argmax(&logits);
+            return Some(argmax(&logits));
         }
         self.candidates.clear();
-        self.candidates
-            .extend(logits.iter().enumerate().map(|(i, &l)| (i as u32, l)));
+        self.candidates.extend(
+            logits
+                .iter()
+                .enumerate()
+                .map(|(i, &l)| (i as u32, l))
+                .filter(|c| c.1 > f32::NEG_INFINITY),
+        );
         let cands = &mut self.candidates;
         // Sorted by descending logit (ties: lower id first, so results do not depend on the sort).
         let by_logit = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
@@ -176,10 +209,18 @@ impl Sampler {
         for (&(id, _), p) in cands.iter().zip(&probs) {
             acc += p;
             if r < acc {
-                return id;
+                return Some(id);
             }
         }
-        cands.last().map_or(0, |c| c.0)
+        cands.last().map(|c| c.0)
+    }
+}
+
+fn apply_bias(logits: &mut [f32], bias: &[(u32, f32)]) {
+    for &(token, b) in bias {
+        if let Some(l) = logits.get_mut(token as usize) {
+            *l = if b <= BANNED_BIAS { f32::NEG_INFINITY } else { *l + b };
+        }
     }
 }
 
@@ -278,7 +319,7 @@ mod tests {
 
     fn draws(config: SamplerConfig, n: usize) -> Vec<u32> {
         let mut s = Sampler::new(config);
-        (0..n).map(|_| s.sample(&logits(), &[])).collect()
+        (0..n).map(|_| s.sample(&logits(), &[], None).unwrap()).collect()
     }
 
     #[test]
@@ -350,7 +391,28 @@ mod tests {
             repeat_penalty: 1.5,
             ..SamplerConfig::greedy()
         });
-        assert_eq!(s.sample(&[3.0, 2.5], &[0]), 1);
+        assert_eq!(s.sample(&[3.0, 2.5], &[0], None), Some(1));
+    }
+
+    #[test]
+    fn logit_bias_shifts_and_bans() {
+        let bias = |logit_bias: Vec<(u32, f32)>, temperature: f32| SamplerConfig {
+            logit_bias,
+            temperature,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            ..Default::default()
+        };
+        assert!(!bias(vec![(3, 1.0)], 0.0).is_plain_greedy());
+        assert_eq!(draws(bias(vec![(3, 20.0)], 0.0), 1), vec![3]);
+        assert_eq!(draws(bias(vec![(99, BANNED_BIAS)], 0.0), 1), vec![98]);
+        let banned: Vec<(u32, f32)> = (90..100).map(|t| (t, BANNED_BIAS)).collect();
+        assert!(draws(bias(banned, 5.0), 200).iter().all(|&t| t < 90));
+        let everything: Vec<(u32, f32)> = (0..100).map(|t| (t, BANNED_BIAS)).collect();
+        assert_eq!(Sampler::new(bias(everything, 1.0)).sample(&logits(), &[], None), None);
+        let e = bias(vec![(1, 150.0)], 1.0).validate().unwrap_err();
+        assert_eq!(e.to_string(), "logit_bias must be between -100 and 100, got 150");
     }
 
     #[test]

@@ -9,7 +9,10 @@
 //! fill the rest of the step's token budget in chunks, so a long prompt never stalls the streams.
 //! When the KV cache runs out of pages, the newest sequence is preempted: its pages are freed
 //! and it goes back to the front of the queue, to be recomputed when there is room again.
+//! A constrained sequence's mask for its next token is computed on a thread of its own while
+//! the model runs the step, and applied to its logits before sampling.
 
+use super::constraint::{Constraint, ConstraintError, ConstraintSpec, Grammars, TokenMask};
 use super::output::{OutputLimits, OutputState, StopReason};
 use super::sampler::{Sampler, SamplerConfig};
 use crate::backend::Backend;
@@ -19,7 +22,8 @@ use crate::Result;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::thread::ScopedJoinHandle;
 use std::time::{Duration, Instant};
 
 /// One completion to run.
@@ -29,6 +33,10 @@ pub struct Request {
     pub max_tokens: usize,
     /// Generation stops before the first of these in the text.
     pub stop: Vec<String>,
+    /// Generation stops at any of these tokens, which are left out of the text.
+    pub stop_token_ids: Vec<u32>,
+    /// What the output must match; checked at submission.
+    pub constraint: Option<ConstraintSpec>,
     /// Log-probabilities of each chosen token and this many alternatives; none if `None`.
     pub logprobs: Option<usize>,
     /// Keep going through end-of-generation tokens (benchmarks).
@@ -91,7 +99,11 @@ impl From<StopReason> for FinishReason {
         match reason {
             // A sequence is never cancelled by its output; a cancelled request ends without a
             // completion.
-            StopReason::EndOfGeneration | StopReason::StopString | StopReason::Cancelled => FinishReason::Stop,
+            StopReason::EndOfGeneration
+            | StopReason::StopString
+            | StopReason::StopToken
+            | StopReason::ConstraintComplete
+            | StopReason::Cancelled => FinishReason::Stop,
             StopReason::MaxTokens | StopReason::ContextFull => FinishReason::Length,
         }
     }
@@ -127,6 +139,15 @@ pub enum SubmitError {
         max_tokens: usize,
         context: usize,
     },
+    #[error("token id {token} in {field} is outside the vocabulary of {vocab}")]
+    OutOfVocabulary {
+        /// The [`Request`] field.
+        field: &'static str,
+        token: u32,
+        vocab: usize,
+    },
+    #[error("invalid constraint: {0}")]
+    Constraint(ConstraintError),
     #[error("the queue is full ({0} requests waiting)")]
     QueueFull(usize),
     #[error("the engine is shutting down")]
@@ -178,13 +199,22 @@ struct Shared {
     status: Mutex<EngineStatus>,
 }
 
+/// A request as it reaches the scheduler: with its constraint compiled.
+struct Submitted {
+    request: Request,
+    constraint: Option<Constraint>,
+}
+
 /// Submits requests to a running [`Scheduler`].
 #[derive(Clone)]
 pub struct EngineHandle {
-    requests: Sender<Request>,
+    requests: Sender<Submitted>,
     shared: Arc<Shared>,
     max_queue: usize,
     context: usize,
+    tokenizer: Arc<Tokenizer>,
+    /// Built for the first constrained request (it indexes the whole vocabulary).
+    grammars: Arc<OnceLock<std::result::Result<Grammars, String>>>,
 }
 
 impl EngineHandle {
@@ -202,15 +232,43 @@ impl EngineHandle {
                 context: self.context,
             });
         }
+        let vocab = self.tokenizer.vocab_size();
+        let biased = request
+            .sampling
+            .logit_bias
+            .iter()
+            .map(|&(token, _)| ("logit_bias", token));
+        let stopping = request.stop_token_ids.iter().map(|&token| ("stop_token_ids", token));
+        if let Some((field, token)) = biased.chain(stopping).find(|&(_, token)| token as usize >= vocab) {
+            return Err(SubmitError::OutOfVocabulary { field, token, vocab });
+        }
+        // Compiled here, on the caller's thread, so that a bad one is refused at once and a
+        // large one never holds up the running streams.
+        let constraint = match &request.constraint {
+            Some(spec) => Some(self.compile(spec).map_err(SubmitError::Constraint)?),
+            None => None,
+        };
         let queued = self.shared.queued.fetch_add(1, Ordering::SeqCst);
         if queued >= self.max_queue {
             self.shared.queued.fetch_sub(1, Ordering::SeqCst);
             return Err(SubmitError::QueueFull(queued));
         }
-        self.requests.send(request).map_err(|_| {
+        self.requests.send(Submitted { request, constraint }).map_err(|_| {
             self.shared.queued.fetch_sub(1, Ordering::SeqCst);
             SubmitError::ShuttingDown
         })
+    }
+
+    fn compile(&self, spec: &ConstraintSpec) -> std::result::Result<Constraint, ConstraintError> {
+        let grammars = self
+            .grammars
+            .get_or_init(|| Grammars::new(&self.tokenizer).map_err(|e| e.to_string()));
+        match grammars {
+            Ok(grammars) => grammars.compile(spec),
+            Err(e) => Err(ConstraintError(format!(
+                "constraints are unavailable with this tokenizer: {e}"
+            ))),
+        }
     }
 
     /// The most tokens (prompt and generated) one sequence may hold.
@@ -236,6 +294,8 @@ struct Sequence {
     kv: KvCache,
     sampler: Sampler,
     output: OutputState,
+    /// Taken out while its next mask is being computed.
+    constraint: Option<Constraint>,
     cached_tokens: usize,
     arrived: Instant,
     last_token: Option<Instant>,
@@ -259,6 +319,23 @@ impl Sequence {
             self.cancelled = true;
         }
     }
+
+    /// Puts its constraint back from the thread that computed its mask; returns the mask.
+    fn take_back(&mut self, handle: ScopedJoinHandle<MaskResult>) -> std::result::Result<TokenMask, ConstraintError> {
+        match handle.join() {
+            Ok((constraint, mask)) => {
+                self.constraint = Some(constraint);
+                mask
+            }
+            Err(_) => Err(ConstraintError("the constraint's mask computation panicked".into())),
+        }
+    }
+
+    /// Ends the request with an error.
+    fn fail(&mut self, message: String) {
+        self.send(Event::Error(message));
+        self.cancelled = true;
+    }
 }
 
 pub struct Scheduler<B: Backend> {
@@ -266,7 +343,7 @@ pub struct Scheduler<B: Backend> {
     /// The model's KV pages: the scheduler gives each sequence its own, and shares cached prefixes.
     pages: PagePool,
     tokenizer: Arc<Tokenizer>,
-    requests: Receiver<Request>,
+    requests: Receiver<Submitted>,
     shared: Arc<Shared>,
     metrics: Arc<dyn Metrics>,
     waiting: VecDeque<Sequence>,
@@ -298,6 +375,8 @@ impl<B: Backend> Scheduler<B> {
             shared: shared.clone(),
             max_queue: config.max_queue,
             context,
+            tokenizer: tokenizer.clone(),
+            grammars: Arc::new(OnceLock::new()),
         };
         let scheduler = Scheduler {
             model,
@@ -347,7 +426,7 @@ impl<B: Backend> Scheduler<B> {
         }
     }
 
-    fn enqueue(&mut self, request: Request) {
+    fn enqueue(&mut self, Submitted { request, constraint }: Submitted) {
         let sampler = Sampler::new(request.sampling.clone());
         let kv = self.model.new_kv_cache(self.context);
         let limits = OutputLimits {
@@ -357,12 +436,13 @@ impl<B: Backend> Scheduler<B> {
             context_room: kv.capacity().saturating_sub(request.prompt.len()),
             ignore_eos: request.ignore_eos,
         };
-        let output = OutputState::new(request.stop.clone(), limits);
+        let output = OutputState::new(request.stop.clone(), request.stop_token_ids.clone(), limits);
         self.waiting.push_back(Sequence {
             tokens: request.prompt.clone(),
             kv,
             sampler,
             output,
+            constraint,
             cached_tokens: 0,
             arrived: Instant::now(),
             last_token: None,
@@ -407,7 +487,10 @@ impl<B: Backend> Scheduler<B> {
                 let seq = &self.running[i];
                 let want = if kv.len() + tokens.len() < seq.tokens.len() {
                     Want::Nothing
-                } else if seq.request.logprobs.is_none() && seq.request.sampling.is_plain_greedy() {
+                } else if seq.request.logprobs.is_none()
+                    && seq.request.sampling.is_plain_greedy()
+                    && seq.constraint.is_none()
+                {
                     Want::Argmax
                 } else {
                     Want::Logits
@@ -415,9 +498,40 @@ impl<B: Backend> Scheduler<B> {
                 SeqStep { kv, tokens, want }
             })
             .collect();
-        let (running, tokenizer, metrics) = (&mut self.running, &self.tokenizer, &self.metrics);
-        let result = self.model.forward_batch(&mut steps, |j, output| {
-            next_token(&mut running[batch[j].0], output, tokenizer, metrics.as_ref());
+        // The constraints of the sequences that get a token this step, out for their masks.
+        let constraints: Vec<Option<Constraint>> = steps
+            .iter()
+            .zip(&batch)
+            .map(|(step, &(i, _))| match step.want {
+                Want::Nothing => None,
+                _ => self.running[i].constraint.take(),
+            })
+            .collect();
+        let (running, tokenizer, metrics, model) = (&mut self.running, &self.tokenizer, &self.metrics, &mut self.model);
+        let result = std::thread::scope(|scope| {
+            let mut masking: Vec<Option<ScopedJoinHandle<MaskResult>>> = constraints
+                .into_iter()
+                .map(|c| {
+                    c.map(|mut constraint| {
+                        scope.spawn(move || {
+                            let mask = constraint.mask();
+                            (constraint, mask)
+                        })
+                    })
+                })
+                .collect();
+            let result = model.forward_batch(&mut steps, |j, output| {
+                let seq = &mut running[batch[j].0];
+                let mask = masking[j].take().map(|handle| seq.take_back(handle));
+                next_token(seq, output, mask, tokenizer, metrics.as_ref());
+            });
+            // A failed step leaves masks unused: their constraints go back all the same.
+            for (handle, &(i, _)) in masking.iter_mut().zip(&batch) {
+                if let Some(Err(e)) = handle.take().map(|handle| running[i].take_back(handle)) {
+                    tracing::error!("{e}");
+                }
+            }
+            result
         });
         drop(steps);
         for (kv, &(i, _)) in kvs.into_iter().zip(&batch) {
@@ -561,12 +675,28 @@ impl<B: Backend> Scheduler<B> {
     }
 }
 
-/// Takes a sequence's next token (sampled from its logits, or the device's argmax), streams it,
-/// and decides whether it is done.
-fn next_token(seq: &mut Sequence, output: StepOutput, tokenizer: &Tokenizer, metrics: &dyn Metrics) {
+/// A sequence's constraint back from its thread, with the mask it computed.
+type MaskResult = (Constraint, std::result::Result<TokenMask, ConstraintError>);
+
+/// Takes a sequence's next token (sampled from its logits within its constraint's `mask`, or the
+/// device's argmax), streams it, and decides whether it is done.
+fn next_token(
+    seq: &mut Sequence,
+    output: StepOutput,
+    mask: Option<std::result::Result<TokenMask, ConstraintError>>,
+    tokenizer: &Tokenizer,
+    metrics: &dyn Metrics,
+) {
+    let mask = match mask.transpose() {
+        Ok(mask) => mask,
+        Err(e) => return seq.fail(e.to_string()),
+    };
     let (token, logits) = match output {
         StepOutput::Argmax(id) => (id, None),
-        StepOutput::Logits(logits) => (seq.sampler.sample(logits, &seq.tokens), Some(logits)),
+        StepOutput::Logits(logits) => match seq.sampler.sample(logits, &seq.tokens, mask.as_ref()) {
+            Some(token) => (token, Some(logits)),
+            None => return seq.fail("the constraint and the logit bias leave no token to sample".into()),
+        },
     };
     let now = Instant::now();
     match seq.last_token {
@@ -574,14 +704,26 @@ fn next_token(seq: &mut Sequence, output: StepOutput, tokenizer: &Tokenizer, met
         Some(last) => metrics.inter_token_latency((now - last).as_secs_f64()),
     }
     seq.last_token = Some(now);
-    let step = match seq.output.push(tokenizer, token) {
+    let mut step = match seq.output.push(tokenizer, token) {
         Ok(step) => step,
-        Err(e) => {
-            seq.send(Event::Error(e.to_string()));
-            seq.cancelled = true;
-            return;
-        }
+        Err(e) => return seq.fail(e.to_string()),
     };
+    if step.token_is_output {
+        if let Some(constraint) = &mut seq.constraint {
+            let complete = match constraint.accept(token) {
+                Ok(complete) => complete,
+                Err(e) => return seq.fail(e.to_string()),
+            };
+            if complete {
+                if let Err(e) = seq
+                    .output
+                    .end_with(&mut step, tokenizer, StopReason::ConstraintComplete)
+                {
+                    return seq.fail(e.to_string());
+                }
+            }
+        }
+    }
     seq.finished = step.finished.map(FinishReason::from);
     if !step.token_is_output {
         // The end-of-generation token that ended the sequence: an event only for the text it
