@@ -2,6 +2,7 @@
 //! for the engine. Everything here is a pure function of its input (the fuzz target calls
 //! [`parse_chat`] and [`parse_completion`] directly).
 
+use crate::fields::{self, Endpoints};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
@@ -13,16 +14,17 @@ pub struct ApiError {
     pub status: StatusCode,
     pub message: String,
     pub kind: &'static str,
-    pub param: Option<&'static str>,
+    /// The request field at fault, as OpenAI names it (`messages[2].content`).
+    pub param: Option<String>,
 }
 
 impl ApiError {
-    pub fn invalid(message: impl Into<String>, param: Option<&'static str>) -> ApiError {
+    pub fn invalid(message: impl Into<String>, param: Option<&str>) -> ApiError {
         ApiError {
             status: StatusCode::BAD_REQUEST,
             message: message.into(),
             kind: "invalid_request_error",
-            param,
+            param: param.map(str::to_owned),
         }
     }
 
@@ -69,6 +71,7 @@ pub struct Sampling {
     pub min_p: Option<f32>,
     pub presence_penalty: Option<f32>,
     pub frequency_penalty: Option<f32>,
+    #[serde(alias = "repeat_penalty")]
     pub repetition_penalty: Option<f32>,
     pub seed: Option<i64>,
     pub stop: Option<Stop>,
@@ -79,9 +82,14 @@ pub struct Sampling {
     /// Generate through end-of-generation tokens (for benchmarks), as vLLM's extension does.
     #[serde(default)]
     pub ignore_eos: bool,
+    /// The caller's end user, written to the access log.
+    pub user: Option<String>,
+    /// Only the one tier there is (`auto` or `default`).
+    pub service_tier: Option<String>,
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct StreamOptions {
     #[serde(default)]
     pub include_usage: bool,
@@ -117,6 +125,11 @@ pub struct ChatRequest {
     #[serde(default)]
     pub logprobs: bool,
     pub top_logprobs: Option<i64>,
+    /// Completions are never stored; only `false` is accepted.
+    #[serde(default)]
+    pub store: bool,
+    /// Output kinds: only `["text"]`.
+    pub modalities: Option<Vec<String>>,
     #[serde(flatten)]
     pub sampling: Sampling,
 }
@@ -140,6 +153,7 @@ pub struct CompletionRequest {
     #[serde(default)]
     pub echo: bool,
     pub suffix: Option<String>,
+    pub best_of: Option<u32>,
     #[serde(flatten)]
     pub sampling: Sampling,
 }
@@ -151,19 +165,17 @@ pub const MAX_COMPLETION_LOGPROBS: usize = 5;
 /// Most stop strings, as OpenAI allows.
 pub const MAX_STOPS: usize = 4;
 
-fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
-    serde_json::from_slice(body).map_err(|e| {
-        let what = if e.is_syntax() || e.is_eof() {
-            "the body is not valid JSON"
-        } else {
-            "the request does not match the schema"
-        };
-        ApiError::invalid(format!("{what}: {e}"), None)
-    })
+/// The body as `T`, once every field in it is known to [`fields`].
+fn parse<T: serde::de::DeserializeOwned>(body: &[u8], endpoint: Endpoints) -> Result<T, ApiError> {
+    let mut value: Value = serde_json::from_slice(body)
+        .map_err(|e| ApiError::invalid(format!("the body is not valid JSON: {e}"), None))?;
+    fields::check(&mut value, endpoint)?;
+    serde_json::from_value(value)
+        .map_err(|e| ApiError::invalid(format!("the request does not match the schema: {e}"), None))
 }
 
 pub fn parse_chat(body: &[u8]) -> Result<ChatRequest, ApiError> {
-    let request: ChatRequest = parse(body)?;
+    let request: ChatRequest = parse(body, Endpoints::Chat)?;
     if request.messages.is_empty() {
         return Err(ApiError::invalid("messages must not be empty", Some("messages")));
     }
@@ -183,6 +195,22 @@ pub fn parse_chat(body: &[u8]) -> Result<ChatRequest, ApiError> {
             }
         }
     }
+    if request.store {
+        return Err(ApiError::invalid(
+            "store: this server does not keep completions",
+            Some("store"),
+        ));
+    }
+    if request
+        .modalities
+        .as_ref()
+        .is_some_and(|m| m.iter().any(|m| m != "text"))
+    {
+        return Err(ApiError::invalid(
+            "only the text modality is supported",
+            Some("modalities"),
+        ));
+    }
     if request.top_logprobs.is_some() && !request.logprobs {
         return Err(ApiError::invalid(
             "top_logprobs needs logprobs to be true",
@@ -194,12 +222,18 @@ pub fn parse_chat(body: &[u8]) -> Result<ChatRequest, ApiError> {
 }
 
 pub fn parse_completion(body: &[u8]) -> Result<CompletionRequest, ApiError> {
-    let request: CompletionRequest = parse(body)?;
+    let request: CompletionRequest = parse(body, Endpoints::Completions)?;
     if request.echo {
         return Err(ApiError::invalid("echo is not supported", Some("echo")));
     }
     if request.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
         return Err(ApiError::invalid("suffix is not supported", Some("suffix")));
+    }
+    if request.best_of.is_some_and(|n| n != 1) {
+        return Err(ApiError::invalid(
+            "only best_of = 1 is supported (the engine does not fork sequences)",
+            Some("best_of"),
+        ));
     }
     request.sampling.check()?;
     Ok(request)
@@ -267,7 +301,20 @@ impl Sampling {
             in_range(k, -1, i32::MAX as i64, "top_k")?;
         }
         if self.n.is_some_and(|n| n != 1) {
-            return Err(ApiError::invalid("only n = 1 is supported", Some("n")));
+            return Err(ApiError::invalid(
+                "only n = 1 is supported (the engine does not fork sequences)",
+                Some("n"),
+            ));
+        }
+        if self
+            .service_tier
+            .as_deref()
+            .is_some_and(|t| t != "auto" && t != "default")
+        {
+            return Err(ApiError::invalid(
+                "this server has one service tier: auto or default",
+                Some("service_tier"),
+            ));
         }
         let stops = self.stops();
         if stops.len() > MAX_STOPS {
@@ -399,7 +446,12 @@ mod tests {
         ];
         for (body, param) in cases {
             let e = parse_chat(body).unwrap_err();
-            assert_eq!((e.status, e.param), (StatusCode::BAD_REQUEST, param), "{}", e.message);
+            assert_eq!(
+                (e.status, e.param.as_deref()),
+                (StatusCode::BAD_REQUEST, param),
+                "{}",
+                e.message
+            );
         }
         assert!(parse_completion(br#"{"prompt":"x","logprobs":9}"#)
             .unwrap()

@@ -13,6 +13,7 @@
 pub mod api;
 pub mod callers;
 pub mod connections;
+pub mod fields;
 pub mod metrics;
 pub mod request_log;
 
@@ -297,6 +298,9 @@ async fn chat_completions(
 ) -> Result<Response, ApiError> {
     let body = read_body(body, s.read_timeout).await?;
     let request = api::parse_chat(&body)?;
+    if let Some(user) = &request.sampling.user {
+        record.user(user);
+    }
     let logprobs = request.logprobs()?;
     let messages: Vec<Message> = request
         .messages
@@ -337,6 +341,9 @@ async fn completions(
 ) -> Result<Response, ApiError> {
     let body = read_body(body, s.read_timeout).await?;
     let request = api::parse_completion(&body)?;
+    if let Some(user) = &request.sampling.user {
+        record.user(user);
+    }
     let logprobs = request.logprobs()?;
     let only = |n: usize| {
         (n == 1)
