@@ -114,6 +114,55 @@ pub struct ContentPart {
 pub struct ChatMessage {
     pub role: String,
     pub content: Option<Content>,
+    pub name: Option<String>,
+    pub tool_calls: Option<Vec<ToolCallIn>>,
+    pub tool_call_id: Option<String>,
+}
+
+/// A call in an earlier assistant turn, as clients send it back.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ToolCallIn {
+    pub id: String,
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub function: FunctionCallIn,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FunctionCallIn {
+    pub name: String,
+    /// JSON text, as OpenAI sends it (an object is taken too).
+    pub arguments: Value,
+}
+
+/// An offered tool: `{"type": "function", "function": {...}}`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Tool {
+    #[serde(rename = "type")]
+    kind: String,
+    function: FunctionDef,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[allow(dead_code, reason = "read by serde to check the shape; the template reads the JSON")]
+struct FunctionDef {
+    name: String,
+    description: Option<String>,
+    parameters: Option<Value>,
+    strict: Option<bool>,
+}
+
+/// `tool_choice`, as far as the server can honour it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ToolChoice {
+    /// Tools are offered to the template, but the output is not read for calls (as vLLM does).
+    None,
+    /// The model may call tools; calls in its output are returned as such.
+    Auto,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -125,6 +174,10 @@ pub struct ChatRequest {
     #[serde(default)]
     pub logprobs: bool,
     pub top_logprobs: Option<i64>,
+    /// Offered tools, kept as sent: the template renders them in their given order.
+    pub tools: Option<Vec<Value>>,
+    pub tool_choice: Option<Value>,
+    pub parallel_tool_calls: Option<bool>,
     /// Completions are never stored; only `false` is accepted.
     #[serde(default)]
     pub store: bool,
@@ -179,22 +232,13 @@ pub fn parse_chat(body: &[u8]) -> Result<ChatRequest, ApiError> {
     if request.messages.is_empty() {
         return Err(ApiError::invalid("messages must not be empty", Some("messages")));
     }
-    for m in &request.messages {
-        if !matches!(m.role.as_str(), "system" | "user" | "assistant" | "developer" | "tool") {
-            return Err(ApiError::invalid(
-                format!("unknown role {:?}", m.role),
-                Some("messages"),
-            ));
-        }
-        if let Some(Content::Parts(parts)) = &m.content {
-            if let Some(p) = parts.iter().find(|p| p.kind != "text" || p.text.is_none()) {
-                return Err(ApiError::invalid(
-                    format!("content parts of type {:?} are not supported (only text)", p.kind),
-                    Some("messages"),
-                ));
-            }
-        }
+    for (i, m) in request.messages.iter().enumerate() {
+        check_message(i, m)?;
     }
+    for (i, tool) in request.tools.iter().flatten().enumerate() {
+        check_tool(i, tool)?;
+    }
+    request.tool_choice()?;
     if request.store {
         return Err(ApiError::invalid(
             "store: this server does not keep completions",
@@ -219,6 +263,62 @@ pub fn parse_chat(body: &[u8]) -> Result<ChatRequest, ApiError> {
     }
     request.sampling.check()?;
     Ok(request)
+}
+
+fn check_message(i: usize, m: &ChatMessage) -> Result<(), ApiError> {
+    let param = |field: &str| format!("messages[{i}].{field}");
+    if !matches!(m.role.as_str(), "system" | "user" | "assistant" | "developer" | "tool") {
+        return Err(ApiError::invalid(
+            format!("unknown role {:?}", m.role),
+            Some(&param("role")),
+        ));
+    }
+    if let Some(Content::Parts(parts)) = &m.content {
+        for (j, p) in parts.iter().enumerate() {
+            if p.kind != "text" || p.text.is_none() {
+                return Err(ApiError::invalid(
+                    format!("content parts of type {:?} are not supported (only text)", p.kind),
+                    Some(&param(&format!("content[{j}].type"))),
+                ));
+            }
+        }
+    }
+    if m.tool_calls.is_some() && m.role != "assistant" {
+        return Err(ApiError::invalid(
+            "only assistant messages carry tool_calls",
+            Some(&param("tool_calls")),
+        ));
+    }
+    match (m.role == "tool", m.tool_call_id.is_some()) {
+        (true, false) => Err(ApiError::invalid(
+            "a tool message needs the tool_call_id it answers",
+            Some(&param("tool_call_id")),
+        )),
+        (false, true) => Err(ApiError::invalid(
+            "only tool messages carry tool_call_id",
+            Some(&param("tool_call_id")),
+        )),
+        _ => m.template_tool_calls(i).map(drop),
+    }
+}
+
+fn check_tool(i: usize, tool: &Value) -> Result<(), ApiError> {
+    let param = format!("tools[{i}]");
+    let tool: Tool =
+        serde_json::from_value(tool.clone()).map_err(|e| ApiError::invalid(format!("{param}: {e}"), Some(&param)))?;
+    if tool.kind != "function" {
+        return Err(ApiError::invalid(
+            format!("tools of type {:?} are not supported (only function)", tool.kind),
+            Some(&format!("{param}.type")),
+        ));
+    }
+    if tool.function.strict == Some(true) {
+        return Err(ApiError::invalid(
+            "strict function schemas need constrained decoding, not available in this server yet",
+            Some(&format!("{param}.function.strict")),
+        ));
+    }
+    Ok(())
 }
 
 pub fn parse_completion(body: &[u8]) -> Result<CompletionRequest, ApiError> {
@@ -247,6 +347,48 @@ impl ChatMessage {
             Some(Content::Parts(parts)) => parts.iter().filter_map(|p| p.text.as_deref()).collect(),
         }
     }
+
+    /// This message (number `i`) as the chat template takes it.
+    pub fn to_template(&self, i: usize) -> Result<axiom::chat::Message, ApiError> {
+        Ok(axiom::chat::Message {
+            name: self.name.clone(),
+            tool_calls: self.template_tool_calls(i)?,
+            tool_call_id: self.tool_call_id.clone(),
+            ..axiom::chat::Message::new(&self.role, &self.text())
+        })
+    }
+
+    /// The calls as transformers passes them to templates: arguments as an object (Qwen 2.5's
+    /// template writes them with `tojson`), not the JSON text clients send.
+    fn template_tool_calls(&self, i: usize) -> Result<Option<Vec<Value>>, ApiError> {
+        let Some(calls) = &self.tool_calls else {
+            return Ok(None);
+        };
+        let calls = calls.iter().enumerate().map(|(j, call)| {
+            let param = format!("messages[{i}].tool_calls[{j}]");
+            if call.kind != "function" {
+                return Err(ApiError::invalid(
+                    format!("tool calls of type {:?} are not supported (only function)", call.kind),
+                    Some(&format!("{param}.type")),
+                ));
+            }
+            let arguments = match &call.function.arguments {
+                Value::String(text) => serde_json::from_str(text).ok(),
+                object @ Value::Object(_) => Some(object.clone()),
+                _ => None,
+            }
+            .filter(Value::is_object)
+            .ok_or_else(|| {
+                ApiError::invalid(
+                    "arguments must be a JSON object (or its text)",
+                    Some(&format!("{param}.function.arguments")),
+                )
+            })?;
+            Ok(json!({"id": call.id, "type": "function",
+                      "function": {"name": call.function.name, "arguments": arguments}}))
+        });
+        calls.collect::<Result<Vec<_>, _>>().map(Some)
+    }
 }
 
 impl ChatRequest {
@@ -261,6 +403,44 @@ impl ChatRequest {
 
     pub fn max_tokens(&self) -> Option<i64> {
         self.max_completion_tokens.or(self.max_tokens)
+    }
+
+    /// The messages as the chat template takes them.
+    pub fn template_messages(&self) -> Result<Vec<axiom::chat::Message>, ApiError> {
+        self.messages
+            .iter()
+            .enumerate()
+            .map(|(i, m)| m.to_template(i))
+            .collect()
+    }
+
+    /// The offered tools (none if not given).
+    pub fn tools(&self) -> &[Value] {
+        self.tools.as_deref().unwrap_or_default()
+    }
+
+    /// `tool_choice`: `auto` by default when tools are offered, as OpenAI's API does.
+    /// `required` and a named function need constrained decoding to force a call.
+    pub fn tool_choice(&self) -> Result<ToolChoice, ApiError> {
+        let forced = || {
+            ApiError::invalid(
+                "forcing a tool call (required or a named function) needs constrained decoding, \
+                 not available in this server yet; use auto or none",
+                Some("tool_choice"),
+            )
+        };
+        match &self.tool_choice {
+            None if self.tools().is_empty() => Ok(ToolChoice::None),
+            None => Ok(ToolChoice::Auto),
+            Some(Value::String(s)) if s == "none" => Ok(ToolChoice::None),
+            Some(Value::String(s)) if s == "auto" => Ok(ToolChoice::Auto),
+            Some(Value::String(s)) if s == "required" => Err(forced()),
+            Some(Value::Object(o)) if o.get("type").and_then(Value::as_str) == Some("function") => Err(forced()),
+            Some(other) => Err(ApiError::invalid(
+                format!("tool_choice must be none, auto, required or a function, got {other}"),
+                Some("tool_choice"),
+            )),
+        }
     }
 }
 
@@ -421,7 +601,10 @@ mod tests {
         let cases: [(&[u8], Option<&str>); 9] = [
             (b"{", None),
             (br#"{"messages":[]}"#, Some("messages")),
-            (br#"{"messages":[{"role":"wizard","content":"x"}]}"#, Some("messages")),
+            (
+                br#"{"messages":[{"role":"wizard","content":"x"}]}"#,
+                Some("messages[0].role"),
+            ),
             (
                 br#"{"messages":[{"role":"user","content":"x"}],"temperature":3}"#,
                 Some("temperature"),
@@ -453,6 +636,56 @@ mod tests {
                 e.message
             );
         }
+        let tool = r#"{"type":"function","function":{"name":"f","parameters":{"type":"object"}}}"#;
+        let call = r#"{"id":"call_1","type":"function","function":{"name":"f","arguments":"{\"a\": 1}"}}"#;
+        let tool_cases = [
+            (format!(r#""tools":[{tool}],"tool_choice":"required""#), "tool_choice"),
+            (
+                format!(r#""tools":[{tool}],"tool_choice":{{"type":"function","function":{{"name":"f"}}}}"#),
+                "tool_choice",
+            ),
+            (r#""tool_choice":"sometimes""#.into(), "tool_choice"),
+            (r#""tools":[{"type":"retrieval"}]"#.into(), "tools[0]"),
+            (
+                r#""tools":[{"type":"function","function":{"name":"f","strict":true}}]"#.into(),
+                "tools[0].function.strict",
+            ),
+        ];
+        for (extra, param) in tool_cases {
+            let body = format!(r#"{{"messages":[{{"role":"user","content":"x"}}],{extra}}}"#);
+            assert_eq!(
+                parse_chat(body.as_bytes()).unwrap_err().param.as_deref(),
+                Some(param),
+                "{extra}"
+            );
+        }
+        let message_cases = [
+            (r#"{"role":"user","content":[{"type":"text","text":"a"},{"type":"image_url","image_url":{"url":"x"}}]}"#.to_owned(), "messages[0].content[1].type"),
+            (r#"{"role":"tool","content":"18"}"#.into(), "messages[0].tool_call_id"),
+            (r#"{"role":"user","content":"x","tool_call_id":"c"}"#.into(), "messages[0].tool_call_id"),
+            (format!(r#"{{"role":"user","content":"x","tool_calls":[{call}]}}"#), "messages[0].tool_calls"),
+            (r#"{"role":"assistant","tool_calls":[{"id":"c","type":"function","function":{"name":"f","arguments":"{oops"}}]}"#.into(), "messages[0].tool_calls[0].function.arguments"),
+        ];
+        for (message, param) in message_cases {
+            let body = format!(r#"{{"messages":[{message}]}}"#);
+            assert_eq!(
+                parse_chat(body.as_bytes()).unwrap_err().param.as_deref(),
+                Some(param),
+                "{message}"
+            );
+        }
+        let body = format!(
+            r#"{{"messages":[{{"role":"assistant","content":null,"tool_calls":[{call}]}},{{"role":"tool","tool_call_id":"call_1","content":"2"}}],"tools":[{tool}]}}"#
+        );
+        let chat = parse_chat(body.as_bytes()).unwrap();
+        assert_eq!(chat.tool_choice().unwrap(), ToolChoice::Auto);
+        let messages = chat.template_messages().unwrap();
+        assert_eq!(
+            messages[0].tool_calls.as_ref().unwrap()[0]["function"]["arguments"],
+            json!({"a": 1})
+        );
+        assert_eq!(messages[1].tool_call_id.as_deref(), Some("call_1"));
+        assert!(parse_completion(br#"{"prompt":"x","best_of":2}"#).is_err());
         assert!(parse_completion(br#"{"prompt":"x","logprobs":9}"#)
             .unwrap()
             .logprobs()

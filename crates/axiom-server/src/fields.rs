@@ -25,7 +25,6 @@ pub enum Rule {
 use Endpoints::{Both, Chat, Completions};
 use Rule::{Accepted, Refused};
 
-const TOOLS: &str = "tool calling is not available in this server yet";
 const CONSTRAINTS: &str = "constrained decoding is not available in this server yet";
 
 /// The request fields of `/v1/chat/completions` and `/v1/completions`, one line each.
@@ -58,9 +57,9 @@ pub const REQUEST_FIELDS: &[(&str, Endpoints, Rule)] = &[
     ("store", Chat, Accepted),
     ("service_tier", Both, Accepted),
     ("modalities", Chat, Accepted),
-    ("tools", Chat, Refused(TOOLS)),
-    ("tool_choice", Chat, Refused(TOOLS)),
-    ("parallel_tool_calls", Chat, Refused(TOOLS)),
+    ("tools", Chat, Accepted),
+    ("tool_choice", Chat, Accepted),
+    ("parallel_tool_calls", Chat, Accepted),
     (
         "logit_bias",
         Both,
@@ -104,8 +103,8 @@ pub const MESSAGE_FIELDS: &[(&str, Rule)] = &[
     ("role", Accepted),
     ("content", Accepted),
     ("name", Accepted),
-    ("tool_calls", Refused(TOOLS)),
-    ("tool_call_id", Refused(TOOLS)),
+    ("tool_calls", Accepted),
+    ("tool_call_id", Accepted),
     (
         "function_call",
         Refused("the deprecated functions API is not supported; use tool_calls"),

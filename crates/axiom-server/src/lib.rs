@@ -16,11 +16,13 @@ pub mod connections;
 pub mod fields;
 pub mod metrics;
 pub mod request_log;
+pub mod tool_output;
 
-use api::{ApiError, Usage};
-use axiom::chat::{ChatTemplate, Message};
+use api::{ApiError, ToolChoice, Usage};
+use axiom::chat::ChatTemplate;
 use axiom::engine::scheduler::{Completion, EngineHandle, Event, EventSink, Request, SubmitError, TokenLogprob};
 use axiom::tokenizer::Tokenizer;
+use axiom::tool_calls::ToolFormat;
 use axum::body::{Body, Bytes};
 use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{header, StatusCode};
@@ -40,6 +42,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use tokio::sync::Semaphore;
+use tool_output::ToolOutput;
 use tower_http::limit::RequestBodyLimitLayer;
 use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
 use tower_http::validate_request::ValidateRequestHeaderLayer;
@@ -48,6 +51,8 @@ pub struct AppState {
     pub engine: EngineHandle,
     pub tokenizer: Arc<Tokenizer>,
     pub template: Option<ChatTemplate>,
+    /// How the model writes tool calls (`--tool-parser`, or read from the template).
+    pub tool_format: Option<ToolFormat>,
     /// The id `/v1/models` reports and responses carry.
     pub model_id: String,
     pub metrics: Arc<ServerMetrics>,
@@ -65,6 +70,7 @@ impl AppState {
         engine: EngineHandle,
         tokenizer: Arc<Tokenizer>,
         template: Option<ChatTemplate>,
+        tool_format: Option<ToolFormat>,
         model_id: String,
         metrics: Arc<ServerMetrics>,
         read_timeout: Duration,
@@ -74,6 +80,7 @@ impl AppState {
             engine,
             tokenizer,
             template,
+            tool_format,
             model_id,
             metrics,
             read_timeout,
@@ -236,6 +243,8 @@ struct Job {
     default_max_tokens: Option<usize>,
     logprobs: Option<usize>,
     chat: bool,
+    /// Reads tool calls out of a chat's output.
+    tools: ToolOutput,
 }
 
 impl AppState {
@@ -253,6 +262,32 @@ impl AppState {
             ));
         }
         Ok(())
+    }
+
+    /// The tool-call format to read from a chat's output: none unless tools are offered with
+    /// `tool_choice` auto. Tools the template cannot show the model are refused.
+    fn tool_format_for(&self, request: &api::ChatRequest) -> Result<Option<ToolFormat>, ApiError> {
+        let choice = request.tool_choice()?;
+        if request.tools().is_empty() {
+            return Ok(None);
+        }
+        // Where the lead wires constrained decoding: `required` or a named function, forced by a
+        // grammar, would make calls on a template without tools too.
+        if !self.template.as_ref().is_some_and(ChatTemplate::takes_tools) {
+            return Err(ApiError::invalid(
+                "this model's chat template does not take tools",
+                Some("tools"),
+            ));
+        }
+        match (choice, self.tool_format) {
+            (ToolChoice::None, _) => Ok(None),
+            (ToolChoice::Auto, Some(format)) => Ok(Some(format)),
+            (ToolChoice::Auto, None) => Err(ApiError::invalid(
+                "the format of this model's tool calls is not known from its chat template; \
+                 start the server with --tool-parser",
+                Some("tools"),
+            )),
+        }
     }
 
     /// A completion prompt's ids, BOS first where the model wants it.
@@ -302,20 +337,38 @@ async fn chat_completions(
         record.user(user);
     }
     let logprobs = request.logprobs()?;
-    let messages: Vec<Message> = request
-        .messages
-        .iter()
-        .map(|m| Message::new(&m.role, &m.text()))
-        .collect();
-    s.check_fits(messages.iter().map(|m| m.content.len()).sum(), "messages")?;
+    let messages = request.template_messages()?;
+    let tools = request.tools().to_vec();
+    let format = s.tool_format_for(&request)?;
+    let tools_text = serde_json::to_string(&tools).unwrap_or_default();
+    s.check_fits(
+        messages.iter().map(|m| m.content.len()).sum::<usize>() + tools_text.len(),
+        "messages",
+    )?;
     let state = s.clone();
     let prompt = s
         .tokenize(move || {
             let template = state.template.as_ref().ok_or_else(|| {
                 ApiError::invalid("the model has no chat template; use /v1/completions", Some("messages"))
             })?;
+            // Tool definitions and calls are written by the template as its own text, where
+            // special tokens count: they must hold none.
+            let forged = |text: &str, param: &str| {
+                state.tokenizer.special_token_in(text).map_or(Ok(()), |token| {
+                    Err(ApiError::invalid(
+                        format!("{param} holds the special token {token:?}"),
+                        Some(param),
+                    ))
+                })
+            };
+            forged(&tools_text, "tools")?;
+            for (i, m) in messages.iter().enumerate() {
+                let calls = serde_json::to_string(&m.tool_calls).unwrap_or_default();
+                forged(&calls, &format!("messages[{i}].tool_calls"))?;
+                forged(m.name.as_deref().unwrap_or(""), &format!("messages[{i}].name"))?;
+            }
             let rendered = template
-                .render_chat(&messages, true)
+                .render_chat_with_tools(&messages, &tools, true)
                 .map_err(|e| ApiError::invalid(e.to_string(), Some("messages")))?;
             state
                 .tokenizer
@@ -328,6 +381,7 @@ async fn chat_completions(
         max_tokens: request.max_tokens(),
         default_max_tokens: None,
         logprobs,
+        tools: ToolOutput::new(format, request.parallel_tool_calls.unwrap_or(true)),
         request: request.sampling,
         chat: true,
     };
@@ -376,6 +430,7 @@ async fn completions(
         logprobs,
         request: request.sampling,
         chat: false,
+        tools: ToolOutput::new(None, true),
     };
     run(&s, job, record).await
 }
@@ -437,6 +492,7 @@ async fn run(s: &Arc<AppState>, job: Job, record: Arc<RequestRecord>) -> Result<
             SubmitError::EmptyPrompt | SubmitError::TooLong { .. } => ApiError::invalid(e.to_string(), Some("prompt")),
         })?;
     let shape = Shape {
+        tools: job.tools,
         id: format!("{}-{}", if job.chat { "chatcmpl" } else { "cmpl" }, id.simple()),
         created: unix_time(),
         model: s.model_id.clone(),
@@ -454,6 +510,8 @@ async fn run(s: &Arc<AppState>, job: Job, record: Arc<RequestRecord>) -> Result<
 
 /// How responses of one request look: ids, object names, chat or text.
 struct Shape {
+    /// Content and tool calls out of the text.
+    tools: ToolOutput,
     id: String,
     created: u64,
     model: String,
@@ -515,8 +573,10 @@ impl TextLogprobs {
 }
 
 /// Gathers every event of a request into one response.
-async fn whole(shape: Shape, mut rx: UnboundedReceiver<Event>) -> Result<Value, ApiError> {
+async fn whole(mut shape: Shape, mut rx: UnboundedReceiver<Event>) -> Result<Value, ApiError> {
     let mut text = String::new();
+    let mut content = String::new();
+    let mut calls = Vec::new();
     let mut chat_lps = Vec::new();
     let mut text_lps = TextLogprobs::default();
     while let Some(event) = rx.recv().await {
@@ -531,19 +591,32 @@ async fn whole(shape: Shape, mut rx: UnboundedReceiver<Event>) -> Result<Value, 
                     }
                 }
                 text.push_str(&t.text);
+                let split = shape.tools.push(&t.text);
+                content.push_str(&split.content);
+                calls.extend(split.calls.into_iter().map(|(_, call)| call));
             }
             Event::Done(c) => {
                 shape.record.done(&c);
+                let split = shape.tools.finish();
+                content.push_str(&split.content);
+                calls.extend(split.calls.into_iter().map(|(_, call)| call));
+                let finish = shape.tools.finish_reason(&c);
                 let logprobs = match (shape.logprobs, shape.chat) {
                     (false, _) => Value::Null,
                     (true, true) => json!({"content": chat_lps}),
                     (true, false) => std::mem::take(&mut text_lps).json(),
                 };
                 let choice = if shape.chat {
-                    json!({"index": 0, "message": {"role": "assistant", "content": text},
-                           "logprobs": logprobs, "finish_reason": c.finish})
+                    let mut message = json!({"role": "assistant", "content": content});
+                    if !calls.is_empty() {
+                        message["tool_calls"] = json!(calls);
+                        if content.is_empty() {
+                            message["content"] = Value::Null;
+                        }
+                    }
+                    json!({"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish})
                 } else {
-                    json!({"index": 0, "text": text, "logprobs": logprobs, "finish_reason": c.finish})
+                    json!({"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish})
                 };
                 let mut body = shape.envelope(false, choice);
                 body["usage"] = json!(Usage::from(&c));
@@ -565,10 +638,11 @@ async fn whole(shape: Shape, mut rx: UnboundedReceiver<Event>) -> Result<Value, 
 /// The request's events as server-sent events: a role chunk first (chat), a chunk per piece of
 /// text, a final chunk with the finish reason, the usage if asked, then `[DONE]`.
 fn sse_stream(
-    shape: Shape,
+    mut shape: Shape,
     rx: UnboundedReceiver<Event>,
     include_usage: bool,
 ) -> impl Stream<Item = Result<SseEvent, Infallible>> {
+    let mut tools = std::mem::replace(&mut shape.tools, ToolOutput::new(None, true));
     let shape = Arc::new(shape);
     let data = |v: Value| Ok(SseEvent::default().data(v.to_string()));
     let opening = shape.chat.then(|| {
@@ -582,13 +656,13 @@ fn sse_stream(
         let chunks: Vec<Value> = match event {
             Event::Token(t) => {
                 shape.record.token();
-                if t.text.is_empty() && t.logprob.is_none() {
-                    Vec::new()
-                } else {
+                let split = tools.push(&t.text);
+                let mut chunks = Vec::new();
+                if !(split.content.is_empty() && t.logprob.is_none()) {
                     let lp = t.logprob.as_ref();
                     let choice = if shape.chat {
                         let logprobs = lp.map_or(Value::Null, |lp| json!({"content": [shape.chat_logprob(t.id, lp)]}));
-                        json!({"index": 0, "delta": {"content": t.text}, "logprobs": logprobs, "finish_reason": null})
+                        json!({"index": 0, "delta": {"content": split.content}, "logprobs": logprobs, "finish_reason": null})
                     } else {
                         let logprobs = lp.map_or(Value::Null, |lp| {
                             let mut l = TextLogprobs::default();
@@ -598,12 +672,24 @@ fn sse_stream(
                         json!({"index": 0, "text": t.text, "logprobs": logprobs, "finish_reason": null})
                     };
                     offset += t.text.len();
-                    vec![shape.envelope(true, choice)]
+                    chunks.push(shape.envelope(true, choice));
                 }
+                chunks.extend(call_chunks(&shape, split.calls));
+                chunks
             }
             Event::Done(c) => {
                 shape.record.done(&c);
-                final_chunks(&shape, &c, include_usage)
+                let split = tools.finish();
+                let mut chunks = Vec::new();
+                if !split.content.is_empty() {
+                    chunks.push(shape.envelope(
+                        true,
+                        json!({"index": 0, "delta": {"content": split.content}, "logprobs": null, "finish_reason": null}),
+                    ));
+                }
+                chunks.extend(call_chunks(&shape, split.calls));
+                chunks.extend(final_chunks(&shape, &c, tools.finish_reason(&c), include_usage));
+                chunks
             }
             Event::Error(e) => {
                 shape.record.failed();
@@ -617,11 +703,25 @@ fn sse_stream(
         .chain(stream::once(async { Ok(SseEvent::default().data("[DONE]")) }))
 }
 
-fn final_chunks(shape: &Shape, c: &Completion, include_usage: bool) -> Vec<Value> {
+/// One chunk per tool call, whole: OpenAI's delta shape, with the call's index in the response.
+fn call_chunks(shape: &Shape, calls: Vec<(usize, Value)>) -> Vec<Value> {
+    calls
+        .into_iter()
+        .map(|(index, mut call)| {
+            call["index"] = json!(index);
+            shape.envelope(
+                true,
+                json!({"index": 0, "delta": {"tool_calls": [call]}, "logprobs": null, "finish_reason": null}),
+            )
+        })
+        .collect()
+}
+
+fn final_chunks(shape: &Shape, c: &Completion, finish: &str, include_usage: bool) -> Vec<Value> {
     let choice = if shape.chat {
-        json!({"index": 0, "delta": {}, "logprobs": null, "finish_reason": c.finish})
+        json!({"index": 0, "delta": {}, "logprobs": null, "finish_reason": finish})
     } else {
-        json!({"index": 0, "text": "", "logprobs": null, "finish_reason": c.finish})
+        json!({"index": 0, "text": "", "logprobs": null, "finish_reason": finish})
     };
     let mut chunks = vec![shape.envelope(true, choice)];
     if include_usage {
@@ -651,4 +751,94 @@ pub async fn serve(
     })
     .await;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axiom::engine::scheduler::{FinishReason, TokenEvent};
+
+    fn shape(tools: ToolOutput) -> Shape {
+        let fixture = concat!(env!("CARGO_MANIFEST_DIR"), "/../axiom/tests/fixtures/hf/qwen2");
+        Shape {
+            tools,
+            id: "chatcmpl-test".into(),
+            created: 0,
+            model: "m".into(),
+            chat: true,
+            logprobs: false,
+            tokenizer: Arc::new(Tokenizer::from_hf_dir(std::path::Path::new(fixture)).unwrap()),
+            record: Arc::new(RequestRecord::default()),
+        }
+    }
+
+    /// A Qwen-style answer that calls a tool, in the pieces the engine hands on.
+    fn events() -> UnboundedReceiver<Event> {
+        let (tx, rx) = unbounded_channel();
+        let pieces = [
+            "Let me look.",
+            "\n<tool_",
+            "call>\n{\"name\": \"get_weather\", ",
+            "\"arguments\": {\"city\": \"Paris\"}}\n</tool_call>",
+        ];
+        for text in pieces {
+            tx.send(Event::Token(TokenEvent {
+                id: 0,
+                text: text.into(),
+                logprob: None,
+            }))
+            .unwrap();
+        }
+        let done = Completion {
+            finish: FinishReason::Stop,
+            prompt_tokens: 5,
+            completion_tokens: 4,
+            cached_tokens: 0,
+        };
+        tx.send(Event::Done(done)).unwrap();
+        rx
+    }
+
+    #[tokio::test]
+    async fn tool_calls_come_back_whole_and_streamed() {
+        let body = whole(shape(ToolOutput::new(Some(ToolFormat::Hermes), true)), events())
+            .await
+            .unwrap();
+        let choice = &body["choices"][0];
+        assert_eq!(choice["finish_reason"], "tool_calls");
+        assert_eq!(choice["message"]["content"], "Let me look.\n");
+        let call = &choice["message"]["tool_calls"][0];
+        assert_eq!(
+            call["function"],
+            json!({"name": "get_weather", "arguments": "{\"city\":\"Paris\"}"})
+        );
+        assert!(call["id"].as_str().unwrap().starts_with("call_"));
+
+        let stream = sse_stream(shape(ToolOutput::new(Some(ToolFormat::Hermes), true)), events(), false);
+        let response = Sse::new(stream).into_response();
+        let bytes = axum::body::to_bytes(response.into_body(), usize::MAX).await.unwrap();
+        let chunks: Vec<Value> = String::from_utf8(bytes.to_vec())
+            .unwrap()
+            .lines()
+            .filter_map(|l| l.strip_prefix("data: "))
+            .filter(|d| *d != "[DONE]")
+            .map(|d| serde_json::from_str(d).unwrap())
+            .collect();
+        let deltas: Vec<&Value> = chunks.iter().map(|c| &c["choices"][0]["delta"]).collect();
+        let content: String = deltas.iter().filter_map(|d| d["content"].as_str()).collect();
+        assert_eq!(content, "Let me look.\n");
+        let calls: Vec<&Value> = deltas.iter().filter_map(|d| d.get("tool_calls")).collect();
+        assert_eq!(calls.len(), 1);
+        assert_eq!(calls[0][0]["index"], 0);
+        assert_eq!(calls[0][0]["function"]["name"], "get_weather");
+        assert_eq!(chunks.last().unwrap()["choices"][0]["finish_reason"], "tool_calls");
+
+        // Without a parser (tool_choice none) the same output is content.
+        let body = whole(shape(ToolOutput::new(None, true)), events()).await.unwrap();
+        assert_eq!(body["choices"][0]["finish_reason"], "stop");
+        assert!(body["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap()
+            .contains("<tool_call>"));
+    }
 }
