@@ -218,17 +218,114 @@ pub const MAX_COMPLETION_LOGPROBS: usize = 5;
 /// Most stop strings, as OpenAI allows.
 pub const MAX_STOPS: usize = 4;
 
-/// The body as `T`, once every field in it is known to [`fields`].
-fn parse<T: serde::de::DeserializeOwned>(body: &[u8], endpoint: Endpoints) -> Result<T, ApiError> {
+/// The body as `T`, once `check` (a [`fields`] check) has passed its fields.
+fn parse_checked<T: serde::de::DeserializeOwned>(
+    body: &[u8],
+    check: impl FnOnce(&mut Value) -> Result<(), ApiError>,
+) -> Result<T, ApiError> {
     let mut value: Value = serde_json::from_slice(body)
         .map_err(|e| ApiError::invalid(format!("the body is not valid JSON: {e}"), None))?;
-    fields::check(&mut value, endpoint)?;
+    check(&mut value)?;
     serde_json::from_value(value)
         .map_err(|e| ApiError::invalid(format!("the request does not match the schema: {e}"), None))
 }
 
+fn parse<T: serde::de::DeserializeOwned>(body: &[u8], endpoint: Endpoints) -> Result<T, ApiError> {
+    parse_checked(body, |v| fields::check(v, endpoint))
+}
+
+/// `POST /tokenize`: llama-server's `{"content"}` or vLLM's `{"prompt"}` / `{"messages"}`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct TokenizeRequest {
+    pub content: Option<String>,
+    pub prompt: Option<String>,
+    pub messages: Option<Vec<ChatMessage>>,
+    pub tools: Option<Vec<Value>>,
+    pub add_special: Option<bool>,
+    pub add_special_tokens: Option<bool>,
+    pub add_generation_prompt: Option<bool>,
+    #[serde(default)]
+    pub with_pieces: bool,
+}
+
+/// What `/tokenize` is asked to encode.
+pub enum TokenizeInput {
+    /// Text, with the BOS token first if `add_special`.
+    Text { text: String, add_special: bool },
+    Chat {
+        messages: Vec<axiom::chat::Message>,
+        tools: Vec<Value>,
+        add_generation_prompt: bool,
+    },
+}
+
+pub fn parse_tokenize(body: &[u8]) -> Result<(TokenizeInput, bool), ApiError> {
+    let r: TokenizeRequest = parse_checked(body, |v| fields::check_known(v, fields::TOKENIZE_FIELDS))?;
+    let add_special = r.add_special.or(r.add_special_tokens);
+    let input = match (r.content, r.prompt, r.messages) {
+        // llama-server adds no BOS by default, vLLM does.
+        (Some(text), None, None) => TokenizeInput::Text {
+            text,
+            add_special: add_special.unwrap_or(false),
+        },
+        (None, Some(text), None) => TokenizeInput::Text {
+            text,
+            add_special: add_special.unwrap_or(true),
+        },
+        (None, None, Some(messages)) => {
+            if add_special == Some(true) {
+                return Err(ApiError::invalid(
+                    "a chat prompt's special tokens are the template's: add_special_tokens must be false",
+                    Some(if r.add_special.is_some() {
+                        "add_special"
+                    } else {
+                        "add_special_tokens"
+                    }),
+                ));
+            }
+            let chat = ChatRequest::for_template(messages, r.tools.clone())?;
+            TokenizeInput::Chat {
+                messages: chat.template_messages()?,
+                tools: chat.tools().to_vec(),
+                add_generation_prompt: r.add_generation_prompt.unwrap_or(true),
+            }
+        }
+        _ => {
+            return Err(ApiError::invalid(
+                "give exactly one of content, prompt and messages",
+                Some("content"),
+            ))
+        }
+    };
+    for (given, name) in [
+        (r.tools.is_some(), "tools"),
+        (r.add_generation_prompt.is_some(), "add_generation_prompt"),
+    ] {
+        if given && matches!(input, TokenizeInput::Text { .. }) {
+            return Err(ApiError::invalid(
+                format!("{name} applies to messages only"),
+                Some(name),
+            ));
+        }
+    }
+    Ok((input, r.with_pieces))
+}
+
+/// `POST /detokenize`: `{"tokens": [...]}`.
+pub fn parse_detokenize(body: &[u8]) -> Result<Vec<u32>, ApiError> {
+    #[derive(Deserialize)]
+    struct Detokenize {
+        tokens: Vec<u32>,
+    }
+    let r: Detokenize = parse_checked(body, |v| fields::check_known(v, fields::DETOKENIZE_FIELDS))?;
+    Ok(r.tokens)
+}
+
 pub fn parse_chat(body: &[u8]) -> Result<ChatRequest, ApiError> {
-    let request: ChatRequest = parse(body, Endpoints::Chat)?;
+    check_chat(parse(body, Endpoints::Chat)?)
+}
+
+fn check_chat(request: ChatRequest) -> Result<ChatRequest, ApiError> {
     if request.messages.is_empty() {
         return Err(ApiError::invalid("messages must not be empty", Some("messages")));
     }
@@ -405,6 +502,24 @@ impl ChatRequest {
         self.max_completion_tokens.or(self.max_tokens)
     }
 
+    /// A request that only renders `messages` and `tools`, checked as a chat request is.
+    fn for_template(messages: Vec<ChatMessage>, tools: Option<Vec<Value>>) -> Result<ChatRequest, ApiError> {
+        check_chat(ChatRequest {
+            model: None,
+            messages,
+            max_tokens: None,
+            max_completion_tokens: None,
+            logprobs: false,
+            top_logprobs: None,
+            tools,
+            tool_choice: None,
+            parallel_tool_calls: None,
+            store: false,
+            modalities: None,
+            sampling: Sampling::default(),
+        })
+    }
+
     /// The messages as the chat template takes them.
     pub fn template_messages(&self) -> Result<Vec<axiom::chat::Message>, ApiError> {
         self.messages
@@ -555,6 +670,7 @@ pub fn untrusted_request(body: &[u8]) {
     if let Ok(completion) = parse_completion(body) {
         let _ = (completion.logprobs(), completion.sampling.sampler(0));
     }
+    let _ = (parse_tokenize(body).is_ok(), parse_detokenize(body));
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -686,6 +802,50 @@ mod tests {
         );
         assert_eq!(messages[1].tool_call_id.as_deref(), Some("call_1"));
         assert!(parse_completion(br#"{"prompt":"x","best_of":2}"#).is_err());
+        let text = |body: &[u8]| match parse_tokenize(body).unwrap().0 {
+            TokenizeInput::Text { text, add_special } => (text, add_special),
+            TokenizeInput::Chat { .. } => panic!("not text"),
+        };
+        assert_eq!(text(br#"{"content":"a"}"#), ("a".into(), false));
+        assert_eq!(text(br#"{"prompt":"a"}"#), ("a".into(), true));
+        assert_eq!(text(br#"{"content":"a","add_special":true}"#), ("a".into(), true));
+        let chat = parse_tokenize(br#"{"messages":[{"role":"user","content":"a"}],"with_pieces":true}"#).unwrap();
+        assert!(matches!(
+            chat,
+            (
+                TokenizeInput::Chat {
+                    add_generation_prompt: true,
+                    ..
+                },
+                true
+            )
+        ));
+        for (body, param) in [
+            (&br#"{"content":"a","prompt":"b"}"#[..], "content"),
+            (br#"{"text":"a"}"#, "text"),
+            (
+                br#"{"content":"a","add_generation_prompt":true}"#,
+                "add_generation_prompt",
+            ),
+            (
+                br#"{"messages":[{"role":"user","content":"a"}],"add_special_tokens":true}"#,
+                "add_special_tokens",
+            ),
+            (
+                br#"{"messages":[{"role":"user","content":"a","x":1}]}"#,
+                "messages[0].x",
+            ),
+        ] {
+            assert_eq!(parse_tokenize(body).err().and_then(|e| e.param).as_deref(), Some(param));
+        }
+        assert_eq!(parse_detokenize(br#"{"tokens":[1,2]}"#).unwrap(), vec![1, 2]);
+        assert_eq!(
+            parse_detokenize(br#"{"tokens":[1],"x":0}"#)
+                .unwrap_err()
+                .param
+                .as_deref(),
+            Some("x")
+        );
         assert!(parse_completion(br#"{"prompt":"x","logprobs":9}"#)
             .unwrap()
             .logprobs()

@@ -113,6 +113,36 @@ pub const MESSAGE_FIELDS: &[(&str, Rule)] = &[
     ("refusal", Refused("refusal messages are not supported")),
 ];
 
+/// `/tokenize`'s fields: llama-server's (`content`, `add_special`, `with_pieces`) and vLLM's
+/// (`prompt` or `messages`, `add_special_tokens`, `add_generation_prompt`, `tools`).
+pub const TOKENIZE_FIELDS: &[&str] = &[
+    "model",
+    "content",
+    "prompt",
+    "messages",
+    "tools",
+    "add_special",
+    "add_special_tokens",
+    "add_generation_prompt",
+    "with_pieces",
+];
+
+/// `/detokenize`'s fields.
+pub const DETOKENIZE_FIELDS: &[&str] = &["model", "tokens"];
+
+/// `body`'s fields checked against `known` (and its messages', as for chat); `null` fields are
+/// removed.
+pub fn check_known(body: &mut Value, known: &[&str]) -> Result<(), ApiError> {
+    let object = body
+        .as_object_mut()
+        .ok_or_else(|| ApiError::invalid("the request body must be a JSON object", None))?;
+    object.retain(|_, v| !v.is_null());
+    for name in object.keys() {
+        refuse(name, known.contains(&name.as_str()).then_some(Accepted), name)?;
+    }
+    check_messages(object)
+}
+
 /// The request `body`'s fields checked against [`REQUEST_FIELDS`] for `endpoint`, and its
 /// messages' fields against [`MESSAGE_FIELDS`]; `null` fields are removed.
 pub fn check(body: &mut Value, endpoint: Endpoints) -> Result<(), ApiError> {
@@ -127,6 +157,10 @@ pub fn check(body: &mut Value, endpoint: Endpoints) -> Result<(), ApiError> {
             .map(|&(_, _, rule)| rule);
         refuse(name, rule, name)?;
     }
+    check_messages(object)
+}
+
+fn check_messages(object: &mut Map<String, Value>) -> Result<(), ApiError> {
     if let Some(Value::Array(messages)) = object.get_mut("messages") {
         for (i, message) in messages.iter_mut().enumerate() {
             if let Value::Object(message) = message {

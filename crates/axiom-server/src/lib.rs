@@ -1,5 +1,5 @@
 //! The OpenAI-compatible HTTP server: `POST /v1/chat/completions`, `POST /v1/completions`,
-//! `GET /v1/models`, `GET /health`, `GET /metrics`, over an [`EngineHandle`] whose scheduler
+//! `GET /v1/models`, `POST /tokenize`, `POST /detokenize`, `GET /health`, `GET /metrics`, over an [`EngineHandle`] whose scheduler
 //! runs on its own thread.
 //!
 //! Connections are accepted and bounded in [`connections`]; layers in front of the routes
@@ -111,6 +111,8 @@ pub fn router(state: Arc<AppState>, options: &ServerOptions, loopback: bool) -> 
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
         .route("/health", get(health))
         .route("/metrics", get(prometheus_metrics))
         .with_state(state)
@@ -229,6 +231,49 @@ async fn models(State(s): State<Arc<AppState>>) -> Json<Value> {
     }))
 }
 
+/// `POST /tokenize`: the ids, their count and the context length (with `with_pieces`, each id
+/// with its text), for llama-server's and vLLM's clients alike.
+async fn tokenize(State(s): State<Arc<AppState>>, body: Body) -> Result<Json<Value>, ApiError> {
+    let body = read_body(body, s.read_timeout).await?;
+    let (input, with_pieces) = api::parse_tokenize(&body)?;
+    let ids = match input {
+        api::TokenizeInput::Text { text, add_special } => s.encode_text(text, add_special, "content").await?,
+        api::TokenizeInput::Chat {
+            messages,
+            tools,
+            add_generation_prompt,
+        } => s.chat_prompt(messages, tools, add_generation_prompt).await?,
+    };
+    let tokens: Vec<Value> = if with_pieces {
+        let piece = |id: u32| s.tokenizer.decode(&[id], false).unwrap_or_default();
+        ids.iter().map(|&id| json!({"id": id, "piece": piece(id)})).collect()
+    } else {
+        ids.iter().map(|&id| json!(id)).collect()
+    };
+    Ok(Json(
+        json!({"tokens": tokens, "count": ids.len(), "max_model_len": s.engine.context()}),
+    ))
+}
+
+/// `POST /detokenize`: the text of `tokens`, special tokens included, under llama-server's
+/// name (`content`) and vLLM's (`prompt`).
+async fn detokenize(State(s): State<Arc<AppState>>, body: Body) -> Result<Json<Value>, ApiError> {
+    let body = read_body(body, s.read_timeout).await?;
+    let ids = api::parse_detokenize(&body)?;
+    let vocab = s.tokenizer.vocab_size() as u32;
+    if let Some(bad) = ids.iter().find(|&&id| id >= vocab) {
+        return Err(ApiError::invalid(
+            format!("token id {bad} is outside the vocabulary of {vocab}"),
+            Some("tokens"),
+        ));
+    }
+    let text = s
+        .tokenizer
+        .decode(&ids, false)
+        .map_err(|e| ApiError::invalid(e.to_string(), Some("tokens")))?;
+    Ok(Json(json!({"content": text, "prompt": text})))
+}
+
 async fn prometheus_metrics(State(s): State<Arc<AppState>>) -> Response {
     let text = s.metrics.render(s.engine.status());
     ([("content-type", "text/plain; version=0.0.4")], text).into_response()
@@ -265,19 +310,11 @@ impl AppState {
     }
 
     /// The tool-call format to read from a chat's output: none unless tools are offered with
-    /// `tool_choice` auto. Tools the template cannot show the model are refused.
+    /// `tool_choice` auto.
     fn tool_format_for(&self, request: &api::ChatRequest) -> Result<Option<ToolFormat>, ApiError> {
         let choice = request.tool_choice()?;
         if request.tools().is_empty() {
             return Ok(None);
-        }
-        // Where the lead wires constrained decoding: `required` or a named function, forced by a
-        // grammar, would make calls on a template without tools too.
-        if !self.template.as_ref().is_some_and(ChatTemplate::takes_tools) {
-            return Err(ApiError::invalid(
-                "this model's chat template does not take tools",
-                Some("tools"),
-            ));
         }
         match (choice, self.tool_format) {
             (ToolChoice::None, _) => Ok(None),
@@ -290,14 +327,70 @@ impl AppState {
         }
     }
 
+    /// The ids of `messages` and `tools` rendered by the chat template.
+    async fn chat_prompt(
+        self: &Arc<Self>,
+        messages: Vec<axiom::chat::Message>,
+        tools: Vec<Value>,
+        add_generation_prompt: bool,
+    ) -> Result<Vec<u32>, ApiError> {
+        // Where the lead wires constrained decoding: `required` or a named function, forced by a
+        // grammar, would make calls on a template without tools too.
+        if !tools.is_empty() && !self.template.as_ref().is_some_and(ChatTemplate::takes_tools) {
+            return Err(ApiError::invalid(
+                "this model's chat template does not take tools",
+                Some("tools"),
+            ));
+        }
+        let tools_text = serde_json::to_string(&tools).unwrap_or_default();
+        self.check_fits(
+            messages.iter().map(|m| m.content.len()).sum::<usize>() + tools_text.len(),
+            "messages",
+        )?;
+        let state = self.clone();
+        self.tokenize(move || {
+            let template = state.template.as_ref().ok_or_else(|| {
+                ApiError::invalid("the model has no chat template; use /v1/completions", Some("messages"))
+            })?;
+            // Tool definitions and calls are written by the template as its own text, where
+            // special tokens count: they must hold none.
+            let forged = |text: &str, param: &str| {
+                state.tokenizer.special_token_in(text).map_or(Ok(()), |token| {
+                    Err(ApiError::invalid(
+                        format!("{param} holds the special token {token:?}"),
+                        Some(param),
+                    ))
+                })
+            };
+            forged(&tools_text, "tools")?;
+            for (i, m) in messages.iter().enumerate() {
+                let calls = serde_json::to_string(&m.tool_calls).unwrap_or_default();
+                forged(&calls, &format!("messages[{i}].tool_calls"))?;
+                forged(m.name.as_deref().unwrap_or(""), &format!("messages[{i}].name"))?;
+            }
+            let rendered = template
+                .render_chat_with_tools(&messages, &tools, add_generation_prompt)
+                .map_err(|e| ApiError::invalid(e.to_string(), Some("messages")))?;
+            state
+                .tokenizer
+                .encode_chat(&rendered)
+                .map_err(|e| ApiError::invalid(e.to_string(), Some("messages")))
+        })
+        .await
+    }
+
     /// A completion prompt's ids, BOS first where the model wants it.
     async fn encode_prompt(&self, text: String) -> Result<Vec<u32>, ApiError> {
-        self.check_fits(text.len(), "prompt")?;
+        self.encode_text(text, true, "prompt").await
+    }
+
+    async fn encode_text(&self, text: String, add_bos: bool, param: &'static str) -> Result<Vec<u32>, ApiError> {
+        self.check_fits(text.len(), param)?;
         let tokenizer = self.tokenizer.clone();
         self.tokenize(move || {
             tokenizer
-                .encode(&text, true, true)
-                .map_err(|e| ApiError::invalid(e.to_string(), Some("prompt")))
+                .encode(&text, true, add_bos)
+                .map_err(|e| ApiError::invalid(e.to_string(), Some(param)))
         })
         .await
     }
@@ -337,45 +430,10 @@ async fn chat_completions(
         record.user(user);
     }
     let logprobs = request.logprobs()?;
-    let messages = request.template_messages()?;
-    let tools = request.tools().to_vec();
-    let format = s.tool_format_for(&request)?;
-    let tools_text = serde_json::to_string(&tools).unwrap_or_default();
-    s.check_fits(
-        messages.iter().map(|m| m.content.len()).sum::<usize>() + tools_text.len(),
-        "messages",
-    )?;
-    let state = s.clone();
     let prompt = s
-        .tokenize(move || {
-            let template = state.template.as_ref().ok_or_else(|| {
-                ApiError::invalid("the model has no chat template; use /v1/completions", Some("messages"))
-            })?;
-            // Tool definitions and calls are written by the template as its own text, where
-            // special tokens count: they must hold none.
-            let forged = |text: &str, param: &str| {
-                state.tokenizer.special_token_in(text).map_or(Ok(()), |token| {
-                    Err(ApiError::invalid(
-                        format!("{param} holds the special token {token:?}"),
-                        Some(param),
-                    ))
-                })
-            };
-            forged(&tools_text, "tools")?;
-            for (i, m) in messages.iter().enumerate() {
-                let calls = serde_json::to_string(&m.tool_calls).unwrap_or_default();
-                forged(&calls, &format!("messages[{i}].tool_calls"))?;
-                forged(m.name.as_deref().unwrap_or(""), &format!("messages[{i}].name"))?;
-            }
-            let rendered = template
-                .render_chat_with_tools(&messages, &tools, true)
-                .map_err(|e| ApiError::invalid(e.to_string(), Some("messages")))?;
-            state
-                .tokenizer
-                .encode_chat(&rendered)
-                .map_err(|e| ApiError::invalid(e.to_string(), Some("messages")))
-        })
+        .chat_prompt(request.template_messages()?, request.tools().to_vec(), true)
         .await?;
+    let format = s.tool_format_for(&request)?;
     let job = Job {
         prompt,
         max_tokens: request.max_tokens(),
