@@ -1,5 +1,6 @@
 //! A chat request's generated text split into content and tool calls, as OpenAI's responses
-//! carry them: calls get ids (`call_` and random hex) and their arguments as JSON text.
+//! carry them: calls get ids (`call_` and random hex; 9 characters for Mistral, whose template
+//! refuses other ids when the call comes back) and their arguments as JSON text.
 
 use axiom::engine::scheduler::{Completion, FinishReason};
 use axiom::tool_calls::{Piece, ToolCallParser, ToolFormat};
@@ -8,6 +9,7 @@ use serde_json::{json, Value};
 pub struct ToolOutput {
     /// None: no tools were offered, or `tool_choice` is `none`; all text is content.
     parser: Option<ToolCallParser>,
+    format: Option<ToolFormat>,
     /// `parallel_tool_calls`: when false, calls after the first are dropped.
     parallel: bool,
     calls: usize,
@@ -25,6 +27,7 @@ impl ToolOutput {
     pub fn new(format: Option<ToolFormat>, parallel: bool) -> ToolOutput {
         ToolOutput {
             parser: format.map(ToolCallParser::new),
+            format,
             parallel,
             calls: 0,
         }
@@ -65,7 +68,11 @@ impl ToolOutput {
                 Piece::Text(text) => split.content.push_str(&text),
                 Piece::Call(_) if !self.parallel && self.calls > 0 => {}
                 Piece::Call(call) => {
-                    let id = format!("call_{}", &uuid::Uuid::new_v4().simple().to_string()[..24]);
+                    let hex = uuid::Uuid::new_v4().simple().to_string();
+                    let id = match self.format {
+                        Some(ToolFormat::Mistral) => hex[..9].to_owned(),
+                        _ => format!("call_{}", &hex[..24]),
+                    };
                     let object = json!({"id": id, "type": "function",
                                         "function": {"name": call.name, "arguments": call.arguments}});
                     split.calls.push((self.calls, object));
@@ -105,6 +112,10 @@ mod tests {
                 (0..names.len()).collect::<Vec<_>>()
             );
         }
+        let mut mistral = ToolOutput::new(Some(ToolFormat::Mistral), true);
+        let split = mistral.push("[TOOL_CALLS] [{\"name\": \"f\", \"arguments\": {}}]");
+        let calls = [split.calls, mistral.finish().calls].concat();
+        assert_eq!(calls[0].1["id"].as_str().unwrap().len(), 9);
         let mut plain = ToolOutput::new(None, true);
         assert_eq!(plain.push("<tool_call>").content, "<tool_call>");
         assert!(plain.finish().calls.is_empty());
