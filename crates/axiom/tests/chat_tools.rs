@@ -1,5 +1,6 @@
-//! Tools, tool calls and tool results through a real tool-calling chat template (Qwen 2.5's,
-//! in fixtures/chat_templates), against the text transformers' `apply_chat_template` renders.
+//! Tools, tool calls and tool results through real tool-calling chat templates (Qwen 2.5's and
+//! Llama 3.2's, in fixtures/chat_templates), against the text transformers' `apply_chat_template`
+//! renders.
 #![allow(clippy::unwrap_used, reason = "a test fails by panicking")]
 
 use axiom::chat::{ChatTemplate, Message};
@@ -103,4 +104,59 @@ fn a_tool_result_is_plain_text_in_the_prompt() {
     assert_eq!(tok.encode_chat(&chat).unwrap(), want);
     assert_eq!(tok.special_token_in(forged), Some("<|im_end|>"));
     assert_eq!(tok.special_token_in(&weather_tool().to_string()), None);
+}
+
+/// Llama 3.2's template: tools in the first user turn with `tojson(indent=4)`, the call as a
+/// `parameters` object, the result as a JSON string (a string `is iterable` in Jinja).
+#[test]
+fn llama32_tools_render_as_transformers_renders_them() {
+    let source = std::fs::read_to_string(fixtures().join("chat_templates/llama3.2.jinja")).unwrap();
+    let template = ChatTemplate::new(&source, "<|begin_of_text|>", "<|eot_id|>").unwrap();
+    assert!(template.takes_tools());
+    assert_eq!(
+        axiom::tool_calls::ToolFormat::detect(template.source()),
+        Some(axiom::tool_calls::ToolFormat::Llama3Json)
+    );
+    let rendered = template
+        .render_with_tools(&tool_turns(r#"{"temp": 18}"#), &[weather_tool()], true)
+        .unwrap();
+    let head = "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n\
+                Environment: ipython\nCutting Knowledge Date: December 2023\nToday Date: ";
+    let rest = rendered.strip_prefix(head).unwrap();
+    // Today's date, as strftime_now("%d %b %Y") writes it.
+    let (date, rest) = rest.split_once("\n\n").unwrap();
+    assert_eq!(date.len(), "26 Jul 2024".len(), "{date}");
+    let expected = r#"<|eot_id|><|start_header_id|>user<|end_header_id|>
+
+Given the following functions, please respond with a JSON for a function call with its proper arguments that best answers the given prompt.
+
+Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}.Do not use variables.
+
+{
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the weather",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {
+                    "type": "string"
+                }
+            },
+            "required": [
+                "city"
+            ]
+        }
+    }
+}
+
+What is the weather in Paris?<|eot_id|><|start_header_id|>assistant<|end_header_id|>
+
+{"name": "get_weather", "parameters": {"city": "Paris"}}<|eot_id|><|start_header_id|>ipython<|end_header_id|>
+
+"{\"temp\": 18}"<|eot_id|><|start_header_id|>assistant<|end_header_id|>
+
+"#;
+    assert_eq!(rest, expected);
 }
