@@ -250,8 +250,12 @@ pub struct TokenizeRequest {
 
 /// What `/tokenize` is asked to encode.
 pub enum TokenizeInput {
-    /// Text, with the BOS token first if `add_special`.
-    Text { text: String, add_special: bool },
+    /// Text, with the BOS token first if `add_special`; `param` names the field it came in.
+    Text {
+        text: String,
+        add_special: bool,
+        param: &'static str,
+    },
     Chat {
         messages: Vec<axiom::chat::Message>,
         tools: Vec<Value>,
@@ -267,10 +271,12 @@ pub fn parse_tokenize(body: &[u8]) -> Result<(TokenizeInput, bool), ApiError> {
         (Some(text), None, None) => TokenizeInput::Text {
             text,
             add_special: add_special.unwrap_or(false),
+            param: "content",
         },
         (None, Some(text), None) => TokenizeInput::Text {
             text,
             add_special: add_special.unwrap_or(true),
+            param: "prompt",
         },
         (None, None, Some(messages)) => {
             if add_special == Some(true) {
@@ -803,7 +809,7 @@ mod tests {
         assert_eq!(messages[1].tool_call_id.as_deref(), Some("call_1"));
         assert!(parse_completion(br#"{"prompt":"x","best_of":2}"#).is_err());
         let text = |body: &[u8]| match parse_tokenize(body).unwrap().0 {
-            TokenizeInput::Text { text, add_special } => (text, add_special),
+            TokenizeInput::Text { text, add_special, .. } => (text, add_special),
             TokenizeInput::Chat { .. } => panic!("not text"),
         };
         assert_eq!(text(br#"{"content":"a"}"#), ("a".into(), false));

@@ -1,6 +1,6 @@
 //! The OpenAI-compatible HTTP server: `POST /v1/chat/completions`, `POST /v1/completions`,
-//! `GET /v1/models`, `POST /tokenize`, `POST /detokenize`, `GET /health`, `GET /metrics`, over an [`EngineHandle`] whose scheduler
-//! runs on its own thread.
+//! `GET /v1/models`, `POST /tokenize`, `POST /detokenize`, `GET /health`, `GET /metrics`, over
+//! an [`EngineHandle`] whose scheduler runs on its own thread.
 //!
 //! Connections are accepted and bounded in [`connections`]; layers in front of the routes
 //! decide who may call ([`callers`]), log each request and count refusals ([`request_log`]).
@@ -237,7 +237,11 @@ async fn tokenize(State(s): State<Arc<AppState>>, body: Body) -> Result<Json<Val
     let body = read_body(body, s.read_timeout).await?;
     let (input, with_pieces) = api::parse_tokenize(&body)?;
     let ids = match input {
-        api::TokenizeInput::Text { text, add_special } => s.encode_text(text, add_special, "content").await?,
+        api::TokenizeInput::Text {
+            text,
+            add_special,
+            param,
+        } => s.encode_text(text, add_special, param).await?,
         api::TokenizeInput::Chat {
             messages,
             tools,
