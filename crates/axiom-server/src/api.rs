@@ -715,6 +715,8 @@ mod tests {
             parse_chat(br#"{"model":"m","messages":[{"role":"user","content":"hi"}],"stop":"x","seed":3}"#).unwrap();
         assert_eq!(chat.sampling.stops(), vec!["x"]);
         assert_eq!(chat.sampling.sampler(0).seed, 3);
+        let llama = parse_chat(br#"{"messages":[{"role":"user","content":"hi"}],"repeat_penalty":1.25}"#).unwrap();
+        assert_eq!(llama.sampling.sampler(0).repeat_penalty, 1.25);
         let parts = parse_chat(
             br#"{"messages":[{"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]}]}"#,
         )
