@@ -3,7 +3,8 @@
 
 Chat and completions, streaming and not, stop strings, max_tokens, seeds, logprobs, errors,
 structured output (response_format json_schema, guided_choice, logit_bias, stop_token_ids),
-a full queue, stalled uploads, 32 concurrent streams (some abandoned mid-stream) that must each equal their solo
+every refused field named in `error.param`, /tokenize and /detokenize, tools through Qwen 2.5's
+chat template (on the tiny qwen2 fixture), a full queue, stalled uploads, 32 concurrent streams (some abandoned mid-stream) that must each equal their solo
 greedy output and leave no KV page in use, and a SIGTERM that lets an open stream finish.
 
     python3 scripts/test_openai.py [path/to/axiom]
@@ -13,10 +14,12 @@ scripts/test.sh runs it after `cargo test` (it installs `openai` from PyPI if mi
 import http.client
 import json
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -61,6 +64,17 @@ class Server:
         request = urllib.request.Request(self.url + path, headers=self.headers)
         with urllib.request.urlopen(request, timeout=30) as r:
             return r.read().decode()
+
+    def post(self, path, body):
+        """The status and JSON body of a POST, errors included."""
+        request = urllib.request.Request(
+            self.url + path, data=json.dumps(body).encode(), headers={**self.headers, "content-type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=60) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
 
     def metric(self, name):
         for line in self.get("/metrics").splitlines():
@@ -174,6 +188,107 @@ def basics(s):
     except urllib.error.HTTPError as e:
         body = json.loads(e.read())
         check(e.code == 400 and body["error"]["type"] == "invalid_request_error", "malformed JSON gets an OpenAI error object")
+
+
+def refused(what, param, call):
+    try:
+        call()
+    except openai.BadRequestError as e:
+        check(e.status_code == 400 and e.param == param, f"{what} gets 400 naming {param}")
+        return
+    check(False, f"{what} is refused")
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def strictness(s):
+    """Each field is honoured or refused by name, as OpenAI's API answers an unknown one."""
+    user = [{"role": "user", "content": "hi"}]
+    create = s.client.chat.completions.create
+    cases = [
+        ("an unknown field", "frobnicate", dict(extra_body={"frobnicate": 1})),
+        ("logit_bias", "logit_bias", dict(logit_bias={"1": 5})),
+        ("response_format", "response_format", dict(response_format={"type": "json_object"})),
+        ("n = 2", "n", dict(n=2)),
+        ("store = true", "store", dict(store=True)),
+        ("the deprecated functions", "functions", dict(functions=[WEATHER["function"]])),
+        ("reasoning_effort", "reasoning_effort", dict(reasoning_effort="low")),
+        ("tools on a template without them", "tools", dict(tools=[WEATHER])),
+        ("an unknown message field", "messages[0].weight", dict(messages=[{"role": "user", "content": "x", "weight": 2}])),
+        ("an image part", "messages[0].content[1].type", dict(messages=[{"role": "user", "content": [
+            {"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}])),
+    ]
+    for what, param, kw in cases:
+        refused(what, param, lambda: create(model="any", **{"messages": user, "max_tokens": 2, **kw}))
+    refused("best_of = 2", "best_of", lambda: s.client.completions.create(model="any", prompt="x", best_of=2))
+    refused("tools on /v1/completions", "tools", lambda: s.client.completions.create(
+        model="any", prompt="x", extra_body={"tools": [WEATHER]}))
+    r = create(model="any", messages=user, max_tokens=2, n=1, store=False, user="tester", seed=1, logit_bias=None)
+    check(r.choices[0].finish_reason == "length", "n = 1, store = false, user and a null field are accepted")
+    check(any('user="tester"' in line for line in s.log), "the user field is written to the access log")
+
+
+def tokenize(s):
+    status, body = s.post("/tokenize", {"content": "Hello world", "with_pieces": True})
+    pieces = "".join(t["piece"] for t in body["tokens"])
+    check(status == 200 and pieces == "Hello world" and body["count"] == len(body["tokens"]), "/tokenize (llama-server's shape) gives each id's piece")
+    ids = [t["id"] for t in body["tokens"]]
+    status, back = s.post("/detokenize", {"tokens": ids})
+    check(status == 200 and back["content"] == back["prompt"] == "Hello world", "/detokenize gives the text back")
+    messages = [{"role": "user", "content": "Say hi."}]
+    status, body = s.post("/tokenize", {"messages": messages})
+    r = s.client.chat.completions.create(model="any", messages=messages, max_tokens=1)
+    check(status == 200 and body["count"] == r.usage.prompt_tokens and body["max_model_len"] == 8192,
+          "/tokenize (vLLM's messages shape) counts the chat prompt and gives max_model_len")
+    status, body = s.post("/tokenize", {"prompt": "x", "add_bos": True})
+    check(status == 400 and body["error"]["param"] == "add_bos", "an unknown /tokenize field gets 400 naming it")
+    status, body = s.post("/detokenize", {"tokens": [10**9]})
+    check(status == 400 and body["error"]["param"] == "tokens", "an id outside the vocabulary gets 400")
+    model = json.loads(s.get("/v1/models"))["data"][0]
+    check(model["max_model_len"] == 8192, "/v1/models gives the context length")
+
+
+def tools():
+    """Tools, a call and its result through Qwen 2.5's real chat template, on the tiny random
+    qwen2 fixture (its context raised: the tools prompt is long in its small vocabulary)."""
+    fixtures = ROOT / "crates/axiom/tests/fixtures"
+    with tempfile.TemporaryDirectory() as tmp:
+        model = Path(tmp) / "qwen2.5-tools"
+        shutil.copytree(fixtures / "hf/qwen2", model)
+        shutil.copy(fixtures / "chat_templates/qwen2.5.jinja", model / "chat_template.jinja")
+        config = json.loads((model / "config.json").read_text())
+        config["max_position_embeddings"] = 2048
+        (model / "config.json").write_text(json.dumps(config))
+        s = Server("-m", str(model))
+        try:
+            messages = [
+                {"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "{\"temp\": 18}"},
+            ]
+            r = s.client.chat.completions.create(model="any", messages=messages, tools=[WEATHER], max_tokens=4, temperature=0)
+            _, counted = s.post("/tokenize", {"messages": messages, "tools": [WEATHER]})
+            _, bare = s.post("/tokenize", {"messages": messages})
+            check(r.usage.prompt_tokens == counted["count"] > bare["count"], "tools, a tool call and its result reach the template")
+            stream = s.client.chat.completions.create(model="any", messages=messages, tools=[WEATHER], max_tokens=4,
+                                                      temperature=0, stream=True, tool_choice="auto")
+            finish = [c.choices[0].finish_reason for c in stream if c.choices and c.choices[0].finish_reason]
+            check(finish and finish[-1] in ("stop", "length", "tool_calls"), "a streamed chat with tools ends with a finish reason")
+            create = s.client.chat.completions.create
+            refused("tool_choice required", "tool_choice",
+                    lambda: create(model="any", messages=messages, tools=[WEATHER], tool_choice="required"))
+            refused("a tool message without tool_call_id", "messages[1].tool_call_id",
+                    lambda: create(model="any", messages=[messages[0], {"role": "tool", "content": "18"}], tools=[WEATHER]))
+            refused("a tool named with a special token", "tools",
+                    lambda: create(model="any", messages=messages[:1], tools=[{"type": "function", "function": {"name": "<|im_end|>"}}]))
+        except Exception:
+            sys.stderr.write("".join(s.log))
+            raise
+        finally:
+            s.stop()
 
 
 def concurrency(s):
@@ -323,12 +438,15 @@ def main():
     try:
         basics(s)
         structured(s)
+        strictness(s)
+        tokenize(s)
         concurrency(s)
     except Exception:
         sys.stderr.write("".join(s.log))
         raise
     finally:
         s.stop()
+    tools()
     full_queue()
     stalled_upload()
     drain_on_sigterm()

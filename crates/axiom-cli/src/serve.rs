@@ -8,6 +8,7 @@ use axiom::backend::Backend;
 use axiom::engine::scheduler::{Scheduler, SchedulerConfig};
 use axiom::engine::Session;
 use axiom::model::llama::LoadOptions;
+use axiom::tool_calls::ToolFormat;
 use axiom_server::callers::CallerPolicy;
 use axiom_server::connections::ConnectionLimits;
 use axiom_server::metrics::ServerMetrics;
@@ -74,6 +75,10 @@ pub struct ServeArgs {
     /// listens on loopback (repeatable); other Host headers get 403.
     #[arg(long)]
     allowed_host: Vec<String>,
+    /// How the model writes tool calls: hermes, llama3_json or mistral (default: read from the
+    /// chat template).
+    #[arg(long, value_parser = tool_parser)]
+    tool_parser: Option<ToolFormat>,
     /// Most tokens (prompt and completion) per request (default: the model's context).
     #[arg(short = 'c', long)]
     ctx_size: Option<usize>,
@@ -142,6 +147,13 @@ fn api_key(args: &ServeArgs) -> Result<Option<String>> {
         bail!("the API key is empty");
     }
     Ok(Some(key))
+}
+
+fn tool_parser(name: &str) -> std::result::Result<ToolFormat, String> {
+    ToolFormat::from_name(name).ok_or_else(|| {
+        let names: Vec<&str> = ToolFormat::ALL.iter().map(|f| f.name()).collect();
+        format!("unknown tool parser {name:?}; known: {}", names.join(", "))
+    })
 }
 
 pub fn serve(args: ServeArgs, out: Output) -> Result<()> {
@@ -244,7 +256,18 @@ pub fn serve(args: ServeArgs, out: Output) -> Result<()> {
                 options.max_seqs
             );
         }
-        let state = Arc::new(AppState::new(handle, tokenizer, template, model_id, metrics, read_timeout));
+        let tool_format = args
+            .tool_parser
+            .or_else(|| template.as_ref().and_then(|t| ToolFormat::detect(t.source())));
+        let state = Arc::new(AppState::new(
+            handle,
+            tokenizer,
+            template,
+            tool_format,
+            model_id,
+            metrics,
+            read_timeout,
+        ));
         axiom_server::serve(listener, state, &server, shutdown_signal()).await?;
         anyhow::Ok(())
     })?;

@@ -293,6 +293,17 @@ fn sampling_flags_out_of_range_are_refused_naming_the_flag() {
 }
 
 #[test]
+fn an_unknown_tool_parser_is_refused_with_the_known_ones() {
+    let out = axiom(&["serve", "--tool-parser", "pythonic"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains(r#"unknown tool parser "pythonic"; known: hermes, llama3_json, mistral"#),
+        "{err}"
+    );
+}
+
+#[test]
 fn huge_sizes_from_flags_are_clamped_or_refused() {
     const HUGE: &str = "18446744073709551615";
     let m = model();

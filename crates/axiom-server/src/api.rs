@@ -2,6 +2,7 @@
 //! for the engine. Everything here is a pure function of its input (the fuzz target calls
 //! [`parse_chat`] and [`parse_completion`] directly).
 
+use crate::fields::{self, Endpoints};
 use axiom::engine::ConstraintSpec;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -14,16 +15,17 @@ pub struct ApiError {
     pub status: StatusCode,
     pub message: String,
     pub kind: &'static str,
-    pub param: Option<&'static str>,
+    /// The request field at fault, as OpenAI names it (`messages[2].content`).
+    pub param: Option<String>,
 }
 
 impl ApiError {
-    pub fn invalid(message: impl Into<String>, param: Option<&'static str>) -> ApiError {
+    pub fn invalid(message: impl Into<String>, param: Option<&str>) -> ApiError {
         ApiError {
             status: StatusCode::BAD_REQUEST,
             message: message.into(),
             kind: "invalid_request_error",
-            param,
+            param: param.map(str::to_owned),
         }
     }
 
@@ -70,6 +72,7 @@ pub struct Sampling {
     pub min_p: Option<f32>,
     pub presence_penalty: Option<f32>,
     pub frequency_penalty: Option<f32>,
+    #[serde(alias = "repeat_penalty")]
     pub repetition_penalty: Option<f32>,
     pub seed: Option<i64>,
     pub stop: Option<Stop>,
@@ -98,9 +101,14 @@ pub struct Sampling {
     pub guided_choice: Option<Vec<String>>,
     /// vLLM's: a grammar, GBNF when it holds `::=`, llguidance's Lark otherwise.
     pub guided_grammar: Option<String>,
+    /// The caller's end user, written to the access log.
+    pub user: Option<String>,
+    /// Only the one tier there is (`auto` or `default`).
+    pub service_tier: Option<String>,
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct StreamOptions {
     #[serde(default)]
     pub include_usage: bool,
@@ -125,6 +133,55 @@ pub struct ContentPart {
 pub struct ChatMessage {
     pub role: String,
     pub content: Option<Content>,
+    pub name: Option<String>,
+    pub tool_calls: Option<Vec<ToolCallIn>>,
+    pub tool_call_id: Option<String>,
+}
+
+/// A call in an earlier assistant turn, as clients send it back.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ToolCallIn {
+    pub id: String,
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub function: FunctionCallIn,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FunctionCallIn {
+    pub name: String,
+    /// JSON text, as OpenAI sends it (an object is taken too).
+    pub arguments: Value,
+}
+
+/// An offered tool: `{"type": "function", "function": {...}}`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Tool {
+    #[serde(rename = "type")]
+    kind: String,
+    function: FunctionDef,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[allow(dead_code, reason = "read by serde to check the shape; the template reads the JSON")]
+struct FunctionDef {
+    name: String,
+    description: Option<String>,
+    parameters: Option<Value>,
+    strict: Option<bool>,
+}
+
+/// `tool_choice`, as far as the server can honour it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ToolChoice {
+    /// Tools are offered to the template, but the output is not read for calls (as vLLM does).
+    None,
+    /// The model may call tools; calls in its output are returned as such.
+    Auto,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -136,6 +193,15 @@ pub struct ChatRequest {
     #[serde(default)]
     pub logprobs: bool,
     pub top_logprobs: Option<i64>,
+    /// Offered tools, kept as sent: the template renders them in their given order.
+    pub tools: Option<Vec<Value>>,
+    pub tool_choice: Option<Value>,
+    pub parallel_tool_calls: Option<bool>,
+    /// Completions are never stored; only `false` is accepted.
+    #[serde(default)]
+    pub store: bool,
+    /// Output kinds: only `["text"]`.
+    pub modalities: Option<Vec<String>>,
     #[serde(flatten)]
     pub sampling: Sampling,
 }
@@ -159,6 +225,7 @@ pub struct CompletionRequest {
     #[serde(default)]
     pub echo: bool,
     pub suffix: Option<String>,
+    pub best_of: Option<u32>,
     #[serde(flatten)]
     pub sampling: Sampling,
 }
@@ -170,37 +237,145 @@ pub const MAX_COMPLETION_LOGPROBS: usize = 5;
 /// Most stop strings, as OpenAI allows.
 pub const MAX_STOPS: usize = 4;
 
-fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
-    serde_json::from_slice(body).map_err(|e| {
-        let what = if e.is_syntax() || e.is_eof() {
-            "the body is not valid JSON"
-        } else {
-            "the request does not match the schema"
-        };
-        ApiError::invalid(format!("{what}: {e}"), None)
-    })
+/// The body as `T`, once `check` (a [`fields`] check) has passed its fields.
+fn parse_checked<T: serde::de::DeserializeOwned>(
+    body: &[u8],
+    check: impl FnOnce(&mut Value) -> Result<(), ApiError>,
+) -> Result<T, ApiError> {
+    let mut value: Value = serde_json::from_slice(body)
+        .map_err(|e| ApiError::invalid(format!("the body is not valid JSON: {e}"), None))?;
+    check(&mut value)?;
+    serde_json::from_value(value)
+        .map_err(|e| ApiError::invalid(format!("the request does not match the schema: {e}"), None))
+}
+
+fn parse<T: serde::de::DeserializeOwned>(body: &[u8], endpoint: Endpoints) -> Result<T, ApiError> {
+    parse_checked(body, |v| fields::check(v, endpoint))
+}
+
+/// `POST /tokenize`: llama-server's `{"content"}` or vLLM's `{"prompt"}` / `{"messages"}`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct TokenizeRequest {
+    pub content: Option<String>,
+    pub prompt: Option<String>,
+    pub messages: Option<Vec<ChatMessage>>,
+    pub tools: Option<Vec<Value>>,
+    pub add_special: Option<bool>,
+    pub add_special_tokens: Option<bool>,
+    pub add_generation_prompt: Option<bool>,
+    #[serde(default)]
+    pub with_pieces: bool,
+}
+
+/// What `/tokenize` is asked to encode.
+pub enum TokenizeInput {
+    /// Text, with the BOS token first if `add_special`; `param` names the field it came in.
+    Text {
+        text: String,
+        add_special: bool,
+        param: &'static str,
+    },
+    Chat {
+        messages: Vec<axiom::chat::Message>,
+        tools: Vec<Value>,
+        add_generation_prompt: bool,
+    },
+}
+
+pub fn parse_tokenize(body: &[u8]) -> Result<(TokenizeInput, bool), ApiError> {
+    let r: TokenizeRequest = parse_checked(body, |v| fields::check_known(v, fields::TOKENIZE_FIELDS))?;
+    let add_special = r.add_special.or(r.add_special_tokens);
+    let input = match (r.content, r.prompt, r.messages) {
+        // llama-server adds no BOS by default, vLLM does.
+        (Some(text), None, None) => TokenizeInput::Text {
+            text,
+            add_special: add_special.unwrap_or(false),
+            param: "content",
+        },
+        (None, Some(text), None) => TokenizeInput::Text {
+            text,
+            add_special: add_special.unwrap_or(true),
+            param: "prompt",
+        },
+        (None, None, Some(messages)) => {
+            if add_special == Some(true) {
+                return Err(ApiError::invalid(
+                    "a chat prompt's special tokens are the template's: add_special_tokens must be false",
+                    Some(if r.add_special.is_some() {
+                        "add_special"
+                    } else {
+                        "add_special_tokens"
+                    }),
+                ));
+            }
+            let chat = ChatRequest::for_template(messages, r.tools.clone())?;
+            TokenizeInput::Chat {
+                messages: chat.template_messages()?,
+                tools: chat.tools().to_vec(),
+                add_generation_prompt: r.add_generation_prompt.unwrap_or(true),
+            }
+        }
+        _ => {
+            return Err(ApiError::invalid(
+                "give exactly one of content, prompt and messages",
+                Some("content"),
+            ))
+        }
+    };
+    for (given, name) in [
+        (r.tools.is_some(), "tools"),
+        (r.add_generation_prompt.is_some(), "add_generation_prompt"),
+    ] {
+        if given && matches!(input, TokenizeInput::Text { .. }) {
+            return Err(ApiError::invalid(
+                format!("{name} applies to messages only"),
+                Some(name),
+            ));
+        }
+    }
+    Ok((input, r.with_pieces))
+}
+
+/// `POST /detokenize`: `{"tokens": [...]}`.
+pub fn parse_detokenize(body: &[u8]) -> Result<Vec<u32>, ApiError> {
+    #[derive(Deserialize)]
+    struct Detokenize {
+        tokens: Vec<u32>,
+    }
+    let r: Detokenize = parse_checked(body, |v| fields::check_known(v, fields::DETOKENIZE_FIELDS))?;
+    Ok(r.tokens)
 }
 
 pub fn parse_chat(body: &[u8]) -> Result<ChatRequest, ApiError> {
-    let request: ChatRequest = parse(body)?;
+    check_chat(parse(body, Endpoints::Chat)?)
+}
+
+fn check_chat(request: ChatRequest) -> Result<ChatRequest, ApiError> {
     if request.messages.is_empty() {
         return Err(ApiError::invalid("messages must not be empty", Some("messages")));
     }
-    for m in &request.messages {
-        if !matches!(m.role.as_str(), "system" | "user" | "assistant" | "developer" | "tool") {
-            return Err(ApiError::invalid(
-                format!("unknown role {:?}", m.role),
-                Some("messages"),
-            ));
-        }
-        if let Some(Content::Parts(parts)) = &m.content {
-            if let Some(p) = parts.iter().find(|p| p.kind != "text" || p.text.is_none()) {
-                return Err(ApiError::invalid(
-                    format!("content parts of type {:?} are not supported (only text)", p.kind),
-                    Some("messages"),
-                ));
-            }
-        }
+    for (i, m) in request.messages.iter().enumerate() {
+        check_message(i, m)?;
+    }
+    for (i, tool) in request.tools.iter().flatten().enumerate() {
+        check_tool(i, tool)?;
+    }
+    request.tool_choice()?;
+    if request.store {
+        return Err(ApiError::invalid(
+            "store: this server does not keep completions",
+            Some("store"),
+        ));
+    }
+    if request
+        .modalities
+        .as_ref()
+        .is_some_and(|m| m.iter().any(|m| m != "text"))
+    {
+        return Err(ApiError::invalid(
+            "only the text modality is supported",
+            Some("modalities"),
+        ));
     }
     if request.top_logprobs.is_some() && !request.logprobs {
         return Err(ApiError::invalid(
@@ -212,13 +387,75 @@ pub fn parse_chat(body: &[u8]) -> Result<ChatRequest, ApiError> {
     Ok(request)
 }
 
+fn check_message(i: usize, m: &ChatMessage) -> Result<(), ApiError> {
+    let param = |field: &str| format!("messages[{i}].{field}");
+    if !matches!(m.role.as_str(), "system" | "user" | "assistant" | "developer" | "tool") {
+        return Err(ApiError::invalid(
+            format!("unknown role {:?}", m.role),
+            Some(&param("role")),
+        ));
+    }
+    if let Some(Content::Parts(parts)) = &m.content {
+        for (j, p) in parts.iter().enumerate() {
+            if p.kind != "text" || p.text.is_none() {
+                return Err(ApiError::invalid(
+                    format!("content parts of type {:?} are not supported (only text)", p.kind),
+                    Some(&param(&format!("content[{j}].type"))),
+                ));
+            }
+        }
+    }
+    if m.tool_calls.is_some() && m.role != "assistant" {
+        return Err(ApiError::invalid(
+            "only assistant messages carry tool_calls",
+            Some(&param("tool_calls")),
+        ));
+    }
+    match (m.role == "tool", m.tool_call_id.is_some()) {
+        (true, false) => Err(ApiError::invalid(
+            "a tool message needs the tool_call_id it answers",
+            Some(&param("tool_call_id")),
+        )),
+        (false, true) => Err(ApiError::invalid(
+            "only tool messages carry tool_call_id",
+            Some(&param("tool_call_id")),
+        )),
+        _ => m.template_tool_calls(i).map(drop),
+    }
+}
+
+fn check_tool(i: usize, tool: &Value) -> Result<(), ApiError> {
+    let param = format!("tools[{i}]");
+    let tool: Tool =
+        serde_json::from_value(tool.clone()).map_err(|e| ApiError::invalid(format!("{param}: {e}"), Some(&param)))?;
+    if tool.kind != "function" {
+        return Err(ApiError::invalid(
+            format!("tools of type {:?} are not supported (only function)", tool.kind),
+            Some(&format!("{param}.type")),
+        ));
+    }
+    if tool.function.strict == Some(true) {
+        return Err(ApiError::invalid(
+            "strict function schemas need constrained decoding, not available in this server yet",
+            Some(&format!("{param}.function.strict")),
+        ));
+    }
+    Ok(())
+}
+
 pub fn parse_completion(body: &[u8]) -> Result<CompletionRequest, ApiError> {
-    let request: CompletionRequest = parse(body)?;
+    let request: CompletionRequest = parse(body, Endpoints::Completions)?;
     if request.echo {
         return Err(ApiError::invalid("echo is not supported", Some("echo")));
     }
     if request.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
         return Err(ApiError::invalid("suffix is not supported", Some("suffix")));
+    }
+    if request.best_of.is_some_and(|n| n != 1) {
+        return Err(ApiError::invalid(
+            "only best_of = 1 is supported (the engine does not fork sequences)",
+            Some("best_of"),
+        ));
     }
     request.sampling.check()?;
     Ok(request)
@@ -231,6 +468,48 @@ impl ChatMessage {
             Some(Content::Text(t)) => t.clone(),
             Some(Content::Parts(parts)) => parts.iter().filter_map(|p| p.text.as_deref()).collect(),
         }
+    }
+
+    /// This message (number `i`) as the chat template takes it.
+    pub fn to_template(&self, i: usize) -> Result<axiom::chat::Message, ApiError> {
+        Ok(axiom::chat::Message {
+            name: self.name.clone(),
+            tool_calls: self.template_tool_calls(i)?,
+            tool_call_id: self.tool_call_id.clone(),
+            ..axiom::chat::Message::new(&self.role, &self.text())
+        })
+    }
+
+    /// The calls as transformers passes them to templates: arguments as an object (Qwen 2.5's
+    /// template writes them with `tojson`), not the JSON text clients send.
+    fn template_tool_calls(&self, i: usize) -> Result<Option<Vec<Value>>, ApiError> {
+        let Some(calls) = &self.tool_calls else {
+            return Ok(None);
+        };
+        let calls = calls.iter().enumerate().map(|(j, call)| {
+            let param = format!("messages[{i}].tool_calls[{j}]");
+            if call.kind != "function" {
+                return Err(ApiError::invalid(
+                    format!("tool calls of type {:?} are not supported (only function)", call.kind),
+                    Some(&format!("{param}.type")),
+                ));
+            }
+            let arguments = match &call.function.arguments {
+                Value::String(text) => serde_json::from_str(text).ok(),
+                object @ Value::Object(_) => Some(object.clone()),
+                _ => None,
+            }
+            .filter(Value::is_object)
+            .ok_or_else(|| {
+                ApiError::invalid(
+                    "arguments must be a JSON object (or its text)",
+                    Some(&format!("{param}.function.arguments")),
+                )
+            })?;
+            Ok(json!({"id": call.id, "type": "function",
+                      "function": {"name": call.function.name, "arguments": arguments}}))
+        });
+        calls.collect::<Result<Vec<_>, _>>().map(Some)
     }
 }
 
@@ -246,6 +525,62 @@ impl ChatRequest {
 
     pub fn max_tokens(&self) -> Option<i64> {
         self.max_completion_tokens.or(self.max_tokens)
+    }
+
+    /// A request that only renders `messages` and `tools`, checked as a chat request is.
+    fn for_template(messages: Vec<ChatMessage>, tools: Option<Vec<Value>>) -> Result<ChatRequest, ApiError> {
+        check_chat(ChatRequest {
+            model: None,
+            messages,
+            max_tokens: None,
+            max_completion_tokens: None,
+            logprobs: false,
+            top_logprobs: None,
+            tools,
+            tool_choice: None,
+            parallel_tool_calls: None,
+            store: false,
+            modalities: None,
+            sampling: Sampling::default(),
+        })
+    }
+
+    /// The messages as the chat template takes them.
+    pub fn template_messages(&self) -> Result<Vec<axiom::chat::Message>, ApiError> {
+        self.messages
+            .iter()
+            .enumerate()
+            .map(|(i, m)| m.to_template(i))
+            .collect()
+    }
+
+    /// The offered tools (none if not given).
+    pub fn tools(&self) -> &[Value] {
+        self.tools.as_deref().unwrap_or_default()
+    }
+
+    /// `tool_choice`: `auto` by default when tools are offered, as OpenAI's API does.
+    /// `required` and a named function need constrained decoding to force a call.
+    pub fn tool_choice(&self) -> Result<ToolChoice, ApiError> {
+        let forced = || {
+            ApiError::invalid(
+                "forcing a tool call (required or a named function) needs constrained decoding, \
+                 not available in this server yet; use auto or none",
+                Some("tool_choice"),
+            )
+        };
+        match &self.tool_choice {
+            None if self.tools().is_empty() => Ok(ToolChoice::None),
+            None => Ok(ToolChoice::Auto),
+            Some(Value::String(s)) if s == "none" => Ok(ToolChoice::None),
+            Some(Value::String(s)) if s == "auto" => Ok(ToolChoice::Auto),
+            Some(Value::String(s)) if s == "required" => Err(forced()),
+            Some(Value::Object(o)) if o.get("type").and_then(Value::as_str) == Some("function") => Err(forced()),
+            Some(other) => Err(ApiError::invalid(
+                format!("tool_choice must be none, auto, required or a function, got {other}"),
+                Some("tool_choice"),
+            )),
+        }
     }
 }
 
@@ -289,7 +624,20 @@ impl Sampling {
         self.logit_bias()?;
         self.constraint()?;
         if self.n.is_some_and(|n| n != 1) {
-            return Err(ApiError::invalid("only n = 1 is supported", Some("n")));
+            return Err(ApiError::invalid(
+                "only n = 1 is supported (the engine does not fork sequences)",
+                Some("n"),
+            ));
+        }
+        if self
+            .service_tier
+            .as_deref()
+            .is_some_and(|t| t != "auto" && t != "default")
+        {
+            return Err(ApiError::invalid(
+                "this server has one service tier: auto or default",
+                Some("service_tier"),
+            ));
         }
         let stops = self.stops();
         if stops.len() > MAX_STOPS {
@@ -486,6 +834,7 @@ pub fn untrusted_request(body: &[u8]) {
     if let Ok(completion) = parse_completion(body) {
         let _ = (completion.logprobs(), completion.sampling.sampler(0));
     }
+    let _ = (parse_tokenize(body).is_ok(), parse_detokenize(body));
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -524,6 +873,8 @@ mod tests {
             parse_chat(br#"{"model":"m","messages":[{"role":"user","content":"hi"}],"stop":"x","seed":3}"#).unwrap();
         assert_eq!(chat.sampling.stops(), vec!["x"]);
         assert_eq!(chat.sampling.sampler(0).seed, 3);
+        let llama = parse_chat(br#"{"messages":[{"role":"user","content":"hi"}],"repeat_penalty":1.25}"#).unwrap();
+        assert_eq!(llama.sampling.sampler(0).repeat_penalty, 1.25);
         let parts = parse_chat(
             br#"{"messages":[{"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]}]}"#,
         )
@@ -532,7 +883,10 @@ mod tests {
         let cases: [(&[u8], Option<&str>); 9] = [
             (b"{", None),
             (br#"{"messages":[]}"#, Some("messages")),
-            (br#"{"messages":[{"role":"wizard","content":"x"}]}"#, Some("messages")),
+            (
+                br#"{"messages":[{"role":"wizard","content":"x"}]}"#,
+                Some("messages[0].role"),
+            ),
             (
                 br#"{"messages":[{"role":"user","content":"x"}],"temperature":3}"#,
                 Some("temperature"),
@@ -557,8 +911,107 @@ mod tests {
         ];
         for (body, param) in cases {
             let e = parse_chat(body).unwrap_err();
-            assert_eq!((e.status, e.param), (StatusCode::BAD_REQUEST, param), "{}", e.message);
+            assert_eq!(
+                (e.status, e.param.as_deref()),
+                (StatusCode::BAD_REQUEST, param),
+                "{}",
+                e.message
+            );
         }
+        let tool = r#"{"type":"function","function":{"name":"f","parameters":{"type":"object"}}}"#;
+        let call = r#"{"id":"call_1","type":"function","function":{"name":"f","arguments":"{\"a\": 1}"}}"#;
+        let tool_cases = [
+            (format!(r#""tools":[{tool}],"tool_choice":"required""#), "tool_choice"),
+            (
+                format!(r#""tools":[{tool}],"tool_choice":{{"type":"function","function":{{"name":"f"}}}}"#),
+                "tool_choice",
+            ),
+            (r#""tool_choice":"sometimes""#.into(), "tool_choice"),
+            (r#""tools":[{"type":"retrieval"}]"#.into(), "tools[0]"),
+            (
+                r#""tools":[{"type":"function","function":{"name":"f","strict":true}}]"#.into(),
+                "tools[0].function.strict",
+            ),
+        ];
+        for (extra, param) in tool_cases {
+            let body = format!(r#"{{"messages":[{{"role":"user","content":"x"}}],{extra}}}"#);
+            assert_eq!(
+                parse_chat(body.as_bytes()).unwrap_err().param.as_deref(),
+                Some(param),
+                "{extra}"
+            );
+        }
+        let message_cases = [
+            (r#"{"role":"user","content":[{"type":"text","text":"a"},{"type":"image_url","image_url":{"url":"x"}}]}"#.to_owned(), "messages[0].content[1].type"),
+            (r#"{"role":"tool","content":"18"}"#.into(), "messages[0].tool_call_id"),
+            (r#"{"role":"user","content":"x","tool_call_id":"c"}"#.into(), "messages[0].tool_call_id"),
+            (format!(r#"{{"role":"user","content":"x","tool_calls":[{call}]}}"#), "messages[0].tool_calls"),
+            (r#"{"role":"assistant","tool_calls":[{"id":"c","type":"function","function":{"name":"f","arguments":"{oops"}}]}"#.into(), "messages[0].tool_calls[0].function.arguments"),
+        ];
+        for (message, param) in message_cases {
+            let body = format!(r#"{{"messages":[{message}]}}"#);
+            assert_eq!(
+                parse_chat(body.as_bytes()).unwrap_err().param.as_deref(),
+                Some(param),
+                "{message}"
+            );
+        }
+        let body = format!(
+            r#"{{"messages":[{{"role":"assistant","content":null,"tool_calls":[{call}]}},{{"role":"tool","tool_call_id":"call_1","content":"2"}}],"tools":[{tool}]}}"#
+        );
+        let chat = parse_chat(body.as_bytes()).unwrap();
+        assert_eq!(chat.tool_choice().unwrap(), ToolChoice::Auto);
+        let messages = chat.template_messages().unwrap();
+        assert_eq!(
+            messages[0].tool_calls.as_ref().unwrap()[0]["function"]["arguments"],
+            json!({"a": 1})
+        );
+        assert_eq!(messages[1].tool_call_id.as_deref(), Some("call_1"));
+        assert!(parse_completion(br#"{"prompt":"x","best_of":2}"#).is_err());
+        let text = |body: &[u8]| match parse_tokenize(body).unwrap().0 {
+            TokenizeInput::Text { text, add_special, .. } => (text, add_special),
+            TokenizeInput::Chat { .. } => panic!("not text"),
+        };
+        assert_eq!(text(br#"{"content":"a"}"#), ("a".into(), false));
+        assert_eq!(text(br#"{"prompt":"a"}"#), ("a".into(), true));
+        assert_eq!(text(br#"{"content":"a","add_special":true}"#), ("a".into(), true));
+        let chat = parse_tokenize(br#"{"messages":[{"role":"user","content":"a"}],"with_pieces":true}"#).unwrap();
+        assert!(matches!(
+            chat,
+            (
+                TokenizeInput::Chat {
+                    add_generation_prompt: true,
+                    ..
+                },
+                true
+            )
+        ));
+        for (body, param) in [
+            (&br#"{"content":"a","prompt":"b"}"#[..], "content"),
+            (br#"{"text":"a"}"#, "text"),
+            (
+                br#"{"content":"a","add_generation_prompt":true}"#,
+                "add_generation_prompt",
+            ),
+            (
+                br#"{"messages":[{"role":"user","content":"a"}],"add_special_tokens":true}"#,
+                "add_special_tokens",
+            ),
+            (
+                br#"{"messages":[{"role":"user","content":"a","x":1}]}"#,
+                "messages[0].x",
+            ),
+        ] {
+            assert_eq!(parse_tokenize(body).err().and_then(|e| e.param).as_deref(), Some(param));
+        }
+        assert_eq!(parse_detokenize(br#"{"tokens":[1,2]}"#).unwrap(), vec![1, 2]);
+        assert_eq!(
+            parse_detokenize(br#"{"tokens":[1],"x":0}"#)
+                .unwrap_err()
+                .param
+                .as_deref(),
+            Some("x")
+        );
         assert!(parse_completion(br#"{"prompt":"x","logprobs":9}"#)
             .unwrap()
             .logprobs()
@@ -631,7 +1084,7 @@ mod tests {
         for (body, param) in cases {
             let e = parse_completion(body).unwrap_err();
             assert_eq!(
-                (e.status, e.param),
+                (e.status, e.param.as_deref()),
                 (StatusCode::BAD_REQUEST, Some(param)),
                 "{}",
                 e.message

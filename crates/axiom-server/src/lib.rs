@@ -1,6 +1,6 @@
 //! The OpenAI-compatible HTTP server: `POST /v1/chat/completions`, `POST /v1/completions`,
-//! `GET /v1/models`, `GET /health`, `GET /metrics`, over an [`EngineHandle`] whose scheduler
-//! runs on its own thread.
+//! `GET /v1/models`, `POST /tokenize`, `POST /detokenize`, `GET /health`, `GET /metrics`, over
+//! an [`EngineHandle`] whose scheduler runs on its own thread.
 //!
 //! Connections are accepted and bounded in [`connections`]; layers in front of the routes
 //! decide who may call ([`callers`]), log each request and count refusals ([`request_log`]).
@@ -13,13 +13,16 @@
 pub mod api;
 pub mod callers;
 pub mod connections;
+pub mod fields;
 pub mod metrics;
 pub mod request_log;
+pub mod tool_output;
 
-use api::{ApiError, Usage};
-use axiom::chat::{ChatTemplate, Message};
+use api::{ApiError, ToolChoice, Usage};
+use axiom::chat::ChatTemplate;
 use axiom::engine::scheduler::{Completion, EngineHandle, Event, EventSink, Request, SubmitError, TokenLogprob};
 use axiom::tokenizer::Tokenizer;
+use axiom::tool_calls::ToolFormat;
 use axum::body::{Body, Bytes};
 use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{header, StatusCode};
@@ -39,6 +42,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use tokio::sync::Semaphore;
+use tool_output::ToolOutput;
 use tower_http::limit::RequestBodyLimitLayer;
 use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
 use tower_http::validate_request::ValidateRequestHeaderLayer;
@@ -47,6 +51,8 @@ pub struct AppState {
     pub engine: EngineHandle,
     pub tokenizer: Arc<Tokenizer>,
     pub template: Option<ChatTemplate>,
+    /// How the model writes tool calls (`--tool-parser`, or read from the template).
+    pub tool_format: Option<ToolFormat>,
     /// The id `/v1/models` reports and responses carry.
     pub model_id: String,
     pub metrics: Arc<ServerMetrics>,
@@ -64,6 +70,7 @@ impl AppState {
         engine: EngineHandle,
         tokenizer: Arc<Tokenizer>,
         template: Option<ChatTemplate>,
+        tool_format: Option<ToolFormat>,
         model_id: String,
         metrics: Arc<ServerMetrics>,
         read_timeout: Duration,
@@ -73,6 +80,7 @@ impl AppState {
             engine,
             tokenizer,
             template,
+            tool_format,
             model_id,
             metrics,
             read_timeout,
@@ -103,6 +111,8 @@ pub fn router(state: Arc<AppState>, options: &ServerOptions, loopback: bool) -> 
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
         .route("/health", get(health))
         .route("/metrics", get(prometheus_metrics))
         .with_state(state)
@@ -221,6 +231,53 @@ async fn models(State(s): State<Arc<AppState>>) -> Json<Value> {
     }))
 }
 
+/// `POST /tokenize`: the ids, their count and the context length (with `with_pieces`, each id
+/// with its text), for llama-server's and vLLM's clients alike.
+async fn tokenize(State(s): State<Arc<AppState>>, body: Body) -> Result<Json<Value>, ApiError> {
+    let body = read_body(body, s.read_timeout).await?;
+    let (input, with_pieces) = api::parse_tokenize(&body)?;
+    let ids = match input {
+        api::TokenizeInput::Text {
+            text,
+            add_special,
+            param,
+        } => s.encode_text(text, add_special, param).await?,
+        api::TokenizeInput::Chat {
+            messages,
+            tools,
+            add_generation_prompt,
+        } => s.chat_prompt(messages, tools, add_generation_prompt).await?,
+    };
+    let tokens: Vec<Value> = if with_pieces {
+        let piece = |id: u32| s.tokenizer.decode(&[id], false).unwrap_or_default();
+        ids.iter().map(|&id| json!({"id": id, "piece": piece(id)})).collect()
+    } else {
+        ids.iter().map(|&id| json!(id)).collect()
+    };
+    Ok(Json(
+        json!({"tokens": tokens, "count": ids.len(), "max_model_len": s.engine.context()}),
+    ))
+}
+
+/// `POST /detokenize`: the text of `tokens`, special tokens included, under llama-server's
+/// name (`content`) and vLLM's (`prompt`).
+async fn detokenize(State(s): State<Arc<AppState>>, body: Body) -> Result<Json<Value>, ApiError> {
+    let body = read_body(body, s.read_timeout).await?;
+    let ids = api::parse_detokenize(&body)?;
+    let vocab = s.tokenizer.vocab_size() as u32;
+    if let Some(bad) = ids.iter().find(|&&id| id >= vocab) {
+        return Err(ApiError::invalid(
+            format!("token id {bad} is outside the vocabulary of {vocab}"),
+            Some("tokens"),
+        ));
+    }
+    let text = s
+        .tokenizer
+        .decode(&ids, false)
+        .map_err(|e| ApiError::invalid(e.to_string(), Some("tokens")))?;
+    Ok(Json(json!({"content": text, "prompt": text})))
+}
+
 async fn prometheus_metrics(State(s): State<Arc<AppState>>) -> Response {
     let text = s.metrics.render(s.engine.status());
     ([("content-type", "text/plain; version=0.0.4")], text).into_response()
@@ -235,6 +292,8 @@ struct Job {
     default_max_tokens: Option<usize>,
     logprobs: Option<usize>,
     chat: bool,
+    /// Reads tool calls out of a chat's output.
+    tools: ToolOutput,
 }
 
 impl AppState {
@@ -254,14 +313,88 @@ impl AppState {
         Ok(())
     }
 
+    /// The tool-call format to read from a chat's output: none unless tools are offered with
+    /// `tool_choice` auto.
+    fn tool_format_for(&self, request: &api::ChatRequest) -> Result<Option<ToolFormat>, ApiError> {
+        let choice = request.tool_choice()?;
+        if request.tools().is_empty() {
+            return Ok(None);
+        }
+        match (choice, self.tool_format) {
+            (ToolChoice::None, _) => Ok(None),
+            (ToolChoice::Auto, Some(format)) => Ok(Some(format)),
+            (ToolChoice::Auto, None) => Err(ApiError::invalid(
+                "the format of this model's tool calls is not known from its chat template; \
+                 start the server with --tool-parser",
+                Some("tools"),
+            )),
+        }
+    }
+
+    /// The ids of `messages` and `tools` rendered by the chat template.
+    async fn chat_prompt(
+        self: &Arc<Self>,
+        messages: Vec<axiom::chat::Message>,
+        tools: Vec<Value>,
+        add_generation_prompt: bool,
+    ) -> Result<Vec<u32>, ApiError> {
+        // Where the lead wires constrained decoding: `required` or a named function, forced by a
+        // grammar, would make calls on a template without tools too.
+        if !tools.is_empty() && !self.template.as_ref().is_some_and(ChatTemplate::takes_tools) {
+            return Err(ApiError::invalid(
+                "this model's chat template does not take tools",
+                Some("tools"),
+            ));
+        }
+        let tools_text = serde_json::to_string(&tools).unwrap_or_default();
+        self.check_fits(
+            messages.iter().map(|m| m.content.len()).sum::<usize>() + tools_text.len(),
+            "messages",
+        )?;
+        let state = self.clone();
+        self.tokenize(move || {
+            let template = state.template.as_ref().ok_or_else(|| {
+                ApiError::invalid("the model has no chat template; use /v1/completions", Some("messages"))
+            })?;
+            // Tool definitions and calls are written by the template as its own text, where
+            // special tokens count: they must hold none.
+            let forged = |text: &str, param: &str| {
+                state.tokenizer.special_token_in(text).map_or(Ok(()), |token| {
+                    Err(ApiError::invalid(
+                        format!("{param} holds the special token {token:?}"),
+                        Some(param),
+                    ))
+                })
+            };
+            forged(&tools_text, "tools")?;
+            for (i, m) in messages.iter().enumerate() {
+                let calls = serde_json::to_string(&m.tool_calls).unwrap_or_default();
+                forged(&calls, &format!("messages[{i}].tool_calls"))?;
+                forged(m.name.as_deref().unwrap_or(""), &format!("messages[{i}].name"))?;
+            }
+            let rendered = template
+                .render_chat_with_tools(&messages, &tools, add_generation_prompt)
+                .map_err(|e| ApiError::invalid(e.to_string(), Some("messages")))?;
+            state
+                .tokenizer
+                .encode_chat(&rendered)
+                .map_err(|e| ApiError::invalid(e.to_string(), Some("messages")))
+        })
+        .await
+    }
+
     /// A completion prompt's ids, BOS first where the model wants it.
     async fn encode_prompt(&self, text: String) -> Result<Vec<u32>, ApiError> {
-        self.check_fits(text.len(), "prompt")?;
+        self.encode_text(text, true, "prompt").await
+    }
+
+    async fn encode_text(&self, text: String, add_bos: bool, param: &'static str) -> Result<Vec<u32>, ApiError> {
+        self.check_fits(text.len(), param)?;
         let tokenizer = self.tokenizer.clone();
         self.tokenize(move || {
             tokenizer
-                .encode(&text, true, true)
-                .map_err(|e| ApiError::invalid(e.to_string(), Some("prompt")))
+                .encode(&text, true, add_bos)
+                .map_err(|e| ApiError::invalid(e.to_string(), Some(param)))
         })
         .await
     }
@@ -297,33 +430,20 @@ async fn chat_completions(
 ) -> Result<Response, ApiError> {
     let body = read_body(body, s.read_timeout).await?;
     let request = api::parse_chat(&body)?;
+    if let Some(user) = &request.sampling.user {
+        record.user(user);
+    }
     let logprobs = request.logprobs()?;
-    let messages: Vec<Message> = request
-        .messages
-        .iter()
-        .map(|m| Message::new(&m.role, &m.text()))
-        .collect();
-    s.check_fits(messages.iter().map(|m| m.content.len()).sum(), "messages")?;
-    let state = s.clone();
     let prompt = s
-        .tokenize(move || {
-            let template = state.template.as_ref().ok_or_else(|| {
-                ApiError::invalid("the model has no chat template; use /v1/completions", Some("messages"))
-            })?;
-            let rendered = template
-                .render_chat(&messages, true)
-                .map_err(|e| ApiError::invalid(e.to_string(), Some("messages")))?;
-            state
-                .tokenizer
-                .encode_chat(&rendered)
-                .map_err(|e| ApiError::invalid(e.to_string(), Some("messages")))
-        })
+        .chat_prompt(request.template_messages()?, request.tools().to_vec(), true)
         .await?;
+    let format = s.tool_format_for(&request)?;
     let job = Job {
         prompt,
         max_tokens: request.max_tokens(),
         default_max_tokens: None,
         logprobs,
+        tools: ToolOutput::new(format, request.parallel_tool_calls.unwrap_or(true)),
         request: request.sampling,
         chat: true,
     };
@@ -337,6 +457,9 @@ async fn completions(
 ) -> Result<Response, ApiError> {
     let body = read_body(body, s.read_timeout).await?;
     let request = api::parse_completion(&body)?;
+    if let Some(user) = &request.sampling.user {
+        record.user(user);
+    }
     let logprobs = request.logprobs()?;
     let only = |n: usize| {
         (n == 1)
@@ -369,6 +492,7 @@ async fn completions(
         logprobs,
         request: request.sampling,
         chat: false,
+        tools: ToolOutput::new(None, true),
     };
     run(&s, job, record).await
 }
@@ -447,6 +571,7 @@ async fn run(s: &Arc<AppState>, job: Job, record: Arc<RequestRecord>) -> Result<
         s.engine.submit(request).map_err(|e| refusal(e, constraint_field))?;
     }
     let shape = Shape {
+        tools: job.tools,
         id: format!("{}-{}", if job.chat { "chatcmpl" } else { "cmpl" }, id.simple()),
         created: unix_time(),
         model: s.model_id.clone(),
@@ -464,6 +589,8 @@ async fn run(s: &Arc<AppState>, job: Job, record: Arc<RequestRecord>) -> Result<
 
 /// How responses of one request look: ids, object names, chat or text.
 struct Shape {
+    /// Content and tool calls out of the text.
+    tools: ToolOutput,
     id: String,
     created: u64,
     model: String,
@@ -525,8 +652,10 @@ impl TextLogprobs {
 }
 
 /// Gathers every event of a request into one response.
-async fn whole(shape: Shape, mut rx: UnboundedReceiver<Event>) -> Result<Value, ApiError> {
+async fn whole(mut shape: Shape, mut rx: UnboundedReceiver<Event>) -> Result<Value, ApiError> {
     let mut text = String::new();
+    let mut content = String::new();
+    let mut calls = Vec::new();
     let mut chat_lps = Vec::new();
     let mut text_lps = TextLogprobs::default();
     while let Some(event) = rx.recv().await {
@@ -541,19 +670,32 @@ async fn whole(shape: Shape, mut rx: UnboundedReceiver<Event>) -> Result<Value, 
                     }
                 }
                 text.push_str(&t.text);
+                let split = shape.tools.push(&t.text);
+                content.push_str(&split.content);
+                calls.extend(split.calls.into_iter().map(|(_, call)| call));
             }
             Event::Done(c) => {
                 shape.record.done(&c);
+                let split = shape.tools.finish();
+                content.push_str(&split.content);
+                calls.extend(split.calls.into_iter().map(|(_, call)| call));
+                let finish = shape.tools.finish_reason(&c);
                 let logprobs = match (shape.logprobs, shape.chat) {
                     (false, _) => Value::Null,
                     (true, true) => json!({"content": chat_lps}),
                     (true, false) => std::mem::take(&mut text_lps).json(),
                 };
                 let choice = if shape.chat {
-                    json!({"index": 0, "message": {"role": "assistant", "content": text},
-                           "logprobs": logprobs, "finish_reason": c.finish})
+                    let mut message = json!({"role": "assistant", "content": content});
+                    if !calls.is_empty() {
+                        message["tool_calls"] = json!(calls);
+                        if content.is_empty() {
+                            message["content"] = Value::Null;
+                        }
+                    }
+                    json!({"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish})
                 } else {
-                    json!({"index": 0, "text": text, "logprobs": logprobs, "finish_reason": c.finish})
+                    json!({"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish})
                 };
                 let mut body = shape.envelope(false, choice);
                 body["usage"] = json!(Usage::from(&c));
@@ -575,10 +717,11 @@ async fn whole(shape: Shape, mut rx: UnboundedReceiver<Event>) -> Result<Value, 
 /// The request's events as server-sent events: a role chunk first (chat), a chunk per piece of
 /// text, a final chunk with the finish reason, the usage if asked, then `[DONE]`.
 fn sse_stream(
-    shape: Shape,
+    mut shape: Shape,
     rx: UnboundedReceiver<Event>,
     include_usage: bool,
 ) -> impl Stream<Item = Result<SseEvent, Infallible>> {
+    let mut tools = std::mem::replace(&mut shape.tools, ToolOutput::new(None, true));
     let shape = Arc::new(shape);
     let data = |v: Value| Ok(SseEvent::default().data(v.to_string()));
     let opening = shape.chat.then(|| {
@@ -592,13 +735,13 @@ fn sse_stream(
         let chunks: Vec<Value> = match event {
             Event::Token(t) => {
                 shape.record.token();
-                if t.text.is_empty() && t.logprob.is_none() {
-                    Vec::new()
-                } else {
+                let split = tools.push(&t.text);
+                let mut chunks = Vec::new();
+                if !(split.content.is_empty() && t.logprob.is_none()) {
                     let lp = t.logprob.as_ref();
                     let choice = if shape.chat {
                         let logprobs = lp.map_or(Value::Null, |lp| json!({"content": [shape.chat_logprob(t.id, lp)]}));
-                        json!({"index": 0, "delta": {"content": t.text}, "logprobs": logprobs, "finish_reason": null})
+                        json!({"index": 0, "delta": {"content": split.content}, "logprobs": logprobs, "finish_reason": null})
                     } else {
                         let logprobs = lp.map_or(Value::Null, |lp| {
                             let mut l = TextLogprobs::default();
@@ -608,12 +751,24 @@ fn sse_stream(
                         json!({"index": 0, "text": t.text, "logprobs": logprobs, "finish_reason": null})
                     };
                     offset += t.text.len();
-                    vec![shape.envelope(true, choice)]
+                    chunks.push(shape.envelope(true, choice));
                 }
+                chunks.extend(call_chunks(&shape, split.calls));
+                chunks
             }
             Event::Done(c) => {
                 shape.record.done(&c);
-                final_chunks(&shape, &c, include_usage)
+                let split = tools.finish();
+                let mut chunks = Vec::new();
+                if !split.content.is_empty() {
+                    chunks.push(shape.envelope(
+                        true,
+                        json!({"index": 0, "delta": {"content": split.content}, "logprobs": null, "finish_reason": null}),
+                    ));
+                }
+                chunks.extend(call_chunks(&shape, split.calls));
+                chunks.extend(final_chunks(&shape, &c, tools.finish_reason(&c), include_usage));
+                chunks
             }
             Event::Error(e) => {
                 shape.record.failed();
@@ -627,11 +782,25 @@ fn sse_stream(
         .chain(stream::once(async { Ok(SseEvent::default().data("[DONE]")) }))
 }
 
-fn final_chunks(shape: &Shape, c: &Completion, include_usage: bool) -> Vec<Value> {
+/// One chunk per tool call, whole: OpenAI's delta shape, with the call's index in the response.
+fn call_chunks(shape: &Shape, calls: Vec<(usize, Value)>) -> Vec<Value> {
+    calls
+        .into_iter()
+        .map(|(index, mut call)| {
+            call["index"] = json!(index);
+            shape.envelope(
+                true,
+                json!({"index": 0, "delta": {"tool_calls": [call]}, "logprobs": null, "finish_reason": null}),
+            )
+        })
+        .collect()
+}
+
+fn final_chunks(shape: &Shape, c: &Completion, finish: &str, include_usage: bool) -> Vec<Value> {
     let choice = if shape.chat {
-        json!({"index": 0, "delta": {}, "logprobs": null, "finish_reason": c.finish})
+        json!({"index": 0, "delta": {}, "logprobs": null, "finish_reason": finish})
     } else {
-        json!({"index": 0, "text": "", "logprobs": null, "finish_reason": c.finish})
+        json!({"index": 0, "text": "", "logprobs": null, "finish_reason": finish})
     };
     let mut chunks = vec![shape.envelope(true, choice)];
     if include_usage {
@@ -661,4 +830,94 @@ pub async fn serve(
     })
     .await;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axiom::engine::scheduler::{FinishReason, TokenEvent};
+
+    fn shape(tools: ToolOutput) -> Shape {
+        let fixture = concat!(env!("CARGO_MANIFEST_DIR"), "/../axiom/tests/fixtures/hf/qwen2");
+        Shape {
+            tools,
+            id: "chatcmpl-test".into(),
+            created: 0,
+            model: "m".into(),
+            chat: true,
+            logprobs: false,
+            tokenizer: Arc::new(Tokenizer::from_hf_dir(std::path::Path::new(fixture)).unwrap()),
+            record: Arc::new(RequestRecord::default()),
+        }
+    }
+
+    /// A Qwen-style answer that calls a tool, in the pieces the engine hands on.
+    fn events() -> UnboundedReceiver<Event> {
+        let (tx, rx) = unbounded_channel();
+        let pieces = [
+            "Let me look.",
+            "\n<tool_",
+            "call>\n{\"name\": \"get_weather\", ",
+            "\"arguments\": {\"city\": \"Paris\"}}\n</tool_call>",
+        ];
+        for text in pieces {
+            tx.send(Event::Token(TokenEvent {
+                id: 0,
+                text: text.into(),
+                logprob: None,
+            }))
+            .unwrap();
+        }
+        let done = Completion {
+            finish: FinishReason::Stop,
+            prompt_tokens: 5,
+            completion_tokens: 4,
+            cached_tokens: 0,
+        };
+        tx.send(Event::Done(done)).unwrap();
+        rx
+    }
+
+    #[tokio::test]
+    async fn tool_calls_come_back_whole_and_streamed() {
+        let body = whole(shape(ToolOutput::new(Some(ToolFormat::Hermes), true)), events())
+            .await
+            .unwrap();
+        let choice = &body["choices"][0];
+        assert_eq!(choice["finish_reason"], "tool_calls");
+        assert_eq!(choice["message"]["content"], "Let me look.\n");
+        let call = &choice["message"]["tool_calls"][0];
+        assert_eq!(
+            call["function"],
+            json!({"name": "get_weather", "arguments": "{\"city\":\"Paris\"}"})
+        );
+        assert!(call["id"].as_str().unwrap().starts_with("call_"));
+
+        let stream = sse_stream(shape(ToolOutput::new(Some(ToolFormat::Hermes), true)), events(), false);
+        let response = Sse::new(stream).into_response();
+        let bytes = axum::body::to_bytes(response.into_body(), usize::MAX).await.unwrap();
+        let chunks: Vec<Value> = String::from_utf8(bytes.to_vec())
+            .unwrap()
+            .lines()
+            .filter_map(|l| l.strip_prefix("data: "))
+            .filter(|d| *d != "[DONE]")
+            .map(|d| serde_json::from_str(d).unwrap())
+            .collect();
+        let deltas: Vec<&Value> = chunks.iter().map(|c| &c["choices"][0]["delta"]).collect();
+        let content: String = deltas.iter().filter_map(|d| d["content"].as_str()).collect();
+        assert_eq!(content, "Let me look.\n");
+        let calls: Vec<&Value> = deltas.iter().filter_map(|d| d.get("tool_calls")).collect();
+        assert_eq!(calls.len(), 1);
+        assert_eq!(calls[0][0]["index"], 0);
+        assert_eq!(calls[0][0]["function"]["name"], "get_weather");
+        assert_eq!(chunks.last().unwrap()["choices"][0]["finish_reason"], "tool_calls");
+
+        // Without a parser (tool_choice none) the same output is content.
+        let body = whole(shape(ToolOutput::new(None, true)), events()).await.unwrap();
+        assert_eq!(body["choices"][0]["finish_reason"], "stop");
+        assert!(body["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap()
+            .contains("<tool_call>"));
+    }
 }

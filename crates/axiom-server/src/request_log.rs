@@ -20,6 +20,8 @@ struct Outcome {
     completion_tokens: Option<usize>,
     first_token: Option<Instant>,
     finish: Option<&'static str>,
+    /// The request's `user` field.
+    user: Option<String>,
 }
 
 impl RequestRecord {
@@ -29,6 +31,10 @@ impl RequestRecord {
 
     pub fn prompt(&self, tokens: usize) {
         self.with(|o| o.prompt_tokens = Some(tokens));
+    }
+
+    pub fn user(&self, user: &str) {
+        self.with(|o| o.user = Some(user.to_owned()));
     }
 
     pub fn token(&self) {
@@ -68,7 +74,7 @@ impl Drop for LogLine {
         let none = || "-".to_string();
         tracing::info!(
             target: "axiom::access",
-            "{} {} {} {} prompt_tokens={} completion_tokens={} ttft_ms={} total_ms={} finish={}",
+            "{} {} {} {} prompt_tokens={} completion_tokens={} ttft_ms={} total_ms={} finish={} user={}",
             self.id,
             self.method,
             self.route,
@@ -78,6 +84,8 @@ impl Drop for LogLine {
             ms(o.first_token).unwrap_or_else(none),
             ms(Some(Instant::now())).unwrap_or_else(none),
             finish.unwrap_or("-"),
+            // Quoted, so that a client's text cannot forge a log line.
+            o.user.as_ref().map_or_else(none, |u| format!("{u:?}")),
         );
     }
 }

@@ -1,16 +1,29 @@
 //! Chat templates: the model's Jinja template rendered with minijinja, configured like
 //! Hugging Face transformers' renderer (trim_blocks, lstrip_blocks, Python string methods,
-//! `raise_exception`).
+//! `raise_exception`, a `tojson` that writes what Python's `json.dumps` does). Tools and tool
+//! calls reach the template as transformers' `apply_chat_template` passes them.
 
 use crate::{Error, Result};
+use minijinja::value::Kwargs;
 use minijinja::{context, Environment, ErrorKind};
 use serde::{Deserialize, Serialize};
+use serde_json::Value as Json;
 use std::ops::Range;
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Message {
     pub role: String,
     pub content: String,
+    /// The participant's name, for templates that show it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    /// An assistant turn's calls: `{"id", "type": "function", "function": {"name", "arguments"}}`
+    /// with `arguments` an object, as templates expect.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<Json>>,
+    /// A `tool` turn's answer to this call.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
 }
 
 impl Message {
@@ -18,6 +31,9 @@ impl Message {
         Message {
             role: role.into(),
             content: content.into(),
+            name: None,
+            tool_calls: None,
+            tool_call_id: None,
         }
     }
 }
@@ -71,6 +87,7 @@ const MARK: char = '\u{10FFFD}';
 
 pub struct ChatTemplate {
     env: Environment<'static>,
+    source: String,
     bos_token: String,
     eos_token: String,
 }
@@ -92,22 +109,48 @@ impl ChatTemplate {
             },
         );
         env.add_function("strftime_now", |format: String| -> String { strftime_now(&format) });
+        env.add_filter("tojson", python_tojson);
         env.add_template_owned("chat", source.to_owned())
             .map_err(template_error)?;
         Ok(ChatTemplate {
             env,
+            source: source.to_owned(),
             bos_token: bos_token.into(),
             eos_token: eos_token.into(),
         })
     }
 
+    /// The template's Jinja text.
+    pub fn source(&self) -> &str {
+        &self.source
+    }
+
+    /// Whether the template reads a `tools` variable (transformers' name for the offered tools).
+    pub fn takes_tools(&self) -> bool {
+        self.env
+            .get_template("chat")
+            .is_ok_and(|t| t.undeclared_variables(false).contains("tools"))
+    }
+
     /// The prompt text for `messages`, ending with the assistant's turn opening when
     /// `add_generation_prompt`.
     pub fn render(&self, messages: &[Message], add_generation_prompt: bool) -> Result<String> {
+        self.render_with_tools(messages, &[], add_generation_prompt)
+    }
+
+    /// `render`, offering `tools` (`{"type": "function", "function": {...}}` each; none: the
+    /// template's `tools` is undefined, as transformers leaves it).
+    pub fn render_with_tools(
+        &self,
+        messages: &[Message],
+        tools: &[Json],
+        add_generation_prompt: bool,
+    ) -> Result<String> {
         let template = self.env.get_template("chat").map_err(template_error)?;
         template
             .render(context! {
                 messages => messages,
+                tools => (!tools.is_empty()).then_some(tools),
                 add_generation_prompt => add_generation_prompt,
                 bos_token => self.bos_token,
                 eos_token => self.eos_token,
@@ -122,14 +165,33 @@ impl ChatTemplate {
     /// trimmed, as Llama 3's template does) in place of its marker. When it is not, the content
     /// is left unplaced and `Tokenizer::encode_chat` refuses special-token text in it.
     pub fn render_chat(&self, messages: &[Message], add_generation_prompt: bool) -> Result<RenderedChat> {
-        let text = self.render(messages, add_generation_prompt)?;
+        self.render_chat_with_tools(messages, &[], add_generation_prompt)
+    }
+
+    /// `render_chat`, offering `tools`. Their text, and that of tool calls, is the template's:
+    /// the caller checks it holds no special-token text.
+    pub fn render_chat_with_tools(
+        &self,
+        messages: &[Message],
+        tools: &[Json],
+        add_generation_prompt: bool,
+    ) -> Result<RenderedChat> {
+        let text = self.render_with_tools(messages, tools, add_generation_prompt)?;
+        // An empty content keeps its emptiness: templates test it (`if message.content`).
         let marked: Vec<Message> = messages
             .iter()
             .enumerate()
-            .map(|(i, m)| Message::new(&m.role, &format!("{MARK}{i}{MARK}")))
+            .map(|(i, m)| Message {
+                content: if m.content.is_empty() {
+                    String::new()
+                } else {
+                    format!("{MARK}{i}{MARK}")
+                },
+                ..m.clone()
+            })
             .collect();
         let spans = self
-            .render(&marked, add_generation_prompt)
+            .render_with_tools(&marked, tools, add_generation_prompt)
             .ok()
             .and_then(|outline| place_content(&text, &outline, messages));
         let content = match spans {
@@ -163,6 +225,57 @@ fn place_content(text: &str, outline: &str, messages: &[Message]) -> Option<Vec<
         pos += placed.len();
     }
     (pos == text.len()).then_some(spans)
+}
+
+/// transformers' `tojson`: Python's `json.dumps(value, ensure_ascii=False, indent=indent)`, keys
+/// in their given order, `", "` and `": "` between items (`","` and a new line when indented).
+fn python_tojson(value: minijinja::Value, kwargs: Kwargs) -> std::result::Result<String, minijinja::Error> {
+    let indent: Option<usize> = kwargs.get("indent")?;
+    kwargs.assert_all_used()?;
+    let json = serde_json::to_value(&value)
+        .map_err(|e| minijinja::Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
+    let mut out = String::new();
+    write_python_json(&json, indent, 0, &mut out);
+    Ok(out)
+}
+
+fn write_python_json(value: &Json, indent: Option<usize>, depth: usize, out: &mut String) {
+    let line = |out: &mut String, depth: usize| {
+        if let Some(width) = indent {
+            out.push('\n');
+            out.push_str(&" ".repeat(width * depth));
+        }
+    };
+    let separator = if indent.is_some() { "," } else { ", " };
+    match value {
+        Json::Array(items) if !items.is_empty() => {
+            out.push('[');
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(separator);
+                }
+                line(out, depth + 1);
+                write_python_json(item, indent, depth + 1, out);
+            }
+            line(out, depth);
+            out.push(']');
+        }
+        Json::Object(map) if !map.is_empty() => {
+            out.push('{');
+            for (i, (key, item)) in map.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(separator);
+                }
+                line(out, depth + 1);
+                out.push_str(&Json::String(key.clone()).to_string());
+                out.push_str(": ");
+                write_python_json(item, indent, depth + 1, out);
+            }
+            line(out, depth);
+            out.push('}');
+        }
+        scalar => out.push_str(&scalar.to_string()),
+    }
 }
 
 fn template_error(e: minijinja::Error) -> Error {
@@ -220,6 +333,20 @@ fn civil_from_days(z: i64) -> (i64, u32, u32) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tojson_writes_what_python_json_dumps_does() {
+        let value: Json = serde_json::from_str(r#"{"b": [1, 2.5, "é\n"], "a": {}, "c": [], "d": null}"#).unwrap();
+        let mut flat = String::new();
+        write_python_json(&value, None, 0, &mut flat);
+        assert_eq!(flat, r#"{"b": [1, 2.5, "é\n"], "a": {}, "c": [], "d": null}"#);
+        let mut indented = String::new();
+        write_python_json(&value, Some(2), 0, &mut indented);
+        assert_eq!(
+            indented,
+            "{\n  \"b\": [\n    1,\n    2.5,\n    \"é\\n\"\n  ],\n  \"a\": {},\n  \"c\": [],\n  \"d\": null\n}"
+        );
+    }
 
     #[test]
     fn dates() {

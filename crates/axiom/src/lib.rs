@@ -3,7 +3,8 @@
 //! The path of a request: chat template ([`chat`]) → tokenizer ([`tokenizer`]) → the model's
 //! forward pass ([`model`]) on a compute [`backend`] → sampler and generation loop ([`engine`]).
 //! The path of a model: a source ([`source`]) → a container reader ([`format`]) →
-//! [`model::config::ModelConfig`] → weights on the backend.
+//! [`model::config::ModelConfig`] → weights on the backend. Tool calls in the output text:
+//! [`tool_calls`].
 
 pub mod backend;
 pub mod cache;
@@ -16,6 +17,7 @@ pub mod hub;
 pub mod model;
 pub mod source;
 pub mod tokenizer;
+pub mod tool_calls;
 pub mod untrusted;
 
 pub use error::{Error, Result};

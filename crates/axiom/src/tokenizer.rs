@@ -299,6 +299,14 @@ impl Tokenizer {
         Ok(ids)
     }
 
+    /// The first special token's text that `text` holds, if any: text a template writes outside
+    /// message content (tool definitions, tool calls) must hold none, or it could forge a turn.
+    pub fn special_token_in<'a>(&self, text: &'a str) -> Option<&'a str> {
+        self.special_matches(text)
+            .first()
+            .map(|(range, _)| &text[range.clone()])
+    }
+
     /// Where `parsing` finds special tokens in `text`, and their ids.
     fn special_matches(&self, text: &str) -> Vec<(Range<usize>, u32)> {
         let added = self.parsing.get_added_vocabulary();
