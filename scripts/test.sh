@@ -2,7 +2,8 @@
 # The test suite, as CI runs it. Installs what it needs if missing: g++ (Debian), for the Metal
 # kernels run on the CPU, and NVRTC (PyPI), which compiles every CUDA kernel in a test (no GPU is
 # needed for that). Then it runs every default test.
-# Then `axiom serve` is checked through the official OpenAI Python client (installed if missing),
+# Then `axiom serve` is checked through the official OpenAI Python client and LangChain (installed
+# if missing),
 # against hostile clients, and by a one-minute soak.
 # The GPU tests are separate: scripts/cuda_device_tests.sh, on a machine with an NVIDIA GPU.
 set -euo pipefail
@@ -22,6 +23,8 @@ dir=$(nvrtc_dir) || { python3 -m pip install --quiet --disable-pip-version-check
 export LD_LIBRARY_PATH="$dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 cargo test --release --workspace "$@"
 python3 -c "import openai" 2>/dev/null || python3 -m pip install --quiet --disable-pip-version-check openai
+# LangChain drives the server in test_openai.py as agent frameworks do.
+python3 -c "import langchain_openai" 2>/dev/null || python3 -m pip install --quiet --disable-pip-version-check langchain-openai
 cargo build --release --quiet -p axiom-cli
 python3 scripts/test_openai.py target/release/axiom
 python3 scripts/test_hardening.py target/release/axiom

@@ -3,6 +3,8 @@
 
 Chat and completions, streaming and not, stop strings, max_tokens, seeds, logprobs, errors,
 structured output (response_format json_schema, guided_choice, logit_bias, stop_token_ids),
+forced tool calls (tool_choice required and named) on a template without tools, LangChain's
+bind_tools and with_structured_output,
 every refused field named in `error.param`, /tokenize and /detokenize, tools through Qwen 2.5's
 chat template (on the tiny qwen2 fixture), a full queue, stalled uploads, 32 concurrent streams (some abandoned mid-stream) that must each equal their solo
 greedy output and leave no KV page in use, and a SIGTERM that lets an open stream finish.
@@ -209,8 +211,8 @@ def strictness(s):
     create = s.client.chat.completions.create
     cases = [
         ("an unknown field", "frobnicate", dict(extra_body={"frobnicate": 1})),
-        ("logit_bias", "logit_bias", dict(logit_bias={"1": 5})),
-        ("response_format", "response_format", dict(response_format={"type": "json_object"})),
+        ("a logit_bias key that is no token id", "logit_bias", dict(logit_bias={"x": 5})),
+        ("an unknown response_format type", "response_format", dict(response_format={"type": "yaml"})),
         ("n = 2", "n", dict(n=2)),
         ("store = true", "store", dict(store=True)),
         ("the deprecated functions", "functions", dict(functions=[WEATHER["function"]])),
@@ -278,8 +280,16 @@ def tools():
             finish = [c.choices[0].finish_reason for c in stream if c.choices and c.choices[0].finish_reason]
             check(finish and finish[-1] in ("stop", "length", "tool_calls"), "a streamed chat with tools ends with a finish reason")
             create = s.client.chat.completions.create
-            refused("tool_choice required", "tool_choice",
-                    lambda: create(model="any", messages=messages, tools=[WEATHER], tool_choice="required"))
+            # A random model under the forced call's grammar: a call, or its start if cut short.
+            forced = create(model="any", messages=messages[:1], tools=[WEATHER], tool_choice="required",
+                            max_tokens=40, temperature=0).choices[0]
+            calls = forced.message.tool_calls or []
+            check(
+                (forced.finish_reason == "tool_calls" and calls[0].function.name == "get_weather"
+                 and isinstance(json.loads(calls[0].function.arguments), dict))
+                or (forced.finish_reason == "length" and forced.message.content.startswith('{"name": "get_weather"')),
+                f"tool_choice required through a tools template is a call: {forced.message}",
+            )
             refused("a tool message without tool_call_id", "messages[1].tool_call_id",
                     lambda: create(model="any", messages=[messages[0], {"role": "tool", "content": "18"}], tools=[WEATHER]))
             refused("a tool named with a special token", "tools",
@@ -433,11 +443,77 @@ def structured(s):
     check(error(extra_body={"stop_token_ids": [999999999]}) == "stop_token_ids", "an out-of-vocabulary stop token is a 400")
 
 
+CLOCK = {"type": "function", "function": {"name": "now", "description": "The time now."}}
+
+
+def forced_tools(s):
+    """tool_choice required / named on SmolLM2, whose template knows no tools: a grammar forces the call."""
+    question = "What is the weather like in Paris today?"
+    for seed in range(3):
+        r = chat(s, question, tools=[WEATHER, CLOCK], temperature=1.0, seed=seed, max_tokens=60,
+                 tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        choice = r.choices[0]
+        calls = choice.message.tool_calls or []
+        args = json.loads(calls[0].function.arguments) if calls else None
+        check(
+            choice.finish_reason == "tool_calls" and len(calls) == 1 and calls[0].function.name == "get_weather"
+            and calls[0].id.startswith("call_") and isinstance(args.get("city"), str)
+            and not choice.message.content,
+            f"a named tool_choice is that call, its arguments under the schema (seed {seed}): {args}",
+        )
+    r = chat(s, question, tools=[WEATHER, CLOCK], tool_choice="required", temperature=0, max_tokens=60)
+    calls = r.choices[0].message.tool_calls or []
+    check(len(calls) == 1 and calls[0].function.name in ("get_weather", "now"),
+          f"tool_choice required makes a call ({calls[0].function.name if calls else None})")
+    stream = chat(s, question, tools=[WEATHER], tool_choice="required", temperature=0, max_tokens=60, stream=True)
+    deltas, finish = [], None
+    for chunk in stream:
+        if chunk.choices:
+            deltas += chunk.choices[0].delta.tool_calls or []
+            finish = chunk.choices[0].finish_reason or finish
+    check(finish == "tool_calls" and deltas and deltas[0].function.name == "get_weather"
+          and "city" in json.loads("".join(d.function.arguments or "" for d in deltas)),
+          "a forced call streams as tool_calls deltas")
+    for body, param in [
+        (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "other"}}), "tool_choice"),
+        (dict(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"}), "tool_choice"),
+        (dict(tools=[WEATHER]), "tools"),
+    ]:
+        refused(f"{sorted(body)} on a template without tools", param, lambda: chat(s, "hi", max_tokens=4, **body))
+
+
+def langchain(s):
+    """LangChain's bind_tools and with_structured_output, as an agent framework drives the server."""
+    try:
+        from langchain_openai import ChatOpenAI
+        from pydantic import BaseModel
+    except ImportError:
+        raise SystemExit("langchain-openai is missing: pip install langchain-openai (scripts/test.sh does)")
+
+    class Person(BaseModel):
+        name: str
+        age: int
+
+    def get_weather(city: str) -> str:
+        """The weather in a city now."""
+        return "sunny"
+
+    llm = ChatOpenAI(base_url=s.url + "/v1", api_key="none", model="any", temperature=0, max_tokens=60, max_retries=0)
+    reply = llm.bind_tools([get_weather], tool_choice="get_weather").invoke("What is the weather in Paris?")
+    check(len(reply.tool_calls) == 1 and reply.tool_calls[0]["name"] == "get_weather"
+          and isinstance(reply.tool_calls[0]["args"].get("city"), str),
+          f"LangChain bind_tools gets the call: {reply.tool_calls}")
+    person = llm.with_structured_output(Person).invoke("Describe a person.")
+    check(isinstance(person, Person), f"LangChain with_structured_output returns the model: {person!r}")
+
+
 def main():
     s = Server()
     try:
         basics(s)
         structured(s)
+        forced_tools(s)
+        langchain(s)
         strictness(s)
         tokenize(s)
         concurrency(s)

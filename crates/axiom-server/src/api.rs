@@ -3,6 +3,7 @@
 //! [`parse_chat`] and [`parse_completion`] directly).
 
 use crate::fields::{self, Endpoints};
+use axiom::engine::tool_choice::{any_tool_call, named_tool_call, ToolSchema};
 use axiom::engine::ConstraintSpec;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -175,13 +176,24 @@ struct FunctionDef {
     strict: Option<bool>,
 }
 
-/// `tool_choice`, as far as the server can honour it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// `tool_choice`.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ToolChoice {
     /// Tools are offered to the template, but the output is not read for calls (as vLLM does).
     None,
     /// The model may call tools; calls in its output are returned as such.
     Auto,
+    /// The output is one call of any of the tools, forced by a grammar over their schemas.
+    Required,
+    /// The output is one call of this function, forced likewise.
+    Function(String),
+}
+
+impl ToolChoice {
+    /// Whether the output is a call whatever the model would say (a grammar forces it).
+    pub fn forces_a_call(&self) -> bool {
+        matches!(self, ToolChoice::Required | ToolChoice::Function(_))
+    }
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -357,10 +369,10 @@ fn check_chat(request: ChatRequest) -> Result<ChatRequest, ApiError> {
     for (i, m) in request.messages.iter().enumerate() {
         check_message(i, m)?;
     }
+    let forced = request.tool_choice()?.forces_a_call();
     for (i, tool) in request.tools.iter().flatten().enumerate() {
-        check_tool(i, tool)?;
+        check_tool(i, tool, forced)?;
     }
-    request.tool_choice()?;
     if request.store {
         return Err(ApiError::invalid(
             "store: this server does not keep completions",
@@ -424,7 +436,9 @@ fn check_message(i: usize, m: &ChatMessage) -> Result<(), ApiError> {
     }
 }
 
-fn check_tool(i: usize, tool: &Value) -> Result<(), ApiError> {
+/// `forced`: whether `tool_choice` forces a call, by a grammar that enforces each tool's schema
+/// (so `strict` holds).
+fn check_tool(i: usize, tool: &Value, forced: bool) -> Result<(), ApiError> {
     let param = format!("tools[{i}]");
     let tool: Tool =
         serde_json::from_value(tool.clone()).map_err(|e| ApiError::invalid(format!("{param}: {e}"), Some(&param)))?;
@@ -434,9 +448,10 @@ fn check_tool(i: usize, tool: &Value) -> Result<(), ApiError> {
             Some(&format!("{param}.type")),
         ));
     }
-    if tool.function.strict == Some(true) {
+    if tool.function.strict == Some(true) && !forced {
         return Err(ApiError::invalid(
-            "strict function schemas need constrained decoding, not available in this server yet",
+            "strict function schemas are enforced only when tool_choice forces a call \
+             (required or a named function)",
             Some(&format!("{param}.function.strict")),
         ));
     }
@@ -560,27 +575,62 @@ impl ChatRequest {
     }
 
     /// `tool_choice`: `auto` by default when tools are offered, as OpenAI's API does.
-    /// `required` and a named function need constrained decoding to force a call.
     pub fn tool_choice(&self) -> Result<ToolChoice, ApiError> {
-        let forced = || {
-            ApiError::invalid(
-                "forcing a tool call (required or a named function) needs constrained decoding, \
-                 not available in this server yet; use auto or none",
-                Some("tool_choice"),
-            )
+        let invalid = |message: String| ApiError::invalid(message, Some("tool_choice"));
+        let choice = match &self.tool_choice {
+            None if self.tools().is_empty() => ToolChoice::None,
+            None => ToolChoice::Auto,
+            Some(Value::String(s)) if s == "none" => ToolChoice::None,
+            Some(Value::String(s)) if s == "auto" => ToolChoice::Auto,
+            Some(Value::String(s)) if s == "required" => ToolChoice::Required,
+            Some(Value::Object(o)) if o.get("type").and_then(Value::as_str) == Some("function") => {
+                let name = o.get("function").and_then(|f| f.get("name")).and_then(Value::as_str);
+                let name = name.ok_or_else(|| invalid("tool_choice.function.name must be a string".into()))?;
+                ToolChoice::Function(name.to_string())
+            }
+            Some(other) => {
+                return Err(invalid(format!(
+                    "tool_choice must be none, auto, required or a function, got {other}"
+                )))
+            }
         };
-        match &self.tool_choice {
-            None if self.tools().is_empty() => Ok(ToolChoice::None),
-            None => Ok(ToolChoice::Auto),
-            Some(Value::String(s)) if s == "none" => Ok(ToolChoice::None),
-            Some(Value::String(s)) if s == "auto" => Ok(ToolChoice::Auto),
-            Some(Value::String(s)) if s == "required" => Err(forced()),
-            Some(Value::Object(o)) if o.get("type").and_then(Value::as_str) == Some("function") => Err(forced()),
-            Some(other) => Err(ApiError::invalid(
-                format!("tool_choice must be none, auto, required or a function, got {other}"),
-                Some("tool_choice"),
-            )),
+        if choice.forces_a_call() && self.tools().is_empty() {
+            return Err(invalid("tool_choice forces a tool call, and no tools are given".into()));
         }
+        Ok(choice)
+    }
+
+    /// The one constraint on the output, and the field that asked for it: a forced tool call's
+    /// grammar, or a structured-output field (not both).
+    pub fn constraint(&self) -> Result<Option<(ConstraintSpec, &'static str)>, ApiError> {
+        let asked = self.sampling.constraint()?;
+        let choice = self.tool_choice()?;
+        if !choice.forces_a_call() {
+            return Ok(asked);
+        }
+        if let Some((_, field)) = asked {
+            return Err(ApiError::invalid(
+                format!("tool_choice forces a tool call, and {field} constrains the output: give one"),
+                Some("tool_choice"),
+            ));
+        }
+        let schemas: Vec<ToolSchema> = self
+            .tools()
+            .iter()
+            .map(|tool| {
+                let function = &tool["function"];
+                ToolSchema {
+                    name: function["name"].as_str().unwrap_or_default(),
+                    parameters: function.get("parameters").filter(|p| !p.is_null()),
+                }
+            })
+            .collect();
+        let spec = match &choice {
+            ToolChoice::Function(name) => named_tool_call(&schemas, name),
+            _ => any_tool_call(&schemas),
+        };
+        let spec = spec.map_err(|e| ApiError::invalid(e.0, Some("tool_choice")))?;
+        Ok(Some((spec, "tool_choice")))
     }
 }
 
@@ -921,9 +971,9 @@ mod tests {
         let tool = r#"{"type":"function","function":{"name":"f","parameters":{"type":"object"}}}"#;
         let call = r#"{"id":"call_1","type":"function","function":{"name":"f","arguments":"{\"a\": 1}"}}"#;
         let tool_cases = [
-            (format!(r#""tools":[{tool}],"tool_choice":"required""#), "tool_choice"),
+            (r#""tool_choice":"required""#.into(), "tool_choice"),
             (
-                format!(r#""tools":[{tool}],"tool_choice":{{"type":"function","function":{{"name":"f"}}}}"#),
+                format!(r#""tools":[{tool}],"tool_choice":{{"type":"function","function":{{}}}}"#),
                 "tool_choice",
             ),
             (r#""tool_choice":"sometimes""#.into(), "tool_choice"),
@@ -938,6 +988,34 @@ mod tests {
             assert_eq!(
                 parse_chat(body.as_bytes()).unwrap_err().param.as_deref(),
                 Some(param),
+                "{extra}"
+            );
+        }
+        // A forced call: its grammar is the one constraint, `strict` holds under it.
+        let forced = |extra: &str| {
+            let body = format!(r#"{{"messages":[{{"role":"user","content":"x"}}],"tools":[{tool}],{extra}}}"#);
+            parse_chat(body.as_bytes()).and_then(|r| r.constraint())
+        };
+        let named = r#""tool_choice":{"type":"function","function":{"name":"f"}}"#;
+        for extra in [r#""tool_choice":"required""#, named] {
+            let (spec, field) = forced(extra).unwrap().unwrap();
+            assert!(
+                matches!(spec, ConstraintSpec::Lark(g) if g.contains(r#"\"f\""#)),
+                "{extra}"
+            );
+            assert_eq!(field, "tool_choice");
+        }
+        assert!(forced(r#""tool_choice":"auto""#).unwrap().is_none());
+        let strict_tool = r#"{"type":"function","function":{"name":"f","strict":true}}"#;
+        let body = format!(r#"{{"messages":[{{"role":"user","content":"x"}}],"tools":[{strict_tool}],{named}}}"#);
+        assert!(parse_chat(body.as_bytes()).is_ok());
+        for extra in [
+            r#""tool_choice":{"type":"function","function":{"name":"g"}}"#.to_owned(),
+            format!(r#"{named},"response_format":{{"type":"json_object"}}"#),
+        ] {
+            assert_eq!(
+                forced(&extra).unwrap_err().param.as_deref(),
+                Some("tool_choice"),
                 "{extra}"
             );
         }

@@ -21,6 +21,7 @@ pub mod tool_output;
 use api::{ApiError, ToolChoice, Usage};
 use axiom::chat::ChatTemplate;
 use axiom::engine::scheduler::{Completion, EngineHandle, Event, EventSink, Request, SubmitError, TokenLogprob};
+use axiom::engine::ConstraintSpec;
 use axiom::tokenizer::Tokenizer;
 use axiom::tool_calls::ToolFormat;
 use axum::body::{Body, Bytes};
@@ -246,7 +247,7 @@ async fn tokenize(State(s): State<Arc<AppState>>, body: Body) -> Result<Json<Val
             messages,
             tools,
             add_generation_prompt,
-        } => s.chat_prompt(messages, tools, add_generation_prompt).await?,
+        } => s.chat_prompt(messages, tools, add_generation_prompt, false).await?,
     };
     let tokens: Vec<Value> = if with_pieces {
         let piece = |id: u32| s.tokenizer.decode(&[id], false).unwrap_or_default();
@@ -294,6 +295,8 @@ struct Job {
     chat: bool,
     /// Reads tool calls out of a chat's output.
     tools: ToolOutput,
+    /// The output's constraint, and the field that asked for it.
+    constraint: Option<(ConstraintSpec, &'static str)>,
 }
 
 impl AppState {
@@ -314,7 +317,7 @@ impl AppState {
     }
 
     /// The tool-call format to read from a chat's output: none unless tools are offered with
-    /// `tool_choice` auto.
+    /// `tool_choice` other than none.
     fn tool_format_for(&self, request: &api::ChatRequest) -> Result<Option<ToolFormat>, ApiError> {
         let choice = request.tool_choice()?;
         if request.tools().is_empty() {
@@ -322,6 +325,9 @@ impl AppState {
         }
         match (choice, self.tool_format) {
             (ToolChoice::None, _) => Ok(None),
+            // A forced call is one `{"name", "arguments"}` object (engine::tool_choice), which
+            // the Llama 3 JSON reader takes, whatever format the model would use unforced.
+            (ToolChoice::Required | ToolChoice::Function(_), _) => Ok(Some(ToolFormat::Llama3Json)),
             (ToolChoice::Auto, Some(format)) => Ok(Some(format)),
             (ToolChoice::Auto, None) => Err(ApiError::invalid(
                 "the format of this model's tool calls is not known from its chat template; \
@@ -331,20 +337,25 @@ impl AppState {
         }
     }
 
-    /// The ids of `messages` and `tools` rendered by the chat template.
+    /// The ids of `messages` and `tools` rendered by the chat template. A template that takes
+    /// no tools is refused them, unless `forced` (a grammar will force a call): then a system
+    /// message describes them.
     async fn chat_prompt(
         self: &Arc<Self>,
-        messages: Vec<axiom::chat::Message>,
-        tools: Vec<Value>,
+        mut messages: Vec<axiom::chat::Message>,
+        mut tools: Vec<Value>,
         add_generation_prompt: bool,
+        forced: bool,
     ) -> Result<Vec<u32>, ApiError> {
-        // Where the lead wires constrained decoding: `required` or a named function, forced by a
-        // grammar, would make calls on a template without tools too.
         if !tools.is_empty() && !self.template.as_ref().is_some_and(ChatTemplate::takes_tools) {
-            return Err(ApiError::invalid(
-                "this model's chat template does not take tools",
-                Some("tools"),
-            ));
+            if !forced {
+                return Err(ApiError::invalid(
+                    "this model's chat template does not take tools (tool_choice required or a \
+                     named function still works: a grammar forces the call)",
+                    Some("tools"),
+                ));
+            }
+            describe_tools(&mut messages, &std::mem::take(&mut tools));
         }
         let tools_text = serde_json::to_string(&tools).unwrap_or_default();
         self.check_fits(
@@ -434,8 +445,10 @@ async fn chat_completions(
         record.user(user);
     }
     let logprobs = request.logprobs()?;
+    let constraint = request.constraint()?;
+    let forced = request.tool_choice()?.forces_a_call();
     let prompt = s
-        .chat_prompt(request.template_messages()?, request.tools().to_vec(), true)
+        .chat_prompt(request.template_messages()?, request.tools().to_vec(), true, forced)
         .await?;
     let format = s.tool_format_for(&request)?;
     let job = Job {
@@ -444,6 +457,7 @@ async fn chat_completions(
         default_max_tokens: None,
         logprobs,
         tools: ToolOutput::new(format, request.parallel_tool_calls.unwrap_or(true)),
+        constraint,
         request: request.sampling,
         chat: true,
     };
@@ -490,11 +504,27 @@ async fn completions(
         max_tokens: request.max_tokens,
         default_max_tokens: Some(16),
         logprobs,
+        constraint: request.sampling.constraint()?,
         request: request.sampling,
         chat: false,
         tools: ToolOutput::new(None, true),
     };
     run(&s, job, record).await
+}
+
+/// Tells a model whose chat template takes no tools what `tools` it may call, in a system message
+/// (the first one, or a new one before the others), and how a call is written.
+fn describe_tools(messages: &mut Vec<axiom::chat::Message>, tools: &[Value]) {
+    let functions: Vec<&Value> = tools.iter().map(|tool| &tool["function"]).collect();
+    let text = format!(
+        "You can call these functions, given as JSON:\n{}\nTo call one, answer with a JSON object \
+         {{\"name\": the function's name, \"arguments\": an object of its arguments}}.",
+        serde_json::to_string_pretty(&functions).unwrap_or_default()
+    );
+    match messages.first_mut() {
+        Some(first) if first.role == "system" => first.content = format!("{}\n\n{text}", first.content),
+        _ => messages.insert(0, axiom::chat::Message::new("system", &text)),
+    }
 }
 
 /// The answer to a request the engine did not accept; `constraint_field` names the field that
@@ -550,7 +580,7 @@ async fn run(s: &Arc<AppState>, job: Job, record: Arc<RequestRecord>) -> Result<
     let (tx, rx) = unbounded_channel();
     let stream = job.request.stream;
     let include_usage = job.request.stream_options.as_ref().is_some_and(|o| o.include_usage);
-    let (constraint, constraint_field) = job.request.constraint()?.unzip();
+    let (constraint, constraint_field) = job.constraint.unzip();
     let request = Request {
         prompt: job.prompt,
         sampling: job.request.sampler(id.as_u64_pair().0),

@@ -50,10 +50,15 @@ fn calls_grammar(tools: &[ToolSchema]) -> Result<ConstraintSpec, ConstraintError
         if tool.name.is_empty() {
             return Err(ConstraintError(format!("tool {i} has no name")));
         }
-        let parameters = tool
+        let mut parameters = tool
             .parameters
             .cloned()
-            .unwrap_or_else(|| json!({"type": "object", "properties": {}, "additionalProperties": false}));
+            .unwrap_or_else(|| json!({"type": "object", "properties": {}}));
+        // A call's arguments are the function's parameters: one it does not name would fail the
+        // call, so the grammar offers none unless the schema asks for them.
+        if let Some(object) = parameters.as_object_mut() {
+            object.entry("additionalProperties").or_insert(Value::Bool(false));
+        }
         let parameters = with_json_options(parameters, true)
             .map_err(|e| ConstraintError(format!("the parameters of tool {:?}: {e}", tool.name)))?;
         // Lark string literals are JSON strings; the name inside one is a JSON string too.
@@ -99,6 +104,17 @@ mod tests {
             "{any}"
         );
         assert!(any.contains("args_1: %json {"), "{any}");
+        // Arguments the function does not name are not offered, unless its schema allows them.
+        assert_eq!(any.matches(r#""additionalProperties":false"#).count(), 2, "{any}");
+        let open = json!({"type": "object", "additionalProperties": true});
+        let open_tool = ToolSchema {
+            name: "open",
+            parameters: Some(&open),
+        };
+        let ConstraintSpec::Lark(kept) = any_tool_call(&[open_tool]).unwrap() else {
+            panic!("not a Lark grammar")
+        };
+        assert!(kept.contains(r#""additionalProperties":true"#), "{kept}");
         let ConstraintSpec::Lark(named) = named_tool_call(&tools, "now").unwrap() else {
             panic!("not a Lark grammar")
         };
