@@ -360,16 +360,16 @@ fn a_closed_stdout_ends_commands_quietly() {
         &["bench", "-m", m, "-p", "8", "-n", "2", "-r", "1", "-t", "1"],
     ];
     for args in commands {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_axiom"))
+        // The pipe's reader is gone before the command starts (as `| head -1` is after its line,
+        // but without the race), so every write to stdout fails.
+        let (reader, writer) = std::io::pipe().unwrap();
+        drop(reader);
+        let out = Command::new(env!("CARGO_BIN_EXE_axiom"))
             .args(args)
-            .stdout(Stdio::piped())
+            .stdout(writer)
             .stderr(Stdio::piped())
-            .spawn()
+            .output()
             .unwrap();
-        // The reader goes before anything is written (as `| head -1` does after its line, but
-        // without the race), so every write to stdout fails.
-        drop(child.stdout.take());
-        let out = child.wait_with_output().unwrap();
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(!err.contains("panicked"), "{args:?}: {err}");
         assert_eq!(out.status.code(), Some(141), "{args:?}: {err}");
