@@ -23,9 +23,10 @@ fn nvrtc_compiles_every_kernel_for_hopper_and_ampere() {
     }
 }
 
-/// Each kernel parameter struct has the same size, and each field the same offset and size, in
-/// Rust (params.rs) as in CUDA (kernels/params.cuh): NVRTC compiles globals initialised with the
-/// CUDA side's sizeof and offsetof, whose values the PTX spells out, so no GPU is needed.
+/// Each kernel parameter struct has the same size, and each field the same offset, size and kind
+/// (int, unsigned, float, 64-bit), in Rust (params.rs) as in CUDA (kernels/params.cuh): NVRTC
+/// compiles globals initialised with the CUDA side's values, which the PTX spells out, so no GPU
+/// is needed.
 #[test]
 fn kernel_params_are_laid_out_alike_in_rust_and_cuda() {
     use axiom::backend::cuda::{kernels::SOURCES, params::layouts};
@@ -36,7 +37,27 @@ fn kernel_params_are_laid_out_alike_in_rust_and_cuda() {
         .collect();
     // What Rust says each probe's value is, by the global that holds CUDA's.
     let mut expected = Vec::new();
-    let mut probes = String::new();
+    // Each field's kind of scalar, so that an `int` and a `float` (or unsigned) of one size differ:
+    // 1 int, 2 unsigned, 3 float, 4 a 64-bit integer or pointer, 0 a struct; arrays their element's.
+    let mut probes = String::from(
+        "template <class T> struct kind_of { static const unsigned long long value = 0; };\n\
+         template <> struct kind_of<int> { static const unsigned long long value = 1; };\n\
+         template <> struct kind_of<unsigned> { static const unsigned long long value = 2; };\n\
+         template <> struct kind_of<float> { static const unsigned long long value = 3; };\n\
+         template <> struct kind_of<unsigned long long> { static const unsigned long long value = 4; };\n\
+         template <class T> struct kind_of<T*> { static const unsigned long long value = 4; };\n\
+         template <class T, int N> struct kind_of<T[N]> { static const unsigned long long value = kind_of<T>::value; };\n",
+    );
+    let rust_kind = |ty: &str| {
+        let element = ty.trim_start_matches('[').split(';').next().unwrap_or(ty);
+        match element {
+            "i32" => 1,
+            "u32" => 2,
+            "f32" => 3,
+            "u64" => 4,
+            _ => 0,
+        }
+    };
     let mut probe = |global: String, cuda: String, rust: usize| {
         probes.push_str(&format!("__device__ unsigned long long {global} = {cuda};\n"));
         expected.push((global, rust));
@@ -55,6 +76,11 @@ fn kernel_params_are_laid_out_alike_in_rust_and_cuda() {
                 format!("{name}_{f}_size"),
                 format!("sizeof((({name}*)0)->{f})"),
                 field.size,
+            );
+            probe(
+                format!("{name}_{f}_kind"),
+                format!("kind_of<decltype((({name}*)0)->{f})>::value"),
+                rust_kind(field.ty),
             );
         }
     }

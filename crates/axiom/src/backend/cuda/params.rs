@@ -15,6 +15,8 @@ pub struct FieldLayout {
     pub name: &'static str,
     pub offset: usize,
     pub size: usize,
+    /// Its Rust type, as written (`i32`, `[u64; MAX_MATRICES]`).
+    pub ty: &'static str,
 }
 
 /// A kernel's parameter struct: `launch` passes it as the kernel's one argument, and refuses a
@@ -51,6 +53,7 @@ macro_rules! kernel_params {
                     name: stringify!($field),
                     offset: std::mem::offset_of!($name, $field),
                     size: std::mem::size_of::<$ty>(),
+                    ty: stringify!($ty),
                 }),*],
             }),*]
         }
