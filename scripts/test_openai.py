@@ -409,6 +409,9 @@ def full_queue():
         with ThreadPoolExecutor(6) as pool:
             codes = list(pool.map(slow, range(6)))
         check(200 in codes and 503 in codes, f"a full queue answers 503 at once ({sorted(codes)})")
+        r = chat(s, "Say hi.", n=2, max_tokens=4, temperature=0)
+        check(len(r.choices) == 2, "with one running sequence, the second choice waits its turn")
+        refused("n beyond the queue", "n", lambda: chat(s, "Say hi.", n=3, max_tokens=4))
     finally:
         s.stop()
 

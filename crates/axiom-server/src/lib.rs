@@ -603,9 +603,17 @@ async fn run(s: &Arc<AppState>, job: Job, record: Arc<RequestRecord>) -> Result<
             Some("max_tokens"),
         ));
     }
+    let choices = job.request.choices();
+    // The choices after the first are queued together.
+    let max_queue = s.engine.max_queue();
+    if choices - 1 > max_queue {
+        return Err(ApiError::invalid(
+            format!("n = {choices} is more choices than this server's queue (--max-queue {max_queue}) takes at once"),
+            Some("n"),
+        ));
+    }
     // Random, so ids stay unique across restarts and seeds differ between requests.
     let id = uuid::Uuid::new_v4();
-    let choices = job.request.choices();
     let (tx, mut rx) = unbounded_channel();
     let include_usage = job.request.stream_options.as_ref().is_some_and(|o| o.include_usage);
     let (constraint, constraint_field) = job.constraint.unzip();
