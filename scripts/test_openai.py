@@ -2,6 +2,7 @@
 """`axiom serve` through the official `openai` client, on 127.0.0.1 with the default model.
 
 Chat and completions, streaming and not, stop strings, max_tokens, seeds, logprobs, errors,
+several choices (n) sharing their prompt's KV pages,
 structured output (response_format json_schema, guided_choice, logit_bias, stop_token_ids),
 forced tool calls (tool_choice required and named) on a template without tools, LangChain's
 bind_tools and with_structured_output,
@@ -213,7 +214,7 @@ def strictness(s):
         ("an unknown field", "frobnicate", dict(extra_body={"frobnicate": 1})),
         ("a logit_bias key that is no token id", "logit_bias", dict(logit_bias={"x": 5})),
         ("an unknown response_format type", "response_format", dict(response_format={"type": "yaml"})),
-        ("n = 2", "n", dict(n=2)),
+        ("n = 17", "n", dict(n=17)),
         ("store = true", "store", dict(store=True)),
         ("the deprecated functions", "functions", dict(functions=[WEATHER["function"]])),
         ("reasoning_effort", "reasoning_effort", dict(reasoning_effort="low")),
@@ -301,6 +302,70 @@ def tools():
             s.stop()
 
 
+def choices(s):
+    """`n` > 1: every choice comes back with its index, whole and streamed; the siblings of the
+    first share its prompt's KV pages; seeds make choices reproducible; a dropped stream frees all."""
+    # A prompt no earlier request began with, many KV pages long.
+    prompt = f"Request {time.time_ns()}. " + "Tell me about the sea and its many fish. " * 20
+    cached_before = s.metric("axiom_prompt_tokens_cached_total")
+    r = chat(s, prompt, n=3, max_tokens=12, temperature=1.0, seed=5)
+    check([c.index for c in r.choices] == [0, 1, 2] and all(c.finish_reason for c in r.choices),
+          "n = 3 gives choices 0, 1 and 2, each finished")
+    texts = [c.message.content for c in r.choices]
+    check(len(set(texts)) > 1, "sampled choices differ (each has its own seed)")
+    shared = r.usage.prompt_tokens_details.cached_tokens
+    check(r.usage.prompt_tokens > 100 and shared >= r.usage.prompt_tokens - 16,
+          f"choices 1 and 2 reuse choice 0's prompt pages ({shared} of {r.usage.prompt_tokens} prompt tokens cached)")
+    check(s.metric("axiom_prompt_tokens_cached_total") - cached_before >= 2 * shared,
+          "both siblings took the prompt from the prefix cache")
+    again = chat(s, prompt, n=3, max_tokens=12, temperature=1.0, seed=5)
+    check([c.message.content for c in again.choices] == texts, "the same seed gives the same n choices")
+    one = chat(s, prompt, max_tokens=12, temperature=1.0, seed=5)
+    check(one.choices[0].message.content == texts[0], "choice 0 samples as the same request with n = 1")
+    greedy = chat(s, prompt, n=3, max_tokens=12, temperature=0)
+    check(len({c.message.content for c in greedy.choices}) == 1, "greedy choices are equal")
+
+    stream = chat(s, prompt, n=3, max_tokens=12, temperature=1.0, seed=5, stream=True,
+                  stream_options={"include_usage": True})
+    streamed, finishes, usage = {}, {}, []
+    for chunk in stream:
+        if chunk.usage:
+            usage.append(chunk.usage)
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + (c.delta.content or "")
+            if c.finish_reason:
+                finishes[c.index] = c.finish_reason
+    check([streamed.get(i) for i in range(3)] == texts and sorted(finishes) == [0, 1, 2],
+          "streamed choices interleave by index, each finishes, and equal the whole ones")
+    check(len(usage) == 1 and usage[0].completion_tokens == r.usage.completion_tokens, "one usage chunk counts every choice")
+
+    c = s.client.completions.create(model="any", prompt=prompt, n=2, best_of=2, max_tokens=5, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    solo = s.client.completions.create(model="any", prompt=prompt, max_tokens=5, temperature=0)
+    check([x.index for x in c.choices] == [0, 1] and c.choices[0].text == c.choices[1].text,
+          "completions take n = 2 with best_of = 2")
+    check((c.usage.prompt_tokens, c.usage.completion_tokens) == (solo.usage.prompt_tokens, 10),
+          "usage counts the prompt once and sums the choices' completions")
+    refused("best_of other than n", "best_of", lambda: s.client.completions.create(
+        model="any", prompt="x", n=2, best_of=3))
+    refused("n = 0", "n", lambda: s.client.completions.create(model="any", prompt="x", n=0))
+    guided = s.client.completions.create(model="any", prompt="My favourite colour is", n=3, max_tokens=5,
+                                         temperature=1.0, extra_body={"guided_choice": ["red", "green", "blue"]})
+    check(all(x.text in ("red", "green", "blue") for x in guided.choices) and len(guided.choices) == 3,
+          f"each choice has its own constraint: {[x.text for x in guided.choices]}")
+
+    stream = chat(s, prompt, n=3, max_tokens=400, temperature=1.0, stream=True)
+    for i, _ in enumerate(stream):
+        if i == 6:
+            stream.close()
+            break
+    deadline = time.time() + 10
+    while time.time() < deadline and (s.metric("axiom_kv_pages_used") or s.metric("axiom_running_sequences")):
+        time.sleep(0.1)
+    check(s.metric("axiom_kv_pages_used") == 0 and s.metric("axiom_running_sequences") == 0,
+          "a dropped stream of 3 choices cancels them all: no KV page in use")
+
+
 def concurrency(s):
     prompts = [f"Write a short poem about the number {i}." for i in range(32)]
     solo = [chat(s, p, max_tokens=24, temperature=0).choices[0].message.content for p in prompts]
@@ -344,6 +409,9 @@ def full_queue():
         with ThreadPoolExecutor(6) as pool:
             codes = list(pool.map(slow, range(6)))
         check(200 in codes and 503 in codes, f"a full queue answers 503 at once ({sorted(codes)})")
+        r = chat(s, "Say hi.", n=2, max_tokens=4, temperature=0)
+        check(len(r.choices) == 2, "with one running sequence, the second choice waits its turn")
+        refused("n beyond the queue", "n", lambda: chat(s, "Say hi.", n=3, max_tokens=4))
     finally:
         s.stop()
 
@@ -515,6 +583,7 @@ def main():
         forced_tools(s)
         langchain(s)
         strictness(s)
+        choices(s)
         tokenize(s)
         concurrency(s)
     except Exception:

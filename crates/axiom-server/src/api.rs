@@ -246,6 +246,8 @@ pub struct CompletionRequest {
 pub const MAX_TOP_LOGPROBS: usize = 20;
 /// Most alternatives `logprobs` (completions) may ask for.
 pub const MAX_COMPLETION_LOGPROBS: usize = 5;
+/// Most choices (`n`) one request may ask for.
+pub const MAX_CHOICES: usize = 16;
 /// Most stop strings, as OpenAI allows.
 pub const MAX_STOPS: usize = 4;
 
@@ -466,13 +468,16 @@ pub fn parse_completion(body: &[u8]) -> Result<CompletionRequest, ApiError> {
     if request.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
         return Err(ApiError::invalid("suffix is not supported", Some("suffix")));
     }
-    if request.best_of.is_some_and(|n| n != 1) {
+    request.sampling.check()?;
+    if request
+        .best_of
+        .is_some_and(|b| b as usize != request.sampling.choices())
+    {
         return Err(ApiError::invalid(
-            "only best_of = 1 is supported (the engine does not fork sequences)",
+            "best_of must equal n: returning the best of more candidates (ranked by log-probability) is not supported",
             Some("best_of"),
         ));
     }
-    request.sampling.check()?;
     Ok(request)
 }
 
@@ -673,11 +678,8 @@ impl Sampling {
         }
         self.logit_bias()?;
         self.constraint()?;
-        if self.n.is_some_and(|n| n != 1) {
-            return Err(ApiError::invalid(
-                "only n = 1 is supported (the engine does not fork sequences)",
-                Some("n"),
-            ));
+        if let Some(n) = self.n {
+            in_range(n.into(), 1, MAX_CHOICES as i64, "n")?;
         }
         if self
             .service_tier
@@ -783,6 +785,11 @@ impl Sampling {
             found = Some((spec, field));
         }
         Ok(found)
+    }
+
+    /// How many choices to generate (`n`, checked to be 1 to [`MAX_CHOICES`]).
+    pub fn choices(&self) -> usize {
+        self.n.map_or(1, |n| n as usize)
     }
 
     /// The engine's sampler settings: OpenAI's defaults (temperature 1, no top-k, top-p 1),
@@ -901,16 +908,35 @@ pub struct PromptTokensDetails {
 }
 
 impl Usage {
-    pub fn from(c: &axiom::engine::scheduler::Completion) -> Usage {
+    /// The usage of a request's choices, as OpenAI and vLLM count it: the prompt once, the
+    /// completions summed; cached are the most prompt tokens any choice took from the prefix
+    /// cache (choices after the first reuse the first one's prompt pages).
+    pub fn of(choices: &[axiom::engine::scheduler::Completion]) -> Usage {
+        let prompt_tokens = choices.first().map_or(0, |c| c.prompt_tokens);
+        let completion_tokens = choices.iter().map(|c| c.completion_tokens).sum();
         Usage {
-            prompt_tokens: c.prompt_tokens,
-            completion_tokens: c.completion_tokens,
-            total_tokens: c.prompt_tokens + c.completion_tokens,
+            prompt_tokens,
+            completion_tokens,
+            total_tokens: prompt_tokens + completion_tokens,
             prompt_tokens_details: PromptTokensDetails {
-                cached_tokens: c.cached_tokens,
+                cached_tokens: choices.iter().map(|c| c.cached_tokens).max().unwrap_or(0),
             },
         }
     }
+}
+
+/// The seed of choice `choice` of a request sampled with `seed`: the seed itself for the first
+/// (so `n` = 1 and choice 0 agree), a mix of both for the others, so that choices differ and a
+/// request repeated with its seed gives the same choices.
+pub fn choice_seed(seed: u64, choice: usize) -> u64 {
+    if choice == 0 {
+        return seed;
+    }
+    // SplitMix64's finalizer: nearby inputs give unrelated outputs.
+    let mut z = seed.wrapping_add((choice as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
 }
 
 #[cfg(test)]
@@ -949,7 +975,7 @@ mod tests {
                 br#"{"messages":[{"role":"user","content":"x"}],"repetition_penalty":0}"#,
                 Some("repetition_penalty"),
             ),
-            (br#"{"messages":[{"role":"user","content":"x"}],"n":2}"#, Some("n")),
+            (br#"{"messages":[{"role":"user","content":"x"}],"n":17}"#, Some("n")),
             (
                 br#"{"messages":[{"role":"user","content":"x"}],"stop":["a","b","c","d","e"]}"#,
                 Some("stop"),
@@ -1045,7 +1071,30 @@ mod tests {
             json!({"a": 1})
         );
         assert_eq!(messages[1].tool_call_id.as_deref(), Some("call_1"));
-        assert!(parse_completion(br#"{"prompt":"x","best_of":2}"#).is_err());
+        assert_eq!(
+            parse_completion(br#"{"prompt":"x","best_of":2}"#)
+                .unwrap_err()
+                .param
+                .as_deref(),
+            Some("best_of")
+        );
+        assert_eq!(
+            parse_completion(br#"{"prompt":"x","n":0}"#)
+                .unwrap_err()
+                .param
+                .as_deref(),
+            Some("n")
+        );
+        assert_eq!(
+            parse_completion(br#"{"prompt":"x","n":3,"best_of":3}"#)
+                .unwrap()
+                .sampling
+                .choices(),
+            3
+        );
+        let seeds: Vec<u64> = (0..3).map(|i| choice_seed(7, i)).collect();
+        assert_eq!(seeds[0], 7);
+        assert!(seeds[1] != seeds[0] && seeds[2] != seeds[1] && seeds[2] != seeds[0]);
         let text = |body: &[u8]| match parse_tokenize(body).unwrap().0 {
             TokenizeInput::Text { text, add_special, .. } => (text, add_special),
             TokenizeInput::Chat { .. } => panic!("not text"),

@@ -5,10 +5,10 @@
 //! Connections are accepted and bounded in [`connections`]; layers in front of the routes
 //! decide who may call ([`callers`]), log each request and count refusals ([`request_log`]).
 //! A request's body is read within a deadline, parsed ([`api`]) and tokenized on a blocking
-//! thread, then submitted; the engine's events come back through a channel, either gathered
-//! into one JSON response or streamed as server-sent events ending with `data: [DONE]`. A
-//! client that goes away drops that channel, which the scheduler notices at its next step: the
-//! sequence is cancelled and its pages freed.
+//! thread, then submitted, once per choice (`n`); the events of every choice come back through
+//! one channel, either gathered into one JSON response or streamed as server-sent events ending
+//! with `data: [DONE]`. A client that goes away drops that channel, which the scheduler notices
+//! at its next step: every choice's sequence is cancelled and its pages freed.
 
 pub mod api;
 pub mod callers;
@@ -20,7 +20,9 @@ pub mod tool_output;
 
 use api::{ApiError, ToolChoice, Usage};
 use axiom::chat::ChatTemplate;
-use axiom::engine::scheduler::{Completion, EngineHandle, Event, EventSink, Request, SubmitError, TokenLogprob};
+use axiom::engine::scheduler::{
+    Completion, EngineHandle, Event, EventSink, Request, SubmitError, TokenEvent, TokenLogprob,
+};
 use axiom::engine::ConstraintSpec;
 use axiom::tokenizer::Tokenizer;
 use axiom::tool_calls::ToolFormat;
@@ -41,7 +43,7 @@ use serde_json::{json, Value};
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
-use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
+use tokio::sync::mpsc::{unbounded_channel, UnboundedSender};
 use tokio::sync::Semaphore;
 use tool_output::ToolOutput;
 use tower_http::limit::RequestBodyLimitLayer;
@@ -293,8 +295,9 @@ struct Job {
     default_max_tokens: Option<usize>,
     logprobs: Option<usize>,
     chat: bool,
-    /// Reads tool calls out of a chat's output.
-    tools: ToolOutput,
+    /// The format of tool calls to read out of a chat's output; none: all text is content.
+    tool_format: Option<ToolFormat>,
+    parallel_tool_calls: bool,
     /// The output's constraint, and the field that asked for it.
     constraint: Option<(ConstraintSpec, &'static str)>,
 }
@@ -456,7 +459,8 @@ async fn chat_completions(
         max_tokens: request.max_tokens(),
         default_max_tokens: None,
         logprobs,
-        tools: ToolOutput::new(format, request.parallel_tool_calls.unwrap_or(true)),
+        tool_format: format,
+        parallel_tool_calls: request.parallel_tool_calls.unwrap_or(true),
         constraint,
         request: request.sampling,
         chat: true,
@@ -507,7 +511,8 @@ async fn completions(
         constraint: request.sampling.constraint()?,
         request: request.sampling,
         chat: false,
-        tools: ToolOutput::new(None, true),
+        tool_format: None,
+        parallel_tool_calls: true,
     };
     run(&s, job, record).await
 }
@@ -540,16 +545,39 @@ fn refusal(e: SubmitError, constraint_field: Option<&'static str>) -> ApiError {
     }
 }
 
-/// Delivers engine events into a tokio channel; closed when the handler or stream has gone.
-struct ChannelSink(UnboundedSender<Event>);
+/// Delivers one choice's engine events, with the choice's index, into the request's tokio
+/// channel; closed when the handler or stream has gone, which cancels every choice.
+struct ChannelSink {
+    tx: UnboundedSender<(usize, Event)>,
+    choice: usize,
+}
 
 impl EventSink for ChannelSink {
     fn send(&mut self, event: Event) -> bool {
-        self.0.send(event).is_ok()
+        self.tx.send((self.choice, event)).is_ok()
     }
     fn is_closed(&self) -> bool {
-        self.0.is_closed()
+        self.tx.is_closed()
     }
+}
+
+impl AppState {
+    /// Hands one choice's request to the engine; `constraint_field` names the field of its
+    /// constraint in a refusal.
+    async fn submit(&self, request: Request, constraint_field: Option<&'static str>) -> Result<(), ApiError> {
+        if request.constraint.is_some() {
+            // Compiling a schema or grammar takes CPU time: off the async threads, as tokenizing is.
+            let engine = self.engine.clone();
+            self.tokenize(move || engine.submit(request).map_err(|e| refusal(e, constraint_field)))
+                .await
+        } else {
+            self.engine.submit(request).map_err(|e| refusal(e, constraint_field))
+        }
+    }
+}
+
+fn engine_error(message: impl Into<String>) -> ApiError {
+    ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", message)
 }
 
 async fn run(s: &Arc<AppState>, job: Job, record: Arc<RequestRecord>) -> Result<Response, ApiError> {
@@ -575,33 +603,60 @@ async fn run(s: &Arc<AppState>, job: Job, record: Arc<RequestRecord>) -> Result<
             Some("max_tokens"),
         ));
     }
+    let choices = job.request.choices();
+    // The choices after the first are queued together.
+    let max_queue = s.engine.max_queue();
+    if choices - 1 > max_queue {
+        return Err(ApiError::invalid(
+            format!("n = {choices} is more choices than this server's queue (--max-queue {max_queue}) takes at once"),
+            Some("n"),
+        ));
+    }
     // Random, so ids stay unique across restarts and seeds differ between requests.
     let id = uuid::Uuid::new_v4();
-    let (tx, rx) = unbounded_channel();
-    let stream = job.request.stream;
+    let (tx, mut rx) = unbounded_channel();
     let include_usage = job.request.stream_options.as_ref().is_some_and(|o| o.include_usage);
     let (constraint, constraint_field) = job.constraint.unzip();
-    let request = Request {
-        prompt: job.prompt,
-        sampling: job.request.sampler(id.as_u64_pair().0),
+    let sampling = job.request.sampler(id.as_u64_pair().0);
+    let request = |choice: usize| Request {
+        prompt: job.prompt.clone(),
+        sampling: axiom::engine::SamplerConfig {
+            seed: api::choice_seed(sampling.seed, choice),
+            ..sampling.clone()
+        },
         max_tokens,
         stop: job.request.stops(),
         stop_token_ids: job.request.stop_token_ids.clone().unwrap_or_default(),
-        constraint,
+        constraint: constraint.clone(),
         logprobs: job.logprobs,
         ignore_eos: job.request.ignore_eos,
-        sink: Box::new(ChannelSink(tx)),
+        sink: Box::new(ChannelSink { tx: tx.clone(), choice }),
     };
-    if request.constraint.is_some() {
-        // Compiling a schema or grammar takes CPU time: off the async threads, as tokenizing is.
-        let engine = s.engine.clone();
-        s.tokenize(move || engine.submit(request).map_err(|e| refusal(e, constraint_field)))
-            .await?;
-    } else {
-        s.engine.submit(request).map_err(|e| refusal(e, constraint_field))?;
+    s.submit(request(0), constraint_field).await?;
+    let mut first = None;
+    if choices > 1 {
+        // The first choice's first event comes once its prompt is computed and the prompt's full
+        // pages are in the prefix cache (the scheduler indexes them before it takes new
+        // requests), so the others, submitted now, share those pages and compute only the rest.
+        match rx.recv().await {
+            Some((_, Event::Error(e))) => {
+                record.failed();
+                return Err(engine_error(e));
+            }
+            Some(event) => first = Some(event),
+            None => return Err(engine_error("the engine dropped the request")),
+        }
+        for choice in 1..choices {
+            s.submit(request(choice), constraint_field).await?;
+        }
     }
+    // The channel closes once every choice's sink is gone.
+    drop(tx);
+    let events = stream::iter(first).chain(tokio_stream::wrappers::UnboundedReceiverStream::new(rx));
     let shape = Shape {
-        tools: job.tools,
+        tool_format: job.tool_format,
+        parallel_tool_calls: job.parallel_tool_calls,
+        choices,
         id: format!("{}-{}", if job.chat { "chatcmpl" } else { "cmpl" }, id.simple()),
         created: unix_time(),
         model: s.model_id.clone(),
@@ -610,17 +665,19 @@ async fn run(s: &Arc<AppState>, job: Job, record: Arc<RequestRecord>) -> Result<
         tokenizer: s.tokenizer.clone(),
         record,
     };
-    if stream {
-        Ok(Sse::new(sse_stream(shape, rx, include_usage)).into_response())
+    if job.request.stream {
+        Ok(Sse::new(sse_stream(shape, events, include_usage)).into_response())
     } else {
-        whole(shape, rx).await.map(|v| Json(v).into_response())
+        whole(shape, events).await.map(|v| Json(v).into_response())
     }
 }
 
-/// How responses of one request look: ids, object names, chat or text.
+/// How responses of one request look: ids, object names, chat or text, how many choices.
 struct Shape {
-    /// Content and tool calls out of the text.
-    tools: ToolOutput,
+    /// The format of tool calls to read out of each choice's text.
+    tool_format: Option<ToolFormat>,
+    parallel_tool_calls: bool,
+    choices: usize,
     id: String,
     created: u64,
     model: String,
@@ -636,6 +693,11 @@ impl Shape {
         self.tokenizer.decode(&[id], false).unwrap_or_default()
     }
 
+    /// Content and tool calls out of one choice's text.
+    fn tool_output(&self) -> ToolOutput {
+        ToolOutput::new(self.tool_format, self.parallel_tool_calls)
+    }
+
     /// One chat `logprobs.content` entry.
     fn chat_logprob(&self, id: u32, lp: &TokenLogprob) -> Value {
         let entry = |id: u32, logprob: f32| {
@@ -647,13 +709,18 @@ impl Shape {
         e
     }
 
-    fn envelope(&self, chunk: bool, choice: Value) -> Value {
+    fn envelope(&self, chunk: bool, choices: Vec<Value>) -> Value {
         let object = match (self.chat, chunk) {
             (true, true) => "chat.completion.chunk",
             (true, false) => "chat.completion",
             (false, _) => "text_completion",
         };
-        json!({"id": self.id, "object": object, "created": self.created, "model": self.model, "choices": [choice]})
+        json!({"id": self.id, "object": object, "created": self.created, "model": self.model, "choices": choices})
+    }
+
+    /// A streamed chunk of one choice.
+    fn chunk(&self, choice: Value) -> Value {
+        self.envelope(true, vec![choice])
     }
 }
 
@@ -681,165 +748,224 @@ impl TextLogprobs {
     }
 }
 
-/// Gathers every event of a request into one response.
-async fn whole(mut shape: Shape, mut rx: UnboundedReceiver<Event>) -> Result<Value, ApiError> {
-    let mut text = String::new();
-    let mut content = String::new();
-    let mut calls = Vec::new();
-    let mut chat_lps = Vec::new();
-    let mut text_lps = TextLogprobs::default();
-    while let Some(event) = rx.recv().await {
+/// One choice's output gathered for a whole response.
+struct Gathered {
+    tools: ToolOutput,
+    text: String,
+    content: String,
+    calls: Vec<Value>,
+    chat_logprobs: Vec<Value>,
+    text_logprobs: TextLogprobs,
+    done: Option<Completion>,
+}
+
+impl Gathered {
+    fn new(shape: &Shape) -> Gathered {
+        Gathered {
+            tools: shape.tool_output(),
+            text: String::new(),
+            content: String::new(),
+            calls: Vec::new(),
+            chat_logprobs: Vec::new(),
+            text_logprobs: TextLogprobs::default(),
+            done: None,
+        }
+    }
+
+    fn token(&mut self, shape: &Shape, t: &TokenEvent) {
+        if let Some(lp) = &t.logprob {
+            if shape.chat {
+                self.chat_logprobs.push(shape.chat_logprob(t.id, lp));
+            } else {
+                self.text_logprobs.push(shape, t.id, lp, self.text.len());
+            }
+        }
+        self.text.push_str(&t.text);
+        let split = self.tools.push(&t.text);
+        self.take(split);
+    }
+
+    fn take(&mut self, split: tool_output::Split) {
+        self.content.push_str(&split.content);
+        self.calls.extend(split.calls.into_iter().map(|(_, call)| call));
+    }
+
+    fn done(&mut self, c: Completion) {
+        let split = self.tools.finish();
+        self.take(split);
+        self.done = Some(c);
+    }
+
+    /// The response's choice `index`, once done.
+    fn choice(self, shape: &Shape, index: usize, c: &Completion) -> Value {
+        let finish = self.tools.finish_reason(c);
+        let logprobs = match (shape.logprobs, shape.chat) {
+            (false, _) => Value::Null,
+            (true, true) => json!({"content": self.chat_logprobs}),
+            (true, false) => self.text_logprobs.json(),
+        };
+        if shape.chat {
+            let mut message = json!({"role": "assistant", "content": self.content});
+            if !self.calls.is_empty() {
+                message["tool_calls"] = json!(self.calls);
+                if self.content.is_empty() {
+                    message["content"] = Value::Null;
+                }
+            }
+            json!({"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish})
+        } else {
+            json!({"index": index, "text": self.text, "logprobs": logprobs, "finish_reason": finish})
+        }
+    }
+}
+
+/// Gathers every event of a request's choices into one response.
+async fn whole(shape: Shape, mut events: impl Stream<Item = (usize, Event)> + Unpin) -> Result<Value, ApiError> {
+    let mut gathered: Vec<Gathered> = (0..shape.choices).map(|_| Gathered::new(&shape)).collect();
+    let mut open = shape.choices;
+    while open > 0 {
+        let Some((i, event)) = events.next().await else { break };
+        let Some(choice) = gathered.get_mut(i) else { continue };
         match event {
             Event::Token(t) => {
                 shape.record.token();
-                if let Some(lp) = &t.logprob {
-                    if shape.chat {
-                        chat_lps.push(shape.chat_logprob(t.id, lp));
-                    } else {
-                        text_lps.push(&shape, t.id, lp, text.len());
-                    }
-                }
-                text.push_str(&t.text);
-                let split = shape.tools.push(&t.text);
-                content.push_str(&split.content);
-                calls.extend(split.calls.into_iter().map(|(_, call)| call));
+                choice.token(&shape, &t);
             }
             Event::Done(c) => {
                 shape.record.done(&c);
-                let split = shape.tools.finish();
-                content.push_str(&split.content);
-                calls.extend(split.calls.into_iter().map(|(_, call)| call));
-                let finish = shape.tools.finish_reason(&c);
-                let logprobs = match (shape.logprobs, shape.chat) {
-                    (false, _) => Value::Null,
-                    (true, true) => json!({"content": chat_lps}),
-                    (true, false) => std::mem::take(&mut text_lps).json(),
-                };
-                let choice = if shape.chat {
-                    let mut message = json!({"role": "assistant", "content": content});
-                    if !calls.is_empty() {
-                        message["tool_calls"] = json!(calls);
-                        if content.is_empty() {
-                            message["content"] = Value::Null;
-                        }
-                    }
-                    json!({"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish})
-                } else {
-                    json!({"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish})
-                };
-                let mut body = shape.envelope(false, choice);
-                body["usage"] = json!(Usage::from(&c));
-                return Ok(body);
+                choice.done(c);
+                open -= 1;
             }
             Event::Error(e) => {
                 shape.record.failed();
-                return Err(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", e));
+                return Err(engine_error(e));
             }
         }
     }
-    Err(ApiError::new(
-        StatusCode::INTERNAL_SERVER_ERROR,
-        "server_error",
-        "the engine dropped the request",
-    ))
+    let mut choices = Vec::new();
+    let mut completions = Vec::new();
+    for (index, mut choice) in gathered.into_iter().enumerate() {
+        let c = choice
+            .done
+            .take()
+            .ok_or_else(|| engine_error("the engine dropped the request"))?;
+        choices.push(choice.choice(&shape, index, &c));
+        completions.push(c);
+    }
+    let mut body = shape.envelope(false, choices);
+    body["usage"] = json!(Usage::of(&completions));
+    Ok(body)
 }
 
-/// The request's events as server-sent events: a role chunk first (chat), a chunk per piece of
-/// text, a final chunk with the finish reason, the usage if asked, then `[DONE]`.
+/// One choice's state while it streams.
+struct Streamed {
+    tools: ToolOutput,
+    /// Bytes of text sent so far (completions' logprob offsets).
+    offset: usize,
+}
+
+/// The request's events as server-sent events: a role chunk per choice first (chat), a chunk
+/// per piece of a choice's text, a final chunk per choice with its finish reason, the usage of
+/// all choices if asked, then `[DONE]`.
 fn sse_stream(
-    mut shape: Shape,
-    rx: UnboundedReceiver<Event>,
+    shape: Shape,
+    events: impl Stream<Item = (usize, Event)> + Send + 'static,
     include_usage: bool,
 ) -> impl Stream<Item = Result<SseEvent, Infallible>> {
-    let mut tools = std::mem::replace(&mut shape.tools, ToolOutput::new(None, true));
     let shape = Arc::new(shape);
     let data = |v: Value| Ok(SseEvent::default().data(v.to_string()));
-    let opening = shape.chat.then(|| {
-        data(shape.envelope(
-            true,
-            json!({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}),
-        ))
-    });
-    let mut offset = 0usize;
-    let events = tokio_stream::wrappers::UnboundedReceiverStream::new(rx).flat_map(move |event| {
-        let chunks: Vec<Value> = match event {
-            Event::Token(t) => {
+    let openings: Vec<_> = (0..shape.choices)
+        .filter(|_| shape.chat)
+        .map(|index| {
+            data(shape.chunk(
+                json!({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}),
+            ))
+        })
+        .collect();
+    let mut streamed: Vec<Streamed> = (0..shape.choices)
+        .map(|_| Streamed {
+            tools: shape.tool_output(),
+            offset: 0,
+        })
+        .collect();
+    let mut completions = Vec::new();
+    let events = events.flat_map(move |(index, event)| {
+        let chunks: Vec<Value> = match (streamed.get_mut(index), event) {
+            (None, _) => Vec::new(),
+            (Some(choice), Event::Token(t)) => {
                 shape.record.token();
-                let split = tools.push(&t.text);
+                let split = choice.tools.push(&t.text);
                 let mut chunks = Vec::new();
                 if !(split.content.is_empty() && t.logprob.is_none()) {
                     let lp = t.logprob.as_ref();
-                    let choice = if shape.chat {
+                    let delta = if shape.chat {
                         let logprobs = lp.map_or(Value::Null, |lp| json!({"content": [shape.chat_logprob(t.id, lp)]}));
-                        json!({"index": 0, "delta": {"content": split.content}, "logprobs": logprobs, "finish_reason": null})
+                        json!({"index": index, "delta": {"content": split.content}, "logprobs": logprobs, "finish_reason": null})
                     } else {
                         let logprobs = lp.map_or(Value::Null, |lp| {
                             let mut l = TextLogprobs::default();
-                            l.push(&shape, t.id, lp, offset);
+                            l.push(&shape, t.id, lp, choice.offset);
                             l.json()
                         });
-                        json!({"index": 0, "text": t.text, "logprobs": logprobs, "finish_reason": null})
+                        json!({"index": index, "text": t.text, "logprobs": logprobs, "finish_reason": null})
                     };
-                    offset += t.text.len();
-                    chunks.push(shape.envelope(true, choice));
+                    choice.offset += t.text.len();
+                    chunks.push(shape.chunk(delta));
                 }
-                chunks.extend(call_chunks(&shape, split.calls));
+                chunks.extend(call_chunks(&shape, index, split.calls));
                 chunks
             }
-            Event::Done(c) => {
+            (Some(choice), Event::Done(c)) => {
                 shape.record.done(&c);
-                let split = tools.finish();
+                let split = choice.tools.finish();
                 let mut chunks = Vec::new();
                 if !split.content.is_empty() {
-                    chunks.push(shape.envelope(
-                        true,
-                        json!({"index": 0, "delta": {"content": split.content}, "logprobs": null, "finish_reason": null}),
+                    chunks.push(shape.chunk(
+                        json!({"index": index, "delta": {"content": split.content}, "logprobs": null, "finish_reason": null}),
                     ));
                 }
-                chunks.extend(call_chunks(&shape, split.calls));
-                chunks.extend(final_chunks(&shape, &c, tools.finish_reason(&c), include_usage));
+                chunks.extend(call_chunks(&shape, index, split.calls));
+                chunks.push(finish_chunk(&shape, index, choice.tools.finish_reason(&c)));
+                completions.push(c);
+                if include_usage && completions.len() == shape.choices {
+                    let mut usage = shape.envelope(true, Vec::new());
+                    usage["usage"] = json!(Usage::of(&completions));
+                    chunks.push(usage);
+                }
                 chunks
             }
-            Event::Error(e) => {
+            (Some(_), Event::Error(e)) => {
                 shape.record.failed();
-                vec![ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", e).body()]
+                vec![engine_error(e).body()]
             }
         };
         stream::iter(chunks.into_iter().map(data))
     });
-    stream::iter(opening)
+    stream::iter(openings)
         .chain(events)
         .chain(stream::once(async { Ok(SseEvent::default().data("[DONE]")) }))
 }
 
-/// One chunk per tool call, whole: OpenAI's delta shape, with the call's index in the response.
-fn call_chunks(shape: &Shape, calls: Vec<(usize, Value)>) -> Vec<Value> {
+/// One chunk per tool call of choice `choice`, whole: OpenAI's delta shape, with the call's
+/// index in the choice.
+fn call_chunks(shape: &Shape, choice: usize, calls: Vec<(usize, Value)>) -> Vec<Value> {
     calls
         .into_iter()
         .map(|(index, mut call)| {
             call["index"] = json!(index);
-            shape.envelope(
-                true,
-                json!({"index": 0, "delta": {"tool_calls": [call]}, "logprobs": null, "finish_reason": null}),
+            shape.chunk(
+                json!({"index": choice, "delta": {"tool_calls": [call]}, "logprobs": null, "finish_reason": null}),
             )
         })
         .collect()
 }
 
-fn final_chunks(shape: &Shape, c: &Completion, finish: &str, include_usage: bool) -> Vec<Value> {
-    let choice = if shape.chat {
-        json!({"index": 0, "delta": {}, "logprobs": null, "finish_reason": finish})
+fn finish_chunk(shape: &Shape, index: usize, finish: &str) -> Value {
+    shape.chunk(if shape.chat {
+        json!({"index": index, "delta": {}, "logprobs": null, "finish_reason": finish})
     } else {
-        json!({"index": 0, "text": "", "logprobs": null, "finish_reason": finish})
-    };
-    let mut chunks = vec![shape.envelope(true, choice)];
-    if include_usage {
-        let mut usage = shape.envelope(true, Value::Null);
-        usage["choices"] = json!([]);
-        usage["usage"] = json!(Usage::from(c));
-        chunks.push(usage);
-    }
-    chunks
+        json!({"index": index, "text": "", "logprobs": null, "finish_reason": finish})
+    })
 }
 
 /// Serves until `shutdown` resolves, then stops accepting, lets open requests finish (within
@@ -865,12 +991,14 @@ pub async fn serve(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use axiom::engine::scheduler::{FinishReason, TokenEvent};
+    use axiom::engine::scheduler::FinishReason;
 
-    fn shape(tools: ToolOutput) -> Shape {
+    fn shape(tool_format: Option<ToolFormat>, choices: usize) -> Shape {
         let fixture = concat!(env!("CARGO_MANIFEST_DIR"), "/../axiom/tests/fixtures/hf/qwen2");
         Shape {
-            tools,
+            tool_format,
+            parallel_tool_calls: true,
+            choices,
             id: "chatcmpl-test".into(),
             created: 0,
             model: "m".into(),
@@ -881,36 +1009,52 @@ mod tests {
         }
     }
 
-    /// A Qwen-style answer that calls a tool, in the pieces the engine hands on.
-    fn events() -> UnboundedReceiver<Event> {
-        let (tx, rx) = unbounded_channel();
+    fn token(text: &str) -> Event {
+        Event::Token(TokenEvent {
+            id: 0,
+            text: text.into(),
+            logprob: None,
+        })
+    }
+
+    fn done(prompt_tokens: usize, completion_tokens: usize, cached_tokens: usize) -> Event {
+        Event::Done(Completion {
+            finish: FinishReason::Stop,
+            prompt_tokens,
+            completion_tokens,
+            cached_tokens,
+        })
+    }
+
+    /// Choice `choice` of a Qwen-style answer that calls a tool, in the pieces the engine hands on.
+    fn tool_call_events(choice: usize) -> Vec<(usize, Event)> {
         let pieces = [
             "Let me look.",
             "\n<tool_",
             "call>\n{\"name\": \"get_weather\", ",
             "\"arguments\": {\"city\": \"Paris\"}}\n</tool_call>",
         ];
-        for text in pieces {
-            tx.send(Event::Token(TokenEvent {
-                id: 0,
-                text: text.into(),
-                logprob: None,
-            }))
-            .unwrap();
-        }
-        let done = Completion {
-            finish: FinishReason::Stop,
-            prompt_tokens: 5,
-            completion_tokens: 4,
-            cached_tokens: 0,
-        };
-        tx.send(Event::Done(done)).unwrap();
-        rx
+        let mut events: Vec<(usize, Event)> = pieces.iter().map(|text| (choice, token(text))).collect();
+        events.push((choice, done(5, 4, 0)));
+        events
+    }
+
+    async fn streamed_chunks(shape: Shape, events: Vec<(usize, Event)>, include_usage: bool) -> Vec<Value> {
+        let response = Sse::new(sse_stream(shape, stream::iter(events), include_usage)).into_response();
+        let bytes = axum::body::to_bytes(response.into_body(), usize::MAX).await.unwrap();
+        let text = String::from_utf8(bytes.to_vec()).unwrap();
+        let data: Vec<&str> = text.lines().filter_map(|l| l.strip_prefix("data: ")).collect();
+        assert_eq!(data.iter().filter(|d| **d == "[DONE]").count(), 1);
+        assert_eq!(data.last(), Some(&"[DONE]"));
+        data[..data.len() - 1]
+            .iter()
+            .map(|d| serde_json::from_str(d).unwrap())
+            .collect()
     }
 
     #[tokio::test]
     async fn tool_calls_come_back_whole_and_streamed() {
-        let body = whole(shape(ToolOutput::new(Some(ToolFormat::Hermes), true)), events())
+        let body = whole(shape(Some(ToolFormat::Hermes), 1), stream::iter(tool_call_events(0)))
             .await
             .unwrap();
         let choice = &body["choices"][0];
@@ -923,16 +1067,7 @@ mod tests {
         );
         assert!(call["id"].as_str().unwrap().starts_with("call_"));
 
-        let stream = sse_stream(shape(ToolOutput::new(Some(ToolFormat::Hermes), true)), events(), false);
-        let response = Sse::new(stream).into_response();
-        let bytes = axum::body::to_bytes(response.into_body(), usize::MAX).await.unwrap();
-        let chunks: Vec<Value> = String::from_utf8(bytes.to_vec())
-            .unwrap()
-            .lines()
-            .filter_map(|l| l.strip_prefix("data: "))
-            .filter(|d| *d != "[DONE]")
-            .map(|d| serde_json::from_str(d).unwrap())
-            .collect();
+        let chunks = streamed_chunks(shape(Some(ToolFormat::Hermes), 1), tool_call_events(0), false).await;
         let deltas: Vec<&Value> = chunks.iter().map(|c| &c["choices"][0]["delta"]).collect();
         let content: String = deltas.iter().filter_map(|d| d["content"].as_str()).collect();
         assert_eq!(content, "Let me look.\n");
@@ -943,11 +1078,78 @@ mod tests {
         assert_eq!(chunks.last().unwrap()["choices"][0]["finish_reason"], "tool_calls");
 
         // Without a parser (tool_choice none) the same output is content.
-        let body = whole(shape(ToolOutput::new(None, true)), events()).await.unwrap();
+        let body = whole(shape(None, 1), stream::iter(tool_call_events(0))).await.unwrap();
         assert_eq!(body["choices"][0]["finish_reason"], "stop");
         assert!(body["choices"][0]["message"]["content"]
             .as_str()
             .unwrap()
             .contains("<tool_call>"));
+    }
+
+    /// Two choices whose events interleave: choice 1 calls a tool, choice 0 answers in text.
+    fn two_choices() -> Vec<(usize, Event)> {
+        let mut calls = tool_call_events(1).into_iter();
+        let mut events = vec![(0, token("It is "))];
+        events.extend(calls.by_ref().take(2));
+        events.push((0, token("sunny.")));
+        events.push((0, done(5, 2, 0)));
+        events.extend(calls);
+        events
+    }
+
+    #[tokio::test]
+    async fn choices_come_back_each_with_its_index_and_usage_counts_the_prompt_once() {
+        let body = whole(shape(Some(ToolFormat::Hermes), 2), stream::iter(two_choices()))
+            .await
+            .unwrap();
+        let choices = body["choices"].as_array().unwrap();
+        assert_eq!(choices.len(), 2);
+        assert_eq!((&choices[0]["index"], &choices[1]["index"]), (&json!(0), &json!(1)));
+        assert_eq!(choices[0]["message"]["content"], "It is sunny.");
+        assert_eq!(choices[0]["finish_reason"], "stop");
+        assert_eq!(choices[1]["finish_reason"], "tool_calls");
+        assert_eq!(
+            choices[1]["message"]["tool_calls"][0]["function"]["name"],
+            "get_weather"
+        );
+        assert_eq!(
+            body["usage"],
+            json!({"prompt_tokens": 5, "completion_tokens": 6, "total_tokens": 11,
+                   "prompt_tokens_details": {"cached_tokens": 0}})
+        );
+
+        let chunks = streamed_chunks(shape(Some(ToolFormat::Hermes), 2), two_choices(), true).await;
+        let of = |index: usize| -> Vec<&Value> {
+            chunks
+                .iter()
+                .filter_map(|c| c["choices"].get(0))
+                .filter(|c| c["index"] == index)
+                .collect()
+        };
+        let content: String = of(0).iter().filter_map(|c| c["delta"]["content"].as_str()).collect();
+        assert_eq!(content, "It is sunny.");
+        let roles = |index| of(index).iter().filter(|c| c["delta"]["role"] == "assistant").count();
+        assert_eq!((roles(0), roles(1)), (1, 1));
+        let finishes = |index| -> Vec<Value> {
+            of(index)
+                .iter()
+                .map(|c| c["finish_reason"].clone())
+                .filter(|f| !f.is_null())
+                .collect()
+        };
+        assert_eq!(finishes(0), vec![json!("stop")]);
+        assert_eq!(finishes(1), vec![json!("tool_calls")]);
+        // The usage comes once, last, after both choices finished.
+        let usage: Vec<&Value> = chunks.iter().filter(|c| !c["usage"].is_null()).collect();
+        assert_eq!(usage.len(), 1);
+        assert_eq!(usage[0]["usage"]["completion_tokens"], 6);
+        assert_eq!(chunks.last().unwrap()["choices"], json!([]));
+    }
+
+    #[tokio::test]
+    async fn a_choice_that_never_finishes_is_an_error() {
+        let events = vec![(0, token("a")), (0, done(5, 1, 0))];
+        let e = whole(shape(None, 2), stream::iter(events)).await.unwrap_err();
+        assert_eq!(e.status, StatusCode::INTERNAL_SERVER_ERROR);
     }
 }

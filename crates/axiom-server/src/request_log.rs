@@ -43,9 +43,10 @@ impl RequestRecord {
         });
     }
 
+    /// One choice has ended: its tokens add to the request's, its reason is the request's last.
     pub fn done(&self, completion: &Completion) {
         self.with(|o| {
-            o.completion_tokens = Some(completion.completion_tokens);
+            *o.completion_tokens.get_or_insert(0) += completion.completion_tokens;
             o.finish = Some(completion.finish.as_str());
         });
     }

@@ -271,6 +271,11 @@ impl EngineHandle {
         }
     }
 
+    /// Requests that may wait for admission at once.
+    pub fn max_queue(&self) -> usize {
+        self.max_queue
+    }
+
     /// The most tokens (prompt and generated) one sequence may hold.
     pub fn context(&self) -> usize {
         self.context
