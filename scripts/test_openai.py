@@ -230,6 +230,10 @@ def strictness(s):
         model="any", prompt="x", extra_body={"tools": [WEATHER]}))
     r = create(model="any", messages=user, max_tokens=2, n=1, store=False, user="tester", seed=1, logit_bias=None)
     check(r.choices[0].finish_reason == "length", "n = 1, store = false, user and a null field are accepted")
+    # The access log's line is written once the response body has ended, a moment after the reply.
+    deadline = time.time() + 5
+    while not any('user="tester"' in line for line in s.log) and time.time() < deadline:
+        time.sleep(0.05)
     check(any('user="tester"' in line for line in s.log), "the user field is written to the access log")
 
 
