@@ -5,12 +5,14 @@ config.json, tokenizer.json with a real BPE trained on the Apache license text, 
 with a ChatML template, generation_config.json), and transformers' float32 logits for a few token
 sequences (`logits.json`: ids and shapes; `logits.bin`: little-endian f32).
 
-Run where torch and transformers are (the device machine has them):
+Run where torch and transformers are, naming the fixtures to write (all of them when none is named;
+a newer transformers may initialise differently, so name only the ones to add):
 
-    python3 scripts/make_hf_fixtures.py
+    python3 scripts/make_hf_fixtures.py llama_bias qwen3_bias
 """
 import json
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -51,12 +53,22 @@ def models_to_make():
                                                       tie_word_embeddings=False)),
         "qwen2": (Qwen2ForCausalLM, Qwen2Config(**SHAPE, rope_theta=1000000.0, tie_word_embeddings=True)),
         "qwen3": (Qwen3ForCausalLM, Qwen3Config(**SHAPE, head_dim=32, rope_theta=1000000.0, tie_word_embeddings=True)),
+        # Every bias the architectures allow: Q, K, V and the output projection.
+        "llama_bias": (LlamaForCausalLM, LlamaConfig(**SHAPE, rope_theta=10000.0, tie_word_embeddings=False,
+                                                     attention_bias=True)),
+        "qwen3_bias": (Qwen3ForCausalLM, Qwen3Config(**SHAPE, head_dim=32, rope_theta=1000000.0,
+                                                     tie_word_embeddings=True, attention_bias=True)),
     }
 
 
 def main():
     tok = tokenizer()
-    for name, (cls, config) in models_to_make().items():
+    every = models_to_make()
+    unknown = [n for n in sys.argv[1:] if n not in every]
+    if unknown:
+        sys.exit(f"unknown fixtures {unknown}; known: {list(every)}")
+    for name in sys.argv[1:] or every:
+        cls, config = every[name]
         torch.manual_seed(0)
         config.initializer_range = 0.2  # larger weights than the default 0.02, so logits differ clearly
         model = cls(config).float().eval()
@@ -82,7 +94,7 @@ def main():
         (d / "logits.json").write_text(json.dumps({"texts": TEXTS, "ids": ids, "vocab": config.vocab_size,
                                                    "source": "transformers float32, CPU"}, indent=1))
         print(name, sum(p.numel() for p in model.parameters()), "params", [len(s) for s in ids])
-    os.system(f"du -sh {OUT}")
+        os.system(f"du -sh {d}")
 
 
 if __name__ == "__main__":

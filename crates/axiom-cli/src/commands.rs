@@ -467,12 +467,16 @@ fn print_config(config: axiom::Result<ModelConfig>) -> Result<()> {
             )?;
             outln!("rms epsilon:   {:e}", c.rms_eps)?;
             outln!("vocabulary:    {}", c.vocab_size)?;
-            if c.qkv_bias || c.qk_norm {
-                outln!(
-                    "extras:        {}{}",
-                    if c.qkv_bias { "Q/K/V biases " } else { "" },
-                    if c.qk_norm { "Q/K norms" } else { "" }
-                )?;
+            let extras: Vec<&str> = [
+                (c.qkv_bias, "Q/K/V biases"),
+                (c.o_bias, "output projection bias"),
+                (c.qk_norm, "Q/K norms"),
+            ]
+            .into_iter()
+            .filter_map(|(on, what)| on.then_some(what))
+            .collect();
+            if !extras.is_empty() {
+                outln!("extras:        {}", extras.join(", "))?;
             }
         }
         Err(e) => outln!("config:        cannot run this model: {e}")?,

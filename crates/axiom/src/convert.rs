@@ -9,11 +9,12 @@ use crate::format::gguf_writer::GgufWriter;
 use crate::format::quant::{dequantize, GgmlType};
 use crate::format::quantize::{can_quantize, quantize};
 use crate::format::safetensors::SafetensorsModel;
-use crate::model::weights::TensorSource;
+use crate::model::weights::{refuse_unread, TensorSource};
 use crate::model::ModelConfig;
 use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
 use serde_json::Value as Json;
+use std::collections::HashSet;
 use std::path::Path;
 
 /// Converts `dir` to the GGUF file `out`, matrices in `ty` (where their rows fit its blocks;
@@ -94,6 +95,11 @@ pub fn convert_hf_dir(
     }
 
     let names = tensor_names(&config, checkpoint.tensor("output.weight").is_some());
+    let read: HashSet<&str> = names
+        .iter()
+        .filter_map(|n| checkpoint.tensor(n).map(|t| t.name))
+        .collect();
+    refuse_unread(&checkpoint, &read)?;
     for (i, gguf_name) in names.iter().enumerate() {
         progress(i, names.len(), gguf_name);
         let t = checkpoint
@@ -166,6 +172,9 @@ fn tensor_names(config: &ModelConfig, untied: bool) -> Vec<String> {
                     .iter()
                     .map(|f| format!("blk.{i}.{f}.bias")),
             );
+        }
+        if config.o_bias {
+            names.push(format!("blk.{i}.attn_output.bias"));
         }
     }
     names

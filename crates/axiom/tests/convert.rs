@@ -17,7 +17,7 @@ use common::{hf_fixture, worst_error};
 fn converted_gguf_files_match_transformers() {
     let dir = std::env::temp_dir().join(format!("axiom-convert-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    for name in ["llama", "llama3", "mistral", "qwen2", "qwen3"] {
+    for &name in common::HF_FIXTURES {
         // f32: the same numbers, in GGUF's layout (Q/K rows permuted for llama).
         let out = dir.join(format!("{name}-f32.gguf"));
         convert_hf_dir(&hf_fixture(name), &out, GgmlType::F32, |_, _, _| {}).unwrap();

@@ -1,5 +1,5 @@
 //! Hugging Face model directories of every supported architecture (tiny random models written by
-//! scripts/make_hf_fixtures.py with transformers 5.17) against transformers' float32 logits.
+//! scripts/make_hf_fixtures.py with transformers 5.17; the `_bias` ones with 5.25) against transformers' float32 logits.
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
@@ -16,7 +16,7 @@ use common::{hf_fixture as fixture, worst_error};
 
 #[test]
 fn every_architecture_matches_transformers_in_f32() {
-    for name in ["llama", "llama3", "mistral", "qwen2", "qwen3"] {
+    for &name in common::HF_FIXTURES {
         let reference = worst_error(&fixture(name), &fixture(name), CpuBackend::reference(2));
         assert!(
             reference < 1e-4,
@@ -52,7 +52,7 @@ fn configs_that_change_the_math_are_refused() {
     };
     assert!(with("model_type", "gpt_neox".into()).contains("gpt_neox"));
     assert!(with("hidden_act", "gelu".into()).contains("gelu"));
-    assert!(with("mlp_bias", true.into()).contains("MLP biases"));
+    assert!(with("mlp_bias", true.into()).contains("mlp_bias"));
     assert!(with(
         "rope_parameters",
         serde_json::json!({"rope_type": "yarn", "factor": 4.0})
@@ -82,4 +82,51 @@ fn chat_templates_and_end_of_generation_come_from_the_directory() {
         let id = s.tokenizer.encode(t, true, false).unwrap()[0];
         assert!(s.tokenizer.is_end_of_generation(id), "{t}");
     }
+}
+
+#[test]
+fn tensors_the_model_does_not_read_are_refused_by_name() {
+    use safetensors::tensor::TensorView;
+    let dir = std::env::temp_dir().join(format!("axiom-extra-tensor-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for entry in std::fs::read_dir(fixture("qwen2")).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, dir.join(path.file_name().unwrap())).unwrap();
+    }
+    // The fixture's checkpoint with one more F32 vector of `len` named `extra`.
+    let original = std::fs::read(fixture("qwen2").join("model.safetensors")).unwrap();
+    let with_extra = |extra: &str, len: usize| {
+        let checkpoint = safetensors::SafeTensors::deserialize(&original).unwrap();
+        let values = vec![0x3du8; len * 4];
+        let mut tensors = checkpoint.tensors();
+        tensors.push((
+            extra.to_string(),
+            TensorView::new(safetensors::Dtype::F32, vec![len], &values).unwrap(),
+        ));
+        safetensors::serialize_to_file(tensors, None, &dir.join("model.safetensors")).unwrap();
+    };
+    let options = LoadOptions {
+        max_batch: 8,
+        kv_tokens: 8,
+        max_seqs: 1,
+    };
+    // Qwen2 has Q, K and V biases but none on the output projection.
+    let name = "model.layers.1.self_attn.o_proj.bias";
+    with_extra(name, 64);
+    let err = Session::load(&dir, CpuBackend::new(1), options)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(err.contains(&format!("does not use: {name}")), "{err}");
+    let out = dir.join("converted.gguf");
+    let err = axiom::convert::convert_hf_dir(&dir, &out, axiom::format::quant::GgmlType::F32, |_, _, _| {})
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains(&format!("does not use: {name}")), "{err}");
+    assert!(!out.exists());
+    // The rotary frequencies some checkpoints carry are computed from the config instead.
+    with_extra("model.layers.0.self_attn.rotary_emb.inv_freq", 8);
+    let err = worst_error(&dir, &fixture("qwen2"), CpuBackend::reference(1));
+    assert!(err < 1e-4, "relative L2 error {err}");
+    std::fs::remove_dir_all(dir).unwrap();
 }

@@ -15,8 +15,8 @@ use axiom::model::llama::LoadOptions;
 use common::GgufWriter;
 
 /// A one-layer Llama (hidden 32, 2 heads over 1 KV head, FFN 64, vocab 8) with F32 weights.
-/// `arch` and `skip`/`bad_shape` let a test break one thing.
-fn tiny_llama(arch: &str, skip: Option<&str>, bad_shape: Option<&str>) -> Vec<u8> {
+/// `arch` and `skip`/`bad_shape`/`extra` (a vector of the hidden size) let a test break one thing.
+fn tiny_llama(arch: &str, skip: Option<&str>, bad_shape: Option<&str>, extra: Option<&str>) -> Vec<u8> {
     let (dim, ffn, vocab, kv) = (32u64, 64u64, 8u64, 16u64);
     let mut tensors: Vec<(&str, Vec<u64>)> = vec![
         ("token_embd.weight", vec![dim, vocab]),
@@ -32,6 +32,7 @@ fn tiny_llama(arch: &str, skip: Option<&str>, bad_shape: Option<&str>) -> Vec<u8
         ("blk.0.ffn_down.weight", vec![ffn, dim]),
     ];
     tensors.retain(|(n, _)| Some(*n) != skip);
+    tensors.extend(extra.map(|n| (n, vec![dim])));
     for (n, dims) in tensors.iter_mut() {
         if Some(*n) == bad_shape {
             dims[0] += 32;
@@ -80,7 +81,7 @@ fn load(bytes: &[u8]) -> axiom::Result<Session<CpuBackend>> {
 
 #[test]
 fn tiny_model_runs() {
-    let mut s = load(&tiny_llama("llama", None, None)).unwrap();
+    let mut s = load(&tiny_llama("llama", None, None, None)).unwrap();
     let mut kv = s.model.new_kv_cache(16);
     // Longer than max_batch: the prompt is split into steps.
     let logits = s.forward_last(&[1, 2, 3, 4, 5, 6], &mut kv).unwrap();
@@ -94,14 +95,23 @@ fn tiny_model_runs() {
 #[test]
 fn unrunnable_models_are_named() {
     let cases = [
-        (tiny_llama("gptneox", None, None), "gptneox"),
+        (tiny_llama("gptneox", None, None, None), "gptneox"),
         (
-            tiny_llama("llama", Some("blk.0.ffn_up.weight"), None),
+            tiny_llama("llama", Some("blk.0.ffn_up.weight"), None, None),
             "missing tensor blk.0.ffn_up.weight",
         ),
         (
-            tiny_llama("llama", None, Some("blk.0.attn_k.weight")),
+            tiny_llama("llama", None, Some("blk.0.attn_k.weight"), None),
             "tensor blk.0.attn_k.weight has shape [64, 16], expected [32, 16]",
+        ),
+        // Tensors the engine would not read: a bias it does not apply, a layer past the count.
+        (
+            tiny_llama("llama", None, None, Some("blk.0.ffn_down.bias")),
+            "does not use: blk.0.ffn_down.bias",
+        ),
+        (
+            tiny_llama("llama", None, None, Some("blk.1.attn_norm.weight")),
+            "does not use: blk.1.attn_norm.weight",
         ),
     ];
     for (bytes, needle) in cases {

@@ -20,8 +20,10 @@ pub struct ModelConfig {
     pub context_length: usize,
     pub rms_eps: f32,
     pub rope: Rope,
-    /// Q, K and V projections have biases (Qwen2).
+    /// Q, K and V projections have biases (Qwen2; Llama and Qwen3 with `attention_bias`).
     pub qkv_bias: bool,
+    /// The attention output projection has a bias (Llama and Qwen3 with `attention_bias`).
+    pub o_bias: bool,
     /// Each head of Q and K is RMS-normalized before RoPE (Qwen3).
     pub qk_norm: bool,
     /// Per-pair divisors of the rope frequencies (GGUF's `rope_freqs` tensor, Llama 3.1).
@@ -130,6 +132,7 @@ impl ModelConfig {
                 scaling,
             },
             qkv_bias: file.tensor("blk.0.attn_q.bias").is_some(),
+            o_bias: file.tensor("blk.0.attn_output.bias").is_some(),
             qk_norm: file.tensor("blk.0.attn_q_norm.weight").is_some(),
             rope_factors,
             architecture: arch,
@@ -168,8 +171,16 @@ impl ModelConfig {
             }
         }
         if config["mlp_bias"].as_bool() == Some(true) {
-            return Err(bad("MLP biases are not supported".into()));
+            return Err(bad("mlp_bias: MLP biases are not supported".into()));
         }
+        // transformers gives Llama and Qwen3 all four attention biases under `attention_bias`,
+        // Qwen2 always Q, K and V but never the output's, and Mistral none (it reads no such field).
+        let attention_bias = config["attention_bias"].as_bool() == Some(true);
+        let (qkv_bias, o_bias) = match model_type.as_str() {
+            "qwen2" => (true, false),
+            "mistral" => (false, false),
+            _ => (attention_bias, attention_bias),
+        };
         let n_heads = required("num_attention_heads")?;
         let dim = required("hidden_size")?;
         let context_length = usize_of("max_position_embeddings")?.unwrap_or(4096);
@@ -226,7 +237,8 @@ impl ModelConfig {
                 dims: head_dim,
                 scaling,
             },
-            qkv_bias: model_type == "qwen2" || config["attention_bias"].as_bool() == Some(true),
+            qkv_bias,
+            o_bias,
             qk_norm: model_type == "qwen3",
             rope_factors: None,
             architecture: model_type,

@@ -556,6 +556,10 @@ impl<B: Backend> Llama<B> {
                 },
             };
             b.rope_attend_and_project(new, kv, proj, n, shape)?;
+            // The projection lands in the residual stream, so its bias can be added there after.
+            if let Some(bo) = layer.o_bias {
+                b.add_bias(s.x, bo, n, c.dim)?;
+            }
             // Feed-forward block, the same way.
             let ffn_in = self.normed(s.x, layer.ffn_norm);
             let ffn = FeedForward {

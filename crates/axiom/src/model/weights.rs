@@ -7,6 +7,7 @@ use crate::format::gguf::GgufFile;
 use crate::format::quant::{dequantize, GgmlType};
 use crate::format::safetensors::SafetensorsModel;
 use crate::{Error, Result};
+use std::collections::HashSet;
 
 pub struct LayerWeights<W> {
     pub attn_norm: BlockHandle,
@@ -14,8 +15,10 @@ pub struct LayerWeights<W> {
     pub wk: W,
     pub wv: W,
     pub wo: W,
-    /// Q, K, V biases (Qwen2).
+    /// Q, K, V biases (Qwen2; Llama and Qwen3 with `attention_bias`).
     pub qkv_bias: Option<[BlockHandle; 3]>,
+    /// The output projection's bias (Llama and Qwen3 with `attention_bias`).
+    pub o_bias: Option<BlockHandle>,
     /// Per-head Q and K norms (Qwen3).
     pub qk_norm: Option<[BlockHandle; 2]>,
     pub ffn_norm: BlockHandle,
@@ -44,6 +47,8 @@ pub trait TensorSource {
     fn tensor(&self, name: &str) -> Option<HostTensor<'_>>;
     /// Every tensor: (type, dimensions, bytes), for sizing and summaries.
     fn all(&self) -> Vec<(GgmlType, Vec<usize>, usize)>;
+    /// Every tensor's name as the file stores it (a [`HostTensor`]'s `name`).
+    fn stored_names(&self) -> Vec<&str>;
 }
 
 impl TensorSource for GgufFile {
@@ -63,6 +68,10 @@ impl TensorSource for GgufFile {
             .iter()
             .map(|t| (t.ty, t.dims.clone(), t.size_bytes))
             .collect()
+    }
+
+    fn stored_names(&self) -> Vec<&str> {
+        self.tensors.iter().map(|t| t.name.as_str()).collect()
     }
 }
 
@@ -113,6 +122,37 @@ impl TensorSource for SafetensorsModel {
             .map(|(_, e)| (e.ty, e.dims.clone(), self.bytes(e).len()))
             .collect()
     }
+
+    fn stored_names(&self) -> Vec<&str> {
+        self.names().map(|(name, _)| name.as_str()).collect()
+    }
+}
+
+/// The one kind of tensor a file may carry that nothing reads, by name suffix: the rotary
+/// frequencies older transformers saved as buffers, which axiom computes from the config.
+const NOT_READ: &[&str] = &[".rotary_emb.inv_freq"];
+
+/// Refuses a file with a tensor nothing read (by the stored names in `read`): running without
+/// it would compute a different model than the file's.
+pub fn refuse_unread<S: TensorSource + ?Sized>(source: &S, read: &HashSet<&str>) -> Result<()> {
+    let mut unread: Vec<&str> = source
+        .stored_names()
+        .into_iter()
+        .filter(|name| !read.contains(name) && !NOT_READ.iter().any(|suffix| name.ends_with(suffix)))
+        .collect();
+    if unread.is_empty() {
+        return Ok(());
+    }
+    unread.sort_unstable();
+    let shown = unread.len().min(4);
+    let more = match unread.len() - shown {
+        0 => String::new(),
+        n => format!(" and {n} more"),
+    };
+    Err(Error::Model(format!(
+        "the file carries tensors its config does not use: {}{more} (running without them would compute another model)",
+        unread[..shown].join(", ")
+    )))
 }
 
 /// The largest matrix (elements) and the widest matmul input of the model.
@@ -133,14 +173,16 @@ pub fn largest(config: &ModelConfig) -> (usize, usize) {
 /// Bytes of arena the vectors (norms, biases, rope frequencies) need as f32 blocks.
 pub fn vector_bytes(config: &ModelConfig) -> usize {
     let a = config.attention();
-    let per_layer = 2 * config.dim + a.q_width() + 2 * a.kv_width() + 2 * config.head_dim;
+    let per_layer = 3 * config.dim + a.q_width() + 2 * a.kv_width() + 2 * config.head_dim;
     ((config.n_layers * per_layer + config.dim + config.head_dim) * 4).next_multiple_of(64)
-        + (config.n_layers * 8 + 2) * 256
+        + (config.n_layers * 9 + 2) * 256
 }
 
 struct Loader<'a, B: Backend, S: TensorSource + ?Sized> {
     source: &'a S,
     backend: &'a mut B,
+    /// The stored names of the tensors read so far.
+    read: HashSet<&'a str>,
 }
 
 /// The tensor `name`, checked to have the dimensions `expected`.
@@ -157,16 +199,23 @@ fn checked<'s, S: TensorSource + ?Sized>(source: &'s S, name: &str, expected: &[
     Ok(t)
 }
 
-impl<B: Backend, S: TensorSource + ?Sized> Loader<'_, B, S> {
+impl<'a, B: Backend, S: TensorSource + ?Sized> Loader<'a, B, S> {
+    /// The tensor `name`, checked to have the dimensions `expected`, counted as read.
+    fn take(&mut self, name: &str, expected: &[usize]) -> Result<HostTensor<'a>> {
+        let t = checked(self.source, name, expected)?;
+        self.read.insert(t.name);
+        Ok(t)
+    }
+
     /// A matrix with `n_out` rows of `n_in`, kept in its stored type.
     fn matrix(&mut self, name: &str, n_in: usize, n_out: usize) -> Result<B::Weight> {
-        let tensor = checked(self.source, name, &[n_in, n_out])?;
+        let tensor = self.take(name, &[n_in, n_out])?;
         self.backend.upload_weight(&tensor)
     }
 
     /// A vector, converted to f32 and copied into the arena.
     fn vector(&mut self, name: &str, len: usize) -> Result<BlockHandle> {
-        let t = checked(self.source, name, &[len])?;
+        let t = self.take(name, &[len])?;
         let mut values = vec![0f32; len];
         dequantize(t.ty, t.bytes, &mut values);
         self.upload(&values)
@@ -179,7 +228,8 @@ impl<B: Backend, S: TensorSource + ?Sized> Loader<'_, B, S> {
     }
 }
 
-/// Uploads every weight the config calls for; also the rope frequency table.
+/// Uploads every weight the config calls for; also the rope frequency table. A tensor in
+/// `source` that the config does not call for is an error naming it.
 pub fn load<B: Backend, S: TensorSource + ?Sized>(
     source: &S,
     config: &ModelConfig,
@@ -191,7 +241,15 @@ pub fn load<B: Backend, S: TensorSource + ?Sized>(
         config.attention().kv_width(),
         config.head_dim,
     );
-    let mut l = Loader { source, backend };
+    let mut l = Loader {
+        source,
+        backend,
+        read: HashSet::new(),
+    };
+    // GGUF's per-pair rope divisors were read into the config.
+    if let (Some(_), Some(t)) = (&config.rope_factors, source.tensor("rope_freqs.weight")) {
+        l.read.insert(t.name);
+    }
     let token_embd = l.matrix("token_embd.weight", dim, vocab)?;
     let output_norm = l.vector("output_norm.weight", dim)?;
     let output = match source.tensor("output.weight") {
@@ -216,6 +274,10 @@ pub fn load<B: Backend, S: TensorSource + ?Sized>(
             ]),
             false => None,
         };
+        let o_bias = match config.o_bias {
+            true => Some(l.vector(&p("attn_output.bias"), dim)?),
+            false => None,
+        };
         layers.push(LayerWeights {
             attn_norm: l.vector(&p("attn_norm.weight"), dim)?,
             wq: l.matrix(&p("attn_q.weight"), dim, qw)?,
@@ -223,6 +285,7 @@ pub fn load<B: Backend, S: TensorSource + ?Sized>(
             wv: l.matrix(&p("attn_v.weight"), dim, kvw)?,
             wo: l.matrix(&p("attn_output.weight"), qw, dim)?,
             qkv_bias,
+            o_bias,
             qk_norm,
             ffn_norm: l.vector(&p("ffn_norm.weight"), dim)?,
             w_gate: l.matrix(&p("ffn_gate.weight"), dim, ffn)?,
@@ -230,6 +293,7 @@ pub fn load<B: Backend, S: TensorSource + ?Sized>(
             w_down: l.matrix(&p("ffn_down.weight"), ffn, dim)?,
         });
     }
+    refuse_unread(source, &l.read)?;
     let freqs = l.upload(&config.rope_frequencies())?;
     Ok((
         Weights {

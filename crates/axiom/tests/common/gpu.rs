@@ -843,7 +843,7 @@ pub fn smollm2_matches_transformers<B: Backend>(backend: B) {
 /// The tiny models of every architecture (tests/fixtures/hf), decoded token by token, against
 /// transformers' logits.
 pub fn every_architecture_matches_transformers<B: Backend>(make: impl Fn(KvType) -> B) {
-    for name in ["llama", "llama3", "mistral", "qwen2", "qwen3"] {
+    for &name in super::HF_FIXTURES {
         let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
             .join("tests/fixtures/hf")
             .join(name);

@@ -159,6 +159,18 @@ pub fn random_weight_bytes(rng: &mut ChaCha8Rng, ty: GgmlType, n_elements: usize
     bytes
 }
 
+/// Every tiny Hugging Face model of `scripts/make_hf_fixtures.py`: one per architecture, and
+/// Llama and Qwen3 with every bias their configs allow.
+pub const HF_FIXTURES: &[&str] = &[
+    "llama",
+    "llama3",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "llama_bias",
+    "qwen3_bias",
+];
+
 /// A tiny Hugging Face model of `scripts/make_hf_fixtures.py`.
 pub fn hf_fixture(name: &str) -> PathBuf {
     tests_dir().join("fixtures/hf").join(name)
