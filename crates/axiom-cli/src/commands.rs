@@ -381,7 +381,7 @@ pub fn convert(args: ConvertArgs, out: Output) -> Result<()> {
         .find(|t| t.name().eq_ignore_ascii_case(&args.ty))
         .with_context(|| format!("unknown type {:?}", args.ty))?;
     let bar = progress(1, "convert", out);
-    axiom::convert::convert_hf_dir(&args.model, &args.output, ty, |done, total, name| {
+    let written = axiom::convert::convert_hf_dir(&args.model, &args.output, ty, |done, total, name| {
         bar.set_length(total as u64);
         bar.set_position(done as u64);
         bar.set_message(name.to_string());
@@ -389,11 +389,27 @@ pub fn convert(args: ConvertArgs, out: Output) -> Result<()> {
     bar.finish_and_clear();
     if !out.quiet {
         let size = std::fs::metadata(&args.output).map_or(0, |m| m.len());
+        let matrices: Vec<String> = written
+            .matrices
+            .iter()
+            .map(|(t, n)| format!("{n} matrices {t}"))
+            .collect();
         eprintln!(
-            "wrote {} ({:.1} MiB, {ty})",
+            "wrote {} ({:.1} MiB): {}, {} vectors F32",
             args.output.display(),
-            size as f64 / (1 << 20) as f64
+            size as f64 / (1 << 20) as f64,
+            matrices.join(", "),
+            written.vectors
         );
+        // Rows that do not fit the type's blocks fall back, which the type name alone would hide.
+        let fell_back: usize = written.matrices.iter().filter(|(t, _)| *t != ty).map(|(_, n)| n).sum();
+        if fell_back > 0 {
+            eprintln!(
+                "note: {fell_back} matrices have rows that are not a multiple of {ty}'s blocks of {} \
+                 values; they were written as shown above, not as {ty}",
+                ty.block_len()
+            );
+        }
     }
     Ok(())
 }

@@ -17,6 +17,24 @@ use serde_json::Value as Json;
 use std::collections::HashSet;
 use std::path::Path;
 
+/// What `convert_hf_dir` wrote: how many matrices went into each type, in the order the types
+/// first appeared (the type asked for, or Q8_0 or F32 where rows do not fit its blocks), and how
+/// many vectors (norms, biases: always F32).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Written {
+    pub matrices: Vec<(GgmlType, usize)>,
+    pub vectors: usize,
+}
+
+impl Written {
+    fn add_matrix(&mut self, ty: GgmlType) {
+        match self.matrices.iter_mut().find(|(t, _)| *t == ty) {
+            Some((_, n)) => *n += 1,
+            None => self.matrices.push((ty, 1)),
+        }
+    }
+}
+
 /// Converts `dir` to the GGUF file `out`, matrices in `ty` (where their rows fit its blocks;
 /// otherwise Q8_0, or F32 as the last resort). `progress(done, total, name)` follows the tensors.
 pub fn convert_hf_dir(
@@ -24,7 +42,7 @@ pub fn convert_hf_dir(
     out: &Path,
     ty: GgmlType,
     mut progress: impl FnMut(usize, usize, &str),
-) -> Result<()> {
+) -> Result<Written> {
     if !can_quantize(ty) {
         return Err(Error::InvalidArgument(format!(
             "cannot write {ty}: choose F32, F16, BF16, Q8_0, Q4_0 or Q4_K"
@@ -100,6 +118,10 @@ pub fn convert_hf_dir(
         .filter_map(|n| checkpoint.tensor(n).map(|t| t.name))
         .collect();
     refuse_unread(&checkpoint, &read)?;
+    let mut written = Written {
+        matrices: Vec::new(),
+        vectors: 0,
+    };
     for (i, gguf_name) in names.iter().enumerate() {
         progress(i, names.len(), gguf_name);
         let t = checkpoint
@@ -124,8 +146,11 @@ pub fn convert_hf_dir(
             }
         }
         let target = if t.dims.len() == 2 {
-            matrix_type(ty, t.dims[0])
+            let target = matrix_type(ty, t.dims[0]);
+            written.add_matrix(target);
+            target
         } else {
+            written.vectors += 1;
             GgmlType::F32
         };
         let mut bytes = Vec::with_capacity(target.bytes_for(n).unwrap_or(0));
@@ -133,7 +158,8 @@ pub fn convert_hf_dir(
         w.tensor(gguf_name, target, t.dims, bytes)?;
     }
     progress(names.len(), names.len(), "");
-    w.write(out)
+    w.write(out)?;
+    Ok(written)
 }
 
 /// The type a matrix with rows of `row` gets when `ty` is asked for.

@@ -41,3 +41,24 @@ fn unsupported_targets_are_refused() {
     assert!(err.contains("Q3_K"), "{err}");
     assert!(!out.exists());
 }
+
+#[test]
+fn matrices_whose_rows_do_not_fit_the_type_are_reported_as_written() {
+    let dir = std::env::temp_dir().join(format!("axiom-convert-fallback-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let f32 = convert_hf_dir(&hf_fixture("llama"), &dir.join("f32.gguf"), GgmlType::F32, |_, _, _| {}).unwrap();
+    let q4k = convert_hf_dir(
+        &hf_fixture("llama"),
+        &dir.join("q4_k.gguf"),
+        GgmlType::Q4K,
+        |_, _, _| {},
+    )
+    .unwrap();
+    std::fs::remove_dir_all(dir).unwrap();
+    let n: usize = f32.matrices.iter().map(|&(_, n)| n).sum();
+    assert!(n > 0 && f32.vectors > 0, "{f32:?}");
+    assert_eq!(f32.matrices, vec![(GgmlType::F32, n)]);
+    // The fixture's rows of 64 and 128 values fit no Q4_K block of 256: every matrix is Q8_0.
+    assert_eq!(q4k.matrices, vec![(GgmlType::Q8_0, n)]);
+    assert_eq!(q4k.vectors, f32.vectors);
+}
