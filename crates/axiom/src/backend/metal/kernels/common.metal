@@ -1,9 +1,10 @@
 // Shared by every kernel: concatenated before the other sources when the library is compiled.
 //
 // Weights keep their GGUF block layout (the arena is shared memory: uploading is a copy). Each
-// weight type is a struct naming its block shape and a `visit` that hands every value of one
-// block to a functor, `f(index_in_block, value)`, with exactly the reference dequantization;
-// matmul and embed are written once over it.
+// weight type is a struct naming its block shape and a `visit_sub` that hands every value of one
+// sub-block (at most 32 values, `sub_len`) to a functor, `f(index_in_block, value)`, with exactly
+// the reference dequantization. `visit` runs over a whole block; the row matmul, the tiled matmul
+// and embed are written once over them.
 #include <metal_stdlib>
 using namespace metal;
 
@@ -15,24 +16,24 @@ inline float load_f32(device const uchar* p) {
 inline int signed_byte(uchar v) { return int(v) - (v >= 128 ? 256 : 0); }
 
 struct F32 {
-    enum { block_len = 1, block_bytes = 4 };
-    template <typename F> static void visit(device const uchar* b, thread F& f) { f(0, load_f32(b)); }
+    enum { block_len = 1, block_bytes = 4, sub_len = 1 };
+    template <typename F> static void visit_sub(device const uchar* b, uint, thread F& f) { f(0, load_f32(b)); }
 };
 
 struct F16 {
-    enum { block_len = 1, block_bytes = 2 };
-    template <typename F> static void visit(device const uchar* b, thread F& f) { f(0, load_f16(b)); }
+    enum { block_len = 1, block_bytes = 2, sub_len = 1 };
+    template <typename F> static void visit_sub(device const uchar* b, uint, thread F& f) { f(0, load_f16(b)); }
 };
 
 struct BF16 {
-    enum { block_len = 1, block_bytes = 2 };
-    template <typename F> static void visit(device const uchar* b, thread F& f) { f(0, load_bf16(b)); }
+    enum { block_len = 1, block_bytes = 2, sub_len = 1 };
+    template <typename F> static void visit_sub(device const uchar* b, uint, thread F& f) { f(0, load_bf16(b)); }
 };
 
 // d (f16), 32 signed bytes.
 struct Q8_0 {
-    enum { block_len = 32, block_bytes = 34 };
-    template <typename F> static void visit(device const uchar* b, thread F& f) {
+    enum { block_len = 32, block_bytes = 34, sub_len = 32 };
+    template <typename F> static void visit_sub(device const uchar* b, uint, thread F& f) {
         float d = load_f16(b);
         for (uint i = 0; i < 32; i++) f(i, d * float(signed_byte(b[2 + i])));
     }
@@ -40,8 +41,8 @@ struct Q8_0 {
 
 // d (f16), 16 bytes of nibbles: value j is the low nibble of byte j, value j + 16 the high one.
 struct Q4_0 {
-    enum { block_len = 32, block_bytes = 18 };
-    template <typename F> static void visit(device const uchar* b, thread F& f) {
+    enum { block_len = 32, block_bytes = 18, sub_len = 32 };
+    template <typename F> static void visit_sub(device const uchar* b, uint, thread F& f) {
         float d = load_f16(b);
         for (uint j = 0; j < 16; j++) {
             f(j, d * (float(b[2 + j] & 15) - 8.0f));
@@ -52,8 +53,8 @@ struct Q4_0 {
 
 // d, m (f16), then nibbles as Q4_0: value = d * q + m.
 struct Q4_1 {
-    enum { block_len = 32, block_bytes = 20 };
-    template <typename F> static void visit(device const uchar* b, thread F& f) {
+    enum { block_len = 32, block_bytes = 20, sub_len = 32 };
+    template <typename F> static void visit_sub(device const uchar* b, uint, thread F& f) {
         float d = load_f16(b), m = load_f16(b + 2);
         for (uint j = 0; j < 16; j++) {
             f(j, d * float(b[4 + j] & 15) + m);
@@ -76,45 +77,41 @@ inline void scale_min_k4(uint j, device const uchar* q, thread uint& scale, thre
 // d, dmin (f16), 12 bytes of packed scales and mins, 128 bytes of nibbles: 8 sub-blocks of 32;
 // the 32-byte group c holds sub-block 2c in its low nibbles and 2c + 1 in its high ones.
 struct Q4_K {
-    enum { block_len = 256, block_bytes = 144 };
-    template <typename F> static void visit(device const uchar* b, thread F& f) {
+    enum { block_len = 256, block_bytes = 144, sub_len = 32 };
+    template <typename F> static void visit_sub(device const uchar* b, uint j, thread F& f) {
         float d = load_f16(b), dmin = load_f16(b + 2);
-        for (uint j = 0; j < 8; j++) {
-            uint scale, min;
-            scale_min_k4(j, b + 4, scale, min);
-            float dl = d * float(scale), ml = dmin * float(min);
-            device const uchar* q = b + 16 + 32 * (j / 2);
-            uint shift = 4 * (j % 2);
-            for (uint l = 0; l < 32; l++) f(32 * j + l, dl * float((q[l] >> shift) & 15) - ml);
+        uint scale, min;
+        scale_min_k4(j, b + 4, scale, min);
+        float dl = d * float(scale), ml = dmin * float(min);
+        device const uchar* q = b + 16 + 32 * (j / 2);
+        uint shift = 4 * (j % 2);
+        for (uint l = 0; l < 32; l++) f(32 * j + l, dl * float((q[l] >> shift) & 15) - ml);
+    }
+};
+
+// 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 signed scales, d (f16). In half h of 128
+// values, quarter c (sub-block 4h + c) takes value l from the low (c < 2) or high nibble of byte
+// l + 32 * (c % 2) and the bits 2c of high byte l; a scale per 16 values.
+struct Q6_K {
+    enum { block_len = 256, block_bytes = 210, sub_len = 32 };
+    template <typename F> static void visit_sub(device const uchar* b, uint j, thread F& f) {
+        float d = load_f16(b + 208);
+        uint h = j / 4, c = j % 4;
+        device const uchar* ql = b + 64 * h + 32 * (c % 2);
+        device const uchar* qh = b + 128 + 32 * h;
+        device const uchar* sc = b + 192 + 8 * h + 2 * c;
+        uint shift = 4 * (c / 2);
+        for (uint l = 0; l < 32; l++) {
+            int q = int(((ql[l] >> shift) & 15) | (((qh[l] >> (2 * c)) & 3) << 4)) - 32;
+            f(32 * j + l, d * float(signed_byte(sc[l / 16])) * float(q));
         }
     }
 };
 
-// 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 signed scales, d (f16). Each half of 128
-// values: value l (l < 32) and l + 64 come from low byte l, l + 32 and l + 96 from byte l + 32;
-// high byte l holds the top bits of l, l + 32, l + 64, l + 96; scale per 16 values.
-struct Q6_K {
-    enum { block_len = 256, block_bytes = 210 };
-    template <typename F> static void visit(device const uchar* b, thread F& f) {
-        float d = load_f16(b + 208);
-        for (uint h = 0; h < 2; h++) {
-            device const uchar* ql = b + 64 * h;
-            device const uchar* qh = b + 128 + 32 * h;
-            device const uchar* sc = b + 192 + 8 * h;
-            for (uint l = 0; l < 32; l++) {
-                uint s = l / 16;
-                int q1 = int((ql[l] & 15) | ((qh[l] & 3) << 4)) - 32;
-                int q2 = int((ql[l + 32] & 15) | (((qh[l] >> 2) & 3) << 4)) - 32;
-                int q3 = int((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
-                int q4 = int((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
-                f(128 * h + l, d * float(signed_byte(sc[s])) * float(q1));
-                f(128 * h + l + 32, d * float(signed_byte(sc[s + 2])) * float(q2));
-                f(128 * h + l + 64, d * float(signed_byte(sc[s + 4])) * float(q3));
-                f(128 * h + l + 96, d * float(signed_byte(sc[s + 6])) * float(q4));
-            }
-        }
-    }
-};
+// Every value of one block of W.
+template <typename W, typename F> void visit(device const uchar* b, thread F& f) {
+    for (uint j = 0; j < W::block_len / W::sub_len; j++) W::visit_sub(b, j, f);
+}
 
 // The paged KV cache: a sequence's position p lives in row table[p / page_size] * page_size +
 // p % page_size of each layer's cache, where table is its row of the block tables.

@@ -13,7 +13,7 @@ void embed_row(device const uchar* table, device const uint* ids, device float* 
     device const uchar* row = table + ulong(ids[t]) * n_blocks * W::block_bytes;
     for (uint b = tid; b < n_blocks; b += threads) {
         StoreBlock store = {out + ulong(t) * dim + b * W::block_len};
-        W::visit(row + ulong(b) * W::block_bytes, store);
+        visit<W>(row + ulong(b) * W::block_bytes, store);
     }
 }
 

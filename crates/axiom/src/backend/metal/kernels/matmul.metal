@@ -18,7 +18,7 @@ void matmul_row(device const uchar* w, device const float* x, device float* out,
         DotBlock dot = {x, 0.0f};
         for (uint b = lane; b < n_blocks; b += lanes) {
             dot.x = x + ulong(t) * n_in + b * W::block_len;
-            W::visit(wr + ulong(b) * W::block_bytes, dot);
+            visit<W>(wr + ulong(b) * W::block_bytes, dot);
         }
         float total = simd_sum(dot.sum);
         if (lane == 0) out[ulong(t) * n_out + row] = total;
