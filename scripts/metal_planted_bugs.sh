@@ -6,9 +6,12 @@
 #     - a missing barrier between levels of attention_pv's tree reduction
 #     - a missing barrier in rms_norm between writing and summing the simdgroups' partial sums
 #     - attention_qk's causal mask off by one (position p + 1 visible)
+#     - the tiled matmul's edge off by one (the last row of a partial tile of rows staged as zeros)
 #   The same run under ThreadSanitizer (AXIOM_MSL_TSAN=1), on the quick kernels with threadgroup
-#   memory (under TSan every GPU thread is still an OS thread: the attention tests take minutes):
+#   memory and the tiled matmul (under TSan every GPU thread is still an OS thread: the attention
+#   tests take minutes):
 #     - clean as written, then the missing barrier in rms_norm reported as a data race
+#     - a tiled matmul whose simdgroups read the staged tiles without waiting at the barrier
 #   Type-check (scripts/metal_check.sh):
 #     - a usize passed where a kernel's u32 argument goes
 #     - a Metal method called with the wrong argument type
@@ -49,7 +52,7 @@ kernel_tests() {
 # tsan_tests [ENV...]: the quick kernels with threadgroup memory, under ThreadSanitizer.
 tsan_tests() {
     env AXIOM_MSL_TSAN=1 TSAN_OPTIONS="suppressions=$root/crates/metal-on-cpu/tsan.supp halt_on_error=1 exitcode=66" \
-        "$@" cargo test --release --quiet -p metal-on-cpu --test kernels -- --test-threads 1 rms_norm argmax
+        "$@" cargo test --release --quiet -p metal-on-cpu --test kernels -- --test-threads 1 rms_norm argmax matmul_tiled
 }
 
 # plant_kernel WHAT FILE OLD NEW [RUNNER]: the tests must fail on the altered kernels.
@@ -71,9 +74,11 @@ plant_kernel "missing barrier in rms_norm" rms_norm.metal \
     "    if (lane == 0) partial[simd] = sum;"
 plant_kernel "causal mask off by one in attention_qk" attention_qk.metal \
     "if (p <= positions[t]) {" "if (p <= positions[t] + 1) {"
+plant_kernel "the tiled matmul's row edge off by one" matmul_tiled.metal \
+    "if (o0 + r < n_out && k < n_in) {" "if (o0 + r + 1 < n_out && k < n_in) {"
 
 if tsan_tests >"$work/log" 2>&1; then
-    echo "clean under ThreadSanitizer: rms_norm, argmax"
+    echo "clean under ThreadSanitizer: rms_norm, argmax, matmul_tiled"
 else
     echo "the kernels race under ThreadSanitizer:" && cat "$work/log"
     failures=$((failures + 1))
@@ -82,6 +87,10 @@ plant_kernel "missing barrier in rms_norm, under ThreadSanitizer" rms_norm.metal
     "    if (lane == 0) partial[simd] = sum;
     threadgroup_barrier(mem_flags::mem_threadgroup);" \
     "    if (lane == 0) partial[simd] = sum;" tsan_tests
+plant_kernel "the tiled matmul reading its tiles before the barrier, under ThreadSanitizer" matmul_tiled.metal \
+    "        threadgroup_barrier(mem_flags::mem_threadgroup);
+        for (uint kk = 0; kk < TILE_K; kk += 8) {" \
+    "        for (uint kk = 0; kk < TILE_K; kk += 8) {" tsan_tests
 
 # The type-check plants go into a copy of the workspace's sources.
 plant_rust() {

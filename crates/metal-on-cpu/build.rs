@@ -1,8 +1,9 @@
 //! Compiles axiom's Metal kernels as C++20 against the shim in `shim/`, with the C entry points
 //! of `src/launchers.cpp`. The kernels are concatenated as the Metal backend concatenates them
 //! (common.metal first), after one rewrite: a statement declaring threadgroup memory (a line that
-//! starts with `threadgroup` and ends with `;`) becomes a static, shared by the threads of a group
-//! (groups run one at a time); elsewhere, as in a parameter list, `threadgroup` is dropped. `AXIOM_MSL_TSAN=1` builds with ThreadSanitizer.
+//! starts with `threadgroup`, ends with `;` and declares no pointer) becomes a static, shared by
+//! the threads of a group (groups run one at a time); elsewhere, as in a parameter list or a
+//! pointer into threadgroup memory, `threadgroup` is dropped. `AXIOM_MSL_TSAN=1` builds with ThreadSanitizer.
 
 #![allow(clippy::expect_used, reason = "a build script reports failure by panicking")]
 
@@ -31,7 +32,9 @@ fn main() {
             let trimmed = line.trim_start();
             let declaration = trimmed.trim_end_matches([' ', '\\']).ends_with(';');
             let line = match trimmed.strip_prefix("threadgroup ") {
-                Some(rest) if declaration => format!("{}static {rest}", &line[..line.len() - trimmed.len()]),
+                Some(rest) if declaration && !rest.split(['[', '=']).next().is_some_and(|d| d.contains('*')) => {
+                    format!("{}static {rest}", &line[..line.len() - trimmed.len()])
+                }
                 _ => line.replace("threadgroup ", ""),
             };
             source += &line;

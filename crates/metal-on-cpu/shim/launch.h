@@ -1,8 +1,8 @@
 // Runs a compute kernel on the CPU the way a GPU would schedule it, slowly but faithfully enough
 // to test it: one OS thread per GPU thread of a threadgroup, the groups one after another.
-// threadgroup_barrier waits for the group's threads (std::barrier); simd_* functions exchange
-// values among the 32 lanes of a simdgroup through a per-simdgroup barrier. A thread that returns
-// leaves both barriers, as an inactive lane would.
+// threadgroup_barrier waits for the group's threads (std::barrier); simd_* functions and simdgroup
+// matrix multiplies exchange values among the 32 lanes of a simdgroup through a per-simdgroup
+// barrier. A thread that returns leaves both barriers, as an inactive lane would.
 //
 // What this cannot catch: Metal-only language rules (the real compiler is only on macOS),
 // fast-math differences, races between threadgroups (they never overlap here), and barriers
@@ -10,6 +10,8 @@
 #pragma once
 
 #include <barrier>
+#include <cstdio>
+#include <cstdlib>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -32,6 +34,8 @@ struct Simdgroup {
     uint size;
     std::barrier<> sync;
     uint64_t slots[SIMD_WIDTH] = {};
+    // The two operands of a simdgroup matrix multiply, every lane's elements.
+    float matrices[2][64] = {};
     bool active[SIMD_WIDTH] = {};
 };
 
@@ -134,5 +138,49 @@ inline float simd_max(float v) {
 }
 inline uint simd_min(uint v) {
     return msl_cpu::simd_reduce(v, [](uint a, uint b) { return a < b ? a : b; });
+}
+
+// Loads and stores touch only the lane's own two elements, as on the GPU.
+template <typename T>
+void simdgroup_load(simdgroup_matrix<T, 8>& d, const T* src, ulong elements_per_row) {
+    for (uint k = 0; k < 2; k++) {
+        uint e = 2 * msl_cpu::current->lane + k;
+        d.lane[k] = src[e / 8 * elements_per_row + e % 8];
+    }
+}
+
+template <typename T>
+void simdgroup_store(simdgroup_matrix<T, 8> a, T* dst, ulong elements_per_row) {
+    for (uint k = 0; k < 2; k++) {
+        uint e = 2 * msl_cpu::current->lane + k;
+        dst[e / 8 * elements_per_row + e % 8] = a.lane[k];
+    }
+}
+
+// d = a * b + c. Every lane publishes its elements of a and b, then computes its own of d from
+// all of them; the whole simdgroup must take part, so a missing lane stops the run.
+template <typename T>
+void simdgroup_multiply_accumulate(simdgroup_matrix<T, 8>& d, simdgroup_matrix<T, 8> a, simdgroup_matrix<T, 8> b,
+                                   simdgroup_matrix<T, 8> c) {
+    msl_cpu::Simdgroup& s = *msl_cpu::current->simd_state;
+    uint lane = msl_cpu::current->lane;
+    bool whole = s.size == msl_cpu::SIMD_WIDTH;
+    for (uint i = 0; i < s.size; i++) whole = whole && s.active[i];
+    if (!whole) {
+        std::fprintf(stderr, "simdgroup_multiply_accumulate without all 32 lanes of the simdgroup\n");
+        std::abort();
+    }
+    for (uint k = 0; k < 2; k++) {
+        s.matrices[0][2 * lane + k] = float(a.lane[k]);
+        s.matrices[1][2 * lane + k] = float(b.lane[k]);
+    }
+    s.sync.arrive_and_wait();
+    for (uint k = 0; k < 2; k++) {
+        uint row = (2 * lane + k) / 8, col = (2 * lane + k) % 8;
+        float sum = float(c.lane[k]);
+        for (uint m = 0; m < 8; m++) sum += s.matrices[0][row * 8 + m] * s.matrices[1][m * 8 + col];
+        d.lane[k] = T(sum);
+    }
+    s.sync.arrive_and_wait();  // nobody publishes the next operands before all have read these
 }
 }  // namespace metal

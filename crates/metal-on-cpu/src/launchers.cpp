@@ -25,6 +25,22 @@ extern "C" int msl_matmul(uint ty, const uchar* w, const float* x, float* out, u
     return 1;
 }
 
+// Tiles of TILE_T tokens by TILE_O rows, TILE_SIMDS simdgroups each (matmul_tiled.metal).
+extern "C" int msl_matmul_tiled(uint ty, const uchar* w, const float* x, float* out, uint n_in, uint n_out,
+                                uint n_tokens) {
+    uint3 groups = {(n_out + TILE_O - 1) / TILE_O, (n_tokens + TILE_T - 1) / TILE_T, 1};
+    uint3 threads = {TILE_SIMDS * msl_cpu::SIMD_WIDTH, 1, 1};
+#define CASE(ID, NAME)                                                                                              \
+    case ID:                                                                                                        \
+        launch(groups, threads, [&](const Thread& t) {                                                              \
+            matmul_tiled_##NAME(w, x, out, n_in, n_out, n_tokens, {t.group.x, t.group.y}, t.index, t.threads, t.simd); \
+        });                                                                                                         \
+        return 0;
+    switch (ty) { WEIGHT_TYPES(CASE) }
+#undef CASE
+    return 1;
+}
+
 extern "C" int msl_embed(uint ty, const uchar* table, const uint* ids, float* out, uint dim, uint n_tokens,
                          uint threads) {
 #define CASE(ID, NAME)                                                                                        \

@@ -84,6 +84,15 @@ unsafe extern "C" {
         n_tokens: u32,
         simds: u32,
     ) -> i32;
+    fn msl_matmul_tiled(
+        ty: u32,
+        w: *const u8,
+        x: *const f32,
+        out: *mut f32,
+        n_in: u32,
+        n_out: u32,
+        n_tokens: u32,
+    ) -> i32;
     fn msl_embed(
         ty: u32,
         table: *const u8,
@@ -215,6 +224,26 @@ pub fn matmul(
         )
     };
     assert_eq!(rc, 0, "no matmul kernel for type {ty}");
+}
+
+/// `matmul_tiled_<type>`, the prompt matmul: as [`matmul`], in tiles of tokens by rows staged in
+/// threadgroup memory and multiplied in simdgroup matrices (four simdgroups per tile).
+pub fn matmul_tiled(ty: u32, w: &[u8], row_bytes: usize, x: &[f32], out: &mut [f32], n_in: usize, n_tokens: usize) {
+    let n_out = out.len() / n_tokens;
+    assert!(w.len() >= n_out * row_bytes && x.len() >= n_tokens * n_in && out.len() == n_tokens * n_out);
+    // SAFETY: lengths checked above; the kernel reads `n_out` rows and `n_tokens` inputs.
+    let rc = unsafe {
+        msl_matmul_tiled(
+            ty,
+            w.as_ptr(),
+            x.as_ptr(),
+            out.as_mut_ptr(),
+            n_in as u32,
+            n_out as u32,
+            n_tokens as u32,
+        )
+    };
+    assert_eq!(rc, 0, "no tiled matmul kernel for type {ty}");
 }
 
 /// `embed_<type>`: `out[t] = row ids[t]` of a table with `row_bytes` bytes per row of `dim`.

@@ -53,6 +53,45 @@ fn matmul_every_type_matches_the_reference() {
     }
 }
 
+/// Sizes the tiles (32 tokens by 64 rows by 32 inner values) do not divide: 35 rows; 1, 7 and 64
+/// tokens; inner 48 and 200 for the float types, and for the block types a length that is a
+/// whole number of their blocks.
+fn tiled_cases(ty: GgmlType) -> Vec<(usize, usize, usize)> {
+    let inner: &[usize] = match ty.block_len() {
+        1 => &[48, 200],
+        32 => &[32 * 5],
+        _ => &[256 * 2],
+    };
+    let mut cases = Vec::new();
+    for &n_in in inner {
+        for n_tokens in [1, 7, 64] {
+            cases.push((n_in, 35, n_tokens));
+        }
+    }
+    cases.push((inner[0], 130, 33)); // three tiles of rows, two of tokens
+    cases
+}
+
+#[test]
+fn matmul_tiled_every_type_matches_the_reference() {
+    let mut rng = rng();
+    for ty in WEIGHT_TYPES {
+        for (n_in, n_out, n_tokens) in tiled_cases(ty) {
+            let w = random_weight_bytes(&mut rng, ty, n_in * n_out);
+            let x = randn(&mut rng, n_tokens * n_in);
+            let mut want = vec![0f32; n_tokens * n_out];
+            reference::matmul::matmul_rows(ty, &w, n_in, 0..n_out, &x, &mut want);
+            let mut got = vec![f32::NAN; n_tokens * n_out];
+            metal_on_cpu::matmul_tiled(ty.id(), &w, ty.row_bytes(n_in), &x, &mut got, n_in, n_tokens);
+            let err = rel_l2(&got, &want);
+            assert!(
+                err < 1e-5,
+                "{ty}, {n_tokens} tokens x {n_out} rows x {n_in}: relative error {err}"
+            );
+        }
+    }
+}
+
 #[test]
 fn embed_every_type_matches_the_reference() {
     let mut rng = rng();

@@ -22,6 +22,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("embed.metal", include_str!("kernels/embed.metal")),
     ("kv_write.metal", include_str!("kernels/kv_write.metal")),
     ("matmul.metal", include_str!("kernels/matmul.metal")),
+    ("matmul_tiled.metal", include_str!("kernels/matmul_tiled.metal")),
     ("rms_norm.metal", include_str!("kernels/rms_norm.metal")),
     ("rope.metal", include_str!("kernels/rope.metal")),
     ("rope_kv_write.metal", include_str!("kernels/rope_kv_write.metal")),
@@ -33,7 +34,7 @@ fn kernel_names() -> Vec<String> {
         .iter()
         .map(|n| n.to_string())
         .collect();
-    for prefix in ["matmul", "embed"] {
+    for prefix in ["matmul", "matmul_tiled", "embed"] {
         names.extend(GPU_WEIGHT_TYPES.iter().map(|(_, s)| format!("{prefix}_{s}")));
     }
     for prefix in ["kv_write", "rope_kv_write", "attention", "attention_qk", "attention_pv"] {

@@ -38,6 +38,17 @@ const SCORES_BYTES: usize = 16 << 20;
 const ATTENTION_MAX_SIMDS: usize = 8;
 /// Head dimensions one lane of the fused attention kernel holds at most (ATTN_MAX_PER_LANE).
 const ATTENTION_MAX_PER_LANE: usize = 8;
+/// Tokens from which a matmul runs tiled (`matmul_tiled_*`) rather than a row at a time: where
+/// decoding every weight once per token costs more than one padded tile of tokens does (the
+/// argument is in docs/metal.md, "Choosing the matmul kernel").
+const TILED_MIN_TOKENS: usize = 16;
+/// Simdgroups of a tiled matmul's threadgroup, and its tile (TILE_SIMDS, TILE_O, TILE_T in
+/// matmul_tiled.metal).
+const TILE_SIMDS: usize = 4;
+const TILE_O: usize = 64;
+const TILE_T: usize = 32;
+/// The lanes of a simdgroup matrix: the tiled kernel's 8x8 multiplies need 32.
+const SIMDGROUP_MATRIX_LANES: usize = 32;
 
 /// What can go wrong in the Metal layers, each naming the problem.
 #[derive(Debug, thiserror::Error)]
@@ -424,25 +435,38 @@ impl Kernels for MetalBackend {
     }
 
     fn matmul(&self, x: BlockHandle, w: &MetalWeight, out: BlockHandle, n_tokens: usize) -> Result<()> {
-        let name = format!(
-            "matmul_{}",
-            gpu_kernel_suffix(w.ty).ok_or_else(|| Error::Backend(format!("no matmul kernel for {}", w.ty)))?
-        );
+        let suffix = gpu_kernel_suffix(w.ty).ok_or_else(|| Error::Backend(format!("no matmul kernel for {}", w.ty)))?;
+        let args = [
+            Arg::Buf(w.block),
+            Arg::Buf(x),
+            Arg::Buf(out),
+            u32_arg(w.n_in),
+            u32_arg(w.n_out),
+            u32_arg(n_tokens),
+        ];
+        let tiled_name = format!("matmul_tiled_{suffix}");
+        let tiled = self.kernels.get(&tiled_name)?;
+        let tile_threads = TILE_SIMDS * SIMDGROUP_MATRIX_LANES;
+        if n_tokens >= TILED_MIN_TOKENS
+            && tiled.simd_width == SIMDGROUP_MATRIX_LANES
+            && tiled.max_threads >= tile_threads
+        {
+            return self.launch(
+                &tiled_name,
+                (w.n_out.div_ceil(TILE_O), n_tokens.div_ceil(TILE_T)),
+                |_| tile_threads,
+                &args,
+            );
+        }
         // One simdgroup per output row, four rows per threadgroup where the pipeline allows.
+        let name = format!("matmul_{suffix}");
         let kernel = self.kernels.get(&name)?;
         let rows_per_group = threads(kernel, 4 * kernel.simd_width) / kernel.simd_width.max(1);
         self.launch(
             &name,
             (w.n_out.div_ceil(rows_per_group), 1),
             |_| rows_per_group * kernel.simd_width.max(1),
-            &[
-                Arg::Buf(w.block),
-                Arg::Buf(x),
-                Arg::Buf(out),
-                u32_arg(w.n_in),
-                u32_arg(w.n_out),
-                u32_arg(n_tokens),
-            ],
+            &args,
         )
     }
 
@@ -630,5 +654,20 @@ impl MetalBackend {
     fn elementwise(&self, name: &str, n: usize, args: &[Arg]) -> Result<()> {
         let per_group = threads(self.kernels.get(name)?, 256);
         self.launch(name, (n.div_ceil(per_group), 1), |_| per_group, args)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{TILE_O, TILE_SIMDS, TILE_T};
+
+    #[test]
+    fn the_tiled_dispatch_uses_the_kernels_tile() {
+        let source = include_str!("kernels/matmul_tiled.metal");
+        let shape = format!("TILE_T = {TILE_T}, TILE_O = {TILE_O}, TILE_K = 32, TILE_SIMDS = {TILE_SIMDS} }};");
+        assert!(
+            source.contains(&shape),
+            "matmul_tiled.metal's tile is not the one the dispatcher's grid assumes ({shape})"
+        );
     }
 }
