@@ -92,6 +92,22 @@ fn matmul_tiled_every_type_matches_the_reference() {
     }
 }
 
+/// One partial tile with two slices of inner values: small enough for ThreadSanitizer to watch
+/// the staging and the barriers around it (scripts/metal_planted_bugs.sh) in seconds.
+#[test]
+fn matmul_tiled_one_partial_tile_matches_the_reference() {
+    let mut rng = rng();
+    let (ty, n_in, n_out, n_tokens) = (GgmlType::Q4_0, 64, 35, 7);
+    let w = random_weight_bytes(&mut rng, ty, n_in * n_out);
+    let x = randn(&mut rng, n_tokens * n_in);
+    let mut want = vec![0f32; n_tokens * n_out];
+    reference::matmul::matmul_rows(ty, &w, n_in, 0..n_out, &x, &mut want);
+    let mut got = vec![f32::NAN; n_tokens * n_out];
+    metal_on_cpu::matmul_tiled(ty.id(), &w, ty.row_bytes(n_in), &x, &mut got, n_in, n_tokens);
+    let err = rel_l2(&got, &want);
+    assert!(err < 1e-5, "relative error {err}");
+}
+
 #[test]
 fn embed_every_type_matches_the_reference() {
     let mut rng = rng();
