@@ -22,7 +22,7 @@ void matmul_tiled(device const uchar* w, device const float* x, device float* ou
                   threadgroup float* ws) {
     uint t0 = tile.y * TILE_T, o0 = tile.x * TILE_O;
     ulong row_bytes = ulong(n_in / W::block_len) * W::block_bytes;
-    enum { SUBS = TILE_K / W::sub_len };
+    const uint subs = TILE_K / uint(W::sub_len);  // sub-blocks of a row in a slice
     simdgroup_float8x8 acc[4][2];
     for (uint i = 0; i < 4; i++)
         for (uint j = 0; j < 2; j++) acc[i][j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
@@ -34,8 +34,8 @@ void matmul_tiled(device const uchar* w, device const float* x, device float* ou
         }
         // A unit is one sub-block of one row; n_in is a whole number of blocks, so a unit is
         // either all inside it or all past it.
-        for (uint u = tid; u < TILE_O * SUBS; u += threads) {
-            uint r = u / SUBS, k = k0 + (u % SUBS) * W::sub_len;
+        for (uint u = tid; u < TILE_O * subs; u += threads) {
+            uint r = u / subs, k = k0 + (u % subs) * W::sub_len;
             threadgroup float* dst = ws + (k - k0) * TILE_O + r;
             if (o0 + r < n_out && k < n_in) {
                 StoreWeights store = {dst, k % W::block_len};
