@@ -11,13 +11,14 @@ using msl_cpu::Thread;
 #define WEIGHT_TYPES(X) X(0, f32) X(1, f16) X(30, bf16) X(8, q8_0) X(2, q4_0) X(3, q4_1) X(12, q4_k) X(14, q6_k)
 
 extern "C" int msl_matmul(uint ty, const uchar* w, const float* x, float* out, uint n_in, uint n_out, uint n_tokens,
-                          uint simds_per_group) {
+                          uint accumulate, uint simds_per_group) {
     uint3 groups = {(n_out + simds_per_group - 1) / simds_per_group, 1, 1};
     uint3 threads = {simds_per_group * msl_cpu::SIMD_WIDTH, 1, 1};
 #define CASE(ID, NAME)                                                                                   \
     case ID:                                                                                             \
         launch(groups, threads, [&](const Thread& t) {                                                   \
-            matmul_##NAME(w, x, out, n_in, n_out, n_tokens, t.group.x, t.simd, t.simds, t.lane, t.lanes); \
+            matmul_##NAME(w, x, out, n_in, n_out, n_tokens, accumulate, t.group.x, t.simd, t.simds, t.lane, \
+                          t.lanes);                                                                          \
         });                                                                                              \
         return 0;
     switch (ty) { WEIGHT_TYPES(CASE) }
@@ -27,13 +28,14 @@ extern "C" int msl_matmul(uint ty, const uchar* w, const float* x, float* out, u
 
 // Tiles of TILE_T tokens by TILE_O rows, TILE_SIMDS simdgroups each (matmul_tiled.metal).
 extern "C" int msl_matmul_tiled(uint ty, const uchar* w, const float* x, float* out, uint n_in, uint n_out,
-                                uint n_tokens) {
+                                uint n_tokens, uint accumulate) {
     uint3 groups = {(n_out + TILE_O - 1) / TILE_O, (n_tokens + TILE_T - 1) / TILE_T, 1};
     uint3 threads = {TILE_SIMDS * msl_cpu::SIMD_WIDTH, 1, 1};
 #define CASE(ID, NAME)                                                                                              \
     case ID:                                                                                                        \
         launch(groups, threads, [&](const Thread& t) {                                                              \
-            matmul_tiled_##NAME(w, x, out, n_in, n_out, n_tokens, {t.group.x, t.group.y}, t.index, t.threads, t.simd); \
+            matmul_tiled_##NAME(w, x, out, n_in, n_out, n_tokens, accumulate, {t.group.x, t.group.y}, t.index,       \
+                                t.threads, t.simd);                                                                   \
         });                                                                                                         \
         return 0;
     switch (ty) { WEIGHT_TYPES(CASE) }

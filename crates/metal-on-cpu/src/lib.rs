@@ -82,6 +82,7 @@ unsafe extern "C" {
         n_in: u32,
         n_out: u32,
         n_tokens: u32,
+        accumulate: u32,
         simds: u32,
     ) -> i32;
     fn msl_matmul_tiled(
@@ -92,6 +93,7 @@ unsafe extern "C" {
         n_in: u32,
         n_out: u32,
         n_tokens: u32,
+        accumulate: u32,
     ) -> i32;
     fn msl_embed(
         ty: u32,
@@ -195,8 +197,8 @@ pub struct Heads {
     pub head_dim: usize,
 }
 
-/// `matmul_<type>`: `out[t, o] = sum_i x[t, i] * w[o, i]`, `w` in GGUF type `ty` (its id) with
-/// `row_bytes` bytes per row; `simds` rows per threadgroup.
+/// `matmul_<type>`: `out[t, o] = sum_i x[t, i] * w[o, i]` (`+=` with `accumulate`), `w` in GGUF
+/// type `ty` (its id) with `row_bytes` bytes per row; `simds` rows per threadgroup.
 #[allow(clippy::too_many_arguments)]
 pub fn matmul(
     ty: u32,
@@ -206,6 +208,7 @@ pub fn matmul(
     out: &mut [f32],
     n_in: usize,
     n_tokens: usize,
+    accumulate: bool,
     simds: u32,
 ) {
     let n_out = out.len() / n_tokens;
@@ -220,6 +223,7 @@ pub fn matmul(
             n_in as u32,
             n_out as u32,
             n_tokens as u32,
+            accumulate as u32,
             simds,
         )
     };
@@ -228,7 +232,17 @@ pub fn matmul(
 
 /// `matmul_tiled_<type>`, the prompt matmul: as [`matmul`], in tiles of tokens by rows staged in
 /// threadgroup memory and multiplied in simdgroup matrices (four simdgroups per tile).
-pub fn matmul_tiled(ty: u32, w: &[u8], row_bytes: usize, x: &[f32], out: &mut [f32], n_in: usize, n_tokens: usize) {
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_tiled(
+    ty: u32,
+    w: &[u8],
+    row_bytes: usize,
+    x: &[f32],
+    out: &mut [f32],
+    n_in: usize,
+    n_tokens: usize,
+    accumulate: bool,
+) {
     let n_out = out.len() / n_tokens;
     assert!(w.len() >= n_out * row_bytes && x.len() >= n_tokens * n_in && out.len() == n_tokens * n_out);
     // SAFETY: lengths checked above; the kernel reads `n_out` rows and `n_tokens` inputs.
@@ -241,6 +255,7 @@ pub fn matmul_tiled(ty: u32, w: &[u8], row_bytes: usize, x: &[f32], out: &mut [f
             n_in as u32,
             n_out as u32,
             n_tokens as u32,
+            accumulate as u32,
         )
     };
     assert_eq!(rc, 0, "no tiled matmul kernel for type {ty}");

@@ -46,11 +46,33 @@ fn matmul_every_type_matches_the_reference() {
         reference::matmul::matmul_rows(ty, &w, n_in, 0..n_out, &x, &mut want);
         for simds in [1, 4] {
             let mut got = vec![f32::NAN; n_tokens * n_out];
-            metal_on_cpu::matmul(ty.id(), &w, ty.row_bytes(n_in), &x, &mut got, n_in, n_tokens, simds);
+            metal_on_cpu::matmul(
+                ty.id(),
+                &w,
+                ty.row_bytes(n_in),
+                &x,
+                &mut got,
+                n_in,
+                n_tokens,
+                false,
+                simds,
+            );
             let err = rel_l2(&got, &want);
             assert!(err < 1e-5, "{ty} with {simds} simdgroups: relative error {err}");
         }
+        let (residual, want_sum) = residual_and_sum(&mut rng, &want);
+        let mut got = residual;
+        metal_on_cpu::matmul(ty.id(), &w, ty.row_bytes(n_in), &x, &mut got, n_in, n_tokens, true, 4);
+        let err = rel_l2(&got, &want_sum);
+        assert!(err < 1e-5, "{ty} added to a residual: relative error {err}");
     }
+}
+
+/// A random residual stream and what adding `product` to it gives.
+fn residual_and_sum(rng: &mut ChaCha8Rng, product: &[f32]) -> (Vec<f32>, Vec<f32>) {
+    let residual = randn(rng, product.len());
+    let sum = residual.iter().zip(product).map(|(r, p)| r + p).collect();
+    (residual, sum)
 }
 
 /// Sizes the tiles (32 tokens by 64 rows by 32 inner values) do not divide: 35 rows; 1, 7 and 64
@@ -82,11 +104,19 @@ fn matmul_tiled_every_type_matches_the_reference() {
             let mut want = vec![0f32; n_tokens * n_out];
             reference::matmul::matmul_rows(ty, &w, n_in, 0..n_out, &x, &mut want);
             let mut got = vec![f32::NAN; n_tokens * n_out];
-            metal_on_cpu::matmul_tiled(ty.id(), &w, ty.row_bytes(n_in), &x, &mut got, n_in, n_tokens);
+            metal_on_cpu::matmul_tiled(ty.id(), &w, ty.row_bytes(n_in), &x, &mut got, n_in, n_tokens, false);
             let err = rel_l2(&got, &want);
             assert!(
                 err < 1e-5,
                 "{ty}, {n_tokens} tokens x {n_out} rows x {n_in}: relative error {err}"
+            );
+            let (residual, want_sum) = residual_and_sum(&mut rng, &want);
+            let mut got = residual;
+            metal_on_cpu::matmul_tiled(ty.id(), &w, ty.row_bytes(n_in), &x, &mut got, n_in, n_tokens, true);
+            let err = rel_l2(&got, &want_sum);
+            assert!(
+                err < 1e-5,
+                "{ty}, {n_tokens} tokens x {n_out} rows x {n_in} added to a residual: relative error {err}"
             );
         }
     }
@@ -103,7 +133,7 @@ fn matmul_tiled_one_partial_tile_matches_the_reference() {
     let mut want = vec![0f32; n_tokens * n_out];
     reference::matmul::matmul_rows(ty, &w, n_in, 0..n_out, &x, &mut want);
     let mut got = vec![f32::NAN; n_tokens * n_out];
-    metal_on_cpu::matmul_tiled(ty.id(), &w, ty.row_bytes(n_in), &x, &mut got, n_in, n_tokens);
+    metal_on_cpu::matmul_tiled(ty.id(), &w, ty.row_bytes(n_in), &x, &mut got, n_in, n_tokens, false);
     let err = rel_l2(&got, &want);
     assert!(err < 1e-5, "relative error {err}");
 }

@@ -18,8 +18,8 @@ pub mod device;
 pub mod kernels;
 
 use super::{
-    gpu_kernel_suffix, AttentionKv, AttentionShape, Backend, BlockHandle, HostTensor, Kernels, KvType, NewRows, Rope,
-    RopeLayout, StepLayout,
+    gpu_kernel_suffix, AttentionKv, AttentionShape, Backend, BlockHandle, HostTensor, Kernels, KvType, NewRows,
+    Residual, Rope, RopeLayout, StepLayout,
 };
 use crate::format::quant::GgmlType;
 use crate::{Error, Result};
@@ -435,39 +435,7 @@ impl Kernels for MetalBackend {
     }
 
     fn matmul(&self, x: BlockHandle, w: &MetalWeight, out: BlockHandle, n_tokens: usize) -> Result<()> {
-        let suffix = gpu_kernel_suffix(w.ty).ok_or_else(|| Error::Backend(format!("no matmul kernel for {}", w.ty)))?;
-        let args = [
-            Arg::Buf(w.block),
-            Arg::Buf(x),
-            Arg::Buf(out),
-            u32_arg(w.n_in),
-            u32_arg(w.n_out),
-            u32_arg(n_tokens),
-        ];
-        let tiled_name = format!("matmul_tiled_{suffix}");
-        let tiled = self.kernels.get(&tiled_name)?;
-        let tile_threads = TILE_SIMDS * SIMDGROUP_MATRIX_LANES;
-        if n_tokens >= TILED_MIN_TOKENS
-            && tiled.simd_width == SIMDGROUP_MATRIX_LANES
-            && tiled.max_threads >= tile_threads
-        {
-            return self.launch(
-                &tiled_name,
-                (w.n_out.div_ceil(TILE_O), n_tokens.div_ceil(TILE_T)),
-                |_| tile_threads,
-                &args,
-            );
-        }
-        // One simdgroup per output row, four rows per threadgroup where the pipeline allows.
-        let name = format!("matmul_{suffix}");
-        let kernel = self.kernels.get(&name)?;
-        let rows_per_group = threads(kernel, 4 * kernel.simd_width) / kernel.simd_width.max(1);
-        self.launch(
-            &name,
-            (w.n_out.div_ceil(rows_per_group), 1),
-            |_| rows_per_group * kernel.simd_width.max(1),
-            &args,
-        )
+        self.multiply(x, w, out, n_tokens, false)
     }
 
     fn rope(
@@ -608,6 +576,10 @@ impl Kernels for MetalBackend {
 }
 
 impl Backend for MetalBackend {
+    fn matmul_add(&self, x: BlockHandle, w: &MetalWeight, residual: Residual, n_tokens: usize) -> Result<()> {
+        self.multiply(x, w, residual.stream, n_tokens, true)
+    }
+
     fn rope_kv_write(
         &self,
         new: NewRows,
@@ -650,6 +622,52 @@ impl Backend for MetalBackend {
 }
 
 impl MetalBackend {
+    /// `out = x w^T`, or `out += x w^T` with `accumulate`: the row kernel for a few tokens, the
+    /// tiled one from `TILED_MIN_TOKENS`.
+    fn multiply(
+        &self,
+        x: BlockHandle,
+        w: &MetalWeight,
+        out: BlockHandle,
+        n_tokens: usize,
+        accumulate: bool,
+    ) -> Result<()> {
+        let suffix = gpu_kernel_suffix(w.ty).ok_or_else(|| Error::Backend(format!("no matmul kernel for {}", w.ty)))?;
+        let args = [
+            Arg::Buf(w.block),
+            Arg::Buf(x),
+            Arg::Buf(out),
+            u32_arg(w.n_in),
+            u32_arg(w.n_out),
+            u32_arg(n_tokens),
+            Arg::U32(u32::from(accumulate)),
+        ];
+        let tiled_name = format!("matmul_tiled_{suffix}");
+        let tiled = self.kernels.get(&tiled_name)?;
+        let tile_threads = TILE_SIMDS * SIMDGROUP_MATRIX_LANES;
+        if n_tokens >= TILED_MIN_TOKENS
+            && tiled.simd_width == SIMDGROUP_MATRIX_LANES
+            && tiled.max_threads >= tile_threads
+        {
+            return self.launch(
+                &tiled_name,
+                (w.n_out.div_ceil(TILE_O), n_tokens.div_ceil(TILE_T)),
+                |_| tile_threads,
+                &args,
+            );
+        }
+        // One simdgroup per output row, four rows per threadgroup where the pipeline allows.
+        let name = format!("matmul_{suffix}");
+        let kernel = self.kernels.get(&name)?;
+        let rows_per_group = threads(kernel, 4 * kernel.simd_width) / kernel.simd_width.max(1);
+        self.launch(
+            &name,
+            (w.n_out.div_ceil(rows_per_group), 1),
+            |_| rows_per_group * kernel.simd_width.max(1),
+            &args,
+        )
+    }
+
     /// A one-thread-per-value kernel over `n` values.
     fn elementwise(&self, name: &str, n: usize, args: &[Arg]) -> Result<()> {
         let per_group = threads(self.kernels.get(name)?, 256);

@@ -1,6 +1,7 @@
-// out[t, o] = sum_i x[t, i] * w[o, i] for a weight of any stored type. One simdgroup per output
-// row: its lanes take the row's blocks in turn, decode them on the fly and reduce with
-// simd_sum. The row is decoded once per token (decode runs one token; prefill re-reads it).
+// out[t, o] = sum_i x[t, i] * w[o, i] for a weight of any stored type, or out[t, o] += that with
+// `accumulate` (the residual add in the epilogue). One simdgroup per output row: its lanes take
+// the row's blocks in turn, decode them on the fly and reduce with simd_sum. The row is decoded
+// once per token (decode runs one token; prompts run matmul_tiled.metal).
 
 struct DotBlock {
     device const float* x;  // the activations under the block being visited
@@ -10,7 +11,7 @@ struct DotBlock {
 
 template <typename W>
 void matmul_row(device const uchar* w, device const float* x, device float* out, uint n_in, uint n_out,
-                uint n_tokens, uint row, uint lane, uint lanes) {
+                uint n_tokens, uint accumulate, uint row, uint lane, uint lanes) {
     if (row >= n_out) return;  // the whole simdgroup leaves together
     uint n_blocks = n_in / W::block_len;
     device const uchar* wr = w + ulong(row) * n_blocks * W::block_bytes;
@@ -21,7 +22,7 @@ void matmul_row(device const uchar* w, device const float* x, device float* out,
             visit<W>(wr + ulong(b) * W::block_bytes, dot);
         }
         float total = simd_sum(dot.sum);
-        if (lane == 0) out[ulong(t) * n_out + row] = total;
+        if (lane == 0) out[ulong(t) * n_out + row] = accumulate ? out[ulong(t) * n_out + row] + total : total;
     }
 }
 
@@ -29,12 +30,13 @@ void matmul_row(device const uchar* w, device const float* x, device float* out,
     kernel void matmul_##NAME(device const uchar* w [[buffer(0)]], device const float* x [[buffer(1)]], \
                               device float* out [[buffer(2)]], constant uint& n_in [[buffer(3)]],       \
                               constant uint& n_out [[buffer(4)]], constant uint& n_tokens [[buffer(5)]], \
+                              constant uint& accumulate [[buffer(6)]],                                   \
                               uint group [[threadgroup_position_in_grid]],                               \
                               uint simd [[simdgroup_index_in_threadgroup]],                              \
                               uint simds [[simdgroups_per_threadgroup]],                                 \
                               uint lane [[thread_index_in_simdgroup]],                                   \
                               uint lanes [[threads_per_simdgroup]]) {                                    \
-        matmul_row<W>(w, x, out, n_in, n_out, n_tokens, group * simds + simd, lane, lanes);              \
+        matmul_row<W>(w, x, out, n_in, n_out, n_tokens, accumulate, group * simds + simd, lane, lanes);  \
     }
 
 MATMUL(f32, F32)

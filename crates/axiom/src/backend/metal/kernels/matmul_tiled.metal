@@ -1,4 +1,5 @@
-// out[t, o] = sum_i x[t, i] * w[o, i] for prompts. A threadgroup of four simdgroups computes a
+// out[t, o] = sum_i x[t, i] * w[o, i] for prompts, or out[t, o] += that with `accumulate` (as
+// matmul.metal). A threadgroup of four simdgroups computes a
 // tile of TILE_T tokens by TILE_O output rows: for each slice of TILE_K inner values it stages the
 // tile's activations and its weights, decoded once for all TILE_T tokens, in threadgroup memory,
 // and each simdgroup multiplies its 16 rows for all tokens in 8x8 simdgroup matrices. Staged
@@ -18,7 +19,7 @@ struct StoreWeights {
 
 template <typename W>
 void matmul_tiled(device const uchar* w, device const float* x, device float* out, uint n_in, uint n_out,
-                  uint n_tokens, uint2 tile, uint tid, uint threads, uint simd, threadgroup float* xs,
+                  uint n_tokens, uint accumulate, uint2 tile, uint tid, uint threads, uint simd, threadgroup float* xs,
                   threadgroup float* ws) {
     uint t0 = tile.y * TILE_T, o0 = tile.x * TILE_O;
     ulong row_bytes = ulong(n_in / W::block_len) * W::block_bytes;
@@ -62,7 +63,7 @@ void matmul_tiled(device const uchar* w, device const float* x, device float* ou
     threadgroup_barrier(mem_flags::mem_threadgroup);
     for (uint e = tid; e < TILE_T * TILE_O; e += threads) {
         uint t = t0 + e / TILE_O, o = o0 + e % TILE_O;
-        if (t < n_tokens && o < n_out) out[ulong(t) * n_out + o] = ws[e];
+        if (t < n_tokens && o < n_out) out[ulong(t) * n_out + o] = accumulate ? out[ulong(t) * n_out + o] + ws[e] : ws[e];
     }
 }
 
@@ -71,13 +72,14 @@ void matmul_tiled(device const uchar* w, device const float* x, device float* ou
     kernel void matmul_tiled_##NAME(device const uchar* w [[buffer(0)]], device const float* x [[buffer(1)]], \
                                     device float* out [[buffer(2)]], constant uint& n_in [[buffer(3)]],       \
                                     constant uint& n_out [[buffer(4)]], constant uint& n_tokens [[buffer(5)]], \
+                                    constant uint& accumulate [[buffer(6)]],                                   \
                                     uint2 tile [[threadgroup_position_in_grid]],                               \
                                     uint tid [[thread_index_in_threadgroup]],                                  \
                                     uint threads [[threads_per_threadgroup]],                                  \
                                     uint simd [[simdgroup_index_in_threadgroup]]) {                            \
         threadgroup float xs[TILE_T * TILE_K];                                                                 \
         threadgroup float ws[TILE_K * TILE_O];                                                                 \
-        matmul_tiled<W>(w, x, out, n_in, n_out, n_tokens, tile, tid, threads, simd, xs, ws);                   \
+        matmul_tiled<W>(w, x, out, n_in, n_out, n_tokens, accumulate, tile, tid, threads, simd, xs, ws);       \
     }
 
 MATMUL_TILED(f32, F32)
