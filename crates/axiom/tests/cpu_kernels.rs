@@ -11,8 +11,8 @@
 use axiom::backend::cpu::fast::{has_int8_kernel, quantize_row, Isa, Q8Activations, CHUNK, GROUPS_PER_CHUNK};
 use axiom::backend::cpu::{CpuBackend, CpuKernels};
 use axiom::backend::{
-    AttentionKv, AttentionShape, Backend, BlockHandle, HostTensor, Kernels, KvType, PagedKv, Rope, RopeLayout,
-    RopeScaling,
+    Activation, AttentionKv, AttentionShape, Backend, BlockHandle, HostTensor, Kernels, KvType, PagedKv, Rope,
+    RopeLayout, RopeScaling, Scores,
 };
 use axiom::format::quant::{dequantize, GgmlType};
 use half::f16;
@@ -268,6 +268,7 @@ fn kv_write_and_attention_refuse_tables_that_point_outside_the_cache() {
             v_cache: vc,
             positions: ph,
             pages: p,
+            scores: Scores::causal(4),
             plan: &(),
         };
         let result = b.kv_write(k, v, kv, 1, kv_w);
@@ -290,20 +291,39 @@ fn argmax_takes_the_first_of_equal_maxima_in_each_row() {
 }
 
 #[test]
-fn swiglu_and_add() {
+fn gated_activations_add_scale_and_softcap() {
     let mut r = rng();
     let n = 37;
     let (g, u) = (randn(&mut r, n), randn(&mut r, n));
     let mut b = backend();
     let (gh, uh, out) = (upload(&mut b, &g), upload(&mut b, &u), poisoned(&mut b, n));
-    b.swiglu(gh, uh, out, n).unwrap();
-    let want: Vec<f32> = g.iter().zip(&u).map(|(g, u)| g / (1.0 + (-g).exp()) * u).collect();
-    assert_close(&read(&b, out, n), &want, 1e-6, "swiglu");
+    // In f64, from the definitions: SiLU, and PyTorch's `gelu(approximate="tanh")`.
+    let silu = |g: f64| g / (1.0 + (-g).exp());
+    let gelu = |g: f64| 0.5 * g * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (g + 0.044715 * g.powi(3))).tanh());
+    for (act, f) in [
+        (Activation::Silu, &silu as &dyn Fn(f64) -> f64),
+        (Activation::GeluTanh, &gelu),
+    ] {
+        b.glu(gh, uh, out, n, act).unwrap();
+        let want: Vec<f32> = g
+            .iter()
+            .zip(&u)
+            .map(|(&g, &u)| (f(g as f64) * u as f64) as f32)
+            .collect();
+        assert_close(&read(&b, out, n), &want, 1e-6, &format!("{act:?}"));
+    }
     b.add(gh, uh, n).unwrap();
-    let want: Vec<f32> = g.iter().zip(&u).map(|(g, u)| g + u).collect();
-    assert_eq!(read(&b, gh, n), want);
+    let summed: Vec<f32> = g.iter().zip(&u).map(|(g, u)| g + u).collect();
+    assert_eq!(read(&b, gh, n), summed);
+    b.scale(gh, 2.5, n).unwrap();
+    let scaled: Vec<f32> = summed.iter().map(|v| v * 2.5).collect();
+    assert_eq!(read(&b, gh, n), scaled);
+    b.softcap(gh, 1.5, n).unwrap();
+    let capped: Vec<f32> = scaled.iter().map(|&v| (1.5 * (v as f64 / 1.5).tanh()) as f32).collect();
+    assert_close(&read(&b, gh, n), &capped, 1e-6, "softcap");
+    assert!(read(&b, gh, n).iter().all(|v| v.abs() < 1.5));
     // In-place use of one block as input and output is refused rather than aliased.
-    assert!(b.swiglu(gh, uh, gh, n).is_err());
+    assert!(b.glu(gh, uh, gh, n, Activation::Silu).is_err());
 }
 
 #[test]

@@ -21,8 +21,8 @@ pub mod metal;
 
 pub use arena::{Arena, ArenaError, BlockHandle};
 pub use fused::{
-    attend_and_project_in_steps, feed_forward_in_steps, gate_up_swiglu_in_steps, rope_attend_and_project_in_steps,
-    rope_kv_write_in_steps, Backend, FeedForward, FeedForwardScratch, NewRows, Projection, Residual, SwigluRows,
+    attend_and_project_in_steps, feed_forward_in_steps, gate_up_glu_in_steps, rope_attend_and_project_in_steps,
+    rope_kv_write_in_steps, Backend, FeedForward, FeedForwardScratch, GluRows, NewRows, Projection, Residual,
 };
 use kernels::choices_at_once;
 pub use kernels::Kernels;
@@ -99,6 +99,26 @@ impl Rope {
                 f as f32
             })
             .collect()
+    }
+}
+
+/// The activation of a gated feed-forward block's gate: `out = act(gate) * up`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    /// `g / (1 + e^-g)`: SwiGLU (Llama, Mistral, Qwen).
+    Silu,
+    /// GELU by its tanh approximation, `0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))`: GeGLU
+    /// (Gemma's `gelu_pytorch_tanh`).
+    GeluTanh,
+}
+
+impl Activation {
+    /// The number the GPU kernels take for it.
+    pub fn code(self) -> u32 {
+        match self {
+            Activation::Silu => 0,
+            Activation::GeluTanh => 1,
+        }
     }
 }
 
@@ -231,14 +251,50 @@ impl StepLayout<'_> {
     }
 }
 
+/// How a layer's attention weighs what it sees. Token t at position `pos` attends to positions
+/// `pos - window + 1 ..= pos` of its sequence (all of `0..=pos` without a window), with scores
+/// `scale * q.k`, capped to `softcap * tanh(s / softcap)` where set (Gemma 2), then softmaxed.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Scores {
+    pub scale: f32,
+    pub softcap: Option<f32>,
+    pub window: Option<usize>,
+}
+
+impl Scores {
+    /// Plain causal attention over every earlier position, scaled by `1/sqrt(head_dim)`.
+    pub fn causal(head_dim: usize) -> Scores {
+        Scores {
+            scale: 1.0 / (head_dim as f32).sqrt(),
+            softcap: None,
+            window: None,
+        }
+    }
+
+    /// The first position a token at `pos` sees.
+    pub fn first_visible(&self, pos: usize) -> usize {
+        self.window.map_or(0, |w| (pos + 1).saturating_sub(w))
+    }
+
+    /// A raw score `q.k` as the softmax takes it.
+    pub fn apply(&self, dot: f32) -> f32 {
+        let s = dot * self.scale;
+        match self.softcap {
+            Some(cap) => cap * (s / cap).tanh(),
+            None => s,
+        }
+    }
+}
+
 /// What attention reads besides the queries: a layer's paged caches, the step's positions and
-/// pages, and the backend's plan of the step (`Kernels::plan_step`).
+/// pages, how the layer scores them, and the backend's plan of the step (`Kernels::plan_step`).
 #[derive(Debug)]
 pub struct AttentionKv<'a, P> {
     pub k_cache: BlockHandle,
     pub v_cache: BlockHandle,
     pub positions: BlockHandle,
     pub pages: PagedKv,
+    pub scores: Scores,
     pub plan: &'a P,
 }
 

@@ -22,6 +22,8 @@ pub struct LayerWeights<W> {
     /// Per-head Q and K norms (Qwen3).
     pub qk_norm: Option<[BlockHandle; 2]>,
     pub ffn_norm: BlockHandle,
+    /// The norms of the attention and feed-forward outputs (Gemma 2 and 3).
+    pub post_norms: Option<[BlockHandle; 2]>,
     pub w_gate: W,
     pub w_up: W,
     pub w_down: W,
@@ -75,8 +77,9 @@ impl TensorSource for GgufFile {
     }
 }
 
-/// The Hugging Face name of a GGUF tensor name.
-fn hf_name(gguf: &str) -> Option<String> {
+/// The Hugging Face name of a GGUF tensor name, in a checkpoint whose feed-forward input norm is
+/// `pre_feedforward_layernorm` (Gemma's four norms a layer) or not.
+fn hf_name(gguf: &str, four_norms: bool) -> Option<String> {
     Some(match gguf {
         "token_embd.weight" => "model.embed_tokens.weight".into(),
         "output_norm.weight" => "model.norm.weight".into(),
@@ -87,7 +90,10 @@ fn hf_name(gguf: &str) -> Option<String> {
             let (field, kind) = field.rsplit_once('.')?;
             let hf = match field {
                 "attn_norm" => "input_layernorm",
+                "ffn_norm" if four_norms => "pre_feedforward_layernorm",
                 "ffn_norm" => "post_attention_layernorm",
+                "post_attention_norm" if four_norms => "post_attention_layernorm",
+                "post_ffw_norm" if four_norms => "post_feedforward_layernorm",
                 "attn_q" => "self_attn.q_proj",
                 "attn_k" => "self_attn.k_proj",
                 "attn_v" => "self_attn.v_proj",
@@ -106,7 +112,9 @@ fn hf_name(gguf: &str) -> Option<String> {
 
 impl TensorSource for SafetensorsModel {
     fn tensor(&self, name: &str) -> Option<HostTensor<'_>> {
-        let hf = hf_name(name)?;
+        // Gemma's `post_attention_layernorm` follows attention; other models' is the FFN's input.
+        let four_norms = self.get("model.layers.0.pre_feedforward_layernorm.weight").is_some();
+        let hf = hf_name(name, four_norms)?;
         let entry = self.get(&hf)?;
         Some(HostTensor {
             name: &entry.name,
@@ -173,9 +181,9 @@ pub fn largest(config: &ModelConfig) -> (usize, usize) {
 /// Bytes of arena the vectors (norms, biases, rope frequencies) need as f32 blocks.
 pub fn vector_bytes(config: &ModelConfig) -> usize {
     let a = config.attention();
-    let per_layer = 3 * config.dim + a.q_width() + 2 * a.kv_width() + 2 * config.head_dim;
-    ((config.n_layers * per_layer + config.dim + config.head_dim) * 4).next_multiple_of(64)
-        + (config.n_layers * 9 + 2) * 256
+    let per_layer = 5 * config.dim + a.q_width() + 2 * a.kv_width() + 2 * config.head_dim;
+    ((config.n_layers * per_layer + config.dim + 2 * config.head_dim) * 4).next_multiple_of(64)
+        + (config.n_layers * 11 + 3) * 256
 }
 
 struct Loader<'a, B: Backend, S: TensorSource + ?Sized> {
@@ -183,6 +191,7 @@ struct Loader<'a, B: Backend, S: TensorSource + ?Sized> {
     backend: &'a mut B,
     /// The stored names of the tensors read so far.
     read: HashSet<&'a str>,
+    norm_offset: f32,
 }
 
 /// The tensor `name`, checked to have the dimensions `expected`.
@@ -215,9 +224,19 @@ impl<'a, B: Backend, S: TensorSource + ?Sized> Loader<'a, B, S> {
 
     /// A vector, converted to f32 and copied into the arena.
     fn vector(&mut self, name: &str, len: usize) -> Result<BlockHandle> {
+        self.vector_plus(name, len, 0.0)
+    }
+
+    /// A norm's weights, with the offset the file stores them minus.
+    fn norm(&mut self, name: &str, len: usize) -> Result<BlockHandle> {
+        self.vector_plus(name, len, self.norm_offset)
+    }
+
+    fn vector_plus(&mut self, name: &str, len: usize, offset: f32) -> Result<BlockHandle> {
         let t = self.take(name, &[len])?;
         let mut values = vec![0f32; len];
         dequantize(t.ty, t.bytes, &mut values);
+        values.iter_mut().for_each(|v| *v += offset);
         self.upload(&values)
     }
 
@@ -228,13 +247,21 @@ impl<'a, B: Backend, S: TensorSource + ?Sized> Loader<'a, B, S> {
     }
 }
 
-/// Uploads every weight the config calls for; also the rope frequency table. A tensor in
+/// The rope kernels' frequency tables: every layer's, or the sliding layers' own where their
+/// rope differs.
+#[derive(Debug, Clone, Copy)]
+pub struct RopeTables {
+    pub global: BlockHandle,
+    pub local: Option<BlockHandle>,
+}
+
+/// Uploads every weight the config calls for; also the rope frequency tables. A tensor in
 /// `source` that the config does not call for is an error naming it.
 pub fn load<B: Backend, S: TensorSource + ?Sized>(
     source: &S,
     config: &ModelConfig,
     backend: &mut B,
-) -> Result<(Weights<B::Weight>, BlockHandle)> {
+) -> Result<(Weights<B::Weight>, RopeTables)> {
     let (dim, ffn, vocab) = (config.dim, config.ffn_dim, config.vocab_size);
     let (qw, kvw, hd) = (
         config.attention().q_width(),
@@ -245,13 +272,14 @@ pub fn load<B: Backend, S: TensorSource + ?Sized>(
         source,
         backend,
         read: HashSet::new(),
+        norm_offset: config.norm_weight_offset,
     };
     // GGUF's per-pair rope divisors were read into the config.
     if let (Some(_), Some(t)) = (&config.rope_factors, source.tensor("rope_freqs.weight")) {
         l.read.insert(t.name);
     }
     let token_embd = l.matrix("token_embd.weight", dim, vocab)?;
-    let output_norm = l.vector("output_norm.weight", dim)?;
+    let output_norm = l.norm("output_norm.weight", dim)?;
     let output = match source.tensor("output.weight") {
         Some(_) => Some(l.matrix("output.weight", dim, vocab)?),
         None => None,
@@ -269,8 +297,8 @@ pub fn load<B: Backend, S: TensorSource + ?Sized>(
         };
         let qk_norm = match config.qk_norm {
             true => Some([
-                l.vector(&p("attn_q_norm.weight"), hd)?,
-                l.vector(&p("attn_k_norm.weight"), hd)?,
+                l.norm(&p("attn_q_norm.weight"), hd)?,
+                l.norm(&p("attn_k_norm.weight"), hd)?,
             ]),
             false => None,
         };
@@ -278,8 +306,15 @@ pub fn load<B: Backend, S: TensorSource + ?Sized>(
             true => Some(l.vector(&p("attn_output.bias"), dim)?),
             false => None,
         };
+        let post_norms = match config.post_norms {
+            true => Some([
+                l.norm(&p("post_attention_norm.weight"), dim)?,
+                l.norm(&p("post_ffw_norm.weight"), dim)?,
+            ]),
+            false => None,
+        };
         layers.push(LayerWeights {
-            attn_norm: l.vector(&p("attn_norm.weight"), dim)?,
+            attn_norm: l.norm(&p("attn_norm.weight"), dim)?,
             wq: l.matrix(&p("attn_q.weight"), dim, qw)?,
             wk: l.matrix(&p("attn_k.weight"), dim, kvw)?,
             wv: l.matrix(&p("attn_v.weight"), dim, kvw)?,
@@ -287,14 +322,21 @@ pub fn load<B: Backend, S: TensorSource + ?Sized>(
             qkv_bias,
             o_bias,
             qk_norm,
-            ffn_norm: l.vector(&p("ffn_norm.weight"), dim)?,
+            ffn_norm: l.norm(&p("ffn_norm.weight"), dim)?,
+            post_norms,
             w_gate: l.matrix(&p("ffn_gate.weight"), dim, ffn)?,
             w_up: l.matrix(&p("ffn_up.weight"), dim, ffn)?,
             w_down: l.matrix(&p("ffn_down.weight"), ffn, dim)?,
         });
     }
     refuse_unread(source, &l.read)?;
-    let freqs = l.upload(&config.rope_frequencies())?;
+    let freqs = RopeTables {
+        global: l.upload(&config.rope_frequencies())?,
+        local: match config.local_rope() {
+            Some(rope) => Some(l.upload(&rope.inverse_frequencies())?),
+            None => None,
+        },
+    };
     Ok((
         Weights {
             token_embd,

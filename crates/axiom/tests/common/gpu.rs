@@ -6,8 +6,9 @@ use super::{paged_queries, random_weight_bytes, PagedCase, PAGED_LENS};
 use axiom::backend::cpu::kernels::argmax::argmax;
 use axiom::backend::cpu::CpuBackend;
 use axiom::backend::{
-    AttentionKv, AttentionShape, Backend, BlockHandle, FeedForward, FeedForwardScratch, HostTensor, Input, Kernels,
-    KvType, NewRows, NextInput, PagedKv, Projection, Residual, Rope, RopeLayout, RopeScaling, StepLayout, SwigluRows,
+    Activation, AttentionKv, AttentionShape, Backend, BlockHandle, FeedForward, FeedForwardScratch, GluRows,
+    HostTensor, Input, Kernels, KvType, NewRows, NextInput, PagedKv, Projection, Residual, Rope, RopeLayout,
+    RopeScaling, Scores, StepLayout,
 };
 use axiom::chat::Message;
 use axiom::engine::perplexity::perplexity;
@@ -235,20 +236,20 @@ pub fn matmul_every_type_and_token_count<B: Backend>(
             gpu.matmul_add(xg, &up.0, residual_in(og, sg), n_tokens).unwrap();
             cpu.matmul_add(xc, &up.1, residual_in(oc, sc), n_tokens).unwrap();
             check(&gpu, &cpu, "tall matmul_add", og, oc, tol);
-            let rows_g = SwigluRows {
+            let rows_g = GluRows {
                 gate: poisoned(&mut gpu, n),
                 up: poisoned(&mut gpu, n),
                 out: poisoned(&mut gpu, n),
             };
-            let rows_c = SwigluRows {
+            let rows_c = GluRows {
                 gate: poisoned(&mut cpu, n),
                 up: poisoned(&mut cpu, n),
                 out: poisoned(&mut cpu, n),
             };
             let (og, oc) = (rows_g.out, rows_c.out);
-            gpu.gate_up_swiglu(xg.into(), [&gate.0, &up.0], rows_g, n_tokens)
+            gpu.gate_up_glu(xg.into(), [&gate.0, &up.0], rows_g, n_tokens, Activation::Silu)
                 .unwrap();
-            cpu.gate_up_swiglu(xc.into(), [&gate.1, &up.1], rows_c, n_tokens)
+            cpu.gate_up_glu(xc.into(), [&gate.1, &up.1], rows_c, n_tokens, Activation::Silu)
                 .unwrap();
             // Two products multiplied: their errors add.
             check(&gpu, &cpu, "tall gate_up_swiglu", og, oc, 2.0 * tol);
@@ -301,11 +302,13 @@ pub fn matmul_every_type_and_token_count<B: Backend>(
                 gate: &gate.0,
                 up: &up.0,
                 down: &down.0,
+                activation: Activation::Silu,
             };
             let ffn_cpu = FeedForward {
                 gate: &gate.1,
                 up: &up.1,
                 down: &down.1,
+                activation: Activation::Silu,
             };
             // Normalized on the way in, as the model's feed-forward block takes it.
             gpu.feed_forward(normed(xg, ng, sg), ffn_gpu, scratch_gpu, og, n_tokens)
@@ -384,9 +387,11 @@ pub fn embed_rms_norm_rope_swiglu_add_argmax<B: Backend>(make: impl Fn() -> B) {
     let (a, b) = (randn(&mut rng, n), randn(&mut rng, n));
     let (ag, bg, og) = (put(&mut gpu, &a), put(&mut gpu, &b), poisoned(&mut gpu, n));
     let (ac, bc, oc) = (put(&mut cpu, &a), put(&mut cpu, &b), poisoned(&mut cpu, n));
-    gpu.swiglu(ag, bg, og, n).unwrap();
-    cpu.swiglu(ac, bc, oc, n).unwrap();
-    assert!(rel_l2(&get(&gpu, og, n), &get(&cpu, oc, n)) < 1e-6, "swiglu");
+    for act in [Activation::Silu, Activation::GeluTanh] {
+        gpu.glu(ag, bg, og, n, act).unwrap();
+        cpu.glu(ac, bc, oc, n, act).unwrap();
+        assert!(rel_l2(&get(&gpu, og, n), &get(&cpu, oc, n)) < 1e-6, "{act:?}");
+    }
     gpu.add(ag, bg, n).unwrap();
     cpu.add(ac, bc, n).unwrap();
     assert!(rel_l2(&get(&gpu, ag, n), &get(&cpu, ac, n)) < 1e-7, "add");
@@ -786,6 +791,7 @@ fn rope_kv_write_step<B: Backend>(
         v_cache: vc,
         positions,
         pages,
+        scores: Scores::causal(shape.head_dim),
         plan: &plan,
     };
     let new = NewRows {

@@ -3,7 +3,7 @@
 
 pub mod gpu;
 
-use axiom::backend::{AttentionKv, AttentionShape, Backend, BlockHandle, PagedKv, StepLayout};
+use axiom::backend::{AttentionKv, AttentionShape, Backend, BlockHandle, PagedKv, Scores, StepLayout};
 use axiom::engine::Session;
 use axiom::format::quant::GgmlType;
 use axiom::model::llama::LoadOptions;
@@ -354,6 +354,7 @@ impl PagedCase {
             v_cache: vc,
             positions: ph,
             pages: written,
+            scores: Scores::causal(shape.head_dim),
             plan: &plan,
         };
         b.kv_write(kh, vh, kv, positions.len(), kv_w)?;
@@ -374,6 +375,7 @@ impl PagedCase {
             v_cache: vc,
             positions,
             pages,
+            scores: Scores::causal(shape.head_dim),
             plan: &plan,
         };
         step(b, qh, kv)

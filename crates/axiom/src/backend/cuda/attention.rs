@@ -45,6 +45,9 @@ impl CudaBackend {
                 shape.head_dim
             )));
         }
+        if kv.scores != crate::backend::Scores::causal(shape.head_dim) {
+            return Err(Error::Backend("TEMPORARY: CUDA attention with windows or caps".into()));
+        }
         if self.takes_flash(shape, n_tokens) {
             let rotate = new.map(|new| new.rope);
             return self.flash_attention(q, rotate, kv, self.ptr(out), GgmlType::F32, n_tokens, shape);

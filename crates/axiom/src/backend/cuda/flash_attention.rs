@@ -217,6 +217,7 @@ impl CudaBackend {
             positions,
             pages,
             plan,
+            ..
         }: AttentionKv<'_, Option<FlashPlan>>,
         out: u64,
         out_type: GgmlType,

@@ -265,19 +265,27 @@ kernel_params! {
         n_kv_heads: i32,
     }
 
-    struct SwigluParams for ["swiglu"] {
+    struct GluParams for ["glu"] {
         gate: u64,
         up: u64,
         out: u64,
         n: u64,
+        act: i32,
     }
 
-    struct Swiglu16Params for ["swiglu_16"] {
+    struct Glu16Params for ["glu_16"] {
         gate: u64,
         up: u64,
         out: u64,
         n: u64,
         kind: i32,
+        act: i32,
+    }
+
+    struct ScaleParams for ["scale", "softcap"] {
+        x: u64,
+        n: u64,
+        factor: f32,
     }
 
     struct AddParams for ["add"] {

@@ -203,19 +203,27 @@ struct FlashAttentionParams {
 };
 
 // elementwise.cu
-struct SwigluParams {
+struct GluParams {
     const float* gate;
     const float* up;
     float* out;
     u64 n;
+    int act;
 };
 
-struct Swiglu16Params {
+struct Glu16Params {
     const u16* gate;
     const u16* up;
     u16* out;
     u64 n;
     int kind;
+    int act;
+};
+
+struct ScaleParams {
+    float* x;
+    u64 n;
+    float factor;
 };
 
 struct AddParams {
