@@ -18,8 +18,9 @@ from pathlib import Path
 import numpy as np
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, PreTrainedTokenizerFast,
-                          Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig,
+                          LlamaForCausalLM, MistralConfig, MistralForCausalLM, PreTrainedTokenizerFast, Qwen2Config,
+                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "crates/axiom/tests/fixtures/hf"
@@ -58,6 +59,26 @@ def models_to_make():
                                                      attention_bias=True)),
         "qwen3_bias": (Qwen3ForCausalLM, Qwen3Config(**SHAPE, head_dim=32, rope_theta=1000000.0,
                                                      tie_word_embeddings=True, attention_bias=True)),
+        # Sliding windows shorter than the test sequences: Mistral's on every layer, Qwen2's from
+        # `max_window_layers` on.
+        "mistral_window": (MistralForCausalLM, MistralConfig(**SHAPE, rope_theta=10000.0, sliding_window=4,
+                                                             tie_word_embeddings=False)),
+        "qwen2_window": (Qwen2ForCausalLM, Qwen2Config(**SHAPE, rope_theta=10000.0, tie_word_embeddings=True,
+                                                       use_sliding_window=True, sliding_window=5, max_window_layers=1)),
+        # Gemma 2: GeGLU, four norms a layer, scaled embeddings, soft caps small enough to bite, a
+        # query scale of its own, alternating windows.
+        "gemma2": (Gemma2ForCausalLM, Gemma2Config(**SHAPE, head_dim=32, query_pre_attn_scalar=24,
+                                                   attn_logit_softcapping=2.0, final_logit_softcapping=5.0,
+                                                   sliding_window=4, rope_theta=10000.0)),
+        # Gemma 3: Q/K norms, a local and a global rope (linear scaling on the global one only).
+        "gemma3": (Gemma3ForCausalLM, Gemma3TextConfig(**SHAPE, head_dim=32, query_pre_attn_scalar=32,
+                                                       sliding_window=4,
+                                                       layer_types=["sliding_attention", "full_attention"],
+                                                       rope_parameters={
+                                                           "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                                              "rope_theta": 1000000.0},
+                                                           "sliding_attention": {"rope_type": "default",
+                                                                                 "rope_theta": 10000.0}})),
     }
 
 

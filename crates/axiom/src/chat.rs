@@ -354,3 +354,12 @@ mod tests {
         assert_eq!(civil_from_days(20_787), (2026, 11, 30));
     }
 }
+
+/// The chat template for a GGUF file of `architecture` that carries none, where the family's turn
+/// format is fixed: Gemma's (llama.cpp's Gemma files often lack `tokenizer.chat_template`).
+pub fn builtin_template(architecture: &str) -> Option<&'static str> {
+    match architecture {
+        "gemma2" | "gemma3" => Some(include_str!("chat_templates/gemma.jinja")),
+        _ => None,
+    }
+}

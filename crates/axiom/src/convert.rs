@@ -1,7 +1,9 @@
 //! `axiom convert`: a Hugging Face model directory written as one GGUF file, its weight matrices
 //! optionally quantized (llama-quantize's job). The result loads like any GGUF, in axiom or in
 //! llama.cpp: Llama and Mistral become GGUF `llama` (Q and K rows permuted to adjacent rotary
-//! pairs, as llama.cpp's converter does), Qwen2 and Qwen3 keep their own architecture names.
+//! pairs, as llama.cpp's converter does), Qwen2, Qwen3 and Gemma 2 keep their own architecture
+//! names, Gemma 3's text model becomes `gemma3`; Gemma's norm weights are written as the norm
+//! multiplies by them (its checkpoints store them minus one), as llama.cpp's converter does.
 
 use crate::backend::RopeScaling;
 use crate::format::gguf::Value;
@@ -57,6 +59,7 @@ pub fn convert_hf_dir(
     let checkpoint = SafetensorsModel::open_dir(dir)?;
     let arch = match config.architecture.as_str() {
         "llama" | "mistral" => "llama",
+        "gemma3_text" => "gemma3",
         other => other,
     };
     let permute = arch == "llama";
@@ -86,6 +89,18 @@ pub fn convert_hf_dir(
     if let RopeScaling::Linear { factor } = config.rope.scaling {
         w.set(&format!("{arch}.rope.scaling.type"), Value::String("linear".into()));
         w.set(&format!("{arch}.rope.scaling.factor"), Value::F32(factor));
+    }
+    sliding_metadata(&config, arch, &mut w)?;
+    if config.attention_scale != 1.0 / (config.head_dim as f32).sqrt() || arch.starts_with("gemma") {
+        w.set(&format!("{arch}.attention.scale"), Value::F32(config.attention_scale));
+    }
+    for (key, cap) in [
+        ("attn_logit_softcapping", config.attn_softcap),
+        ("final_logit_softcapping", config.final_softcap),
+    ] {
+        if let Some(cap) = cap {
+            w.set(&format!("{arch}.{key}"), Value::F32(cap));
+        }
     }
     tokenizer_metadata(dir, &mut w)?;
     if let Ok(template) = read("chat_template.jinja") {
@@ -130,6 +145,9 @@ pub fn convert_hf_dir(
         let n: usize = t.dims.iter().product();
         let mut values = vec![0f32; n];
         dequantize(t.ty, t.bytes, &mut values);
+        if gguf_name.ends_with("norm.weight") {
+            values.iter_mut().for_each(|v| *v += config.norm_weight_offset);
+        }
         if permute {
             let heads = match gguf_name.rsplit('.').nth(1) {
                 Some("attn_q") => Some(config.n_heads),
@@ -191,6 +209,9 @@ fn tensor_names(config: &ModelConfig, untied: bool) -> Vec<String> {
         if config.qk_norm {
             fields.extend(["attn_q_norm", "attn_k_norm"]);
         }
+        if config.post_norms {
+            fields.extend(["post_attention_norm", "post_ffw_norm"]);
+        }
         names.extend(fields.iter().map(|f| format!("blk.{i}.{f}.weight")));
         if config.qkv_bias {
             names.extend(
@@ -204,6 +225,31 @@ fn tensor_names(config: &ModelConfig, untied: bool) -> Vec<String> {
         }
     }
     names
+}
+
+/// The sliding window, as llama.cpp's keys hold it: its size, which layers slide (one boolean a
+/// layer), and the sliding layers' own rope base where it differs.
+fn sliding_metadata(config: &ModelConfig, arch: &str, w: &mut GgufWriter) -> Result<()> {
+    let Some(sliding) = &config.sliding else {
+        return Ok(());
+    };
+    w.set(
+        &format!("{arch}.attention.sliding_window"),
+        Value::U32(sliding.window as u32),
+    );
+    w.set(
+        &format!("{arch}.attention.sliding_window_pattern"),
+        Value::Array(sliding.layers.iter().map(|&b| Value::Bool(b)).collect()),
+    );
+    if let Some(local) = sliding.rope {
+        if local.scaling != RopeScaling::None {
+            return Err(Error::Model(
+                "the sliding layers' rope is scaled: GGUF has no keys for that".into(),
+            ));
+        }
+        w.set(&format!("{arch}.rope.freq_base_swa"), Value::F32(local.theta));
+    }
+    Ok(())
 }
 
 /// Hugging Face orders each head's rotary pairs as halves (i, i + d/2); GGUF's llama as

@@ -168,6 +168,10 @@ pub const HF_FIXTURES: &[&str] = &[
     "qwen2",
     "qwen3",
     "llama_bias",
+    "mistral_window",
+    "qwen2_window",
+    "gemma2",
+    "gemma3",
     "qwen3_bias",
 ];
 
