@@ -503,7 +503,8 @@ fn features(c: &ModelConfig) -> Vec<String> {
         (c.norm_weight_offset != 0.0, "norm weights stored minus one"),
     ]
     .into_iter()
-    .filter_map(|(on, what)| on.then(|| what.to_string()))
+    .filter(|&(on, _)| on)
+    .map(|(_, what)| what.to_string())
     .collect();
     if let Some(scale) = c.embed_scale {
         out.push(format!("embeddings scaled by {scale}"));

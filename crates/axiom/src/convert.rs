@@ -268,48 +268,60 @@ fn permute_rows(values: &[f32], heads: usize, n_rows: usize, row_len: usize) -> 
     out
 }
 
-/// The GGUF tokenizer keys of a byte-level BPE `tokenizer.json`.
+/// The GGUF tokenizer keys of a `tokenizer.json`: byte-level BPE (GGUF's `gpt2`), or
+/// SentencePiece-style BPE with byte fallback (GGUF's `llama`: Llama 2, Mistral v0.1-0.3, Gemma).
 fn tokenizer_metadata(dir: &Path, w: &mut GgufWriter) -> Result<()> {
     let path = dir.join("tokenizer.json");
     let text = std::fs::read_to_string(&path).map_err(Error::io(format!("reading {}", path.display())))?;
     let json: Json = serde_json::from_str(&text).map_err(|e| Error::Tokenizer(format!("tokenizer.json: {e}")))?;
     let model = &json["model"];
-    if model["type"] != "BPE" || model["byte_fallback"] == true {
-        return Err(Error::Tokenizer("convert writes byte-level BPE tokenizers only".into()));
+    if model["type"] != "BPE" {
+        return Err(Error::Tokenizer(format!(
+            "convert writes BPE tokenizers only, not {}",
+            model["type"]
+        )));
     }
     let tokenizer = Tokenizer::from_hf_dir(dir)?;
     let n = tokenizer.vocab_size();
-    let tokens: Vec<Value> = (0..n as u32)
-        .map(|i| Value::String(tokenizer.token_text(i).unwrap_or("").into()))
+    let tokens: Vec<String> = (0..n as u32)
+        .map(|i| tokenizer.token_text(i).unwrap_or("").to_owned())
         .collect();
+    // GGUF token types: 1 normal, 2 unknown, 3 control, 4 user-defined, 6 byte.
     let mut types = vec![1i32; n];
     for added in json["added_tokens"].as_array().into_iter().flatten() {
         if let Some(id) = added["id"].as_u64().filter(|&id| (id as usize) < n) {
             types[id as usize] = if added["special"] == true { 3 } else { 4 };
         }
     }
-    let merges: Vec<Value> = model["merges"]
+    let merges: Vec<(String, String)> = model["merges"]
         .as_array()
         .into_iter()
         .flatten()
         .filter_map(|m| match m {
-            Json::String(s) => Some(s.clone()),
-            Json::Array(pair) => Some(format!("{} {}", pair.first()?.as_str()?, pair.get(1)?.as_str()?)),
+            Json::String(s) => s.split_once(' ').map(|(a, b)| (a.to_owned(), b.to_owned())),
+            Json::Array(pair) => Some((pair.first()?.as_str()?.to_owned(), pair.get(1)?.as_str()?.to_owned())),
             _ => None,
         })
-        .map(Value::String)
         .collect();
-    w.set("tokenizer.ggml.model", Value::String("gpt2".into()));
+    if model["byte_fallback"] == true {
+        sentencepiece_metadata(&json, &tokens, &mut types, &merges, w)?;
+    } else {
+        w.set("tokenizer.ggml.model", Value::String("gpt2".into()));
+        w.set(
+            "tokenizer.ggml.pre",
+            Value::String(pre_tokenizer_name(&json["pre_tokenizer"])?.into()),
+        );
+        let merges = merges.iter().map(|(a, b)| Value::String(format!("{a} {b}"))).collect();
+        w.set("tokenizer.ggml.merges", Value::Array(merges));
+    }
     w.set(
-        "tokenizer.ggml.pre",
-        Value::String(pre_tokenizer_name(&json["pre_tokenizer"])?.into()),
+        "tokenizer.ggml.tokens",
+        Value::Array(tokens.into_iter().map(Value::String).collect()),
     );
-    w.set("tokenizer.ggml.tokens", Value::Array(tokens));
     w.set(
         "tokenizer.ggml.token_type",
         Value::Array(types.into_iter().map(Value::I32).collect()),
     );
-    w.set("tokenizer.ggml.merges", Value::Array(merges));
     if let Some(bos) = tokenizer.bos {
         w.set("tokenizer.ggml.bos_token_id", Value::U32(bos));
     }
@@ -325,6 +337,93 @@ fn tokenizer_metadata(dir: &Path, w: &mut GgufWriter) -> Result<()> {
     }
     w.set("tokenizer.ggml.add_bos_token", Value::Bool(tokenizer.add_bos));
     Ok(())
+}
+
+/// The `llama` (SentencePiece) keys of a byte-fallback BPE `tokenizer.json`. GGUF keeps a score
+/// per piece instead of merges, and the loader ranks a piece's splits by the piece's score: each
+/// merged piece scores minus the rank of the first merge that makes it, so the ranking is the
+/// file's. Spaces must be "\u{2581}", with or without one prepended.
+fn sentencepiece_metadata(
+    json: &Json,
+    tokens: &[String],
+    types: &mut [i32],
+    merges: &[(String, String)],
+    w: &mut GgufWriter,
+) -> Result<()> {
+    let index: std::collections::HashMap<&str, usize> =
+        tokens.iter().enumerate().map(|(i, t)| (t.as_str(), i)).collect();
+    let mut scores: Vec<Option<f32>> = vec![None; tokens.len()];
+    for (rank, (a, b)) in merges.iter().enumerate() {
+        if let Some(&id) = index.get(format!("{a}{b}").as_str()) {
+            scores[id].get_or_insert(-(rank as f32) - 1.0);
+        }
+    }
+    for (i, t) in tokens.iter().enumerate() {
+        let byte = t.len() == 6 && t.starts_with("<0x") && t.ends_with('>');
+        if byte && types[i] == 1 {
+            types[i] = 6;
+        }
+    }
+    if let Some(&unk) = json["model"]["unk_token"].as_str().and_then(|u| index.get(u)) {
+        types[unk] = 2;
+        w.set("tokenizer.ggml.unknown_token_id", Value::U32(unk as u32));
+    }
+    let scores: Vec<f32> = scores.into_iter().map(|s| s.unwrap_or(0.0)).collect();
+    // The loader derives merges from the scores: they must come out as the file's.
+    let wide_types: Vec<i64> = types.iter().map(|&t| t as i64).collect();
+    let derived = crate::tokenizer::sentencepiece_merges(tokens, &scores, &wide_types);
+    let listed = merges.iter().map(|(a, b)| (a.as_str(), b.as_str()));
+    if !derived.iter().copied().eq(listed) {
+        return Err(Error::Tokenizer(
+            "the tokenizer's merges are not a SentencePiece vocabulary's (every split of each piece, by score): \
+             GGUF's llama tokenizer cannot hold them"
+                .into(),
+        ));
+    }
+    w.set("tokenizer.ggml.model", Value::String("llama".into()));
+    w.set(
+        "tokenizer.ggml.scores",
+        Value::Array(scores.into_iter().map(Value::F32).collect()),
+    );
+    w.set(
+        "tokenizer.ggml.add_space_prefix",
+        Value::Bool(sentencepiece_space_prefix(json)?),
+    );
+    Ok(())
+}
+
+/// Whether a SentencePiece-style `tokenizer.json` prepends "\u{2581}" to the text, as its
+/// normalizer (`Prepend` and `Replace`, or `Replace` alone) or `Metaspace` pre-tokenizer says.
+/// Any other step is refused by name.
+fn sentencepiece_space_prefix(json: &Json) -> Result<bool> {
+    const SPACE: &str = "\u{2581}";
+    let steps = |v: &Json, list: &str| -> Vec<Json> {
+        match v["type"].as_str() {
+            Some("Sequence") => v[list].as_array().cloned().unwrap_or_default(),
+            Some(_) => vec![v.clone()],
+            None => vec![],
+        }
+    };
+    let unknown = |what: &str, step: &Json| {
+        Error::Tokenizer(format!("the SentencePiece {what} step {step} is not one axiom knows"))
+    };
+    let mut prefix = false;
+    for step in steps(&json["normalizer"], "normalizers") {
+        match step["type"].as_str() {
+            Some("Prepend") if step["prepend"] == SPACE => prefix = true,
+            Some("Replace") if step["pattern"]["String"] == " " && step["content"] == SPACE => {}
+            _ => return Err(unknown("normalizer", &step)),
+        }
+    }
+    for step in steps(&json["pre_tokenizer"], "pretokenizers") {
+        match step["type"].as_str() {
+            Some("Metaspace") if step["replacement"] == SPACE && step["split"] != true => {
+                prefix |= step["prepend_scheme"] != "never" && step["add_prefix_space"] != false;
+            }
+            _ => return Err(unknown("pre-tokenizer", &step)),
+        }
+    }
+    Ok(prefix)
 }
 
 /// The `tokenizer.ggml.pre` name of a `tokenizer.json` pre-tokenizer (see tokenizer.rs).

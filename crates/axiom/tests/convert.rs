@@ -10,7 +10,9 @@ mod common;
 
 use axiom::backend::cpu::CpuBackend;
 use axiom::convert::convert_hf_dir;
+use axiom::format::gguf::GgufFile;
 use axiom::format::quant::GgmlType;
+use axiom::tokenizer::Tokenizer;
 use common::{hf_fixture, worst_error};
 
 #[test]
@@ -28,6 +30,54 @@ fn converted_gguf_files_match_transformers() {
         convert_hf_dir(&hf_fixture(name), &out, GgmlType::Q8_0, |_, _, _| {}).unwrap();
         let err = worst_error(&out, &hf_fixture(name), CpuBackend::reference(2));
         assert!(err < 0.05, "{name} Q8_0 GGUF: relative L2 error {err}");
+    }
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn converted_tokenizers_encode_and_decode_as_the_originals() {
+    let license = std::fs::read_to_string(common::refs("apache-2.0.txt")).unwrap();
+    let mut texts: Vec<&str> = license.lines().collect();
+    texts.extend([
+        "",
+        " ",
+        "  two  spaces and a tab\there",
+        "\n\nnewlines\n",
+        "caf\u{e9} \u{fc}ber \u{65e5}\u{672c} \u{1f642} bytes the vocabulary lacks",
+        "<s>special</s> text",
+        "1234567890",
+    ]);
+    let dir = std::env::temp_dir().join(format!("axiom-convert-tok-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    // Byte-level BPE, and SentencePiece BPE with byte fallback (Llama 2's layout).
+    for name in ["llama", "llama_spm"] {
+        let out = dir.join(format!("{name}.gguf"));
+        convert_hf_dir(&hf_fixture(name), &out, GgmlType::F32, |_, _, _| {}).unwrap();
+        let ours = Tokenizer::from_gguf(&GgufFile::open(&out).unwrap()).unwrap();
+        let theirs = Tokenizer::from_hf_dir(&hf_fixture(name)).unwrap();
+        assert_eq!(
+            (ours.bos, ours.eos, ours.add_bos),
+            (theirs.bos, theirs.eos, theirs.add_bos),
+            "{name}"
+        );
+        for text in &texts {
+            // With special tokens parsed, a SentencePiece GGUF prepends no space piece after
+            // them (as transformers' non-legacy tokenizers) where this legacy-style fixture does.
+            let specials: &[bool] = if text.contains("</s>") {
+                &[false]
+            } else {
+                &[false, true]
+            };
+            for &special in specials {
+                let ids = theirs.encode(text, special, true).unwrap();
+                assert_eq!(ours.encode(text, special, true).unwrap(), ids, "{name}: {text:?}");
+                assert_eq!(
+                    ours.decode(&ids, false).unwrap(),
+                    theirs.decode(&ids, false).unwrap(),
+                    "{name}: {text:?}"
+                );
+            }
+        }
     }
     std::fs::remove_dir_all(dir).unwrap();
 }

@@ -168,6 +168,7 @@ pub const HF_FIXTURES: &[&str] = &[
     "qwen2",
     "qwen3",
     "llama_bias",
+    "llama_spm",
     "mistral_window",
     "qwen2_window",
     "gemma2",
