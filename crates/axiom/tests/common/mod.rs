@@ -36,6 +36,11 @@ pub fn smollm2() -> PathBuf {
     axiom::source::default_model().expect("the default model can be fetched")
 }
 
+/// Gemma 3 270M Q4_K_M (until the packaged-model fetch lands: the local copy).
+pub fn gemma3_270m() -> PathBuf {
+    PathBuf::from("/work/gemma-dl/gemma-3-270m-q4_k_m.gguf")
+}
+
 /// Writes GGUF images field by field, so tests can build valid files and precise corruptions.
 pub struct GgufWriter {
     pub buf: Vec<u8>,
