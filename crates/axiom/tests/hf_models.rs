@@ -33,6 +33,32 @@ fn every_architecture_matches_transformers_in_f32() {
 }
 
 #[test]
+fn sequences_longer_than_the_cache_run_behind_an_every_layer_window() {
+    // mistral_window slides a window of 4 over every layer: a cache of three pages holds any
+    // length, and gives what a roomy one gives.
+    let greedy = |kv_tokens: usize| {
+        let options = LoadOptions {
+            max_batch: 64,
+            kv_tokens,
+            max_seqs: 1,
+        };
+        let mut s = Session::load(&fixture("mistral_window"), CpuBackend::reference(1), options).unwrap();
+        let mut kv = s.model.new_kv_cache(240);
+        let mut tokens = s.raw_prompt("The license applies").unwrap();
+        let mut next = tokens.clone();
+        while tokens.len() < 240 {
+            let logits = s.forward_last(&next, &mut kv).unwrap();
+            let best = axiom::backend::cpu::kernels::argmax::argmax(logits);
+            tokens.push(best);
+            next = vec![best];
+        }
+        assert!(s.pages.usage().used <= 3, "{:?}", s.pages.usage());
+        tokens
+    };
+    assert_eq!(greedy(48), greedy(512));
+}
+
+#[test]
 fn greedy_decode_matches_host_argmax() {
     common::gpu::greedy_decode_matches_host_argmax(CpuBackend::new(2));
 }
@@ -59,6 +85,8 @@ fn configs_that_change_the_math_are_refused() {
     )
     .contains("yarn"));
     assert!(with("num_key_value_heads", 3.into()).contains("grouped"));
+    assert!(with("use_bidirectional_attention", true.into()).contains("use_bidirectional_attention"));
+    assert!(with("model_type", "gemma3".into()).contains("vision"));
     assert!(ModelConfig::from_hf(&base).is_ok());
 }
 

@@ -181,7 +181,7 @@ impl<B: Backend> Session<B> {
     ) -> Result<()> {
         self.pages.reserve(kv, tokens.len())?;
         self.model.forward(tokens, kv, rows, sink)?;
-        self.pages.index_full_pages(kv);
+        self.pages.after_step(kv);
         Ok(())
     }
 
@@ -189,7 +189,7 @@ impl<B: Backend> Session<B> {
     pub fn forward_last(&mut self, tokens: &[u32], kv: &mut KvCache) -> Result<&[f32]> {
         self.pages.reserve(kv, tokens.len())?;
         self.model.forward_last(tokens, kv)?;
-        self.pages.index_full_pages(kv);
+        self.pages.after_step(kv);
         Ok(self.model.last_logits())
     }
 

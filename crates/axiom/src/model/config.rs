@@ -477,6 +477,15 @@ impl ModelConfig {
         }
     }
 
+    /// The window every layer attends through, where all of them slide (Mistral v0.1): what lies
+    /// behind it is never read again.
+    pub fn window_of_every_layer(&self) -> Option<usize> {
+        self.sliding
+            .as_ref()
+            .filter(|s| s.layers.iter().all(|&b| b))
+            .map(|s| s.window)
+    }
+
     /// The sliding layers' own rotary embedding, where it differs from the others'.
     pub fn local_rope(&self) -> Option<Rope> {
         self.sliding.as_ref().and_then(|s| s.rope)

@@ -222,7 +222,12 @@ impl<B: Backend> Llama<B> {
         let max_batch = options.max_batch.max(1);
         let max_seqs = options.max_seqs.clamp(1, max_batch);
         let n_pages = options.kv_tokens.max(1).div_ceil(PAGE_SIZE);
-        let table_width = config.context_length.min(n_pages * PAGE_SIZE).div_ceil(PAGE_SIZE);
+        // A sequence holds at most the pool, unless every layer slides: then it holds one window.
+        let longest = match config.window_of_every_layer() {
+            Some(_) => config.context_length,
+            None => config.context_length.min(n_pages * PAGE_SIZE),
+        };
+        let table_width = longest.div_ceil(PAGE_SIZE);
         let page_bytes = PAGE_SIZE * config.attention().kv_width() * backend.kv_type().bytes();
         let inputs_len = 3 * max_batch + max_seqs * table_width;
         let (largest_weight, max_n_in) = weights::largest(&config);
@@ -276,7 +281,8 @@ impl<B: Backend> Llama<B> {
             choices,
             output_rows: Vec::new(),
         };
-        Ok((model, PagePool::new(n_pages, PAGE_SIZE)))
+        let window = model.config.window_of_every_layer();
+        Ok((model, PagePool::new(n_pages, PAGE_SIZE).with_window(window)))
     }
 
     /// An empty KV cache for a sequence of up to `capacity` tokens (bounded by the context and
