@@ -67,10 +67,7 @@ fn q5_0(x: &[f32], out: &mut Vec<u8>) {
         .fold(0f32, |m, v| if v.abs() > m.abs() { v } else { m });
     let d = max / -16.0;
     let inv = if d != 0.0 { 1.0 / d } else { 0.0 };
-    let q: Vec<u32> = x
-        .iter()
-        .map(|v| ((v * inv + 16.5) as i32).clamp(0, 31) as u32)
-        .collect();
+    let q: [u32; 32] = std::array::from_fn(|j| ((x[j] * inv + 16.5) as i32).clamp(0, 31) as u32);
     let high = q.iter().enumerate().fold(0u32, |h, (j, v)| h | (v >> 4) << j);
     out.extend_from_slice(&f16::from_f32(d).to_le_bytes());
     out.extend_from_slice(&high.to_le_bytes());
