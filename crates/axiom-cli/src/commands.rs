@@ -109,7 +109,7 @@ pub struct ConvertArgs {
     /// The GGUF file to write.
     #[arg(short, long)]
     output: PathBuf,
-    /// Type of the weight matrices: f32, f16, bf16, q8_0, q4_0 or q4_k.
+    /// Type of the weight matrices: f32, f16, bf16, q8_0, q4_0, q5_0 or q4_k.
     #[arg(long = "type", default_value = "f16")]
     ty: String,
 }

@@ -47,7 +47,7 @@ pub fn convert_hf_dir(
 ) -> Result<Written> {
     if !can_quantize(ty) {
         return Err(Error::InvalidArgument(format!(
-            "cannot write {ty}: choose F32, F16, BF16, Q8_0, Q4_0 or Q4_K"
+            "cannot write {ty}: choose F32, F16, BF16, Q8_0, Q4_0, Q5_0 or Q4_K"
         )));
     }
     let read = |name: &str| {

@@ -8,7 +8,7 @@ using msl_cpu::launch;
 using msl_cpu::Thread;
 
 // GGUF type ids, as in format/quant.rs.
-#define WEIGHT_TYPES(X) X(0, f32) X(1, f16) X(30, bf16) X(8, q8_0) X(2, q4_0) X(3, q4_1) X(12, q4_k) X(14, q6_k)
+#define WEIGHT_TYPES(X) X(0, f32) X(1, f16) X(30, bf16) X(8, q8_0) X(2, q4_0) X(3, q4_1) X(6, q5_0) X(12, q4_k) X(14, q6_k)
 
 extern "C" int msl_matmul(uint ty, const uchar* w, const float* x, float* out, uint n_in, uint n_out, uint n_tokens,
                           uint simds_per_group) {

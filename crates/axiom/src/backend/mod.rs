@@ -140,13 +140,14 @@ impl KvType {
 
 /// The weight types the GPU backends run, by the suffix of their kernels (`matmul_q4_k`,
 /// `embed_bf16`, ...: one naming for CUDA and Metal).
-pub const GPU_WEIGHT_TYPES: [(GgmlType, &str); 8] = [
+pub const GPU_WEIGHT_TYPES: [(GgmlType, &str); 9] = [
     (GgmlType::F32, "f32"),
     (GgmlType::F16, "f16"),
     (GgmlType::BF16, "bf16"),
     (GgmlType::Q8_0, "q8_0"),
     (GgmlType::Q4_0, "q4_0"),
     (GgmlType::Q4_1, "q4_1"),
+    (GgmlType::Q5_0, "q5_0"),
     (GgmlType::Q4K, "q4_k"),
     (GgmlType::Q6K, "q6_k"),
 ];

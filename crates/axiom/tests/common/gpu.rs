@@ -98,13 +98,14 @@ fn normed(x: BlockHandle, weight: BlockHandle, scratch: BlockHandle) -> Input {
 }
 
 /// The weight types every GPU backend runs.
-pub const WEIGHT_TYPES: [GgmlType; 8] = [
+pub const WEIGHT_TYPES: [GgmlType; 9] = [
     GgmlType::F32,
     GgmlType::F16,
     GgmlType::BF16,
     GgmlType::Q8_0,
     GgmlType::Q4_0,
     GgmlType::Q4_1,
+    GgmlType::Q5_0,
     GgmlType::Q4K,
     GgmlType::Q6K,
 ];
