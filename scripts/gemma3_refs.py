@@ -65,7 +65,7 @@ def greedy_case(model, tok, case):
                          eos_token_id=EOG, pad_token_id=0, temperature=None, top_p=None, top_k=None)
     new = out[0, len(ids):].tolist()
     return {
-        "name": case["name"], "kind": case["kind"], "text": case["prompt_text"],
+        "name": case["name"], "kind": case["kind"], "messages": case["messages"], "text": case["prompt_text"],
         "transformers_tokenizer_agrees": tok(case["prompt_text"]).input_ids == ids,
         "ids": ids,
         "argmax_per_position": logits.argmax(-1).tolist(),

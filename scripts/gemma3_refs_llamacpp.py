@@ -23,21 +23,25 @@ THREADS = 2
 N_PREDICT = 64
 NEAR_TIE = 0.1  # top-1 minus top-2 logit below this marks a step where another engine may pick differently
 
-# Gemma's chat turn format, written by hand: the GGUF carries no chat template.
-def chat(user, system=None):
-    # Gemma has no system role: its template puts a system prompt at the start of the first user turn.
-    content = f"{system}\n\n{user}" if system else user
-    return f"<start_of_turn>user\n{content}<end_of_turn>\n<start_of_turn>model\n"
+# Gemma's chat turn format, written by hand: the GGUF carries no chat template. Gemma has no system role: its
+# template puts a system prompt at the start of the first user turn, followed by a blank line.
+def chat(messages):
+    system = "".join(m["content"] + "\n\n" for m in messages if m["role"] == "system")
+    user = next(m["content"] for m in messages if m["role"] == "user")
+    return f"<start_of_turn>user\n{system}{user}<end_of_turn>\n<start_of_turn>model\n"
 
-PROMPTS = [
-    ("raw_capital_france", "raw", "The capital of France is"),
-    ("raw_story", "raw", "Once upon a time, there was a little"),
-    ("raw_code_fib", "raw", 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'),
-    ("chat_capital_france", "chat", chat("What is the capital of France?")),
-    ("chat_haiku", "chat", chat("Write a haiku about the ocean.")),
-    ("chat_sys_cpu_cache", "chat", chat("Explain what a CPU cache is in two sentences.",
-                                        system="You are a concise assistant.")),
+
+CHATS = [
+    ("chat_capital_france", [{"role": "user", "content": "What is the capital of France?"}]),
+    ("chat_haiku", [{"role": "user", "content": "Write a haiku about the ocean."}]),
+    ("chat_sys_cpu_cache", [{"role": "system", "content": "You are a concise assistant."},
+                            {"role": "user", "content": "Explain what a CPU cache is in two sentences."}]),
 ]
+PROMPTS = [
+    ("raw_capital_france", "The capital of France is", None),
+    ("raw_story", "Once upon a time, there was a little", None),
+    ("raw_code_fib", 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n', None),
+] + [(name, chat(messages), messages) for name, messages in CHATS]
 
 TOKENIZATION = [
     ("english", "Hello, world!"),
@@ -116,7 +120,7 @@ def sha256(path):
 
 def greedy(build, model, pieces):
     cases = []
-    for name, kind, text in PROMPTS:
+    for name, text, messages in PROMPTS:
         with tempfile.NamedTemporaryFile("wb", suffix=".txt") as f:
             f.write(text.encode("utf-8"))
             f.flush()
@@ -131,7 +135,7 @@ def greedy(build, model, pieces):
         low = min(range(len(margins)), key=margins.__getitem__)
         text_of = lambda toks: b"".join(bytes.fromhex(steps[i]["piece_hex"]) for i in toks).decode("utf-8", "replace")
         cases.append({
-            "name": name, "kind": kind, "prompt_text": text, "prompt_ids": got["prompt_ids"],
+            "name": name, "kind": "chat" if messages else "raw", "messages": messages, "prompt_text": text, "prompt_ids": got["prompt_ids"],
             "n_prompt": len(got["prompt_ids"]), "prompt_vocab_strings": [pieces[i] for i in got["prompt_ids"]],
             "generated_ids_64": ids, "generated_text_64": text_of(range(len(ids))),
             "first_eog_step": eog, "generated_ids_until_eog": until, "generated_text_until_eog": text_of(range(len(until))),
@@ -155,7 +159,7 @@ def greedy(build, model, pieces):
                   "(the GGUF has no chat template); a system prompt goes at the start of the user turn, as "
                   "Gemma's own template does.",
         "settings": {"n_ctx": 512, "n_threads": THREADS, "n_threads_batch": THREADS, "n_gpu_layers": 0,
-                     "flash_attn": "auto (default context parameters)", "kv_cache_type": "f16 K and V (default)",
+                     "flash_attn": "auto (resolved: enabled, CPU FLASH_ATTN_EXT)", "kv_cache_type": "f16 K and V (default)",
                      "backend": "CPU only (ggml-cpu, -march=native)"},
         "per_step_fields": "steps[i]: id = greedy token, logit = its raw logit, runner_up_id/runner_up_logit = 2nd "
                            "best, piece_hex = UTF-8 bytes of llama_token_to_piece(special=true). near_tie_steps: "
