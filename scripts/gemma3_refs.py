@@ -106,7 +106,8 @@ def main():
                   "eager attention, weights dequantized from the GGUF by transformers (norm weights minus 1, as "
                   "Gemma's RMSNorm scales by 1 + weight); prompt ids are llama.cpp's (llamacpp_greedy.json: BOS "
                   "first, chat prompts in Gemma's turn format written by hand); greedy (do_sample=False) up to 64 "
-                  "new tokens, stopping after <eos> (1) or <end_of_turn> (106), which is then the last id",
+                  "new tokens, stopping after an end-of-generation id (1 <eos>, 106 <end_of_turn>, 212 </s>: llama.cpp's "
+                  "set), which is then the last id",
         "cases": cases,
     }, indent=1, ensure_ascii=False) + "\n")
 

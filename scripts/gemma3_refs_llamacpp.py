@@ -57,6 +57,7 @@ TOKENIZATION = [
     ("special_chat", "<start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n"),
     ("special_bos_eos_text", "<bos>text<eos>"),
     ("html_like", "<div><start_of_turn></div>"),
+    ("long_whitespace_runs", "x" + " " * 33 + "y" + "\n" * 35 + "z"),
     ("single_space", " "),
     ("single_newline", "\n"),
     ("empty", ""),
