@@ -179,7 +179,8 @@ fn split_error(file: &str) -> Option<Error> {
 }
 
 /// Picks what `model` names among the repository's `files`: its file; the GGUF of its quantization;
-/// else a model directory if there is a `config.json`, else the `DEFAULT_QUANT` GGUF or the only one.
+/// else a model directory if there are a `config.json` and safetensors, else the `DEFAULT_QUANT`
+/// GGUF or the only one.
 pub fn choose(model: &HubModel, files: &[String]) -> Result<Choice> {
     if let Some(file) = &model.file {
         return match split_error(file) {
@@ -188,6 +189,7 @@ pub fn choose(model: &HubModel, files: &[String]) -> Result<Choice> {
         };
     }
     let ggufs: Vec<&String> = files.iter().filter(|f| is_gguf(f)).collect();
+    let listed = |name: &str| files.iter().any(|f| f == name);
     let available = || {
         let mut tags: Vec<String> = ggufs
             .iter()
@@ -199,7 +201,10 @@ pub fn choose(model: &HubModel, files: &[String]) -> Result<Choice> {
     };
     let quant = match &model.quant {
         Some(quant) => quant.as_str(),
-        None if files.iter().any(|f| f == "config.json") => return Ok(Choice::Directory),
+        // GGUF repositories may carry a config.json too: a directory needs its safetensors.
+        None if listed("config.json") && (listed("model.safetensors") || listed(SHARD_INDEX) || ggufs.is_empty()) => {
+            return Ok(Choice::Directory)
+        }
         None if ggufs.is_empty() => {
             return Err(Error::InvalidArgument(format!(
                 "{} has neither a config.json nor GGUF files",
@@ -725,7 +730,15 @@ mod tests {
     #[test]
     fn without_a_quantization() {
         let pick = |names: &[&str]| choose(&HubModel::parse("hf:o/r").unwrap(), &files(names));
-        assert_eq!(pick(&["config.json", "m-Q8_0.gguf"]).unwrap(), Choice::Directory);
+        assert_eq!(
+            pick(&["config.json", "model.safetensors", "m-Q4_K_M.gguf"]).unwrap(),
+            Choice::Directory
+        );
+        assert_eq!(pick(&["config.json"]).unwrap(), Choice::Directory);
+        assert_eq!(
+            pick(&["config.json", "m-Q4_K_M.gguf", "m-Q8_0.gguf"]).unwrap(),
+            Choice::File("m-Q4_K_M.gguf".into())
+        );
         assert_eq!(pick(&["m-F16.gguf"]).unwrap(), Choice::File("m-F16.gguf".into()));
         let err = pick(&["m-F16.gguf", "m-Q8_0.gguf"]).unwrap_err().to_string();
         assert!(err.contains("no Q4_K_M") && err.contains("F16, Q8_0"), "{err}");
