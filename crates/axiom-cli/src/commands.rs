@@ -95,7 +95,7 @@ pub struct PerplexityArgs {
 
 #[derive(Args)]
 pub struct InfoArgs {
-    /// GGUF model file (default: the default model).
+    /// The model, as `-m` takes it (default: the default model).
     model: Option<PathBuf>,
     /// Also list every metadata key and tensor.
     #[arg(long)]

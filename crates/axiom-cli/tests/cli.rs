@@ -154,9 +154,18 @@ fn bad_inputs_fail_with_a_message() {
     let bogus = dir.join("bogus.gguf");
     std::fs::write(&bogus, b"not a model at all").unwrap();
     let model = model();
-    let cases: [(&[&str], &str); 5] = [
+    let cases: [(&[&str], &str); 7] = [
         (&["info", bogus.to_str().unwrap()], "not a GGUF file"),
         (&["run", "-m", "/nonexistent.gguf", "hi"], "does not exist"),
+        // A name that is no file nor packaged model: the error lists what -m takes.
+        (
+            &["run", "-m", "gemma3", "hi"],
+            "packaged model: smollm2-135m, gemma3-270m",
+        ),
+        (
+            &["run", "-m", "hf:org/repo:Q4-K", "hi"],
+            "is not hf:ORG/REPO[@REVISION][:QUANT]",
+        ),
         (&["run", "-m", bogus.to_str().unwrap(), "hi"], "not a GGUF file"),
         (
             &["run", "--backend", "metal", "-m", bogus.to_str().unwrap(), "hi"],

