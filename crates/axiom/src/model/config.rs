@@ -2,6 +2,7 @@
 //! Face `config.json`. Anything that would change the math and is not understood is an error,
 //! never a silently different model.
 
+use super::rope_config::{rope_from_gguf, rope_from_hf, LongRopeFactors};
 use crate::backend::{AttentionShape, Rope, RopeLayout, RopeScaling};
 use crate::format::gguf::GgufFile;
 use crate::{Error, Result};
@@ -28,6 +29,8 @@ pub struct ModelConfig {
     pub qk_norm: bool,
     /// Per-pair divisors of the rope frequencies (GGUF's `rope_freqs` tensor, Llama 3.1).
     pub rope_factors: Option<Vec<f32>>,
+    /// LongRoPE's per-pair divisors (Phi-3), with `RopeScaling::LongRope`.
+    pub longrope: Option<LongRopeFactors>,
 }
 
 /// Upper bounds that keep a corrupt header from sizing huge buffers.
@@ -36,7 +39,7 @@ const MAX_LAYERS: usize = 1024;
 const MAX_CONTEXT: usize = 1 << 24;
 
 /// The architectures axiom runs, by their Hugging Face `model_type` / GGUF architecture name.
-const ARCHITECTURES: &[&str] = &["llama", "mistral", "qwen2", "qwen3"];
+const ARCHITECTURES: &[&str] = &["llama", "mistral", "qwen2", "qwen3", "phi3"];
 
 impl ModelConfig {
     pub fn attention(&self) -> AttentionShape {
@@ -62,7 +65,7 @@ impl ModelConfig {
         // converters keep Hugging Face's rotate-half order (GGUF's "NeoX" rope).
         let layout = match arch.as_str() {
             "llama" | "mistral" => RopeLayout::Adjacent,
-            "qwen2" | "qwen3" => RopeLayout::Halves,
+            "qwen2" | "qwen3" | "phi3" => RopeLayout::Halves,
             _ => return Err(Error::UnsupportedArchitecture(arch)),
         };
         let key = |k: &str| format!("{arch}.{k}");
@@ -93,13 +96,7 @@ impl ModelConfig {
                 .and_then(|t| t.dims.get(1).copied())
                 .ok_or_else(|| Error::Model("cannot tell the vocabulary size".into()))?,
         };
-        let scaling = match file.get(&key("rope.scaling.type")).and_then(|v| v.as_str()) {
-            None | Some("none") => RopeScaling::None,
-            Some("linear") => RopeScaling::Linear {
-                factor: float_of("rope.scaling.factor").unwrap_or(1.0) as f32,
-            },
-            Some(other) => return Err(Error::Model(format!("rope scaling {other:?} is not supported"))),
-        };
+        let (rope, longrope) = rope_from_gguf(file, &arch, layout, head_dim)?;
         let rope_factors = match file.tensor("rope_freqs.weight") {
             Some(t) if t.ty == crate::format::quant::GgmlType::F32 && t.dims.len() == 1 => Some(
                 file.tensor_bytes(t)
@@ -125,16 +122,12 @@ impl ModelConfig {
             vocab_size,
             context_length: usize_of("context_length")?.unwrap_or(4096),
             rms_eps: float_of("attention.layer_norm_rms_epsilon").unwrap_or(1e-5) as f32,
-            rope: Rope {
-                layout,
-                theta: float_of("rope.freq_base").unwrap_or(10000.0) as f32,
-                dims: usize_of("rope.dimension_count")?.unwrap_or(head_dim),
-                scaling,
-            },
+            rope,
             qkv_bias: file.tensor("blk.0.attn_q.bias").is_some(),
             o_bias: file.tensor("blk.0.attn_output.bias").is_some(),
             qk_norm: file.tensor("blk.0.attn_q_norm.weight").is_some(),
             rope_factors,
+            longrope,
             architecture: arch,
         };
         config.validate()?;
@@ -178,16 +171,17 @@ impl ModelConfig {
         let attention_bias = config["attention_bias"].as_bool() == Some(true);
         let (qkv_bias, o_bias) = match model_type.as_str() {
             "qwen2" => (true, false),
-            "mistral" => (false, false),
+            "mistral" | "phi3" => (false, false),
             _ => (attention_bias, attention_bias),
         };
         let n_heads = required("num_attention_heads")?;
         let dim = required("hidden_size")?;
         let context_length = usize_of("max_position_embeddings")?.unwrap_or(4096);
         let window = usize_of("sliding_window")?;
+        // Mistral and Phi-3 use any window they are given; Qwen2 only with `use_sliding_window`.
         let window_used = config["use_sliding_window"]
             .as_bool()
-            .unwrap_or(model_type == "mistral");
+            .unwrap_or(matches!(model_type.as_str(), "mistral" | "phi3"));
         if let (Some(w), true) = (window, window_used) {
             if w < context_length {
                 return Err(bad(format!(
@@ -195,32 +189,8 @@ impl ModelConfig {
                 )));
             }
         }
-        // transformers 5 writes `rope_parameters`; earlier versions `rope_theta` + `rope_scaling`.
-        let params = if config["rope_parameters"].is_object() {
-            &config["rope_parameters"]
-        } else {
-            &config["rope_scaling"]
-        };
-        let theta = float_of(&params["rope_theta"])
-            .or(float_of(&config["rope_theta"]))
-            .unwrap_or(10000.0) as f32;
-        let rope_type = params["rope_type"]
-            .as_str()
-            .or(params["type"].as_str())
-            .unwrap_or("default");
-        let factor = || float_of(&params["factor"]).unwrap_or(1.0) as f32;
-        let scaling = match rope_type {
-            "default" => RopeScaling::None,
-            "linear" => RopeScaling::Linear { factor: factor() },
-            "llama3" => RopeScaling::Llama3 {
-                factor: factor(),
-                low_freq_factor: float_of(&params["low_freq_factor"]).unwrap_or(1.0) as f32,
-                high_freq_factor: float_of(&params["high_freq_factor"]).unwrap_or(4.0) as f32,
-                original_context: params["original_max_position_embeddings"].as_u64().unwrap_or(8192) as usize,
-            },
-            other => return Err(bad(format!("rope type {other:?} is not supported"))),
-        };
         let head_dim = usize_of("head_dim")?.unwrap_or(dim.checked_div(n_heads).unwrap_or(0));
+        let (rope, longrope) = rope_from_hf(config, &model_type, head_dim)?;
         let config_out = ModelConfig {
             n_layers: required("num_hidden_layers")?,
             dim,
@@ -231,16 +201,12 @@ impl ModelConfig {
             vocab_size: required("vocab_size")?,
             context_length,
             rms_eps: float_of(&config["rms_norm_eps"]).unwrap_or(1e-6) as f32,
-            rope: Rope {
-                layout: RopeLayout::Halves,
-                theta,
-                dims: head_dim,
-                scaling,
-            },
+            rope,
             qkv_bias,
             o_bias,
             qk_norm: model_type == "qwen3",
             rope_factors: None,
+            longrope,
             architecture: model_type,
         };
         config_out.validate()?;
@@ -281,6 +247,25 @@ impl ModelConfig {
                 self.rope.theta, self.rms_eps
             ));
         }
+        if !(self.rope.scale.is_finite() && self.rope.scale > 0.0) {
+            return bad(format!("rope attention factor {} is not positive", self.rope.scale));
+        }
+        match (&self.longrope, self.rope.scaling) {
+            (Some(l), RopeScaling::LongRope { .. }) => {
+                let pairs = self.rope.dims / 2;
+                for list in [&l.short, &l.long] {
+                    if list.len() != pairs || list.iter().any(|v| !(v.is_finite() && *v > 0.0)) {
+                        return bad(format!(
+                            "LongRoPE has {} factors for {pairs} rotated pairs, or one not positive",
+                            list.len()
+                        ));
+                    }
+                }
+            }
+            (None, RopeScaling::LongRope { .. }) => return bad("LongRoPE without its factors".into()),
+            (Some(_), _) => return bad("LongRoPE factors without LongRoPE scaling".into()),
+            (None, _) => {}
+        }
         if let Some(f) = &self.rope_factors {
             if f.len() != self.rope.dims / 2 || f.iter().any(|v| !(v.is_finite() && *v > 0.0)) {
                 return bad(format!(
@@ -293,10 +278,21 @@ impl ModelConfig {
         Ok(())
     }
 
-    /// The rope kernels' frequency table: the scaled frequencies, divided by any per-pair factors.
-    pub fn rope_frequencies(&self) -> Vec<f32> {
+    /// The rope kernels' frequency table for sequences of up to `longest_sequence` tokens: the
+    /// scaled frequencies, divided by any per-pair factors. LongRoPE takes its long factors when
+    /// a sequence may outgrow the original context, as llama.cpp does: transformers switches per
+    /// forward pass, which keys already cached cannot follow.
+    pub fn rope_frequencies(&self, longest_sequence: usize) -> Vec<f32> {
         let mut freqs = self.rope.inverse_frequencies();
-        if let Some(factors) = &self.rope_factors {
+        let longrope = match (&self.longrope, self.rope.scaling) {
+            (Some(l), RopeScaling::LongRope { original_context }) => Some(if longest_sequence > original_context {
+                &l.long
+            } else {
+                &l.short
+            }),
+            _ => None,
+        };
+        for factors in [self.rope_factors.as_ref(), longrope].into_iter().flatten() {
             freqs.iter_mut().zip(factors).for_each(|(f, d)| *f /= d);
         }
         freqs
