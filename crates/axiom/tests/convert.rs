@@ -65,3 +65,24 @@ fn matrices_whose_rows_do_not_fit_the_type_are_reported_as_written() {
     assert_eq!(q4k.matrices, vec![(GgmlType::Q8_0, n)]);
     assert_eq!(q4k.vectors, f32.vectors);
 }
+
+#[test]
+fn yarn_without_truncation_is_refused_as_llama_cpp_cannot_say_it() {
+    let dir = std::env::temp_dir().join(format!("axiom-convert-yarn-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for entry in std::fs::read_dir(hf_fixture("qwen2_yarn")).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, dir.join(path.file_name().unwrap())).unwrap();
+    }
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    config["rope_parameters"]["truncate"] = false.into();
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    let out = dir.join("out.gguf");
+    let err = convert_hf_dir(&dir, &out, GgmlType::F32, |_, _, _| {})
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("truncate"), "{err}");
+    assert!(!out.exists());
+    std::fs::remove_dir_all(dir).unwrap();
+}

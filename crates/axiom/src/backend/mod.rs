@@ -86,16 +86,50 @@ pub enum RopeScaling {
     },
 }
 
-impl RopeScaling {
-    /// The name transformers gives it (`rope_type`).
-    pub fn name(&self) -> &'static str {
-        match self {
-            RopeScaling::None => "default",
-            RopeScaling::Linear { .. } => "linear",
-            RopeScaling::Llama3 { .. } => "llama3",
-            RopeScaling::Yarn { .. } => "yarn",
-            RopeScaling::LongRope { .. } => "longrope",
+impl std::fmt::Display for RopeScaling {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match *self {
+            RopeScaling::None => write!(f, "none"),
+            RopeScaling::Linear { factor } => write!(f, "linear x{factor}"),
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_context,
+            } => write!(
+                f,
+                "llama3 x{factor} beyond {original_context} tokens (frequency factors {low_freq_factor}..{high_freq_factor})"
+            ),
+            RopeScaling::Yarn {
+                factor,
+                original_context,
+                beta_fast,
+                beta_slow,
+                truncate,
+            } => write!(
+                f,
+                "YaRN x{factor} beyond {original_context} tokens (beta {beta_fast}/{beta_slow}{})",
+                if truncate { "" } else { ", not truncated" }
+            ),
+            RopeScaling::LongRope { original_context } => write!(
+                f,
+                "LongRoPE (short factors while the context served fits {original_context} tokens, long beyond)"
+            ),
         }
+    }
+}
+
+impl std::fmt::Display for Rope {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{:?} layout, theta {}, {} dims rotated, scaling {}",
+            self.layout, self.theta, self.dims, self.scaling
+        )?;
+        if self.scale != 1.0 {
+            write!(f, ", attention factor {}", self.scale)?;
+        }
+        Ok(())
     }
 }
 
