@@ -366,3 +366,12 @@ fn rope_scaling_keys_read_as_llama_cpp_writes_them() {
         .to_string();
     assert!(err.contains("rope_factors_long"), "{err}");
 }
+
+#[test]
+fn a_sliding_window_below_the_context_is_refused() {
+    let err = config_of("phi3", &[("attention.sliding_window", Value::U32(200))], &[])
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("sliding window of 200 tokens"), "{err}");
+    assert!(config_of("phi3", &[("attention.sliding_window", Value::U32(256))], &[]).is_ok());
+}

@@ -97,6 +97,13 @@ impl ModelConfig {
                 .ok_or_else(|| Error::Model("cannot tell the vocabulary size".into()))?,
         };
         let (rope, longrope) = rope_from_gguf(file, &arch, layout, head_dim)?;
+        let context_length = usize_of("context_length")?.unwrap_or(4096);
+        // llama.cpp writes Phi-3-mini-4k's window of 2047 tokens; axiom attends to every position.
+        if let Some(w) = usize_of("attention.sliding_window")?.filter(|w| *w < context_length) {
+            return Err(Error::Model(format!(
+                "a sliding window of {w} tokens (below the context of {context_length}) is not supported"
+            )));
+        }
         let rope_factors = match file.tensor("rope_freqs.weight") {
             Some(t) if t.ty == crate::format::quant::GgmlType::F32 && t.dims.len() == 1 => Some(
                 file.tensor_bytes(t)
@@ -120,7 +127,7 @@ impl ModelConfig {
             n_kv_heads: usize_of("attention.head_count_kv")?.unwrap_or(n_heads),
             head_dim,
             vocab_size,
-            context_length: usize_of("context_length")?.unwrap_or(4096),
+            context_length,
             rms_eps: float_of("attention.layer_norm_rms_epsilon").unwrap_or(1e-5) as f32,
             rope,
             qkv_bias: file.tensor("blk.0.attn_q.bias").is_some(),
