@@ -19,8 +19,8 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig,
-                          LlamaForCausalLM, MistralConfig, MistralForCausalLM, PreTrainedTokenizerFast, Qwen2Config,
-                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+                          LlamaForCausalLM, MistralConfig, MistralForCausalLM, Phi3Config, Phi3ForCausalLM,
+                          PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "crates/axiom/tests/fixtures/hf"
@@ -75,6 +75,12 @@ def sentencepiece_tokenizer():
                                    chat_template=CHATML, add_bos_token=True)
 
 
+def longrope(pairs):
+    """LongRoPE factor lists of `pairs` entries, unlike each other and unlike 1."""
+    return {"rope_type": "longrope", "short_factor": [1.0 + 0.07 * i for i in range(pairs)],
+            "long_factor": [1.5 + 0.9 * i for i in range(pairs)]}
+
+
 def models_to_make():
     return {
         "llama": (LlamaForCausalLM, LlamaConfig(**SHAPE, rope_theta=10000.0, tie_word_embeddings=False)),
@@ -112,6 +118,20 @@ def models_to_make():
                                                                               "rope_theta": 1000000.0},
                                                            "sliding_attention": {"rope_type": "default",
                                                                                  "rope_theta": 10000.0}})),
+        # YaRN as Qwen2.5's long-context configs set it: the attention factor follows from the factor.
+        "qwen2_yarn": (Qwen2ForCausalLM, Qwen2Config(**SHAPE, rope_theta=10000.0, tie_word_embeddings=True, rope_scaling={
+            "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})),
+        # Phi-3-mini-128k's shape: LongRoPE over every dimension, an original context (8) below every
+        # text, so transformers takes the long factors, as axiom does for a context beyond it.
+        "phi3": (Phi3ForCausalLM, Phi3Config(**SHAPE, rope_theta=10000.0, tie_word_embeddings=False,
+                                             original_max_position_embeddings=8, rope_scaling=longrope(8), pad_token_id=0,
+                                             bos_token_id=0, eos_token_id=2)),
+        # Phi-4-mini's: three quarters of each head rotated, tied embeddings, an original context of
+        # 64 (the tests' whole cache), so both take the short factors.
+        "phi4_mini": (Phi3ForCausalLM, Phi3Config(**SHAPE, rope_theta=10000.0, tie_word_embeddings=True,
+                                                  partial_rotary_factor=0.75, original_max_position_embeddings=64,
+                                                  rope_scaling=longrope(6), pad_token_id=0, bos_token_id=0,
+                                                  eos_token_id=2)),
     }
 
 

@@ -476,13 +476,7 @@ fn print_config(config: axiom::Result<ModelConfig>) -> Result<()> {
                 c.head_dim
             )?;
             outln!("context:       {}", c.context_length)?;
-            outln!(
-                "rope:          {:?} layout, theta {}, {} dims, scaling {:?}",
-                c.rope.layout,
-                c.rope.theta,
-                c.rope.dims,
-                c.rope.scaling
-            )?;
+            outln!("rope:          {}", c.rope)?;
             outln!("rms epsilon:   {:e}", c.rms_eps)?;
             outln!("vocabulary:    {}", c.vocab_size)?;
             outln!("extras:        {}", features(&c).join(", "))?;

@@ -127,6 +127,36 @@ fn info_describes_the_model() {
 }
 
 #[test]
+fn info_names_the_rope_scaling() {
+    let fixture = |name: &str| {
+        PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../axiom/tests/fixtures/hf")
+            .join(name)
+    };
+    let cases: [(&str, &[&str]); 2] = [
+        (
+            "qwen2_yarn",
+            &["16 dims rotated", "YaRN x4 beyond 64 tokens", "attention factor 1.13"],
+        ),
+        (
+            "phi4_mini",
+            &[
+                "architecture:  phi3",
+                "12 dims rotated",
+                "LongRoPE",
+                "attention factor 1.15",
+            ],
+        ),
+    ];
+    for (name, needles) in cases {
+        let out = ok(&axiom(&["info", fixture(name).to_str().unwrap()]));
+        for needle in needles {
+            assert!(out.contains(needle), "missing {needle:?} in\n{out}");
+        }
+    }
+}
+
+#[test]
 fn perplexity_cli_reports_the_llama_cpp_method_value() {
     let m = model();
     let file = refs("apache-2.0.txt");

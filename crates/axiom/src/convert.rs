@@ -1,8 +1,9 @@
 //! `axiom convert`: a Hugging Face model directory written as one GGUF file, its weight matrices
 //! optionally quantized (llama-quantize's job). The result loads like any GGUF, in axiom or in
 //! llama.cpp: Llama and Mistral become GGUF `llama` (Q and K rows permuted to adjacent rotary
-//! pairs, as llama.cpp's converter does), Qwen2, Qwen3 and Gemma 2 keep their own architecture
-//! names, Gemma 3's text model becomes `gemma3`; Gemma's norm weights are written as the norm
+//! pairs, as llama.cpp's converter does), Qwen2, Qwen3, Phi-3 and Gemma 2 keep their own
+//! architecture names (Phi-3 its fused Q/K/V and gate/up matrices, as llama.cpp stores them),
+//! Gemma 3's text model becomes `gemma3`; Gemma's norm weights are written as the norm
 //! multiplies by them (its checkpoints store them minus one), as llama.cpp's converter does.
 
 use crate::backend::RopeScaling;
@@ -11,6 +12,7 @@ use crate::format::gguf_writer::GgufWriter;
 use crate::format::quant::{dequantize, GgmlType};
 use crate::format::quantize::{can_quantize, quantize};
 use crate::format::safetensors::SafetensorsModel;
+use crate::model::rope_config::{LONGROPE_LONG, LONGROPE_SHORT};
 use crate::model::weights::{refuse_unread, TensorSource};
 use crate::model::ModelConfig;
 use crate::tokenizer::Tokenizer;
@@ -86,10 +88,7 @@ pub fn convert_hf_dir(
         Value::F32(config.rms_eps),
     );
     w.set(&format!("{arch}.vocab_size"), u32v(config.vocab_size));
-    if let RopeScaling::Linear { factor } = config.rope.scaling {
-        w.set(&format!("{arch}.rope.scaling.type"), Value::String("linear".into()));
-        w.set(&format!("{arch}.rope.scaling.factor"), Value::F32(factor));
-    }
+    rope_metadata(&config, arch, &mut w)?;
     sliding_metadata(&config, arch, &mut w)?;
     if config.attention_scale != 1.0 / (config.head_dim as f32).sqrt() || arch.starts_with("gemma") {
         w.set(&format!("{arch}.attention.scale"), Value::F32(config.attention_scale));
@@ -173,11 +172,66 @@ pub fn convert_hf_dir(
         };
         let mut bytes = Vec::with_capacity(target.bytes_for(n).unwrap_or(0));
         quantize(target, &values, &mut bytes)?;
-        w.tensor(gguf_name, target, t.dims, bytes)?;
+        w.tensor(&stored_name(gguf_name), target, t.dims, bytes)?;
     }
     progress(names.len(), names.len(), "");
     w.write(out)?;
     Ok(written)
+}
+
+/// The rope scaling keys of llama.cpp's GGUF, and LongRoPE's factor tensors.
+fn rope_metadata(config: &ModelConfig, arch: &str, w: &mut GgufWriter) -> Result<()> {
+    let key = |k: &str| format!("{arch}.rope.scaling.{k}");
+    match config.rope.scaling {
+        RopeScaling::None => {}
+        RopeScaling::Linear { factor } => {
+            w.set(&key("type"), Value::String("linear".into()));
+            w.set(&key("factor"), Value::F32(factor));
+        }
+        // Travels as `rope_freqs` (below).
+        RopeScaling::Llama3 { .. } => {}
+        RopeScaling::Yarn {
+            factor,
+            original_context,
+            beta_fast,
+            beta_slow,
+            truncate,
+        } => {
+            // llama.cpp always rounds YaRN's ramp outwards, and has no key saying otherwise.
+            if !truncate {
+                return Err(Error::Model(
+                    "YaRN with truncate: false cannot be written to GGUF (llama.cpp always truncates)".into(),
+                ));
+            }
+            w.set(&key("type"), Value::String("yarn".into()));
+            w.set(&key("factor"), Value::F32(factor));
+            w.set(&key("original_context_length"), Value::U32(original_context as u32));
+            w.set(&key("yarn_beta_fast"), Value::F32(beta_fast));
+            w.set(&key("yarn_beta_slow"), Value::F32(beta_slow));
+            // llama.cpp multiplies this by YaRN's own magnitude term.
+            let attn_factor = config.rope.scale as f64 / crate::backend::yarn_mscale(factor as f64, 1.0);
+            w.set(&key("attn_factor"), Value::F32(attn_factor as f32));
+        }
+        RopeScaling::LongRope { original_context } => {
+            let longrope = config
+                .longrope
+                .as_ref()
+                .ok_or_else(|| Error::Model("LongRoPE without its factors".into()))?;
+            w.set(&key("original_context_length"), Value::U32(original_context as u32));
+            w.set(&key("attn_factor"), Value::F32(config.rope.scale));
+            for (name, factors) in [(LONGROPE_SHORT, &longrope.short), (LONGROPE_LONG, &longrope.long)] {
+                let bytes = factors.iter().flat_map(|f| f.to_le_bytes()).collect();
+                w.tensor(name, GgmlType::F32, &[factors.len()], bytes)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The name a tensor is written under: llama.cpp's Phi-3 keeps its fused gate and up matrix as
+/// `ffn_up`, which axiom reads from a checkpoint as `ffn_gate_up`.
+fn stored_name(name: &str) -> String {
+    name.replace(".ffn_gate_up.", ".ffn_up.")
 }
 
 /// The type a matrix with rows of `row` gets when `ty` is asked for.
@@ -195,17 +249,27 @@ fn tensor_names(config: &ModelConfig, untied: bool) -> Vec<String> {
         names.push("output.weight".into());
     }
     for i in 0..config.n_layers {
-        let mut fields = vec![
-            "attn_norm",
-            "attn_q",
-            "attn_k",
-            "attn_v",
-            "attn_output",
-            "ffn_norm",
-            "ffn_gate",
-            "ffn_up",
-            "ffn_down",
-        ];
+        let mut fields = match config.architecture.as_str() {
+            "phi3" => vec![
+                "attn_norm",
+                "attn_qkv",
+                "attn_output",
+                "ffn_norm",
+                "ffn_gate_up",
+                "ffn_down",
+            ],
+            _ => vec![
+                "attn_norm",
+                "attn_q",
+                "attn_k",
+                "attn_v",
+                "attn_output",
+                "ffn_norm",
+                "ffn_gate",
+                "ffn_up",
+                "ffn_down",
+            ],
+        };
         if config.qk_norm {
             fields.extend(["attn_q_norm", "attn_k_norm"]);
         }

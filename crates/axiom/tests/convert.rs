@@ -29,7 +29,10 @@ fn converted_gguf_files_match_transformers() {
         let out = dir.join(format!("{name}-q8_0.gguf"));
         convert_hf_dir(&hf_fixture(name), &out, GgmlType::Q8_0, |_, _, _| {}).unwrap();
         let err = worst_error(&out, &hf_fixture(name), CpuBackend::reference(2));
-        assert!(err < 0.05, "{name} Q8_0 GGUF: relative L2 error {err}");
+        // Phi-3's LongRoPE attention factor squared multiplies the attention logits, and with
+        // them the weights' rounding error.
+        let tolerance = if name == "phi3" { 0.08 } else { 0.05 };
+        assert!(err < tolerance, "{name} Q8_0 GGUF: relative L2 error {err}");
     }
     std::fs::remove_dir_all(dir).unwrap();
 }
@@ -111,4 +114,25 @@ fn matrices_whose_rows_do_not_fit_the_type_are_reported_as_written() {
     // The fixture's rows of 64 and 128 values fit no Q4_K block of 256: every matrix is Q8_0.
     assert_eq!(q4k.matrices, vec![(GgmlType::Q8_0, n)]);
     assert_eq!(q4k.vectors, f32.vectors);
+}
+
+#[test]
+fn yarn_without_truncation_is_refused_as_llama_cpp_cannot_say_it() {
+    let dir = std::env::temp_dir().join(format!("axiom-convert-yarn-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for entry in std::fs::read_dir(hf_fixture("qwen2_yarn")).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, dir.join(path.file_name().unwrap())).unwrap();
+    }
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    config["rope_parameters"]["truncate"] = false.into();
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    let out = dir.join("out.gguf");
+    let err = convert_hf_dir(&dir, &out, GgmlType::F32, |_, _, _| {})
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("truncate"), "{err}");
+    assert!(!out.exists());
+    std::fs::remove_dir_all(dir).unwrap();
 }

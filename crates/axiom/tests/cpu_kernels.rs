@@ -168,12 +168,18 @@ fn rope_rotates_pairs_by_position() {
     let (n_heads, head_dim, n) = (3, 48, 4);
     let x = randn(&mut r, n * n_heads * head_dim);
     let positions = [0u32, 1, 7, 34];
-    for layout in [RopeLayout::Adjacent, RopeLayout::Halves] {
+    // Every dimension, or part of them with cosine and sine scaled (YaRN's attention factor).
+    for (layout, dims, scale) in [
+        (RopeLayout::Adjacent, head_dim, 1.0),
+        (RopeLayout::Halves, head_dim, 1.0),
+        (RopeLayout::Halves, 36, 1.25),
+    ] {
         let rope = Rope {
             layout,
             theta: 10000.0,
-            dims: head_dim,
+            dims,
             scaling: RopeScaling::None,
+            scale,
         };
         let mut b = backend();
         let (xh, ph) = (upload(&mut b, &x), upload_u32(&mut b, &positions));
@@ -183,21 +189,27 @@ fn rope_rotates_pairs_by_position() {
         for (t, &pos) in positions.iter().enumerate() {
             for h in 0..n_heads {
                 let base = (t * n_heads + h) * head_dim;
-                for i in 0..head_dim / 2 {
+                for i in 0..dims / 2 {
                     let (a, c) = match layout {
                         RopeLayout::Adjacent => (2 * i, 2 * i + 1),
-                        RopeLayout::Halves => (i, i + head_dim / 2),
+                        RopeLayout::Halves => (i, i + dims / 2),
                     };
-                    let angle = pos as f32 * 10000f32.powf(-((2 * i) as f32) / head_dim as f32);
+                    let angle = pos as f32 * 10000f32.powf(-((2 * i) as f32) / dims as f32);
+                    let (cos, sin) = (scale * angle.cos(), scale * angle.sin());
                     let (x0, x1) = (x[base + a], x[base + c]);
-                    let want0 = x0 * angle.cos() - x1 * angle.sin();
-                    let want1 = x0 * angle.sin() + x1 * angle.cos();
+                    let want0 = x0 * cos - x1 * sin;
+                    let want1 = x0 * sin + x1 * cos;
                     assert!((got[base + a] - want0).abs() < 1e-4 && (got[base + c] - want1).abs() < 1e-4);
                 }
+                // Dimensions past the rotated ones pass through.
+                assert_eq!(&got[base + dims..base + head_dim], &x[base + dims..base + head_dim]);
             }
         }
-        // Position 0 is the identity.
-        assert_eq!(&got[..n_heads * head_dim], &x[..n_heads * head_dim]);
+        // Position 0 only scales the rotated dimensions.
+        let unrotated: Vec<f32> = (0..n_heads * head_dim)
+            .map(|j| if j % head_dim < dims { x[j] * scale } else { x[j] })
+            .collect();
+        assert_eq!(&got[..n_heads * head_dim], &unrotated[..]);
     }
 }
 
@@ -448,6 +460,7 @@ fn rope_frequency_scaling_follows_transformers() {
         theta: 500000.0,
         dims: 128,
         scaling,
+        scale: 1.0,
     };
     let base = rope(RopeScaling::None).inverse_frequencies();
     assert_eq!(base.len(), 64);

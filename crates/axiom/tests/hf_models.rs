@@ -79,11 +79,15 @@ fn configs_that_change_the_math_are_refused() {
     assert!(with("model_type", "gpt_neox".into()).contains("gpt_neox"));
     assert!(with("hidden_act", "gelu".into()).contains("gelu"));
     assert!(with("mlp_bias", true.into()).contains("mlp_bias"));
+    // Dynamic NTK rescales by each forward pass's length, which cached keys cannot follow.
     assert!(with(
         "rope_parameters",
-        serde_json::json!({"rope_type": "yarn", "factor": 4.0})
+        serde_json::json!({"rope_type": "dynamic", "factor": 4.0})
     )
-    .contains("yarn"));
+    .contains("dynamic"));
+    assert!(with("rope_parameters", serde_json::json!({"rope_type": "longrope"})).contains("short_factor"));
+    // Only Phi-3 rotates part of each head.
+    assert!(with("partial_rotary_factor", 0.5.into()).contains("partial_rotary_factor"));
     assert!(with("num_key_value_heads", 3.into()).contains("grouped"));
     assert!(with("use_bidirectional_attention", true.into()).contains("use_bidirectional_attention"));
     assert!(with("model_type", "gemma3".into()).contains("vision"));

@@ -45,9 +45,10 @@ extern "C" void msl_rms_norm(const float* x, const float* w, float* out, uint di
 }
 
 extern "C" void msl_rope(float* x, const uint* positions, const float* freqs, uint n_tokens, uint n_heads,
-                         uint head_dim, uint dims, uint halves, uint threads) {
+                         uint head_dim, uint dims, uint halves, float scale, uint threads) {
     launch({n_tokens, n_heads, 1}, {threads, 1, 1}, [&](const Thread& t) {
-        rope(x, positions, freqs, n_heads, head_dim, dims, halves, {t.group.x, t.group.y}, t.index, {t.threads, 1});
+        rope(x, positions, freqs, n_heads, head_dim, dims, halves, scale, {t.group.x, t.group.y}, t.index,
+             {t.threads, 1});
     });
 }
 
@@ -74,17 +75,17 @@ extern "C" void msl_kv_write(uint f16, const float* k, const float* v, void* k_c
 
 extern "C" void msl_rope_kv_write(uint f16, float* q, float* k, const float* v, void* k_cache, void* v_cache,
                                   const float* freqs, Paged p, uint n_tokens, uint n_heads, uint n_kv_heads,
-                                  uint head_dim, uint dims, uint halves, uint threads) {
+                                  uint head_dim, uint dims, uint halves, float scale, uint threads) {
     launch({n_tokens, n_heads + n_kv_heads, 1}, {threads, 1, 1}, [&](const Thread& t) {
         uint2 group = {t.group.x, t.group.y};
         if (f16)
             rope_kv_write_f16(q, k, v, (half*)k_cache, (half*)v_cache, p.positions, freqs, p.tables, p.table_width,
-                              p.token_seqs, p.page_size, n_heads, n_kv_heads, head_dim, dims, halves, group, t.index,
-                              {t.threads, 1});
+                              p.token_seqs, p.page_size, n_heads, n_kv_heads, head_dim, dims, halves, scale, group,
+                              t.index, {t.threads, 1});
         else
             rope_kv_write_f32(q, k, v, (float*)k_cache, (float*)v_cache, p.positions, freqs, p.tables, p.table_width,
-                              p.token_seqs, p.page_size, n_heads, n_kv_heads, head_dim, dims, halves, group, t.index,
-                              {t.threads, 1});
+                              p.token_seqs, p.page_size, n_heads, n_kv_heads, head_dim, dims, halves, scale, group,
+                              t.index, {t.threads, 1});
     });
 }
 

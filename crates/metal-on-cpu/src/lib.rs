@@ -109,6 +109,7 @@ unsafe extern "C" {
         head_dim: u32,
         dims: u32,
         halves: u32,
+        scale: f32,
         threads: u32,
     );
     fn msl_rope(
@@ -120,6 +121,7 @@ unsafe extern "C" {
         head_dim: u32,
         dims: u32,
         halves: u32,
+        scale: f32,
         threads: u32,
     );
     fn msl_kv_write(
@@ -243,7 +245,8 @@ pub fn rms_norm(x: &[f32], w: &[f32], out: &mut [f32], dim: usize, eps: f32, thr
     unsafe { msl_rms_norm(x.as_ptr(), w.as_ptr(), out.as_mut_ptr(), dim as u32, eps, rows, threads) }
 }
 
-/// `rope_kv_write_<f16|f32>`: RoPE on `q` and `k` in place, then `k` and `v` into the caches.
+/// `rope_kv_write_<f16|f32>`: RoPE on `q` and `k` in place (cosine and sine times `scale`), then
+/// `k` and `v` into the caches.
 #[allow(clippy::too_many_arguments)]
 pub fn rope_kv_write(
     q: &mut [f32],
@@ -256,6 +259,7 @@ pub fn rope_kv_write(
     heads: Heads,
     dims: usize,
     halves: bool,
+    scale: f32,
     threads: u32,
 ) {
     let kv_width = heads.n_kv_heads * heads.head_dim;
@@ -282,12 +286,14 @@ pub fn rope_kv_write(
             heads.head_dim as u32,
             dims as u32,
             halves as u32,
+            scale,
             threads,
         )
     }
 }
 
-/// `rope` on `[n_tokens, n_heads * head_dim]`; `halves` for the rotate-half pairing.
+/// `rope` on `[n_tokens, n_heads * head_dim]`; `halves` for the rotate-half pairing, cosine and
+/// sine times `scale`.
 #[allow(clippy::too_many_arguments)]
 pub fn rope(
     x: &mut [f32],
@@ -297,6 +303,7 @@ pub fn rope(
     head_dim: usize,
     dims: usize,
     halves: bool,
+    scale: f32,
     threads: u32,
 ) {
     let n_tokens = positions.len();
@@ -312,6 +319,7 @@ pub fn rope(
             head_dim as u32,
             dims as u32,
             halves as u32,
+            scale,
             threads,
         )
     }

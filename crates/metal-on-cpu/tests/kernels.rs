@@ -13,7 +13,7 @@
 mod common;
 
 use axiom::backend::cpu::kernels::{self as reference, paged::PageMap};
-use axiom::backend::{AttentionShape, RopeLayout};
+use axiom::backend::{AttentionShape, Rope, RopeLayout, RopeScaling};
 use axiom::format::quant::GgmlType;
 use common::gpu::{randn, rel_l2, WEIGHT_TYPES};
 use common::{paged_queries, random_weight_bytes, PagedCase, PAGED_LENS};
@@ -83,23 +83,43 @@ fn rms_norm_matches_the_reference() {
     }
 }
 
+/// Rope settings of `dims` rotated dimensions, cosine and sine times `scale`.
+fn rope_of(layout: RopeLayout, dims: usize, scale: f32) -> Rope {
+    Rope {
+        layout,
+        theta: 10000.0,
+        dims,
+        scaling: RopeScaling::None,
+        scale,
+    }
+}
+
 #[test]
 fn rope_matches_the_reference_in_both_layouts() {
     let mut rng = rng();
     let (n_heads, head_dim) = (9, 48);
     let positions = [0u32, 1, 17, 34, 200];
     for (layout, halves) in [(RopeLayout::Adjacent, false), (RopeLayout::Halves, true)] {
-        for dims in [48, 32] {
-            let freqs: Vec<f32> = (0..dims / 2)
-                .map(|i| 10000f32.powf(-2.0 * i as f32 / dims as f32))
-                .collect();
+        // Every dimension or part of them (partial rotary), with and without an attention factor.
+        for (dims, scale) in [(48, 1.0), (32, 1.0), (36, 1.27)] {
+            let freqs = rope_of(layout, dims, scale).inverse_frequencies();
             let x = randn(&mut rng, positions.len() * n_heads * head_dim);
             let mut want = x.clone();
-            reference::rope::rope(&mut want, &positions, &freqs, n_heads, head_dim, layout);
+            reference::rope::rope(
+                &mut want,
+                &positions,
+                &freqs,
+                n_heads,
+                head_dim,
+                rope_of(layout, dims, scale),
+            );
             let mut got = x.clone();
-            metal_on_cpu::rope(&mut got, &positions, &freqs, n_heads, head_dim, dims, halves, 16);
+            metal_on_cpu::rope(&mut got, &positions, &freqs, n_heads, head_dim, dims, halves, scale, 16);
             let err = rel_l2(&got, &want);
-            assert!(err < 1e-6, "{layout:?}, {dims} dims: relative error {err}");
+            assert!(
+                err < 1e-6,
+                "{layout:?}, {dims} dims, scale {scale}: relative error {err}"
+            );
             let untouched = |v: &[f32]| -> Vec<f32> { v.chunks(head_dim).flat_map(|h| h[dims..].to_vec()).collect() };
             assert_eq!(untouched(&got), untouched(&x), "dimensions past `dims` are not rotated");
         }
@@ -272,16 +292,23 @@ fn rope_kv_write_matches_rope_then_kv_write() {
     let mut rng = rng();
     let case = Paged::new(&mut rng);
     let (heads, n) = (case.heads(), case.k_positions.len());
-    let dims = heads.head_dim;
-    let freqs: Vec<f32> = (0..dims / 2)
-        .map(|i| 10000f32.powf(-2.0 * i as f32 / dims as f32))
-        .collect();
+    let head_dim = heads.head_dim;
     let q = randn(&mut rng, n * case.shape.q_width());
-    for (layout, halves) in [(RopeLayout::Adjacent, false), (RopeLayout::Halves, true)] {
+    // Every dimension rotated, and part of them with an attention factor (YaRN's, LongRoPE's).
+    let settings = [
+        (RopeLayout::Adjacent, head_dim, 1.0),
+        (RopeLayout::Halves, head_dim, 1.0),
+        (RopeLayout::Halves, head_dim * 3 / 4, 1.19),
+        (RopeLayout::Adjacent, head_dim / 2, 0.93),
+    ];
+    for (layout, dims, scale) in settings {
+        let halves = layout == RopeLayout::Halves;
+        let rope = rope_of(layout, dims, scale);
+        let freqs = rope.inverse_frequencies();
         // The reference: rope on Q and K, then kv_write into f32 caches.
         let (mut want_q, mut want_k) = (q.clone(), case.k.clone());
-        reference::rope::rope(&mut want_q, &case.k_positions, &freqs, heads.n_heads, dims, layout);
-        reference::rope::rope(&mut want_k, &case.k_positions, &freqs, heads.n_kv_heads, dims, layout);
+        reference::rope::rope(&mut want_q, &case.k_positions, &freqs, heads.n_heads, head_dim, rope);
+        reference::rope::rope(&mut want_k, &case.k_positions, &freqs, heads.n_kv_heads, head_dim, rope);
         let (mut want_kc, mut want_vc) = (vec![f32::NAN; case.cache_len()], vec![f32::NAN; case.cache_len()]);
         let map = PageMap::new(
             &case.tables,
@@ -318,9 +345,12 @@ fn rope_kv_write_matches_rope_then_kv_write() {
                 cache(f16_cache, &mut v32, &mut v16),
             );
             metal_on_cpu::rope_kv_write(
-                &mut got_q, &mut got_k, &case.v, kc, vc, &freqs, pages, heads, dims, halves, 32,
+                &mut got_q, &mut got_k, &case.v, kc, vc, &freqs, pages, heads, dims, halves, scale, 32,
             );
-            assert!(rel_l2(&got_q, &want_q) < 1e-6, "{layout:?}: rotated queries");
+            assert!(
+                rel_l2(&got_q, &want_q) < 1e-6,
+                "{layout:?}, {dims} dims: rotated queries"
+            );
             let widen = |c: &[u16]| -> Vec<f32> { c.iter().map(|&b| f16::from_bits(b).to_f32()).collect() };
             let (got_kc, got_vc) = if f16_cache {
                 (widen(&k16), widen(&v16))
@@ -339,7 +369,7 @@ fn rope_kv_write_matches_rope_then_kv_write() {
                 let err = rel_l2(&pick(got), &pick(want));
                 assert!(
                     err < tolerance(f16_cache),
-                    "{layout:?}, f16 cache {f16_cache}: {what} relative error {err}"
+                    "{layout:?}, {dims} dims, f16 cache {f16_cache}: {what} relative error {err}"
                 );
             }
         }

@@ -44,9 +44,13 @@ pub enum RopeLayout {
 pub struct Rope {
     pub layout: RopeLayout,
     pub theta: f32,
-    /// Number of leading dimensions of each head that are rotated (usually all of them).
+    /// Number of leading dimensions of each head that are rotated (`partial_rotary_factor` of
+    /// the head, or all of it); the rest pass through unrotated.
     pub dims: usize,
     pub scaling: RopeScaling,
+    /// Factor on the cosine and sine (YaRN's and LongRoPE's attention factor, 1 otherwise): it
+    /// scales the rotated dimensions of Q and K only, as transformers applies it.
+    pub scale: f32,
 }
 
 /// How a model stretches its rotary frequencies beyond the context it was trained on.
@@ -64,17 +68,109 @@ pub enum RopeScaling {
         high_freq_factor: f32,
         original_context: usize,
     },
+    /// YaRN: frequencies that turn fewer than `beta_slow` times over the original context are
+    /// divided by `factor`, those turning more than `beta_fast` times kept, a linear ramp between
+    /// (its ends rounded outwards when `truncate`).
+    Yarn {
+        factor: f32,
+        original_context: usize,
+        beta_fast: f32,
+        beta_slow: f32,
+        truncate: bool,
+    },
+    /// LongRoPE (Phi-3): each pair's frequency divided by its own factor, the short list's when
+    /// every sequence fits `original_context`, the long list's otherwise; the lists live in
+    /// `ModelConfig::longrope`.
+    LongRope {
+        original_context: usize,
+    },
+}
+
+impl std::fmt::Display for RopeScaling {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match *self {
+            RopeScaling::None => write!(f, "none"),
+            RopeScaling::Linear { factor } => write!(f, "linear x{factor}"),
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_context,
+            } => write!(
+                f,
+                "llama3 x{factor} beyond {original_context} tokens (frequency factors {low_freq_factor}..{high_freq_factor})"
+            ),
+            RopeScaling::Yarn {
+                factor,
+                original_context,
+                beta_fast,
+                beta_slow,
+                truncate,
+            } => write!(
+                f,
+                "YaRN x{factor} beyond {original_context} tokens (beta {beta_fast}/{beta_slow}{})",
+                if truncate { "" } else { ", not truncated" }
+            ),
+            RopeScaling::LongRope { original_context } => write!(
+                f,
+                "LongRoPE (short factors while the context served fits {original_context} tokens, long beyond)"
+            ),
+        }
+    }
+}
+
+impl std::fmt::Display for Rope {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{:?} layout, theta {}, {} dims rotated, scaling {}",
+            self.layout, self.theta, self.dims, self.scaling
+        )?;
+        if self.scale != 1.0 {
+            write!(f, ", attention factor {}", self.scale)?;
+        }
+        Ok(())
+    }
+}
+
+/// YaRN's attention factor for a context stretched by `factor` (the paper's `0.1 ln(s) + 1`
+/// times `mscale`), 1 when it is not stretched.
+pub fn yarn_mscale(factor: f64, mscale: f64) -> f64 {
+    if factor <= 1.0 {
+        1.0
+    } else {
+        0.1 * mscale * factor.ln() + 1.0
+    }
 }
 
 impl Rope {
     /// The angle per position of each rotated pair, `theta^(-2i/dims)` after scaling, as
-    /// transformers computes it. The rope kernels read this table.
+    /// transformers computes it (LongRoPE's per-pair factors are applied by the config). The rope
+    /// kernels read this table.
     pub fn inverse_frequencies(&self) -> Vec<f32> {
-        (0..self.dims / 2)
+        let dims = self.dims as f64;
+        let half = self.dims / 2;
+        // YaRN's ramp over the pairs: 0 keeps a frequency, 1 divides it by the factor.
+        let yarn_ramp = |i: usize, original_context: usize, beta_fast: f32, beta_slow: f32, truncate: bool| {
+            let theta = self.theta as f64;
+            let correction_dim = |rotations: f64| {
+                dims * (original_context as f64 / (rotations * 2.0 * std::f64::consts::PI)).ln() / (2.0 * theta.ln())
+            };
+            let (mut low, mut high) = (correction_dim(beta_fast as f64), correction_dim(beta_slow as f64));
+            if truncate {
+                (low, high) = (low.floor(), high.ceil());
+            }
+            let (low, mut high) = (low.max(0.0), high.min(dims - 1.0));
+            if low == high {
+                high += 0.001;
+            }
+            ((i as f64 - low) / (high - low)).clamp(0.0, 1.0)
+        };
+        (0..half)
             .map(|i| {
-                let base = (self.theta as f64).powf(-2.0 * i as f64 / self.dims as f64);
+                let base = (self.theta as f64).powf(-2.0 * i as f64 / dims);
                 let f = match self.scaling {
-                    RopeScaling::None => base,
+                    RopeScaling::None | RopeScaling::LongRope { .. } => base,
                     RopeScaling::Linear { factor } => base / factor as f64,
                     RopeScaling::Llama3 {
                         factor,
@@ -94,6 +190,16 @@ impl Rope {
                             let smooth = (original_context as f64 / wavelen - low) / (high - low);
                             (1.0 - smooth) * base / factor + smooth * base
                         }
+                    }
+                    RopeScaling::Yarn {
+                        factor,
+                        original_context,
+                        beta_fast,
+                        beta_slow,
+                        truncate,
+                    } => {
+                        let interpolated = yarn_ramp(i, original_context, beta_fast, beta_slow, truncate);
+                        base / factor as f64 * interpolated + base * (1.0 - interpolated)
                     }
                 };
                 f as f32

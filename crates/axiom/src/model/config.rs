@@ -2,6 +2,7 @@
 //! Face `config.json`. Anything that would change the math and is not understood is an error,
 //! never a silently different model.
 
+use super::rope_config::{rope_from_gguf, rope_from_hf, LongRopeFactors};
 use crate::backend::{Activation, AttentionShape, Rope, RopeLayout, RopeScaling, Scores};
 use crate::format::gguf::GgufFile;
 use crate::{Error, Result};
@@ -28,6 +29,8 @@ pub struct ModelConfig {
     pub qk_norm: bool,
     /// Per-pair divisors of the rope frequencies (GGUF's `rope_freqs` tensor, Llama 3.1).
     pub rope_factors: Option<Vec<f32>>,
+    /// LongRoPE's per-pair divisors (Phi-3), with `RopeScaling::LongRope`.
+    pub longrope: Option<LongRopeFactors>,
     /// The feed-forward gate's activation: SiLU, or GELU (tanh) for Gemma.
     pub activation: Activation,
     /// The attention and feed-forward outputs are normalized too before they join the residual
@@ -66,7 +69,7 @@ const MAX_LAYERS: usize = 1024;
 const MAX_CONTEXT: usize = 1 << 24;
 
 /// The architectures axiom runs, by their Hugging Face `model_type` / GGUF architecture name.
-const ARCHITECTURES: &[&str] = &["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text"];
+const ARCHITECTURES: &[&str] = &["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text"];
 
 impl ModelConfig {
     pub fn attention(&self) -> AttentionShape {
@@ -92,7 +95,7 @@ impl ModelConfig {
         // converters keep Hugging Face's rotate-half order (GGUF's "NeoX" rope).
         let layout = match arch.as_str() {
             "llama" | "mistral" => RopeLayout::Adjacent,
-            "qwen2" | "qwen3" | "gemma2" | "gemma3" => RopeLayout::Halves,
+            "qwen2" | "qwen3" | "phi3" | "gemma2" | "gemma3" => RopeLayout::Halves,
             _ => return Err(Error::UnsupportedArchitecture(arch)),
         };
         let gemma = arch.starts_with("gemma");
@@ -124,13 +127,8 @@ impl ModelConfig {
                 .and_then(|t| t.dims.get(1).copied())
                 .ok_or_else(|| Error::Model("cannot tell the vocabulary size".into()))?,
         };
-        let scaling = match file.get(&key("rope.scaling.type")).and_then(|v| v.as_str()) {
-            None | Some("none") => RopeScaling::None,
-            Some("linear") => RopeScaling::Linear {
-                factor: float_of("rope.scaling.factor").unwrap_or(1.0) as f32,
-            },
-            Some(other) => return Err(Error::Model(format!("rope scaling {other:?} is not supported"))),
-        };
+        let (rope, longrope) = rope_from_gguf(file, &arch, layout, head_dim)?;
+        let context_length = usize_of("context_length")?.unwrap_or(4096);
         let rope_factors = match file.tensor("rope_freqs.weight") {
             Some(t) if t.ty == crate::format::quant::GgmlType::F32 && t.dims.len() == 1 => Some(
                 file.tensor_bytes(t)
@@ -147,12 +145,6 @@ impl ModelConfig {
             None => None,
         };
         let n_layers = required("block_count")?;
-        let rope = Rope {
-            layout,
-            theta: float_of("rope.freq_base").unwrap_or(10000.0) as f32,
-            dims: usize_of("rope.dimension_count")?.unwrap_or(head_dim),
-            scaling,
-        };
         let sliding = match usize_of("attention.sliding_window")? {
             None => None,
             Some(window) => {
@@ -191,11 +183,13 @@ impl ModelConfig {
                     (_, Some(theta)) => Some(Rope {
                         theta: theta as f32,
                         scaling: RopeScaling::None,
+                        scale: 1.0,
                         ..rope
                     }),
                     ("gemma3", None) => Some(Rope {
                         theta: 10000.0,
                         scaling: RopeScaling::None,
+                        scale: 1.0,
                         ..rope
                     }),
                     _ => None,
@@ -228,13 +222,14 @@ impl ModelConfig {
             n_kv_heads: usize_of("attention.head_count_kv")?.unwrap_or(n_heads),
             head_dim,
             vocab_size,
-            context_length: usize_of("context_length")?.unwrap_or(4096),
+            context_length,
             rms_eps: float_of("attention.layer_norm_rms_epsilon").unwrap_or(1e-5) as f32,
             rope,
             qkv_bias: file.tensor("blk.0.attn_q.bias").is_some(),
             o_bias: file.tensor("blk.0.attn_output.bias").is_some(),
             qk_norm: file.tensor("blk.0.attn_q_norm.weight").is_some(),
             rope_factors,
+            longrope,
             activation: if gemma { Activation::GeluTanh } else { Activation::Silu },
             post_norms: file.tensor("blk.0.post_attention_norm.weight").is_some(),
             embed_scale: gemma.then(|| (dim as f32).sqrt()),
@@ -304,7 +299,7 @@ impl ModelConfig {
         let attention_bias = config["attention_bias"].as_bool() == Some(true);
         let (qkv_bias, o_bias) = match model_type.as_str() {
             "qwen2" => (true, false),
-            "mistral" => (false, false),
+            "mistral" | "phi3" => (false, false),
             _ => (attention_bias, attention_bias),
         };
         let n_heads = required("num_attention_heads")?;
@@ -312,46 +307,37 @@ impl ModelConfig {
         let context_length = usize_of("max_position_embeddings")?.unwrap_or(4096);
         let n_layers = required("num_hidden_layers")?;
         let head_dim = usize_of("head_dim")?.unwrap_or(dim.checked_div(n_heads).unwrap_or(0));
-        // transformers 5 writes `rope_parameters` (per layer type for Gemma 3); earlier versions
-        // `rope_theta` + `rope_scaling` (+ `rope_local_base_freq`).
-        let (params, local_params) = match &config["rope_parameters"] {
-            p if p["full_attention"].is_object() => (&p["full_attention"], Some(&p["sliding_attention"])),
-            p if p.is_object() => (p, None),
-            _ => (&config["rope_scaling"], None),
-        };
-        let default_theta = if model_type == "gemma3_text" { 1e6 } else { 10000.0 };
-        let theta = float_of(&params["rope_theta"])
-            .or(float_of(&config["rope_theta"]))
-            .unwrap_or(default_theta) as f32;
-        let rope = Rope {
-            layout: RopeLayout::Halves,
-            theta,
-            dims: head_dim,
-            scaling: rope_scaling(params).map_err(bad)?,
-        };
-        let sliding = sliding_window(config, &model_type, n_layers)?;
-        let sliding = match (sliding, model_type.as_str()) {
-            (Some(s), "gemma3_text") => {
-                let local = local_params.filter(|p| p.is_object());
-                let local_theta = local
-                    .and_then(|p| float_of(&p["rope_theta"]))
-                    .or(float_of(&config["rope_local_base_freq"]))
-                    .unwrap_or(10000.0) as f32;
-                let scaling = match local {
-                    Some(p) => rope_scaling(p).map_err(bad)?,
-                    None => RopeScaling::None,
+        let (rope, longrope, local_rope) = match &config["rope_parameters"] {
+            // Gemma 3 in transformers 5: rope parameters per layer type.
+            p if p["full_attention"].is_object() => {
+                let of = |params: &Json| {
+                    let mut c = config.clone();
+                    c["rope_parameters"] = params.clone();
+                    rope_from_hf(&c, &model_type, head_dim)
                 };
-                Some(SlidingWindow {
-                    rope: Some(Rope {
-                        theta: local_theta,
-                        scaling,
-                        ..rope
-                    }),
-                    ..s
-                })
+                let (rope, longrope) = of(&p["full_attention"])?;
+                let local = match &p["sliding_attention"] {
+                    q if q.is_object() => Some(of(q)?.0),
+                    _ => None,
+                };
+                (rope, longrope, local)
             }
-            (s, _) => s,
+            _ => {
+                let (rope, longrope) = rope_from_hf(config, &model_type, head_dim)?;
+                // Earlier Gemma 3 configs give the sliding layers' base as `rope_local_base_freq`.
+                let local = (model_type == "gemma3_text").then(|| Rope {
+                    theta: float_of(&config["rope_local_base_freq"]).unwrap_or(10000.0) as f32,
+                    scaling: RopeScaling::None,
+                    scale: 1.0,
+                    ..rope
+                });
+                (rope, longrope, local)
+            }
         };
+        let sliding = sliding_window(config, &model_type, n_layers)?.map(|s| SlidingWindow {
+            rope: local_rope,
+            ..s
+        });
         // A window over the whole context changes nothing but the rope it may carry.
         let sliding = sliding.filter(|s| s.window < context_length || s.rope.is_some());
         let attention_scale = match float_of(&config["query_pre_attn_scalar"]) {
@@ -374,6 +360,7 @@ impl ModelConfig {
             o_bias,
             qk_norm: model_type == "qwen3" || model_type == "gemma3_text",
             rope_factors: None,
+            longrope,
             activation,
             post_norms: gemma,
             embed_scale: gemma.then(|| (dim as f32).sqrt()),
@@ -440,6 +427,25 @@ impl ModelConfig {
         if !(self.attention_scale.is_finite() && self.attention_scale > 0.0) {
             return bad(format!("attention scale {} is not positive", self.attention_scale));
         }
+        if !(self.rope.scale.is_finite() && self.rope.scale > 0.0) {
+            return bad(format!("rope attention factor {} is not positive", self.rope.scale));
+        }
+        match (&self.longrope, self.rope.scaling) {
+            (Some(l), RopeScaling::LongRope { .. }) => {
+                let pairs = self.rope.dims / 2;
+                for list in [&l.short, &l.long] {
+                    if list.len() != pairs || list.iter().any(|v| !(v.is_finite() && *v > 0.0)) {
+                        return bad(format!(
+                            "LongRoPE has {} factors for {pairs} rotated pairs, or one not positive",
+                            list.len()
+                        ));
+                    }
+                }
+            }
+            (None, RopeScaling::LongRope { .. }) => return bad("LongRoPE without its factors".into()),
+            (Some(_), _) => return bad("LongRoPE factors without LongRoPE scaling".into()),
+            (None, _) => {}
+        }
         if let Some(f) = &self.rope_factors {
             if f.len() != self.rope.dims / 2 || f.iter().any(|v| !(v.is_finite() && *v > 0.0)) {
                 return bad(format!(
@@ -452,10 +458,21 @@ impl ModelConfig {
         Ok(())
     }
 
-    /// The rope kernels' frequency table: the scaled frequencies, divided by any per-pair factors.
-    pub fn rope_frequencies(&self) -> Vec<f32> {
+    /// The rope kernels' frequency table for sequences of up to `longest_sequence` tokens: the
+    /// scaled frequencies, divided by any per-pair factors. LongRoPE takes its long factors when
+    /// a sequence may outgrow the original context, as llama.cpp does: transformers switches per
+    /// forward pass, which keys already cached cannot follow.
+    pub fn rope_frequencies(&self, longest_sequence: usize) -> Vec<f32> {
         let mut freqs = self.rope.inverse_frequencies();
-        if let Some(factors) = &self.rope_factors {
+        let longrope = match (&self.longrope, self.rope.scaling) {
+            (Some(l), RopeScaling::LongRope { original_context }) => Some(if longest_sequence > original_context {
+                &l.long
+            } else {
+                &l.short
+            }),
+            _ => None,
+        };
+        for factors in [self.rope_factors.as_ref(), longrope].into_iter().flatten() {
             freqs.iter_mut().zip(factors).for_each(|(f, d)| *f /= d);
         }
         freqs
@@ -492,27 +509,6 @@ impl ModelConfig {
     }
 }
 
-/// The frequency scaling a Hugging Face rope parameter object (or `rope_scaling`) names.
-fn rope_scaling(params: &Json) -> std::result::Result<RopeScaling, String> {
-    let float_of = |k: &str| params[k].as_f64();
-    let rope_type = params["rope_type"]
-        .as_str()
-        .or(params["type"].as_str())
-        .unwrap_or("default");
-    let factor = || float_of("factor").unwrap_or(1.0) as f32;
-    Ok(match rope_type {
-        "default" => RopeScaling::None,
-        "linear" => RopeScaling::Linear { factor: factor() },
-        "llama3" => RopeScaling::Llama3 {
-            factor: factor(),
-            low_freq_factor: float_of("low_freq_factor").unwrap_or(1.0) as f32,
-            high_freq_factor: float_of("high_freq_factor").unwrap_or(4.0) as f32,
-            original_context: params["original_max_position_embeddings"].as_u64().unwrap_or(8192) as usize,
-        },
-        other => return Err(format!("rope type {other:?} is not supported")),
-    })
-}
-
 /// The sliding window of a Hugging Face config, as transformers applies it: Mistral's to every
 /// layer, Qwen's (with `use_sliding_window`) from `max_window_layers` on, Gemma's to the layers
 /// `layer_types` names (by default every other one for Gemma 2, five of six for Gemma 3).
@@ -540,7 +536,7 @@ fn sliding_window(config: &Json, model_type: &str, n_layers: usize) -> Result<Op
         _ => return Err(bad(format!("layer_types is not one type per layer ({n_layers})"))),
     };
     let layers: Vec<bool> = match model_type {
-        "mistral" => vec![true; n_layers],
+        "mistral" | "phi3" => vec![true; n_layers],
         "qwen2" | "qwen3" => {
             if config["use_sliding_window"].as_bool() != Some(true) {
                 return Ok(None);

@@ -246,7 +246,8 @@ impl<B: Backend> Llama<B> {
             + backend.staging_bytes(largest_weight, steps, max_n_in)
             + 64 * 256;
         backend.reserve(arena)?;
-        let (weights, freqs) = weights::load(source, &config, &mut backend)?;
+        let longest_sequence = config.context_length.min(n_pages * PAGE_SIZE);
+        let (weights, freqs) = weights::load(source, &config, &mut backend, longest_sequence)?;
         let scratch = Scratch::new(&mut backend, &config, max_batch)?;
         let mut cache = PagedCache {
             k: Vec::with_capacity(config.n_layers),

@@ -2,6 +2,7 @@
 //! for by their GGUF names; a Hugging Face checkpoint maps those to its own.
 
 use super::config::ModelConfig;
+use super::rope_config::{LONGROPE_LONG, LONGROPE_SHORT};
 use crate::backend::{Backend, BlockHandle, HostTensor};
 use crate::format::gguf::GgufFile;
 use crate::format::quant::{dequantize, GgmlType};
@@ -98,10 +99,12 @@ fn hf_name(gguf: &str, four_norms: bool) -> Option<String> {
                 "attn_k" => "self_attn.k_proj",
                 "attn_v" => "self_attn.v_proj",
                 "attn_output" => "self_attn.o_proj",
+                "attn_qkv" => "self_attn.qkv_proj",
                 "attn_q_norm" => "self_attn.q_norm",
                 "attn_k_norm" => "self_attn.k_norm",
                 "ffn_gate" => "mlp.gate_proj",
                 "ffn_up" => "mlp.up_proj",
+                "ffn_gate_up" => "mlp.gate_up_proj",
                 "ffn_down" => "mlp.down_proj",
                 _ => return None,
             };
@@ -240,6 +243,35 @@ impl<'a, B: Backend, S: TensorSource + ?Sized> Loader<'a, B, S> {
         self.upload(&values)
     }
 
+    /// Matrices of `parts` rows of `n_in` each, in that order, from the one stored matrix `name`
+    /// that holds them all (Phi-3's fused projections): each part is a run of whole rows.
+    fn split<const N: usize>(&mut self, name: &str, n_in: usize, parts: [usize; N]) -> Result<[B::Weight; N]> {
+        let tensor = self.take(name, &[n_in, parts.iter().sum()])?;
+        let row_bytes = tensor.bytes.len() / parts.iter().sum::<usize>().max(1);
+        let mut first = 0;
+        let mut matrices = Vec::with_capacity(N);
+        for rows in parts {
+            let bytes = first * row_bytes..(first + rows) * row_bytes;
+            let region = tensor
+                .region
+                .clone()
+                .map(|(map, r)| (map, r.start + bytes.start..r.start + bytes.end));
+            let dims = [n_in, rows];
+            let part = HostTensor {
+                name: tensor.name,
+                ty: tensor.ty,
+                dims: &dims,
+                bytes: &tensor.bytes[bytes],
+                region,
+            };
+            matrices.push(self.backend.upload_weight(&part)?);
+            first += rows;
+        }
+        matrices
+            .try_into()
+            .map_err(|_| Error::Model(format!("{name}: split into the wrong number of parts")))
+    }
+
     fn upload(&mut self, values: &[f32]) -> Result<BlockHandle> {
         let block = self.backend.alloc(values.len() * 4)?;
         self.backend.write_f32(block, values)?;
@@ -255,12 +287,14 @@ pub struct RopeTables {
     pub local: Option<BlockHandle>,
 }
 
-/// Uploads every weight the config calls for; also the rope frequency tables. A tensor in
-/// `source` that the config does not call for is an error naming it.
+/// Uploads every weight the config calls for; also the rope frequency tables, for sequences of
+/// up to `longest_sequence` tokens. A tensor in `source` that the config does not call for is an
+/// error naming it.
 pub fn load<B: Backend, S: TensorSource + ?Sized>(
     source: &S,
     config: &ModelConfig,
     backend: &mut B,
+    longest_sequence: usize,
 ) -> Result<(Weights<B::Weight>, RopeTables)> {
     let (dim, ffn, vocab) = (config.dim, config.ffn_dim, config.vocab_size);
     let (qw, kvw, hd) = (
@@ -277,6 +311,14 @@ pub fn load<B: Backend, S: TensorSource + ?Sized>(
     // GGUF's per-pair rope divisors were read into the config.
     if let (Some(_), Some(t)) = (&config.rope_factors, source.tensor("rope_freqs.weight")) {
         l.read.insert(t.name);
+    }
+    // So were LongRoPE's.
+    if config.longrope.is_some() {
+        for name in [LONGROPE_SHORT, LONGROPE_LONG] {
+            if let Some(t) = source.tensor(name) {
+                l.read.insert(t.name);
+            }
+        }
     }
     let token_embd = l.matrix("token_embd.weight", dim, vocab)?;
     let output_norm = l.norm("output_norm.weight", dim)?;
@@ -313,25 +355,47 @@ pub fn load<B: Backend, S: TensorSource + ?Sized>(
             ]),
             false => None,
         };
+        // Phi-3 stores Q, K and V as one matrix, and gate and up as one (llama.cpp's GGUF names
+        // it `ffn_up`); they are split into the separate matrices every backend runs.
+        let [wq, wk, wv] = match source.tensor(&p("attn_qkv.weight")) {
+            Some(_) => l.split(&p("attn_qkv.weight"), dim, [qw, kvw, kvw])?,
+            None => [
+                l.matrix(&p("attn_q.weight"), dim, qw)?,
+                l.matrix(&p("attn_k.weight"), dim, kvw)?,
+                l.matrix(&p("attn_v.weight"), dim, kvw)?,
+            ],
+        };
+        let fused_gate_up = match source.tensor(&p("ffn_gate_up.weight")) {
+            Some(_) => Some(p("ffn_gate_up.weight")),
+            None if config.architecture == "phi3" => Some(p("ffn_up.weight")),
+            None => None,
+        };
+        let [w_gate, w_up] = match fused_gate_up {
+            Some(name) => l.split(&name, dim, [ffn, ffn])?,
+            None => [
+                l.matrix(&p("ffn_gate.weight"), dim, ffn)?,
+                l.matrix(&p("ffn_up.weight"), dim, ffn)?,
+            ],
+        };
         layers.push(LayerWeights {
             attn_norm: l.norm(&p("attn_norm.weight"), dim)?,
-            wq: l.matrix(&p("attn_q.weight"), dim, qw)?,
-            wk: l.matrix(&p("attn_k.weight"), dim, kvw)?,
-            wv: l.matrix(&p("attn_v.weight"), dim, kvw)?,
+            wq,
+            wk,
+            wv,
             wo: l.matrix(&p("attn_output.weight"), qw, dim)?,
             qkv_bias,
             o_bias,
             qk_norm,
             ffn_norm: l.norm(&p("ffn_norm.weight"), dim)?,
             post_norms,
-            w_gate: l.matrix(&p("ffn_gate.weight"), dim, ffn)?,
-            w_up: l.matrix(&p("ffn_up.weight"), dim, ffn)?,
+            w_gate,
+            w_up,
             w_down: l.matrix(&p("ffn_down.weight"), ffn, dim)?,
         });
     }
     refuse_unread(source, &l.read)?;
     let freqs = RopeTables {
-        global: l.upload(&config.rope_frequencies())?,
+        global: l.upload(&config.rope_frequencies(longest_sequence))?,
         local: match config.local_rope() {
             Some(rope) => Some(l.upload(&rope.inverse_frequencies())?),
             None => None,

@@ -360,15 +360,22 @@ pub fn embed_rms_norm_rope_swiglu_add_argmax<B: Backend>(make: impl Fn() -> B) {
         rms_norm_rows(&mut rng, &mut gpu, &mut cpu, n, dim);
     }
 
-    for layout in [RopeLayout::Adjacent, RopeLayout::Halves] {
+    // Every dimension rotated, or part of them with an attention factor on cosine and sine.
+    for (layout, dims, scale) in [
+        (RopeLayout::Adjacent, 48, 1.0),
+        (RopeLayout::Halves, 48, 1.0),
+        (RopeLayout::Halves, 36, 1.3),
+        (RopeLayout::Adjacent, 20, 0.8),
+    ] {
         let (heads, hd) = (9, 48);
         let positions = [0u32, 1, 17, 34, 1000];
         let x = randn(&mut rng, positions.len() * heads * hd);
         let rope = Rope {
             layout,
             theta: 10000.0,
-            dims: hd,
+            dims,
             scaling: RopeScaling::None,
+            scale,
         };
         let (xg, pg) = (put(&mut gpu, &x), put_u32(&mut gpu, &positions));
         let (xc, pc) = (put(&mut cpu, &x), put_u32(&mut cpu, &positions));
@@ -380,7 +387,7 @@ pub fn embed_rms_norm_rope_swiglu_add_argmax<B: Backend>(make: impl Fn() -> B) {
         cpu.rope(xc, pc, fc, positions.len(), heads, hd, rope).unwrap();
         assert!(
             rel_l2(&get(&gpu, xg, x.len()), &get(&cpu, xc, x.len())) < 1e-6,
-            "rope {layout:?}"
+            "rope {layout:?}, {dims} dims, scale {scale}"
         );
     }
 
@@ -608,13 +615,13 @@ pub fn rope_attention_then_output_projection<B: Backend>(
 ) {
     let mut rng = ChaCha8Rng::seed_from_u64(6);
     let n_out = 72;
-    // (heads, KV heads, head_dim, rotated dimensions, output projection's type); query widths of
-    // a multiple of 32, as every backend's weights take.
+    // (heads, KV heads, head_dim, rotated dimensions, output projection's type, factor on cosine
+    // and sine); query widths of a multiple of 32, as every backend's weights take.
     let cases = [
-        (16, 4, 128, 128, GgmlType::Q4K),
-        (8, 2, 256, 192, GgmlType::Q4K),
-        (9, 3, 64, 48, GgmlType::F32),
-        (12, 4, 48, 32, GgmlType::F32),
+        (16, 4, 128, 128, GgmlType::Q4K, 1.13),
+        (8, 2, 256, 192, GgmlType::Q4K, 0.9),
+        (9, 3, 64, 48, GgmlType::F32, 1.0),
+        (12, 4, 48, 32, GgmlType::F32, 1.27),
     ];
     // (sequence, position) of each new token; each sequence holds the rows before its first.
     let prefill: Vec<(u32, u32)> = (261..301).map(|p| (0, p)).chain([(1, 5)]).collect();
@@ -625,7 +632,7 @@ pub fn rope_attention_then_output_projection<B: Backend>(
         &[(0, 300), (0, 301), (1, 5)],
         &prefill,
     ];
-    for (n_heads, n_kv_heads, head_dim, dims, ty) in cases {
+    for (n_heads, n_kv_heads, head_dim, dims, ty, scale) in cases {
         let shape = AttentionShape {
             n_heads,
             n_kv_heads,
@@ -641,6 +648,7 @@ pub fn rope_attention_then_output_projection<B: Backend>(
                 theta: 10000.0,
                 dims,
                 scaling: RopeScaling::None,
+                scale,
             };
             let case = PagedCase::new(&mut rng, 16, &[302, 6]);
             // The rows a sequence holds: as many as its first new token's position.
@@ -674,7 +682,9 @@ pub fn rope_attention_then_output_projection<B: Backend>(
             let inputs = (&case, &k[..], &v[..], queries, &new[0][..], shape);
             let (added_gpu, read_gpu) = rope_step(&mut gpu, inputs, rope, [&new[1], &new[2], &new[3]], &wg, &residual);
             let (added_cpu, read_cpu) = rope_step(&mut cpu, inputs, rope, [&new[1], &new[2], &new[3]], &wc, &residual);
-            let what = format!("{ty} projection, head_dim {head_dim}, {kv_type:?} cache, {layout:?}, {n} tokens");
+            let what = format!(
+                "{ty} projection, head_dim {head_dim}, {kv_type:?} cache, {layout:?}, scale {scale}, {n} tokens"
+            );
             let err = rel_l2(&added_gpu, &added_cpu);
             assert!(
                 err < tolerance(Some(ty), kv_type, head_dim, n),
@@ -736,12 +746,18 @@ pub fn rope_kv_write_then_attention<B: Backend>(make: impl Fn(KvType) -> B) {
     };
     let len = 21;
     let case = PagedCase::new(&mut rng, 4, &[len]);
-    for layout in [RopeLayout::Adjacent, RopeLayout::Halves] {
+    for (layout, dims, scale) in [
+        (RopeLayout::Adjacent, 64, 1.0),
+        (RopeLayout::Halves, 64, 1.0),
+        (RopeLayout::Halves, 48, 1.2),
+        (RopeLayout::Adjacent, 64, 0.85),
+    ] {
         let rope = Rope {
             layout,
             theta: 10000.0,
-            dims: 64,
+            dims,
             scaling: RopeScaling::None,
+            scale,
         };
         let q = randn(&mut rng, len * shape.q_width());
         let k = randn(&mut rng, len * shape.kv_width());
@@ -751,11 +767,11 @@ pub fn rope_kv_write_then_attention<B: Backend>(make: impl Fn(KvType) -> B) {
         let (q_cpu, out_cpu) = rope_kv_write_step(&mut cpu, &case, shape, rope, [&q, &k, &v]);
         assert!(
             rel_l2(&q_gpu, &q_cpu) < 1e-6,
-            "rope_kv_write {layout:?}: rotated queries"
+            "rope_kv_write {layout:?}, {dims} dims, scale {scale}: rotated queries"
         );
         assert!(
             rel_l2(&out_gpu, &out_cpu) < 1e-5,
-            "rope_kv_write {layout:?}: attention over the cache"
+            "rope_kv_write {layout:?}, {dims} dims, scale {scale}: attention over the cache"
         );
     }
 }

@@ -164,8 +164,9 @@ pub fn random_weight_bytes(rng: &mut ChaCha8Rng, ty: GgmlType, n_elements: usize
     bytes
 }
 
-/// Every tiny Hugging Face model of `scripts/make_hf_fixtures.py`: one per architecture, and
-/// Llama and Qwen3 with every bias their configs allow.
+/// Every tiny Hugging Face model of `scripts/make_hf_fixtures.py`: one per architecture, Llama
+/// and Qwen3 with every bias their configs allow, Qwen2 with YaRN, and Phi-3 with LongRoPE over
+/// whole heads (long factors) and over three quarters of them (short factors).
 pub const HF_FIXTURES: &[&str] = &[
     "llama",
     "llama3",
@@ -179,6 +180,9 @@ pub const HF_FIXTURES: &[&str] = &[
     "gemma2",
     "gemma3",
     "qwen3_bias",
+    "qwen2_yarn",
+    "phi3",
+    "phi4_mini",
 ];
 
 /// A tiny Hugging Face model of `scripts/make_hf_fixtures.py`.

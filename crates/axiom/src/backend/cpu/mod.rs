@@ -559,7 +559,7 @@ impl Kernels for CpuBackend {
         disjoint(&[x], &[positions, freqs])?;
         let x = self.view_mut(x, n_tokens * n_heads * head_dim);
         let freqs = self.view(freqs, rope.dims / 2);
-        kernels::rope::rope(x, self.view(positions, n_tokens), freqs, n_heads, head_dim, rope.layout);
+        kernels::rope::rope(x, self.view(positions, n_tokens), freqs, n_heads, head_dim, rope);
         Ok(())
     }
 

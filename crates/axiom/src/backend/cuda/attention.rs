@@ -52,14 +52,14 @@ impl CudaBackend {
             let rotate = new.map(|new| new.rope);
             return self.flash_attention(q, rotate, kv, self.ptr(out), GgmlType::F32, n_tokens, shape);
         }
-        let (k_new, v_new, freqs, (dims, halves)) = match new {
+        let (k_new, v_new, freqs, (dims, halves, scale)) = match new {
             Some(new) => (
                 self.ptr(new.k),
                 self.ptr(new.v),
                 self.ptr(new.freqs),
                 rope_args(new.rope)?,
             ),
-            None => (0, 0, 0, (0, 0)),
+            None => (0, 0, 0, (0, 0, 1.0)),
         };
         let AttentionKv {
             k_cache,
@@ -108,6 +108,7 @@ impl CudaBackend {
                 freqs,
                 dims,
                 halves,
+                scale,
                 out: self.ptr(out),
                 xq,
                 xd,

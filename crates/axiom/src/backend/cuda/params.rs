@@ -123,6 +123,7 @@ kernel_params! {
         head_dim: i32,
         dims: i32,
         halves: i32,
+        scale: f32,
     }
 
     /// Up to `MAX_MATRICES` weights of one type for one matrix-vector launch: their fields,
@@ -214,6 +215,7 @@ kernel_params! {
         head_dim: i32,
         dims: i32,
         halves: i32,
+        scale: f32,
         first_head: i32,
         group: i32,
         turns_out: u64,
@@ -235,6 +237,7 @@ kernel_params! {
         freqs: u64,
         dims: i32,
         halves: i32,
+        scale: f32,
         out: u64,
         xq: u64,
         xd: u64,

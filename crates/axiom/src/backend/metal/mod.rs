@@ -468,6 +468,7 @@ impl Kernels for MetalBackend {
                 u32_arg(head_dim),
                 u32_arg(rope.dims),
                 Arg::U32(u32::from(rope.layout == RopeLayout::Halves)),
+                Arg::F32(rope.scale),
             ],
         )
     }
@@ -620,6 +621,7 @@ impl Backend for MetalBackend {
                 u32_arg(shape.head_dim),
                 u32_arg(rope.dims),
                 Arg::U32(u32::from(rope.layout == RopeLayout::Halves)),
+                Arg::F32(rope.scale),
             ],
         )
     }

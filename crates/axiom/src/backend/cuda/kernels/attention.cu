@@ -131,13 +131,14 @@ __device__ __forceinline__ float3 merged(const float* m, const float* l, int n, 
 }
 
 // The one token's key and value rows (f32, before RoPE), and the rotation: pairs by `halves` (as
-// rope_kv_write) over the first `dims` dimensions by position * freqs[i]. k null: the cache
-// already holds the token's row (rope_kv_write ran).
+// rope_kv_write) over the first `dims` dimensions by position * freqs[i], cosine and sine times
+// `scale`. k null: the cache already holds the token's row (rope_kv_write ran).
 struct NewToken {
     const float* k;
     const float* v;
     const float* freqs;
     int dims, halves;
+    float scale;
 };
 
 template <typename T>
@@ -191,7 +192,8 @@ __device__ void attention(const float* __restrict__ q, T* __restrict__ k_cache, 
     int half = fresh.dims / 2;
     u64 own_row = 0;
     if (rotates) {
-        for (int i = threadIdx.x; i < half; i += ATTN_THREADS) turns[i] = turn(n_ctx - 1, fresh.freqs, i);
+        for (int i = threadIdx.x; i < half; i += ATTN_THREADS)
+            turns[i] = turn(n_ctx - 1, fresh.freqs, i, fresh.scale);
         own_row = page_row<true>(table, page_size, n_ctx - 1) * kv_width + kv_head;
     }
     begin_after_inputs();
@@ -343,7 +345,7 @@ __device__ void attention(const float* __restrict__ q, T* __restrict__ k_cache, 
 #define ATTENTION(NAME, T)                                                                                        \
     extern "C" __global__ void attention_##NAME(AttentionParams p) {                                             \
         attention(p.q, (T*)p.k_cache, (T*)p.v_cache, p.positions, p.tables, p.table_width, p.token_seqs,           \
-                  p.page_size, NewToken{p.k_new, p.v_new, p.freqs, p.dims, p.halves}, p.out, p.xq, p.xd,           \
+                  p.page_size, NewToken{p.k_new, p.v_new, p.freqs, p.dims, p.halves, p.scale}, p.out, p.xq, p.xd,  \
                   p.interleave, p.start_next, p.partials, p.n_heads, p.n_kv_heads, p.head_dim);                   \
     }
 ATTENTION(f16, u16)

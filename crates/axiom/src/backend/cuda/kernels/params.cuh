@@ -55,6 +55,7 @@ struct RopeParams {
     int head_dim;
     int dims;
     int halves;
+    float scale;
 };
 
 // matmul.cu: up to three matrices of one type multiplied by the same activations in one launch
@@ -151,6 +152,7 @@ struct RopeKvWriteParams {
     int head_dim;
     int dims;
     int halves;
+    float scale;
     int first_head;
     int group;
     float2* turns_out;
@@ -172,6 +174,7 @@ struct AttentionParams {
     const float* freqs;
     int dims;
     int halves;
+    float scale;
     float* out;
     i8* xq;
     float* xd;
