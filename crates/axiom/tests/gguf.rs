@@ -368,10 +368,37 @@ fn rope_scaling_keys_read_as_llama_cpp_writes_them() {
 }
 
 #[test]
-fn a_sliding_window_below_the_context_is_refused() {
-    let err = config_of("phi3", &[("attention.sliding_window", Value::U32(200))], &[])
-        .unwrap_err()
-        .to_string();
-    assert!(err.contains("sliding window of 200 tokens"), "{err}");
-    assert!(config_of("phi3", &[("attention.sliding_window", Value::U32(256))], &[]).is_ok());
+fn sliding_windows_are_read_as_llama_cpp_writes_them() {
+    // Phi-3's window (llama.cpp writes Phi-3-mini-4k's) covers every layer.
+    let c = config_of("phi3", &[("attention.sliding_window", Value::U32(200))], &[]).unwrap();
+    let s = c.sliding.unwrap();
+    assert_eq!((s.window, s.layers, s.rope), (200, vec![true, true], None));
+    // Gemma 3's local layers are five of six, with a rope base of their own.
+    let c = config_of("gemma3", &[("attention.sliding_window", Value::U32(16))], &[]).unwrap();
+    let s = c.sliding.unwrap();
+    assert_eq!(s.layers, vec![true, true]);
+    assert_eq!(s.rope.map(|r| r.theta), Some(10000.0));
+    // An explicit pattern must give one boolean a layer.
+    let pattern = |flags: &[bool]| Value::Array(flags.iter().map(|&b| Value::Bool(b)).collect());
+    let c = config_of(
+        "qwen2",
+        &[
+            ("attention.sliding_window", Value::U32(16)),
+            ("attention.sliding_window_pattern", pattern(&[false, true])),
+        ],
+        &[],
+    )
+    .unwrap();
+    assert_eq!(c.sliding.unwrap().layers, vec![false, true]);
+    let err = config_of(
+        "qwen2",
+        &[
+            ("attention.sliding_window", Value::U32(16)),
+            ("attention.sliding_window_pattern", pattern(&[true])),
+        ],
+        &[],
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("one boolean per layer"), "{err}");
 }

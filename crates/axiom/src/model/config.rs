@@ -334,10 +334,7 @@ impl ModelConfig {
                 (rope, longrope, local)
             }
         };
-        let sliding = sliding_window(config, &model_type, n_layers)?.map(|s| SlidingWindow {
-            rope: local_rope,
-            ..s
-        });
+        let sliding = sliding_window(config, &model_type, n_layers)?.map(|s| SlidingWindow { rope: local_rope, ..s });
         // A window over the whole context changes nothing but the rope it may carry.
         let sliding = sliding.filter(|s| s.window < context_length || s.rope.is_some());
         let attention_scale = match float_of(&config["query_pre_attn_scalar"]) {
