@@ -1,6 +1,7 @@
 //! Flash attention on tensor cores (kernels/flash_attention.cu on mma.sync, flash_attention_wg.cu
 //! on Hopper's warpgroup MMAs): how a step is cut into blocks and query tiles, and the launcher.
 
+use super::attention::ScoreArgs;
 use super::device::CudaDevice;
 use super::kernels::{self, Kernels};
 use super::launch::page_size_arg;
@@ -216,8 +217,8 @@ impl CudaBackend {
             v_cache,
             positions,
             pages,
+            scores,
             plan,
-            ..
         }: AttentionKv<'_, Option<FlashPlan>>,
         out: u64,
         out_type: GgmlType,
@@ -235,6 +236,7 @@ impl CudaBackend {
                 ))
             })?;
         let page_size = page_size_arg(&pages)?;
+        let scores = ScoreArgs::of(scores)?;
         // How the kernel pairs the dimensions it rotates (FA_ADJACENT, FA_HALVES).
         let (turns, pairing) = match rotate {
             Some(rope) if rope.dims == shape.head_dim => {
@@ -274,6 +276,9 @@ impl CudaBackend {
                 out_type: out_type.id() as i32,
                 n_heads: shape.n_heads as i32,
                 n_kv_heads: shape.n_kv_heads as i32,
+                scale: scores.scale,
+                softcap: scores.softcap,
+                window: scores.window,
             },
         )
     }
