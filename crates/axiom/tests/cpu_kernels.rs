@@ -282,6 +282,61 @@ fn kv_write_and_attention_refuse_tables_that_point_outside_the_cache() {
 }
 
 #[test]
+fn attention_refuses_score_rules_that_weigh_nothing() {
+    let mut r = rng();
+    let shape = AttentionShape {
+        n_heads: 2,
+        n_kv_heads: 1,
+        head_dim: 8,
+    };
+    let k = vec![randn(&mut r, 3 * shape.kv_width())];
+    let q = randn(&mut r, shape.q_width());
+    let causal = Scores::causal(shape.head_dim);
+    let rules = [
+        (
+            Scores {
+                window: Some(3),
+                ..causal
+            },
+            true,
+        ),
+        (
+            Scores {
+                window: Some(0),
+                ..causal
+            },
+            false,
+        ),
+        (
+            Scores {
+                softcap: Some(0.0),
+                ..causal
+            },
+            false,
+        ),
+        (
+            Scores {
+                softcap: Some(-1.0),
+                ..causal
+            },
+            false,
+        ),
+        (
+            Scores {
+                scale: f32::NAN,
+                ..causal
+            },
+            false,
+        ),
+    ];
+    for (rule, fine) in rules {
+        let case = PagedCase::new(&mut r, 4, &[3]).scored(rule);
+        let result = case.attention(&mut backend(), &k, &k, &[(0, 2)], &q, shape);
+        assert_eq!(result.is_ok(), fine, "{rule:?}: {result:?}");
+    }
+}
+
+#[test]
 fn argmax_takes_the_first_of_equal_maxima_in_each_row() {
     let mut b = backend();
     let x = upload(&mut b, &[1.0, 3.0, 3.0, -1.0, -5.0, -2.0, -2.0, -9.0]);

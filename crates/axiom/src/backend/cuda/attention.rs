@@ -10,7 +10,6 @@ use super::weights::CudaWeight;
 use super::{CudaBackend, FlashPlan};
 use crate::backend::{
     rope_attend_and_project_in_steps, AttentionKv, AttentionShape, Backend, BlockHandle, NewRows, Projection, Rope,
-    Scores,
 };
 use crate::format::quant::GgmlType;
 use crate::{Error, Result};
@@ -67,7 +66,7 @@ impl CudaBackend {
             scores,
             ..
         } = kv;
-        let scores = ScoreArgs::of(scores)?;
+        let scores = scores.kernel_args()?;
         let page_size = page_size_arg(&pages)?;
         let n = n_tokens * shape.q_width();
         let (xq, xd, interleave, start_next) = match quantized_for {
@@ -231,43 +230,6 @@ impl CudaBackend {
             RopePlan::InSteps => return rope_attend_and_project_in_steps(self, new, kv, proj, n_tokens, shape),
         }
         self.attend_then_project(new.q, Some(new), kv, proj, n_tokens, shape)
-    }
-}
-
-/// A layer's `Scores` as the attention kernels take them: the scale, the cap (0: none) and the
-/// window (0: every earlier position).
-#[derive(Clone, Copy, PartialEq, Debug)]
-pub(super) struct ScoreArgs {
-    pub scale: f32,
-    pub softcap: f32,
-    pub window: i32,
-}
-
-impl ScoreArgs {
-    pub(super) fn of(scores: Scores) -> Result<ScoreArgs> {
-        if !scores.scale.is_finite() {
-            return Err(Error::Backend(format!("attention scale {}", scores.scale)));
-        }
-        let softcap = match scores.softcap {
-            Some(cap) if cap.is_finite() && cap > 0.0 => cap,
-            Some(cap) => {
-                return Err(Error::Backend(format!(
-                    "attention soft cap {cap}: not a positive number"
-                )))
-            }
-            None => 0.0,
-        };
-        let window = match scores.window {
-            Some(0) => return Err(Error::Backend("an attention window of 0 positions sees nothing".into())),
-            // Positions stay below 2^31: a wider window sees every earlier one.
-            Some(w) => i32::try_from(w).unwrap_or(0),
-            None => 0,
-        };
-        Ok(ScoreArgs {
-            scale: scores.scale,
-            softcap,
-            window,
-        })
     }
 }
 

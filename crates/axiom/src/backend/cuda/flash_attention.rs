@@ -1,7 +1,6 @@
 //! Flash attention on tensor cores (kernels/flash_attention.cu on mma.sync, flash_attention_wg.cu
 //! on Hopper's warpgroup MMAs): how a step is cut into blocks and query tiles, and the launcher.
 
-use super::attention::ScoreArgs;
 use super::device::CudaDevice;
 use super::kernels::{self, Kernels};
 use super::launch::page_size_arg;
@@ -236,7 +235,7 @@ impl CudaBackend {
                 ))
             })?;
         let page_size = page_size_arg(&pages)?;
-        let scores = ScoreArgs::of(scores)?;
+        let scores = scores.kernel_args()?;
         // How the kernel pairs the dimensions it rotates (FA_ADJACENT, FA_HALVES).
         let (turns, pairing) = match rotate {
             Some(rope) if rope.dims == shape.head_dim => {
