@@ -236,27 +236,30 @@ pub fn matmul_every_type_and_token_count<B: Backend>(
             gpu.matmul_add(xg, &up.0, residual_in(og, sg), n_tokens).unwrap();
             cpu.matmul_add(xc, &up.1, residual_in(oc, sc), n_tokens).unwrap();
             check(&gpu, &cpu, "tall matmul_add", og, oc, tol);
-            let rows_g = GluRows {
-                gate: poisoned(&mut gpu, n),
-                up: poisoned(&mut gpu, n),
-                out: poisoned(&mut gpu, n),
-            };
-            let rows_c = GluRows {
-                gate: poisoned(&mut cpu, n),
-                up: poisoned(&mut cpu, n),
-                out: poisoned(&mut cpu, n),
-            };
-            let (og, oc) = (rows_g.out, rows_c.out);
-            gpu.gate_up_glu(xg.into(), [&gate.0, &up.0], rows_g, n_tokens, Activation::Silu)
-                .unwrap();
-            cpu.gate_up_glu(xc.into(), [&gate.1, &up.1], rows_c, n_tokens, Activation::Silu)
-                .unwrap();
-            // Two products multiplied: their errors add.
-            check(&gpu, &cpu, "tall gate_up_swiglu", og, oc, 2.0 * tol);
+            for act in [Activation::Silu, Activation::GeluTanh] {
+                let rows_g = GluRows {
+                    gate: poisoned(&mut gpu, n),
+                    up: poisoned(&mut gpu, n),
+                    out: poisoned(&mut gpu, n),
+                };
+                let rows_c = GluRows {
+                    gate: poisoned(&mut cpu, n),
+                    up: poisoned(&mut cpu, n),
+                    out: poisoned(&mut cpu, n),
+                };
+                let (og, oc) = (rows_g.out, rows_c.out);
+                gpu.gate_up_glu(xg.into(), [&gate.0, &up.0], rows_g, n_tokens, act)
+                    .unwrap();
+                cpu.gate_up_glu(xc.into(), [&gate.1, &up.1], rows_c, n_tokens, act)
+                    .unwrap();
+                // Two products multiplied: their errors add.
+                check(&gpu, &cpu, &format!("tall gate_up_glu {act:?}"), og, oc, 2.0 * tol);
+            }
         }
     }
     // The whole feed-forward block added to a residual, which a backend may fold (the SwiGLU into
-    // the gate and up products; the hidden rows kept in 16 bits between the halves). Short and
+    // the gate and up products; the hidden rows kept in 16 bits between the halves), with either
+    // gate activation. Short and
     // long rows on either side: a backend may multiply long rows on quantized activations.
     let widths = |ty| {
         [
@@ -284,7 +287,10 @@ pub fn matmul_every_type_and_token_count<B: Backend>(
         let gate_rms = (products.iter().map(|v| v * v).sum::<f32>() / ffn_dim as f32).sqrt();
         let norm: Vec<f32> = norm.iter().map(|v| v / gate_rms).collect();
         let (ng, nc) = (put(&mut gpu, &norm), put(&mut cpu, &norm));
-        for n_tokens in [1, 3, 8, 9, 35] {
+        let runs = [1, 3, 8, 9, 35]
+            .into_iter()
+            .flat_map(|n| [Activation::Silu, Activation::GeluTanh].map(|act| (n, act)));
+        for (n_tokens, activation) in runs {
             let (x, residual) = (randn(&mut rng, n_tokens * dim), randn(&mut rng, n_tokens * dim));
             let (xg, xc) = (put(&mut gpu, &x), put(&mut cpu, &x));
             let (og, oc) = (put(&mut gpu, &residual), put(&mut cpu, &residual));
@@ -302,13 +308,13 @@ pub fn matmul_every_type_and_token_count<B: Backend>(
                 gate: &gate.0,
                 up: &up.0,
                 down: &down.0,
-                activation: Activation::Silu,
+                activation,
             };
             let ffn_cpu = FeedForward {
                 gate: &gate.1,
                 up: &up.1,
                 down: &down.1,
-                activation: Activation::Silu,
+                activation,
             };
             // Normalized on the way in, as the model's feed-forward block takes it.
             gpu.feed_forward(normed(xg, ng, sg), ffn_gpu, scratch_gpu, og, n_tokens)
@@ -321,14 +327,14 @@ pub fn matmul_every_type_and_token_count<B: Backend>(
             let bad = got.iter().position(|v| !v.is_finite());
             assert!(
                 bad.is_none(),
-                "feed_forward {ty} dim {dim}, hidden {ffn_dim} x {n_tokens} tokens: value {bad:?} is not finite"
+                "feed_forward {ty} dim {dim}, hidden {ffn_dim} x {n_tokens} tokens, {activation:?}: value {bad:?} is not finite"
             );
             let err = rel_l2(&got, &block(get(&cpu, oc, x.len())));
             // Three products, two of them multiplied: their errors add.
             let tol = 3.0 * tolerance(ty, dim.max(ffn_dim), n_tokens);
             assert!(
                 err < tol,
-                "feed_forward {ty} dim {dim}, hidden {ffn_dim} x {n_tokens} tokens: relative error {err}"
+                "feed_forward {ty} dim {dim}, hidden {ffn_dim} x {n_tokens} tokens, {activation:?}: relative error {err}"
             );
         }
     }
