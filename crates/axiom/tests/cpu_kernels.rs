@@ -18,7 +18,7 @@ use axiom::format::quant::{dequantize, GgmlType};
 use half::f16;
 mod common;
 
-use common::{paged_attention_by_matrix, paged_queries, random_weight_bytes, PagedCase, PAGED_LENS};
+use common::{paged_attention_by_matrix, paged_queries, random_weight_bytes, score_rules, PagedCase, PAGED_LENS};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -214,7 +214,8 @@ fn rope_rotates_pairs_by_position() {
 }
 
 /// Two sequences over scrambled pages; a step that prefills the first (every position, so the
-/// causal mask matters) and decodes the second, with pages of 4 and of 16 positions.
+/// causal mask matters) and decodes the second, with pages of 4 and of 16 positions, causal and
+/// under every rule of `score_rules`.
 fn paged_attention_case<B: Backend>(mut make: impl FnMut() -> B, tol: f32, what: &str) {
     let mut r = rng();
     let shape = AttentionShape {
@@ -223,8 +224,9 @@ fn paged_attention_case<B: Backend>(mut make: impl FnMut() -> B, tol: f32, what:
         head_dim: 48,
     };
     let kv_w = shape.kv_width();
-    for page_size in [4, 16] {
-        let case = PagedCase::new(&mut r, page_size, &PAGED_LENS);
+    let rules = std::iter::once(Scores::causal(shape.head_dim)).chain(score_rules(shape.head_dim));
+    for (page_size, rule) in rules.flat_map(|rule| [(4, rule), (16, rule)]) {
+        let case = PagedCase::new(&mut r, page_size, &PAGED_LENS).scored(rule);
         let k: Vec<Vec<f32>> = PAGED_LENS.iter().map(|l| randn(&mut r, l * kv_w)).collect();
         let v: Vec<Vec<f32>> = PAGED_LENS.iter().map(|l| randn(&mut r, l * kv_w)).collect();
         let queries = paged_queries();
@@ -239,8 +241,8 @@ fn paged_attention_case<B: Backend>(mut make: impl FnMut() -> B, tol: f32, what:
             }
         };
         let (k, v): (Vec<_>, Vec<_>) = (k.iter().map(round).collect(), v.iter().map(round).collect());
-        let want = paged_attention_by_matrix(&k, &v, &queries, &q, shape);
-        assert_close(&got, &want, tol, &format!("{what}, pages of {page_size}"));
+        let want = paged_attention_by_matrix(&k, &v, &queries, &q, shape, rule);
+        assert_close(&got, &want, tol, &format!("{what}, pages of {page_size}, {rule:?}"));
     }
 }
 
@@ -289,6 +291,61 @@ fn kv_write_and_attention_refuse_tables_that_point_outside_the_cache() {
     // The write landed in page 0 (the table's second entry), row 3.
     let kc_all = read(&b, kc, 2 * page_size * kv_w);
     assert_eq!(&kc_all[3 * kv_w..4 * kv_w], &[1.0; 12]);
+}
+
+#[test]
+fn attention_refuses_score_rules_that_weigh_nothing() {
+    let mut r = rng();
+    let shape = AttentionShape {
+        n_heads: 2,
+        n_kv_heads: 1,
+        head_dim: 8,
+    };
+    let k = vec![randn(&mut r, 3 * shape.kv_width())];
+    let q = randn(&mut r, shape.q_width());
+    let causal = Scores::causal(shape.head_dim);
+    let rules = [
+        (
+            Scores {
+                window: Some(3),
+                ..causal
+            },
+            true,
+        ),
+        (
+            Scores {
+                window: Some(0),
+                ..causal
+            },
+            false,
+        ),
+        (
+            Scores {
+                softcap: Some(0.0),
+                ..causal
+            },
+            false,
+        ),
+        (
+            Scores {
+                softcap: Some(-1.0),
+                ..causal
+            },
+            false,
+        ),
+        (
+            Scores {
+                scale: f32::NAN,
+                ..causal
+            },
+            false,
+        ),
+    ];
+    for (rule, fine) in rules {
+        let case = PagedCase::new(&mut r, 4, &[3]).scored(rule);
+        let result = case.attention(&mut backend(), &k, &k, &[(0, 2)], &q, shape);
+        assert_eq!(result.is_ok(), fine, "{rule:?}: {result:?}");
+    }
 }
 
 #[test]
@@ -450,6 +507,17 @@ fn fast_attention_over_f32_and_f16_caches_matches_the_matrix_form() {
             };
             paged_attention_case(make, 1e-5, &format!("{isa:?} {kv_type:?} attention"));
         }
+    }
+}
+
+#[test]
+fn fast_attention_scores_match_the_reference() {
+    // The GPU suite's score cases, the fast kernels standing for the backend under test.
+    for isa in Isa::available() {
+        common::gpu::attention_scores(
+            |kv_type| CpuBackend::with_kernels(2, CpuKernels::Fast(isa)).with_kv_type(kv_type),
+            |_, _, _| 1e-5,
+        );
     }
 }
 

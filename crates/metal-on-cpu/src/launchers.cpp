@@ -61,6 +61,13 @@ struct Paged {
     uint page_size;
 };
 
+// How attention weighs what a token sees (axiom's `Scores`): cap 0, window 0 for none.
+struct Rule {
+    float scale;
+    float softcap;
+    uint window;
+};
+
 extern "C" void msl_kv_write(uint f16, const float* k, const float* v, void* k_cache, void* v_cache, Paged p,
                              uint n_tokens, uint kv_width, uint threads) {
     launch({n_tokens, 1, 1}, {threads, 1, 1}, [&](const Thread& t) {
@@ -90,32 +97,34 @@ extern "C" void msl_rope_kv_write(uint f16, float* q, float* k, const float* v, 
 }
 
 extern "C" void msl_attention(uint f16, const float* q, const void* k_cache, const void* v_cache, Paged p, float* out,
-                              uint n_tokens, uint n_heads, uint n_kv_heads, uint head_dim, uint simds_per_group) {
+                              uint n_tokens, uint n_heads, uint n_kv_heads, uint head_dim, Rule r,
+                              uint simds_per_group) {
     launch({n_tokens, n_heads, 1}, {simds_per_group * msl_cpu::SIMD_WIDTH, 1, 1}, [&](const Thread& t) {
         uint2 group = {t.group.x, t.group.y};
         if (f16)
             attention_f16(q, (const half*)k_cache, (const half*)v_cache, p.positions, p.tables, p.table_width,
-                          p.token_seqs, p.page_size, out, n_heads, n_kv_heads, head_dim, group, t.index, {t.threads, 1},
-                          t.simd, t.simds, t.lane, t.lanes);
+                          p.token_seqs, p.page_size, out, n_heads, n_kv_heads, head_dim, r.scale, r.softcap, r.window,
+                          group, t.index, {t.threads, 1}, t.simd, t.simds, t.lane, t.lanes);
         else
             attention_f32(q, (const float*)k_cache, (const float*)v_cache, p.positions, p.tables, p.table_width,
-                          p.token_seqs, p.page_size, out, n_heads, n_kv_heads, head_dim, group, t.index, {t.threads, 1},
-                          t.simd, t.simds, t.lane, t.lanes);
+                          p.token_seqs, p.page_size, out, n_heads, n_kv_heads, head_dim, r.scale, r.softcap, r.window,
+                          group, t.index, {t.threads, 1}, t.simd, t.simds, t.lane, t.lanes);
     });
 }
 
 extern "C" void msl_attention_qk(uint f16, const float* q, const void* k_cache, Paged p, float* scores, uint n_tokens,
-                                 uint n_heads, uint n_kv_heads, uint head_dim, uint n_ctx, uint threads) {
+                                 uint n_heads, uint n_kv_heads, uint head_dim, uint n_ctx, Rule r, uint threads) {
     // One thread per score; `threads` wide groups along the positions.
     uint3 groups = {(n_ctx + threads - 1) / threads, n_tokens * n_heads, 1};
     launch(groups, {threads, 1, 1}, [&](const Thread& t) {
         uint2 at = {t.grid.x, t.grid.y};
         if (f16)
             attention_qk_f16(q, (const half*)k_cache, p.positions, p.tables, p.table_width, p.token_seqs, p.page_size,
-                             scores, n_tokens, n_heads, n_kv_heads, head_dim, n_ctx, at);
+                             scores, n_tokens, n_heads, n_kv_heads, head_dim, n_ctx, r.scale, r.softcap, r.window, at);
         else
             attention_qk_f32(q, (const float*)k_cache, p.positions, p.tables, p.table_width, p.token_seqs,
-                             p.page_size, scores, n_tokens, n_heads, n_kv_heads, head_dim, n_ctx, at);
+                             p.page_size, scores, n_tokens, n_heads, n_kv_heads, head_dim, n_ctx, r.scale, r.softcap,
+                             r.window, at);
     });
 }
 
@@ -132,9 +141,19 @@ extern "C" void msl_attention_pv(uint f16, const float* scores, const void* v_ca
     });
 }
 
-extern "C" void msl_swiglu(const float* gate, const float* up, float* out, uint n, uint threads) {
+extern "C" void msl_glu(const float* gate, const float* up, float* out, uint n, uint act, uint threads) {
     launch({(n + threads - 1) / threads, 1, 1}, {threads, 1, 1},
-           [&](const Thread& t) { swiglu(gate, up, out, n, t.grid.x); });
+           [&](const Thread& t) { glu(gate, up, out, n, act, t.grid.x); });
+}
+
+extern "C" void msl_scale(float* x, uint n, float factor, uint threads) {
+    launch({(n + threads - 1) / threads, 1, 1}, {threads, 1, 1},
+           [&](const Thread& t) { scale(x, n, factor, t.grid.x); });
+}
+
+extern "C" void msl_softcap(float* x, uint n, float cap, uint threads) {
+    launch({(n + threads - 1) / threads, 1, 1}, {threads, 1, 1},
+           [&](const Thread& t) { softcap(x, n, cap, t.grid.x); });
 }
 
 extern "C" void msl_add(float* x, const float* y, uint n, uint threads) {

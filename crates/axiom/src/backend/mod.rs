@@ -383,6 +383,37 @@ impl Scores {
         self.window.map_or(0, |w| (pos + 1).saturating_sub(w))
     }
 
+    /// The rule as the GPU kernels take it, or an error naming a rule that weighs nothing.
+    pub fn kernel_args(&self) -> crate::Result<ScoreArgs> {
+        if !self.scale.is_finite() {
+            return Err(crate::Error::Backend(format!("attention scale {}", self.scale)));
+        }
+        let softcap = match self.softcap {
+            Some(cap) if cap.is_finite() && cap > 0.0 => cap,
+            Some(cap) => {
+                return Err(crate::Error::Backend(format!(
+                    "attention soft cap {cap}: not a positive number"
+                )))
+            }
+            None => 0.0,
+        };
+        let window = match self.window {
+            Some(0) => {
+                return Err(crate::Error::Backend(
+                    "an attention window of 0 positions sees nothing".into(),
+                ))
+            }
+            // Positions stay below 2^31: a wider window sees every earlier one.
+            Some(w) => i32::try_from(w).unwrap_or(0),
+            None => 0,
+        };
+        Ok(ScoreArgs {
+            scale: self.scale,
+            softcap,
+            window,
+        })
+    }
+
     /// A raw score `q.k` as the softmax takes it.
     pub fn apply(&self, dot: f32) -> f32 {
         let s = dot * self.scale;
@@ -391,6 +422,15 @@ impl Scores {
             None => s,
         }
     }
+}
+
+/// [`Scores`] as the GPU kernels take them: the scale, the cap (0: none) and the window (0: every
+/// earlier position).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ScoreArgs {
+    pub scale: f32,
+    pub softcap: f32,
+    pub window: i32,
 }
 
 /// What attention reads besides the queries: a layer's paged caches, the step's positions and

@@ -2,7 +2,7 @@
 //! transformers, written once over [`Backend`] (tests/cuda.rs and tests/metal.rs run them).
 //! Outputs are poisoned before each run, so an element a kernel never writes fails.
 
-use super::{paged_queries, random_weight_bytes, PagedCase, PAGED_LENS};
+use super::{capped_window, paged_queries, random_weight_bytes, score_rules, PagedCase, PAGED_LENS};
 use axiom::backend::cpu::kernels::argmax::argmax;
 use axiom::backend::cpu::CpuBackend;
 use axiom::backend::{
@@ -237,27 +237,30 @@ pub fn matmul_every_type_and_token_count<B: Backend>(
             gpu.matmul_add(xg, &up.0, residual_in(og, sg), n_tokens).unwrap();
             cpu.matmul_add(xc, &up.1, residual_in(oc, sc), n_tokens).unwrap();
             check(&gpu, &cpu, "tall matmul_add", og, oc, tol);
-            let rows_g = GluRows {
-                gate: poisoned(&mut gpu, n),
-                up: poisoned(&mut gpu, n),
-                out: poisoned(&mut gpu, n),
-            };
-            let rows_c = GluRows {
-                gate: poisoned(&mut cpu, n),
-                up: poisoned(&mut cpu, n),
-                out: poisoned(&mut cpu, n),
-            };
-            let (og, oc) = (rows_g.out, rows_c.out);
-            gpu.gate_up_glu(xg.into(), [&gate.0, &up.0], rows_g, n_tokens, Activation::Silu)
-                .unwrap();
-            cpu.gate_up_glu(xc.into(), [&gate.1, &up.1], rows_c, n_tokens, Activation::Silu)
-                .unwrap();
-            // Two products multiplied: their errors add.
-            check(&gpu, &cpu, "tall gate_up_swiglu", og, oc, 2.0 * tol);
+            for act in [Activation::Silu, Activation::GeluTanh] {
+                let rows_g = GluRows {
+                    gate: poisoned(&mut gpu, n),
+                    up: poisoned(&mut gpu, n),
+                    out: poisoned(&mut gpu, n),
+                };
+                let rows_c = GluRows {
+                    gate: poisoned(&mut cpu, n),
+                    up: poisoned(&mut cpu, n),
+                    out: poisoned(&mut cpu, n),
+                };
+                let (og, oc) = (rows_g.out, rows_c.out);
+                gpu.gate_up_glu(xg.into(), [&gate.0, &up.0], rows_g, n_tokens, act)
+                    .unwrap();
+                cpu.gate_up_glu(xc.into(), [&gate.1, &up.1], rows_c, n_tokens, act)
+                    .unwrap();
+                // Two products multiplied: their errors add.
+                check(&gpu, &cpu, &format!("tall gate_up_glu {act:?}"), og, oc, 2.0 * tol);
+            }
         }
     }
     // The whole feed-forward block added to a residual, which a backend may fold (the SwiGLU into
-    // the gate and up products; the hidden rows kept in 16 bits between the halves). Short and
+    // the gate and up products; the hidden rows kept in 16 bits between the halves), with either
+    // gate activation. Short and
     // long rows on either side: a backend may multiply long rows on quantized activations.
     let widths = |ty| {
         [
@@ -285,7 +288,10 @@ pub fn matmul_every_type_and_token_count<B: Backend>(
         let gate_rms = (products.iter().map(|v| v * v).sum::<f32>() / ffn_dim as f32).sqrt();
         let norm: Vec<f32> = norm.iter().map(|v| v / gate_rms).collect();
         let (ng, nc) = (put(&mut gpu, &norm), put(&mut cpu, &norm));
-        for n_tokens in [1, 3, 8, 9, 35] {
+        let runs = [1, 3, 8, 9, 35]
+            .into_iter()
+            .flat_map(|n| [Activation::Silu, Activation::GeluTanh].map(|act| (n, act)));
+        for (n_tokens, activation) in runs {
             let (x, residual) = (randn(&mut rng, n_tokens * dim), randn(&mut rng, n_tokens * dim));
             let (xg, xc) = (put(&mut gpu, &x), put(&mut cpu, &x));
             let (og, oc) = (put(&mut gpu, &residual), put(&mut cpu, &residual));
@@ -303,13 +309,13 @@ pub fn matmul_every_type_and_token_count<B: Backend>(
                 gate: &gate.0,
                 up: &up.0,
                 down: &down.0,
-                activation: Activation::Silu,
+                activation,
             };
             let ffn_cpu = FeedForward {
                 gate: &gate.1,
                 up: &up.1,
                 down: &down.1,
-                activation: Activation::Silu,
+                activation,
             };
             // Normalized on the way in, as the model's feed-forward block takes it.
             gpu.feed_forward(normed(xg, ng, sg), ffn_gpu, scratch_gpu, og, n_tokens)
@@ -322,21 +328,22 @@ pub fn matmul_every_type_and_token_count<B: Backend>(
             let bad = got.iter().position(|v| !v.is_finite());
             assert!(
                 bad.is_none(),
-                "feed_forward {ty} dim {dim}, hidden {ffn_dim} x {n_tokens} tokens: value {bad:?} is not finite"
+                "feed_forward {ty} dim {dim}, hidden {ffn_dim} x {n_tokens} tokens, {activation:?}: value {bad:?} is not finite"
             );
             let err = rel_l2(&got, &block(get(&cpu, oc, x.len())));
             // Three products, two of them multiplied: their errors add.
             let tol = 3.0 * tolerance(ty, dim.max(ffn_dim), n_tokens);
             assert!(
                 err < tol,
-                "feed_forward {ty} dim {dim}, hidden {ffn_dim} x {n_tokens} tokens: relative error {err}"
+                "feed_forward {ty} dim {dim}, hidden {ffn_dim} x {n_tokens} tokens, {activation:?}: relative error {err}"
             );
         }
     }
 }
 
-/// Embedding from every type, RMSNorm, RoPE in both layouts, SwiGLU, add and argmax.
-pub fn embed_rms_norm_rope_swiglu_add_argmax<B: Backend>(make: impl Fn() -> B) {
+/// Embedding from every type, RMSNorm, RoPE in both layouts, both gated activations, add, scale,
+/// soft cap and argmax.
+pub fn embed_rms_norm_rope_glu_add_scale_softcap_argmax<B: Backend>(make: impl Fn() -> B) {
     let mut rng = ChaCha8Rng::seed_from_u64(2);
     for ty in WEIGHT_TYPES {
         let (dim, vocab) = (256, 11);
@@ -403,6 +410,13 @@ pub fn embed_rms_norm_rope_swiglu_add_argmax<B: Backend>(make: impl Fn() -> B) {
     gpu.add(ag, bg, n).unwrap();
     cpu.add(ac, bc, n).unwrap();
     assert!(rel_l2(&get(&gpu, ag, n), &get(&cpu, ac, n)) < 1e-7, "add");
+    gpu.scale(ag, 2.5, n).unwrap();
+    cpu.scale(ac, 2.5, n).unwrap();
+    assert!(rel_l2(&get(&gpu, ag, n), &get(&cpu, ac, n)) < 1e-7, "scale");
+    // A cap below most of the values (up to 5 after the add and the scale).
+    gpu.softcap(ag, 1.5, n).unwrap();
+    cpu.softcap(ac, 1.5, n).unwrap();
+    assert!(rel_l2(&get(&gpu, ag, n), &get(&cpu, ac, n)) < 1e-6, "softcap");
 
     // Argmax of rows wider than a block, with a tie placed so the lower index must win, and a
     // row of NaN, which must still give a token id (the next greedy step embeds it unchecked).
@@ -516,10 +530,63 @@ pub fn paged_kv_write_and_attention<B: Backend>(make: impl Fn(KvType) -> B, tole
     }
 }
 
+/// Attention under each rule of `score_rules` (windows, a soft cap, another scale) against the
+/// CPU reference, with f16 and f32 caches over two sequences of 300 and 20 positions: heads of 64
+/// and 128 in a step that prefills all of the first sequence (tiles of queries and keys, where a
+/// backend has them) next to queries of the second and one mid-way; Gemma 3 270M's 4 heads of
+/// 256 over one KV head in the same step; decode steps alone over those contexts; and a single
+/// decode. Pages of 16, and of 4 for the narrowest windows. `tolerance(kv_type, head_dim,
+/// n_tokens)` is the relative error allowed.
+pub fn attention_scores<B: Backend>(make: impl Fn(KvType) -> B, tolerance: impl Fn(KvType, usize, usize) -> f64) {
+    let mut rng = ChaCha8Rng::seed_from_u64(7);
+    let lens = [300, 20];
+    let prefill: Vec<(u32, u32)> = (0..300).map(|p| (0, p)).chain([(1, 19), (1, 0), (0, 75)]).collect();
+    let decodes = vec![(0, 299), (1, 19), (0, 150), (1, 0)];
+    let single = vec![(0, 299)];
+    let shapes = [(9, 3, 64), (9, 3, 128), (4, 1, 256)];
+    for (n_heads, n_kv_heads, head_dim) in shapes {
+        let shape = AttentionShape {
+            n_heads,
+            n_kv_heads,
+            head_dim,
+        };
+        let kv_w = shape.kv_width();
+        for rule in score_rules(head_dim) {
+            let page_size = if rule.window.is_some_and(|w| w < 16) { 4 } else { 16 };
+            for (kv_type, queries) in [KvType::F16, KvType::F32]
+                .into_iter()
+                .flat_map(|kv| [&prefill, &decodes, &single].map(|q| (kv, q)))
+            {
+                let round = |v: Vec<f32>| -> Vec<f32> {
+                    match kv_type {
+                        KvType::F16 => v.iter().map(|&x| f16::from_f32(x).to_f32()).collect(),
+                        KvType::F32 => v,
+                    }
+                };
+                let case = PagedCase::new(&mut rng, page_size, &lens).scored(rule);
+                let k: Vec<Vec<f32>> = lens.iter().map(|l| round(randn(&mut rng, l * kv_w))).collect();
+                let v: Vec<Vec<f32>> = lens.iter().map(|l| round(randn(&mut rng, l * kv_w))).collect();
+                let q = randn(&mut rng, queries.len() * shape.q_width());
+                let (mut gpu, mut cpu) = pair(|| make(kv_type));
+                gpu.prepare(queries.len(), 64).unwrap();
+                let got = case.attention(&mut gpu, &k, &v, queries, &q, shape).unwrap();
+                let want = case.attention(&mut cpu, &k, &v, queries, &q, shape).unwrap();
+                let err = rel_l2(&got, &want);
+                assert!(
+                    err < tolerance(kv_type, head_dim, queries.len()),
+                    "{kv_type:?} attention, {shape:?}, {} tokens, {rule:?}: relative error {err}",
+                    queries.len()
+                );
+            }
+        }
+    }
+}
+
 /// `attend_and_project` (attention, then its product with the output projection added to a
 /// residual) on decodes over a long context and on a prefill step, for weights a backend may
 /// multiply on integers (quantizing the attention's output as it writes it) and for one it does
-/// not, with an f16 cache. `tolerance(type, tokens)` is the relative error allowed.
+/// not, with an f16 cache; causal, and with a scale, a soft cap and a window. `tolerance(type,
+/// tokens)` is the relative error allowed.
 pub fn attention_then_output_projection<B: Backend>(
     make: impl Fn(KvType) -> B,
     tolerance: impl Fn(GgmlType, usize) -> f64,
@@ -538,9 +605,17 @@ pub fn attention_then_output_projection<B: Backend>(
         (260..300).map(|p| (0, p)).chain((0..40).map(|p| (1, p))).collect(),
     ];
     let round = |v: Vec<f32>| -> Vec<f32> { v.iter().map(|&x| f16::from_f32(x).to_f32()).collect() };
+    let causal = Scores::causal(shape.head_dim);
+    let runs = [
+        (GgmlType::Q8_0, causal),
+        (GgmlType::Q4K, causal),
+        (GgmlType::BF16, causal),
+        (GgmlType::Q4K, capped_window()),
+        (GgmlType::BF16, capped_window()),
+    ];
     for queries in &steps {
-        for ty in [GgmlType::Q8_0, GgmlType::Q4K, GgmlType::BF16] {
-            let case = PagedCase::new(&mut rng, 16, &lens);
+        for (ty, rule) in runs {
+            let case = PagedCase::new(&mut rng, 16, &lens).scored(rule);
             let k: Vec<Vec<f32>> = lens
                 .iter()
                 .map(|l| round(randn(&mut rng, l * shape.kv_width())))
@@ -560,7 +635,7 @@ pub fn attention_then_output_projection<B: Backend>(
             let err = rel_l2(&got, &want);
             assert!(
                 err < tolerance(ty, queries.len()),
-                "attend_and_project of {} tokens, {ty} output projection: relative error {err}",
+                "attend_and_project of {} tokens, {ty} output projection, {rule:?}: relative error {err}",
                 queries.len()
             );
         }
@@ -605,7 +680,7 @@ fn projected<B: Backend>(b: &mut B, inputs: AttentionInputs, wo: &B::Weight, res
 /// size, where a backend may rotate the queries within attention); then attention of fresh
 /// queries at the same positions, which reads back the rows the step stored. Both RoPE layouts,
 /// part of each head rotated, f16 and f32 caches; an output projection a backend may multiply on
-/// integers (rows of 2048) and an f32 one. `tolerance(type, cache, head_dim, tokens)` is the
+/// integers (rows of 2048) and an f32 one; heads of 256 with a scale, a soft cap and a window. `tolerance(type, cache, head_dim, tokens)` is the
 /// relative error allowed on what the projection of `type` adds, or with `None` on what the
 /// attention afterwards reads. The reference's cache is f32: with an f16 one, the rows given are
 /// rounded to f16 first, but the rotated keys are rounded only by the backend under test.
@@ -616,12 +691,12 @@ pub fn rope_attention_then_output_projection<B: Backend>(
     let mut rng = ChaCha8Rng::seed_from_u64(6);
     let n_out = 72;
     // (heads, KV heads, head_dim, rotated dimensions, output projection's type, factor on cosine
-    // and sine); query widths of a multiple of 32, as every backend's weights take.
+    // and sine, scores); query widths of a multiple of 32, as every backend's weights take.
     let cases = [
-        (16, 4, 128, 128, GgmlType::Q4K, 1.13),
-        (8, 2, 256, 192, GgmlType::Q4K, 0.9),
-        (9, 3, 64, 48, GgmlType::F32, 1.0),
-        (12, 4, 48, 32, GgmlType::F32, 1.27),
+        (16, 4, 128, 128, GgmlType::Q4K, 1.13, None),
+        (8, 2, 256, 192, GgmlType::Q4K, 0.9, Some(capped_window())),
+        (9, 3, 64, 48, GgmlType::F32, 1.0, None),
+        (12, 4, 48, 32, GgmlType::F32, 1.27, None),
     ];
     // (sequence, position) of each new token; each sequence holds the rows before its first.
     let prefill: Vec<(u32, u32)> = (261..301).map(|p| (0, p)).chain([(1, 5)]).collect();
@@ -632,7 +707,7 @@ pub fn rope_attention_then_output_projection<B: Backend>(
         &[(0, 300), (0, 301), (1, 5)],
         &prefill,
     ];
-    for (n_heads, n_kv_heads, head_dim, dims, ty, scale) in cases {
+    for (n_heads, n_kv_heads, head_dim, dims, ty, scale, scores) in cases {
         let shape = AttentionShape {
             n_heads,
             n_kv_heads,
@@ -650,7 +725,10 @@ pub fn rope_attention_then_output_projection<B: Backend>(
                 scaling: RopeScaling::None,
                 scale,
             };
-            let case = PagedCase::new(&mut rng, 16, &[302, 6]);
+            let case = PagedCase {
+                scores,
+                ..PagedCase::new(&mut rng, 16, &[302, 6])
+            };
             // The rows a sequence holds: as many as its first new token's position.
             let held = |s: u32| {
                 queries
@@ -683,7 +761,7 @@ pub fn rope_attention_then_output_projection<B: Backend>(
             let (added_gpu, read_gpu) = rope_step(&mut gpu, inputs, rope, [&new[1], &new[2], &new[3]], &wg, &residual);
             let (added_cpu, read_cpu) = rope_step(&mut cpu, inputs, rope, [&new[1], &new[2], &new[3]], &wc, &residual);
             let what = format!(
-                "{ty} projection, head_dim {head_dim}, {kv_type:?} cache, {layout:?}, scale {scale}, {n} tokens"
+                "{ty} projection, head_dim {head_dim}, {kv_type:?} cache, {layout:?}, scale {scale}, {n} tokens, {scores:?}"
             );
             let err = rel_l2(&added_gpu, &added_cpu);
             assert!(

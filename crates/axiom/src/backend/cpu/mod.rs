@@ -640,6 +640,8 @@ impl Kernels for CpuBackend {
             &[out],
             &[q, k_cache, v_cache, positions, pages.block_tables, pages.token_seqs],
         )?;
+        // Refuses the rules the GPU backends refuse (a window of nothing, a cap that is no cap).
+        scores.kernel_args()?;
         let positions = self.view::<u32>(positions, n_tokens);
         let (map, cache_len) = self.page_map(pages, positions, k_cache, v_cache, shape.kv_width())?;
         let n = n_tokens * shape.q_width();

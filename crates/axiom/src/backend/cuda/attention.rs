@@ -45,9 +45,6 @@ impl CudaBackend {
                 shape.head_dim
             )));
         }
-        if kv.scores != crate::backend::Scores::causal(shape.head_dim) {
-            return Err(Error::Backend("TEMPORARY: CUDA attention with windows or caps".into()));
-        }
         if self.takes_flash(shape, n_tokens) {
             let rotate = new.map(|new| new.rope);
             return self.flash_attention(q, rotate, kv, self.ptr(out), GgmlType::F32, n_tokens, shape);
@@ -66,8 +63,10 @@ impl CudaBackend {
             v_cache,
             positions,
             pages,
+            scores,
             ..
         } = kv;
+        let scores = scores.kernel_args()?;
         let page_size = page_size_arg(&pages)?;
         let n = n_tokens * shape.q_width();
         let (xq, xd, interleave, start_next) = match quantized_for {
@@ -108,7 +107,7 @@ impl CudaBackend {
                 freqs,
                 dims,
                 halves,
-                scale,
+                rope_scale: scale,
                 out: self.ptr(out),
                 xq,
                 xd,
@@ -118,6 +117,9 @@ impl CudaBackend {
                 n_heads: shape.n_heads as i32,
                 n_kv_heads: shape.n_kv_heads as i32,
                 head_dim: shape.head_dim as i32,
+                scale: scores.scale,
+                softcap: scores.softcap,
+                window: scores.window,
             },
         )
     }

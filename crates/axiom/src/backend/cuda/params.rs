@@ -222,7 +222,8 @@ kernel_params! {
     }
 
     /// The one-pass attention kernel: `k_new`, `v_new` and `freqs` are 0 unless it stores the
-    /// step's token itself, `xq` and `xd` unless it quantizes its output too.
+    /// step's token itself, `xq` and `xd` unless it quantizes its output too. `scale`, `softcap`
+    /// and `window` as `ScoreArgs` gives them.
     struct AttentionParams for ["attention_"] {
         q: u64,
         k_cache: u64,
@@ -237,7 +238,7 @@ kernel_params! {
         freqs: u64,
         dims: i32,
         halves: i32,
-        scale: f32,
+        rope_scale: f32,
         out: u64,
         xq: u64,
         xd: u64,
@@ -247,9 +248,13 @@ kernel_params! {
         n_heads: i32,
         n_kv_heads: i32,
         head_dim: i32,
+        scale: f32,
+        softcap: f32,
+        window: i32,
     }
 
-    /// Flash attention on either kind of MMA: `turns` is 0 unless it rotates the queries.
+    /// Flash attention on either kind of MMA: `turns` is 0 unless it rotates the queries; the
+    /// scores' fields as for `AttentionParams`.
     struct FlashAttentionParams for ["flash_attention"] {
         q: u64,
         k_cache: u64,
@@ -266,6 +271,9 @@ kernel_params! {
         out_type: i32,
         n_heads: i32,
         n_kv_heads: i32,
+        scale: f32,
+        softcap: f32,
+        window: i32,
     }
 
     struct GluParams for ["glu"] {

@@ -159,7 +159,9 @@ struct RopeKvWriteParams {
 };
 
 // attention.cu: k_new, v_new and freqs are null unless the kernel rotates and stores the step's
-// token itself (NewToken); xq and xd unless it also quantizes its output.
+// token itself (NewToken); xq and xd unless it also quantizes its output. Scores are scale * q.k,
+// capped to softcap * tanh(s / softcap) unless softcap is 0, over the last `window` positions up
+// to the token's own (all of them where window is 0).
 struct AttentionParams {
     const float* q;
     void* k_cache;
@@ -174,7 +176,7 @@ struct AttentionParams {
     const float* freqs;
     int dims;
     int halves;
-    float scale;
+    float rope_scale;
     float* out;
     i8* xq;
     float* xd;
@@ -184,9 +186,12 @@ struct AttentionParams {
     int n_heads;
     int n_kv_heads;
     int head_dim;
+    float scale;
+    float softcap;
+    int window;
 };
 
-// flash_attention.cu and flash_attention_wg.cu.
+// flash_attention.cu and flash_attention_wg.cu (the scores' fields as in AttentionParams).
 struct FlashAttentionParams {
     const float* q;
     const u16* k_cache;
@@ -203,6 +208,9 @@ struct FlashAttentionParams {
     int out_type;
     int n_heads;
     int n_kv_heads;
+    float scale;
+    float softcap;
+    int window;
 };
 
 // elementwise.cu
