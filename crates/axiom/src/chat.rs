@@ -330,6 +330,15 @@ fn civil_from_days(z: i64) -> (i64, u32, u32) {
     (yoe + era * 400 + i64::from(month <= 2), month, day)
 }
 
+/// The chat template for a GGUF file of `architecture` that carries none, where the family's turn
+/// format is fixed: Gemma's (llama.cpp's Gemma files often lack `tokenizer.chat_template`).
+pub fn builtin_template(architecture: &str) -> Option<&'static str> {
+    match architecture {
+        "gemma2" | "gemma3" => Some(include_str!("chat_templates/gemma.jinja")),
+        _ => None,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

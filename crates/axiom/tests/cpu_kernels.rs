@@ -11,14 +11,14 @@
 use axiom::backend::cpu::fast::{has_int8_kernel, quantize_row, Isa, Q8Activations, CHUNK, GROUPS_PER_CHUNK};
 use axiom::backend::cpu::{CpuBackend, CpuKernels};
 use axiom::backend::{
-    AttentionKv, AttentionShape, Backend, BlockHandle, HostTensor, Kernels, KvType, PagedKv, Rope, RopeLayout,
-    RopeScaling,
+    Activation, AttentionKv, AttentionShape, Backend, BlockHandle, HostTensor, Kernels, KvType, PagedKv, Rope,
+    RopeLayout, RopeScaling, Scores,
 };
 use axiom::format::quant::{dequantize, GgmlType};
 use half::f16;
 mod common;
 
-use common::{paged_attention_by_matrix, paged_queries, random_weight_bytes, PagedCase, PAGED_LENS};
+use common::{paged_attention_by_matrix, paged_queries, random_weight_bytes, score_rules, PagedCase, PAGED_LENS};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -168,12 +168,18 @@ fn rope_rotates_pairs_by_position() {
     let (n_heads, head_dim, n) = (3, 48, 4);
     let x = randn(&mut r, n * n_heads * head_dim);
     let positions = [0u32, 1, 7, 34];
-    for layout in [RopeLayout::Adjacent, RopeLayout::Halves] {
+    // Every dimension, or part of them with cosine and sine scaled (YaRN's attention factor).
+    for (layout, dims, scale) in [
+        (RopeLayout::Adjacent, head_dim, 1.0),
+        (RopeLayout::Halves, head_dim, 1.0),
+        (RopeLayout::Halves, 36, 1.25),
+    ] {
         let rope = Rope {
             layout,
             theta: 10000.0,
-            dims: head_dim,
+            dims,
             scaling: RopeScaling::None,
+            scale,
         };
         let mut b = backend();
         let (xh, ph) = (upload(&mut b, &x), upload_u32(&mut b, &positions));
@@ -183,26 +189,33 @@ fn rope_rotates_pairs_by_position() {
         for (t, &pos) in positions.iter().enumerate() {
             for h in 0..n_heads {
                 let base = (t * n_heads + h) * head_dim;
-                for i in 0..head_dim / 2 {
+                for i in 0..dims / 2 {
                     let (a, c) = match layout {
                         RopeLayout::Adjacent => (2 * i, 2 * i + 1),
-                        RopeLayout::Halves => (i, i + head_dim / 2),
+                        RopeLayout::Halves => (i, i + dims / 2),
                     };
-                    let angle = pos as f32 * 10000f32.powf(-((2 * i) as f32) / head_dim as f32);
+                    let angle = pos as f32 * 10000f32.powf(-((2 * i) as f32) / dims as f32);
+                    let (cos, sin) = (scale * angle.cos(), scale * angle.sin());
                     let (x0, x1) = (x[base + a], x[base + c]);
-                    let want0 = x0 * angle.cos() - x1 * angle.sin();
-                    let want1 = x0 * angle.sin() + x1 * angle.cos();
+                    let want0 = x0 * cos - x1 * sin;
+                    let want1 = x0 * sin + x1 * cos;
                     assert!((got[base + a] - want0).abs() < 1e-4 && (got[base + c] - want1).abs() < 1e-4);
                 }
+                // Dimensions past the rotated ones pass through.
+                assert_eq!(&got[base + dims..base + head_dim], &x[base + dims..base + head_dim]);
             }
         }
-        // Position 0 is the identity.
-        assert_eq!(&got[..n_heads * head_dim], &x[..n_heads * head_dim]);
+        // Position 0 only scales the rotated dimensions.
+        let unrotated: Vec<f32> = (0..n_heads * head_dim)
+            .map(|j| if j % head_dim < dims { x[j] * scale } else { x[j] })
+            .collect();
+        assert_eq!(&got[..n_heads * head_dim], &unrotated[..]);
     }
 }
 
 /// Two sequences over scrambled pages; a step that prefills the first (every position, so the
-/// causal mask matters) and decodes the second, with pages of 4 and of 16 positions.
+/// causal mask matters) and decodes the second, with pages of 4 and of 16 positions, causal and
+/// under every rule of `score_rules`.
 fn paged_attention_case<B: Backend>(mut make: impl FnMut() -> B, tol: f32, what: &str) {
     let mut r = rng();
     let shape = AttentionShape {
@@ -211,8 +224,9 @@ fn paged_attention_case<B: Backend>(mut make: impl FnMut() -> B, tol: f32, what:
         head_dim: 48,
     };
     let kv_w = shape.kv_width();
-    for page_size in [4, 16] {
-        let case = PagedCase::new(&mut r, page_size, &PAGED_LENS);
+    let rules = std::iter::once(Scores::causal(shape.head_dim)).chain(score_rules(shape.head_dim));
+    for (page_size, rule) in rules.flat_map(|rule| [(4, rule), (16, rule)]) {
+        let case = PagedCase::new(&mut r, page_size, &PAGED_LENS).scored(rule);
         let k: Vec<Vec<f32>> = PAGED_LENS.iter().map(|l| randn(&mut r, l * kv_w)).collect();
         let v: Vec<Vec<f32>> = PAGED_LENS.iter().map(|l| randn(&mut r, l * kv_w)).collect();
         let queries = paged_queries();
@@ -227,8 +241,8 @@ fn paged_attention_case<B: Backend>(mut make: impl FnMut() -> B, tol: f32, what:
             }
         };
         let (k, v): (Vec<_>, Vec<_>) = (k.iter().map(round).collect(), v.iter().map(round).collect());
-        let want = paged_attention_by_matrix(&k, &v, &queries, &q, shape);
-        assert_close(&got, &want, tol, &format!("{what}, pages of {page_size}"));
+        let want = paged_attention_by_matrix(&k, &v, &queries, &q, shape, rule);
+        assert_close(&got, &want, tol, &format!("{what}, pages of {page_size}, {rule:?}"));
     }
 }
 
@@ -268,6 +282,7 @@ fn kv_write_and_attention_refuse_tables_that_point_outside_the_cache() {
             v_cache: vc,
             positions: ph,
             pages: p,
+            scores: Scores::causal(4),
             plan: &(),
         };
         let result = b.kv_write(k, v, kv, 1, kv_w);
@@ -276,6 +291,61 @@ fn kv_write_and_attention_refuse_tables_that_point_outside_the_cache() {
     // The write landed in page 0 (the table's second entry), row 3.
     let kc_all = read(&b, kc, 2 * page_size * kv_w);
     assert_eq!(&kc_all[3 * kv_w..4 * kv_w], &[1.0; 12]);
+}
+
+#[test]
+fn attention_refuses_score_rules_that_weigh_nothing() {
+    let mut r = rng();
+    let shape = AttentionShape {
+        n_heads: 2,
+        n_kv_heads: 1,
+        head_dim: 8,
+    };
+    let k = vec![randn(&mut r, 3 * shape.kv_width())];
+    let q = randn(&mut r, shape.q_width());
+    let causal = Scores::causal(shape.head_dim);
+    let rules = [
+        (
+            Scores {
+                window: Some(3),
+                ..causal
+            },
+            true,
+        ),
+        (
+            Scores {
+                window: Some(0),
+                ..causal
+            },
+            false,
+        ),
+        (
+            Scores {
+                softcap: Some(0.0),
+                ..causal
+            },
+            false,
+        ),
+        (
+            Scores {
+                softcap: Some(-1.0),
+                ..causal
+            },
+            false,
+        ),
+        (
+            Scores {
+                scale: f32::NAN,
+                ..causal
+            },
+            false,
+        ),
+    ];
+    for (rule, fine) in rules {
+        let case = PagedCase::new(&mut r, 4, &[3]).scored(rule);
+        let result = case.attention(&mut backend(), &k, &k, &[(0, 2)], &q, shape);
+        assert_eq!(result.is_ok(), fine, "{rule:?}: {result:?}");
+    }
 }
 
 #[test]
@@ -290,20 +360,39 @@ fn argmax_takes_the_first_of_equal_maxima_in_each_row() {
 }
 
 #[test]
-fn swiglu_and_add() {
+fn gated_activations_add_scale_and_softcap() {
     let mut r = rng();
     let n = 37;
     let (g, u) = (randn(&mut r, n), randn(&mut r, n));
     let mut b = backend();
     let (gh, uh, out) = (upload(&mut b, &g), upload(&mut b, &u), poisoned(&mut b, n));
-    b.swiglu(gh, uh, out, n).unwrap();
-    let want: Vec<f32> = g.iter().zip(&u).map(|(g, u)| g / (1.0 + (-g).exp()) * u).collect();
-    assert_close(&read(&b, out, n), &want, 1e-6, "swiglu");
+    // In f64, from the definitions: SiLU, and PyTorch's `gelu(approximate="tanh")`.
+    let silu = |g: f64| g / (1.0 + (-g).exp());
+    let gelu = |g: f64| 0.5 * g * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (g + 0.044715 * g.powi(3))).tanh());
+    for (act, f) in [
+        (Activation::Silu, &silu as &dyn Fn(f64) -> f64),
+        (Activation::GeluTanh, &gelu),
+    ] {
+        b.glu(gh, uh, out, n, act).unwrap();
+        let want: Vec<f32> = g
+            .iter()
+            .zip(&u)
+            .map(|(&g, &u)| (f(g as f64) * u as f64) as f32)
+            .collect();
+        assert_close(&read(&b, out, n), &want, 1e-6, &format!("{act:?}"));
+    }
     b.add(gh, uh, n).unwrap();
-    let want: Vec<f32> = g.iter().zip(&u).map(|(g, u)| g + u).collect();
-    assert_eq!(read(&b, gh, n), want);
+    let summed: Vec<f32> = g.iter().zip(&u).map(|(g, u)| g + u).collect();
+    assert_eq!(read(&b, gh, n), summed);
+    b.scale(gh, 2.5, n).unwrap();
+    let scaled: Vec<f32> = summed.iter().map(|v| v * 2.5).collect();
+    assert_eq!(read(&b, gh, n), scaled);
+    b.softcap(gh, 1.5, n).unwrap();
+    let capped: Vec<f32> = scaled.iter().map(|&v| (1.5 * (v as f64 / 1.5).tanh()) as f32).collect();
+    assert_close(&read(&b, gh, n), &capped, 1e-6, "softcap");
+    assert!(read(&b, gh, n).iter().all(|v| v.abs() < 1.5));
     // In-place use of one block as input and output is refused rather than aliased.
-    assert!(b.swiglu(gh, uh, gh, n).is_err());
+    assert!(b.glu(gh, uh, gh, n, Activation::Silu).is_err());
 }
 
 #[test]
@@ -422,12 +511,24 @@ fn fast_attention_over_f32_and_f16_caches_matches_the_matrix_form() {
 }
 
 #[test]
+fn fast_attention_scores_match_the_reference() {
+    // The GPU suite's score cases, the fast kernels standing for the backend under test.
+    for isa in Isa::available() {
+        common::gpu::attention_scores(
+            |kv_type| CpuBackend::with_kernels(2, CpuKernels::Fast(isa)).with_kv_type(kv_type),
+            |_, _, _| 1e-5,
+        );
+    }
+}
+
+#[test]
 fn rope_frequency_scaling_follows_transformers() {
     let rope = |scaling| Rope {
         layout: RopeLayout::Halves,
         theta: 500000.0,
         dims: 128,
         scaling,
+        scale: 1.0,
     };
     let base = rope(RopeScaling::None).inverse_frequencies();
     assert_eq!(base.len(), 64);

@@ -270,3 +270,135 @@ fn missing_file_is_an_io_error() {
     assert!(matches!(e, GgufError::Io { .. }));
     assert!(e.to_string().contains("/nonexistent/model.gguf"));
 }
+
+/// The config of a GGUF file holding only a small `arch` model's metadata, `extra` keys and
+/// `tensors` (F32 vectors).
+fn config_of(
+    arch: &str,
+    extra: &[(&str, Value)],
+    tensors: &[(&str, &[f32])],
+) -> axiom::Result<axiom::model::ModelConfig> {
+    let mut w = axiom::format::gguf_writer::GgufWriter::default();
+    w.set("general.architecture", Value::String(arch.into()));
+    for (key, value) in [
+        ("block_count", 2u32),
+        ("context_length", 256),
+        ("embedding_length", 64),
+        ("feed_forward_length", 128),
+        ("attention.head_count", 4),
+        ("vocab_size", 1000),
+    ] {
+        w.set(&format!("{arch}.{key}"), Value::U32(value));
+    }
+    for (key, value) in extra {
+        w.set(&format!("{arch}.{key}"), value.clone());
+    }
+    for (name, values) in tensors {
+        let bytes = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        w.tensor(name, GgmlType::F32, &[values.len()], bytes).unwrap();
+    }
+    let path = std::env::temp_dir().join(format!("axiom-rope-{}-{arch}.gguf", std::process::id()));
+    w.write(&path).unwrap();
+    let config = axiom::model::ModelConfig::from_gguf(&GgufFile::open(&path).unwrap());
+    std::fs::remove_file(path).unwrap();
+    config
+}
+
+#[test]
+fn rope_scaling_keys_read_as_llama_cpp_writes_them() {
+    use axiom::backend::RopeScaling;
+    let yarn = [
+        ("rope.scaling.type", Value::String("yarn".into())),
+        ("rope.scaling.factor", Value::F32(4.0)),
+        ("rope.scaling.original_context_length", Value::U32(64)),
+    ];
+    let c = config_of("qwen2", &yarn, &[]).unwrap();
+    assert!(matches!(
+        c.rope.scaling,
+        RopeScaling::Yarn {
+            factor: 4.0,
+            original_context: 64,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            truncate: true
+        }
+    ));
+    // llama.cpp's attention factor is YaRN's own `0.1 ln(s) + 1`, times `attn_factor` if given.
+    assert!(
+        (c.rope.scale - (1.0 + 0.1 * 4f32.ln())).abs() < 1e-6,
+        "{}",
+        c.rope.scale
+    );
+    let with = |extra: (&str, Value)| config_of("qwen2", &[yarn.clone().as_slice(), &[extra]].concat(), &[]);
+    let c = with(("rope.scaling.attn_factor", Value::F32(0.5))).unwrap();
+    assert!((c.rope.scale - 0.5 * (1.0 + 0.1 * 4f32.ln())).abs() < 1e-6);
+    let err = with(("rope.scaling.yarn_log_multiplier", Value::F32(0.1)))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("yarn_log_multiplier"), "{err}");
+
+    // Phi-3's LongRoPE: both factor lists as tensors, the long ones past the original context.
+    let (short, long) = ([1.0f32, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 4.5], [2.0f32; 8]);
+    let phi3 = [("rope.scaling.original_context_length", Value::U32(32))];
+    let c = config_of(
+        "phi3",
+        &phi3,
+        &[
+            ("rope_factors_short.weight", &short),
+            ("rope_factors_long.weight", &long),
+        ],
+    )
+    .unwrap();
+    assert!(matches!(c.rope.scaling, RopeScaling::LongRope { original_context: 32 }));
+    // Without `attn_factor`, transformers' `sqrt(1 + ln(256 / 32) / ln(32))`.
+    assert!((c.rope.scale - (1.0 + 8f32.ln() / 32f32.ln()).sqrt()).abs() < 1e-6);
+    let base = c.rope.inverse_frequencies();
+    for (longest, factors) in [(32, &short), (33, &long)] {
+        let freqs = c.rope_frequencies(longest);
+        assert!(freqs
+            .iter()
+            .zip(&base)
+            .zip(factors)
+            .all(|((f, b), d)| (f * d - b).abs() <= 1e-6 * b));
+    }
+    let err = config_of("phi3", &phi3, &[("rope_factors_short.weight", &short)])
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("rope_factors_long"), "{err}");
+}
+
+#[test]
+fn sliding_windows_are_read_as_llama_cpp_writes_them() {
+    // Phi-3's window (llama.cpp writes Phi-3-mini-4k's) covers every layer.
+    let c = config_of("phi3", &[("attention.sliding_window", Value::U32(200))], &[]).unwrap();
+    let s = c.sliding.unwrap();
+    assert_eq!((s.window, s.layers, s.rope), (200, vec![true, true], None));
+    // Gemma 3's local layers are five of six, with a rope base of their own.
+    let c = config_of("gemma3", &[("attention.sliding_window", Value::U32(16))], &[]).unwrap();
+    let s = c.sliding.unwrap();
+    assert_eq!(s.layers, vec![true, true]);
+    assert_eq!(s.rope.map(|r| r.theta), Some(10000.0));
+    // An explicit pattern must give one boolean a layer.
+    let pattern = |flags: &[bool]| Value::Array(flags.iter().map(|&b| Value::Bool(b)).collect());
+    let c = config_of(
+        "qwen2",
+        &[
+            ("attention.sliding_window", Value::U32(16)),
+            ("attention.sliding_window_pattern", pattern(&[false, true])),
+        ],
+        &[],
+    )
+    .unwrap();
+    assert_eq!(c.sliding.unwrap().layers, vec![false, true]);
+    let err = config_of(
+        "qwen2",
+        &[
+            ("attention.sliding_window", Value::U32(16)),
+            ("attention.sliding_window_pattern", pattern(&[true])),
+        ],
+        &[],
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("one boolean per layer"), "{err}");
+}

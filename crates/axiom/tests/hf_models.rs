@@ -33,6 +33,32 @@ fn every_architecture_matches_transformers_in_f32() {
 }
 
 #[test]
+fn sequences_longer_than_the_cache_run_behind_an_every_layer_window() {
+    // mistral_window slides a window of 4 over every layer: a cache of three pages holds any
+    // length, and gives what a roomy one gives.
+    let greedy = |kv_tokens: usize| {
+        let options = LoadOptions {
+            max_batch: 64,
+            kv_tokens,
+            max_seqs: 1,
+        };
+        let mut s = Session::load(&fixture("mistral_window"), CpuBackend::reference(1), options).unwrap();
+        let mut kv = s.model.new_kv_cache(240);
+        let mut tokens = s.raw_prompt("The license applies").unwrap();
+        let mut next = tokens.clone();
+        while tokens.len() < 240 {
+            let logits = s.forward_last(&next, &mut kv).unwrap();
+            let best = axiom::backend::cpu::kernels::argmax::argmax(logits);
+            tokens.push(best);
+            next = vec![best];
+        }
+        assert!(s.pages.usage().used <= 3, "{:?}", s.pages.usage());
+        tokens
+    };
+    assert_eq!(greedy(48), greedy(512));
+}
+
+#[test]
 fn greedy_decode_matches_host_argmax() {
     common::gpu::greedy_decode_matches_host_argmax(CpuBackend::new(2));
 }
@@ -53,12 +79,18 @@ fn configs_that_change_the_math_are_refused() {
     assert!(with("model_type", "gpt_neox".into()).contains("gpt_neox"));
     assert!(with("hidden_act", "gelu".into()).contains("gelu"));
     assert!(with("mlp_bias", true.into()).contains("mlp_bias"));
+    // Dynamic NTK rescales by each forward pass's length, which cached keys cannot follow.
     assert!(with(
         "rope_parameters",
-        serde_json::json!({"rope_type": "yarn", "factor": 4.0})
+        serde_json::json!({"rope_type": "dynamic", "factor": 4.0})
     )
-    .contains("yarn"));
+    .contains("dynamic"));
+    assert!(with("rope_parameters", serde_json::json!({"rope_type": "longrope"})).contains("short_factor"));
+    // Only Phi-3 rotates part of each head.
+    assert!(with("partial_rotary_factor", 0.5.into()).contains("partial_rotary_factor"));
     assert!(with("num_key_value_heads", 3.into()).contains("grouped"));
+    assert!(with("use_bidirectional_attention", true.into()).contains("use_bidirectional_attention"));
+    assert!(with("model_type", "gemma3".into()).contains("vision"));
     assert!(ModelConfig::from_hf(&base).is_ok());
 }
 

@@ -29,13 +29,18 @@ fn matmul_every_type_and_token_count_matches_the_cpu_reference() {
 }
 
 #[test]
-fn embed_rms_norm_rope_swiglu_add_match_the_cpu_reference() {
-    gpu::embed_rms_norm_rope_swiglu_add_argmax(|| metal(KvType::F16));
+fn embed_rms_norm_rope_glu_add_scale_softcap_match_the_cpu_reference() {
+    gpu::embed_rms_norm_rope_glu_add_scale_softcap_argmax(|| metal(KvType::F16));
 }
 
 #[test]
 fn paged_kv_write_and_attention_match_the_cpu_reference() {
     gpu::paged_kv_write_and_attention(metal, |_, _| 1e-5);
+}
+
+#[test]
+fn attention_scores_match_the_cpu_reference() {
+    gpu::attention_scores(metal, |_, _, _| 1e-5);
 }
 
 #[test]

@@ -8,7 +8,7 @@ using msl_cpu::launch;
 using msl_cpu::Thread;
 
 // GGUF type ids, as in format/quant.rs.
-#define WEIGHT_TYPES(X) X(0, f32) X(1, f16) X(30, bf16) X(8, q8_0) X(2, q4_0) X(3, q4_1) X(12, q4_k) X(14, q6_k)
+#define WEIGHT_TYPES(X) X(0, f32) X(1, f16) X(30, bf16) X(8, q8_0) X(2, q4_0) X(3, q4_1) X(6, q5_0) X(12, q4_k) X(14, q6_k)
 
 extern "C" int msl_matmul(uint ty, const uchar* w, const float* x, float* out, uint n_in, uint n_out, uint n_tokens,
                           uint accumulate, uint simds_per_group) {
@@ -63,9 +63,10 @@ extern "C" void msl_rms_norm(const float* x, const float* w, float* out, uint di
 }
 
 extern "C" void msl_rope(float* x, const uint* positions, const float* freqs, uint n_tokens, uint n_heads,
-                         uint head_dim, uint dims, uint halves, uint threads) {
+                         uint head_dim, uint dims, uint halves, float scale, uint threads) {
     launch({n_tokens, n_heads, 1}, {threads, 1, 1}, [&](const Thread& t) {
-        rope(x, positions, freqs, n_heads, head_dim, dims, halves, {t.group.x, t.group.y}, t.index, {t.threads, 1});
+        rope(x, positions, freqs, n_heads, head_dim, dims, halves, scale, {t.group.x, t.group.y}, t.index,
+             {t.threads, 1});
     });
 }
 
@@ -76,6 +77,13 @@ struct Paged {
     uint table_width;
     const uint* token_seqs;
     uint page_size;
+};
+
+// How attention weighs what a token sees (axiom's `Scores`): cap 0, window 0 for none.
+struct Rule {
+    float scale;
+    float softcap;
+    uint window;
 };
 
 extern "C" void msl_kv_write(uint f16, const float* k, const float* v, void* k_cache, void* v_cache, Paged p,
@@ -92,47 +100,49 @@ extern "C" void msl_kv_write(uint f16, const float* k, const float* v, void* k_c
 
 extern "C" void msl_rope_kv_write(uint f16, float* q, float* k, const float* v, void* k_cache, void* v_cache,
                                   const float* freqs, Paged p, uint n_tokens, uint n_heads, uint n_kv_heads,
-                                  uint head_dim, uint dims, uint halves, uint threads) {
+                                  uint head_dim, uint dims, uint halves, float scale, uint threads) {
     launch({n_tokens, n_heads + n_kv_heads, 1}, {threads, 1, 1}, [&](const Thread& t) {
         uint2 group = {t.group.x, t.group.y};
         if (f16)
             rope_kv_write_f16(q, k, v, (half*)k_cache, (half*)v_cache, p.positions, freqs, p.tables, p.table_width,
-                              p.token_seqs, p.page_size, n_heads, n_kv_heads, head_dim, dims, halves, group, t.index,
-                              {t.threads, 1});
+                              p.token_seqs, p.page_size, n_heads, n_kv_heads, head_dim, dims, halves, scale, group,
+                              t.index, {t.threads, 1});
         else
             rope_kv_write_f32(q, k, v, (float*)k_cache, (float*)v_cache, p.positions, freqs, p.tables, p.table_width,
-                              p.token_seqs, p.page_size, n_heads, n_kv_heads, head_dim, dims, halves, group, t.index,
-                              {t.threads, 1});
+                              p.token_seqs, p.page_size, n_heads, n_kv_heads, head_dim, dims, halves, scale, group,
+                              t.index, {t.threads, 1});
     });
 }
 
 extern "C" void msl_attention(uint f16, const float* q, const void* k_cache, const void* v_cache, Paged p, float* out,
-                              uint n_tokens, uint n_heads, uint n_kv_heads, uint head_dim, uint simds_per_group) {
+                              uint n_tokens, uint n_heads, uint n_kv_heads, uint head_dim, Rule r,
+                              uint simds_per_group) {
     launch({n_tokens, n_heads, 1}, {simds_per_group * msl_cpu::SIMD_WIDTH, 1, 1}, [&](const Thread& t) {
         uint2 group = {t.group.x, t.group.y};
         if (f16)
             attention_f16(q, (const half*)k_cache, (const half*)v_cache, p.positions, p.tables, p.table_width,
-                          p.token_seqs, p.page_size, out, n_heads, n_kv_heads, head_dim, group, t.index, {t.threads, 1},
-                          t.simd, t.simds, t.lane, t.lanes);
+                          p.token_seqs, p.page_size, out, n_heads, n_kv_heads, head_dim, r.scale, r.softcap, r.window,
+                          group, t.index, {t.threads, 1}, t.simd, t.simds, t.lane, t.lanes);
         else
             attention_f32(q, (const float*)k_cache, (const float*)v_cache, p.positions, p.tables, p.table_width,
-                          p.token_seqs, p.page_size, out, n_heads, n_kv_heads, head_dim, group, t.index, {t.threads, 1},
-                          t.simd, t.simds, t.lane, t.lanes);
+                          p.token_seqs, p.page_size, out, n_heads, n_kv_heads, head_dim, r.scale, r.softcap, r.window,
+                          group, t.index, {t.threads, 1}, t.simd, t.simds, t.lane, t.lanes);
     });
 }
 
 extern "C" void msl_attention_qk(uint f16, const float* q, const void* k_cache, Paged p, float* scores, uint n_tokens,
-                                 uint n_heads, uint n_kv_heads, uint head_dim, uint n_ctx, uint threads) {
+                                 uint n_heads, uint n_kv_heads, uint head_dim, uint n_ctx, Rule r, uint threads) {
     // One thread per score; `threads` wide groups along the positions.
     uint3 groups = {(n_ctx + threads - 1) / threads, n_tokens * n_heads, 1};
     launch(groups, {threads, 1, 1}, [&](const Thread& t) {
         uint2 at = {t.grid.x, t.grid.y};
         if (f16)
             attention_qk_f16(q, (const half*)k_cache, p.positions, p.tables, p.table_width, p.token_seqs, p.page_size,
-                             scores, n_tokens, n_heads, n_kv_heads, head_dim, n_ctx, at);
+                             scores, n_tokens, n_heads, n_kv_heads, head_dim, n_ctx, r.scale, r.softcap, r.window, at);
         else
             attention_qk_f32(q, (const float*)k_cache, p.positions, p.tables, p.table_width, p.token_seqs,
-                             p.page_size, scores, n_tokens, n_heads, n_kv_heads, head_dim, n_ctx, at);
+                             p.page_size, scores, n_tokens, n_heads, n_kv_heads, head_dim, n_ctx, r.scale, r.softcap,
+                             r.window, at);
     });
 }
 
@@ -149,9 +159,19 @@ extern "C" void msl_attention_pv(uint f16, const float* scores, const void* v_ca
     });
 }
 
-extern "C" void msl_swiglu(const float* gate, const float* up, float* out, uint n, uint threads) {
+extern "C" void msl_glu(const float* gate, const float* up, float* out, uint n, uint act, uint threads) {
     launch({(n + threads - 1) / threads, 1, 1}, {threads, 1, 1},
-           [&](const Thread& t) { swiglu(gate, up, out, n, t.grid.x); });
+           [&](const Thread& t) { glu(gate, up, out, n, act, t.grid.x); });
+}
+
+extern "C" void msl_scale(float* x, uint n, float factor, uint threads) {
+    launch({(n + threads - 1) / threads, 1, 1}, {threads, 1, 1},
+           [&](const Thread& t) { scale(x, n, factor, t.grid.x); });
+}
+
+extern "C" void msl_softcap(float* x, uint n, float cap, uint threads) {
+    launch({(n + threads - 1) / threads, 1, 1}, {threads, 1, 1},
+           [&](const Thread& t) { softcap(x, n, cap, t.grid.x); });
 }
 
 extern "C" void msl_add(float* x, const float* y, uint n, uint threads) {

@@ -24,6 +24,17 @@ pub struct Pages<'a> {
     pub page_size: u32,
 }
 
+/// How attention weighs what a token sees (axiom's `Scores`): scores `scale * q.k`, capped to
+/// `softcap * tanh(s / softcap)` unless `softcap` is 0, over the last `window` positions up to
+/// the token's own (all of them where `window` is 0).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct Rule {
+    pub scale: f32,
+    pub softcap: f32,
+    pub window: u32,
+}
+
 #[repr(C)]
 struct Paged {
     positions: *const u32,
@@ -120,6 +131,7 @@ unsafe extern "C" {
         head_dim: u32,
         dims: u32,
         halves: u32,
+        scale: f32,
         threads: u32,
     );
     fn msl_rope(
@@ -131,6 +143,7 @@ unsafe extern "C" {
         head_dim: u32,
         dims: u32,
         halves: u32,
+        scale: f32,
         threads: u32,
     );
     fn msl_kv_write(
@@ -155,6 +168,7 @@ unsafe extern "C" {
         n_heads: u32,
         n_kv_heads: u32,
         head_dim: u32,
+        rule: Rule,
         simds: u32,
     );
     fn msl_attention_qk(
@@ -168,6 +182,7 @@ unsafe extern "C" {
         n_kv_heads: u32,
         head_dim: u32,
         n_ctx: u32,
+        rule: Rule,
         threads: u32,
     );
     fn msl_attention_pv(
@@ -183,7 +198,9 @@ unsafe extern "C" {
         n_ctx: u32,
         threads: u32,
     );
-    fn msl_swiglu(gate: *const f32, up: *const f32, out: *mut f32, n: u32, threads: u32);
+    fn msl_glu(gate: *const f32, up: *const f32, out: *mut f32, n: u32, act: u32, threads: u32);
+    fn msl_scale(x: *mut f32, n: u32, factor: f32, threads: u32);
+    fn msl_softcap(x: *mut f32, n: u32, cap: f32, threads: u32);
     fn msl_add(x: *mut f32, y: *const f32, n: u32, threads: u32);
     fn msl_add_bias(x: *mut f32, bias: *const f32, n: u32, width: u32, threads: u32);
     fn msl_argmax(x: *const f32, out: *mut u32, width: u32, rows: u32, threads: u32);
@@ -287,7 +304,8 @@ pub fn rms_norm(x: &[f32], w: &[f32], out: &mut [f32], dim: usize, eps: f32, thr
     unsafe { msl_rms_norm(x.as_ptr(), w.as_ptr(), out.as_mut_ptr(), dim as u32, eps, rows, threads) }
 }
 
-/// `rope_kv_write_<f16|f32>`: RoPE on `q` and `k` in place, then `k` and `v` into the caches.
+/// `rope_kv_write_<f16|f32>`: RoPE on `q` and `k` in place (cosine and sine times `scale`), then
+/// `k` and `v` into the caches.
 #[allow(clippy::too_many_arguments)]
 pub fn rope_kv_write(
     q: &mut [f32],
@@ -300,6 +318,7 @@ pub fn rope_kv_write(
     heads: Heads,
     dims: usize,
     halves: bool,
+    scale: f32,
     threads: u32,
 ) {
     let kv_width = heads.n_kv_heads * heads.head_dim;
@@ -326,12 +345,14 @@ pub fn rope_kv_write(
             heads.head_dim as u32,
             dims as u32,
             halves as u32,
+            scale,
             threads,
         )
     }
 }
 
-/// `rope` on `[n_tokens, n_heads * head_dim]`; `halves` for the rotate-half pairing.
+/// `rope` on `[n_tokens, n_heads * head_dim]`; `halves` for the rotate-half pairing, cosine and
+/// sine times `scale`.
 #[allow(clippy::too_many_arguments)]
 pub fn rope(
     x: &mut [f32],
@@ -341,6 +362,7 @@ pub fn rope(
     head_dim: usize,
     dims: usize,
     halves: bool,
+    scale: f32,
     threads: u32,
 ) {
     let n_tokens = positions.len();
@@ -356,6 +378,7 @@ pub fn rope(
             head_dim as u32,
             dims as u32,
             halves as u32,
+            scale,
             threads,
         )
     }
@@ -394,6 +417,7 @@ pub fn kv_write(
 }
 
 /// The fused one-pass `attention_<f16|f32>`, `simds` simdgroups per (token, head).
+#[allow(clippy::too_many_arguments)]
 pub fn attention(
     q: &[f32],
     mut k_cache: Cache,
@@ -401,6 +425,7 @@ pub fn attention(
     pages: Pages,
     out: &mut [f32],
     heads: Heads,
+    rule: Rule,
     simds: u32,
 ) {
     let n_tokens = out.len() / (heads.n_heads * heads.head_dim);
@@ -421,12 +446,14 @@ pub fn attention(
             heads.n_heads as u32,
             heads.n_kv_heads as u32,
             heads.head_dim as u32,
+            rule,
             simds,
         )
     }
 }
 
 /// The two-pass attention's first pass, `attention_qk_<f16|f32>`: scores `[n_tokens * n_heads, n_ctx]`.
+#[allow(clippy::too_many_arguments)]
 pub fn attention_qk(
     q: &[f32],
     mut k_cache: Cache,
@@ -434,6 +461,7 @@ pub fn attention_qk(
     scores: &mut [f32],
     heads: Heads,
     n_ctx: usize,
+    rule: Rule,
     threads: u32,
 ) {
     let n_tokens = q.len() / (heads.n_heads * heads.head_dim);
@@ -454,6 +482,7 @@ pub fn attention_qk(
             heads.n_kv_heads as u32,
             heads.head_dim as u32,
             n_ctx as u32,
+            rule,
             threads,
         )
     }
@@ -493,10 +522,30 @@ pub fn attention_pv(
     }
 }
 
-pub fn swiglu(gate: &[f32], up: &[f32], out: &mut [f32], threads: u32) {
+/// `glu`: `out = act(gate) * up`, `act` as axiom's `Activation::code`.
+pub fn glu(gate: &[f32], up: &[f32], out: &mut [f32], act: u32, threads: u32) {
     assert!(gate.len() == out.len() && up.len() == out.len());
     // SAFETY: three slices of one length.
-    unsafe { msl_swiglu(gate.as_ptr(), up.as_ptr(), out.as_mut_ptr(), out.len() as u32, threads) }
+    unsafe {
+        msl_glu(
+            gate.as_ptr(),
+            up.as_ptr(),
+            out.as_mut_ptr(),
+            out.len() as u32,
+            act,
+            threads,
+        )
+    }
+}
+
+pub fn scale(x: &mut [f32], factor: f32, threads: u32) {
+    // SAFETY: one slice, its length passed.
+    unsafe { msl_scale(x.as_mut_ptr(), x.len() as u32, factor, threads) }
+}
+
+pub fn softcap(x: &mut [f32], cap: f32, threads: u32) {
+    // SAFETY: one slice, its length passed.
+    unsafe { msl_softcap(x.as_mut_ptr(), x.len() as u32, cap, threads) }
 }
 
 pub fn add(x: &mut [f32], y: &[f32], threads: u32) {

@@ -1,7 +1,8 @@
 //! Every Metal kernel, run on the CPU through the MSL shim, against axiom's CPU reference on
 //! random inputs at awkward sizes: head_dim 48, 35 positions, 9 heads over 3 KV heads, rows that
 //! are not a multiple of the threadgroup, threadgroups of 1 to 4 simdgroups. Outputs start as
-//! NaN, so an element a kernel never writes fails; masked scores must be exactly -inf.
+//! NaN, so an element a kernel never writes fails; masked scores must be exactly -inf. Attention
+//! runs causal and under every score rule of the engine's tests (windows, a soft cap, a scale).
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
@@ -13,12 +14,12 @@
 mod common;
 
 use axiom::backend::cpu::kernels::{self as reference, paged::PageMap};
-use axiom::backend::{AttentionShape, RopeLayout};
+use axiom::backend::{Activation, AttentionShape, Rope, RopeLayout, RopeScaling, Scores};
 use axiom::format::quant::GgmlType;
 use common::gpu::{randn, rel_l2, WEIGHT_TYPES};
-use common::{paged_queries, random_weight_bytes, PagedCase, PAGED_LENS};
+use common::{paged_queries, random_weight_bytes, score_rules, PagedCase, PAGED_LENS};
 use half::f16;
-use metal_on_cpu::{Cache, Heads, Pages};
+use metal_on_cpu::{Cache, Heads, Pages, Rule};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
@@ -168,23 +169,43 @@ fn rms_norm_matches_the_reference() {
     }
 }
 
+/// Rope settings of `dims` rotated dimensions, cosine and sine times `scale`.
+fn rope_of(layout: RopeLayout, dims: usize, scale: f32) -> Rope {
+    Rope {
+        layout,
+        theta: 10000.0,
+        dims,
+        scaling: RopeScaling::None,
+        scale,
+    }
+}
+
 #[test]
 fn rope_matches_the_reference_in_both_layouts() {
     let mut rng = rng();
     let (n_heads, head_dim) = (9, 48);
     let positions = [0u32, 1, 17, 34, 200];
     for (layout, halves) in [(RopeLayout::Adjacent, false), (RopeLayout::Halves, true)] {
-        for dims in [48, 32] {
-            let freqs: Vec<f32> = (0..dims / 2)
-                .map(|i| 10000f32.powf(-2.0 * i as f32 / dims as f32))
-                .collect();
+        // Every dimension or part of them (partial rotary), with and without an attention factor.
+        for (dims, scale) in [(48, 1.0), (32, 1.0), (36, 1.27)] {
+            let freqs = rope_of(layout, dims, scale).inverse_frequencies();
             let x = randn(&mut rng, positions.len() * n_heads * head_dim);
             let mut want = x.clone();
-            reference::rope::rope(&mut want, &positions, &freqs, n_heads, head_dim, layout);
+            reference::rope::rope(
+                &mut want,
+                &positions,
+                &freqs,
+                n_heads,
+                head_dim,
+                rope_of(layout, dims, scale),
+            );
             let mut got = x.clone();
-            metal_on_cpu::rope(&mut got, &positions, &freqs, n_heads, head_dim, dims, halves, 16);
+            metal_on_cpu::rope(&mut got, &positions, &freqs, n_heads, head_dim, dims, halves, scale, 16);
             let err = rel_l2(&got, &want);
-            assert!(err < 1e-6, "{layout:?}, {dims} dims: relative error {err}");
+            assert!(
+                err < 1e-6,
+                "{layout:?}, {dims} dims, scale {scale}: relative error {err}"
+            );
             let untouched = |v: &[f32]| -> Vec<f32> { v.chunks(head_dim).flat_map(|h| h[dims..].to_vec()).collect() };
             assert_eq!(untouched(&got), untouched(&x), "dimensions past `dims` are not rotated");
         }
@@ -196,11 +217,23 @@ fn elementwise_ops_match_the_reference() {
     let mut rng = rng();
     let n = 1000; // not a multiple of the 64-thread groups
     let (a, b) = (randn(&mut rng, n), randn(&mut rng, n));
-    let mut want = vec![0f32; n];
-    reference::swiglu::swiglu(&a, &b, &mut want);
-    let mut got = vec![f32::NAN; n];
-    metal_on_cpu::swiglu(&a, &b, &mut got, 64);
-    assert!(rel_l2(&got, &want) < 1e-6);
+    for act in [Activation::Silu, Activation::GeluTanh] {
+        let mut want = vec![0f32; n];
+        reference::glu::glu(&a, &b, &mut want, act);
+        let mut got = vec![f32::NAN; n];
+        metal_on_cpu::glu(&a, &b, &mut got, act.code(), 64);
+        assert!(rel_l2(&got, &want) < 1e-6, "{act:?}");
+    }
+
+    let (mut want, mut got) = (a.clone(), a.clone());
+    reference::scale::scale(&mut want, 2.5);
+    metal_on_cpu::scale(&mut got, 2.5, 64);
+    assert_eq!(got, want);
+    // A cap below some of the values (up to 1).
+    let (mut want, mut got) = (a.clone(), a.clone());
+    reference::scale::softcap(&mut want, 0.6);
+    metal_on_cpu::softcap(&mut got, 0.6, 64);
+    assert!(rel_l2(&got, &want) < 1e-6, "softcap");
 
     let (mut want, mut got) = (a.clone(), a.clone());
     reference::add::add(&mut want, &b);
@@ -305,8 +338,8 @@ impl Paged {
         }
     }
 
-    /// The reference: f32 caches filled by the CPU kv_write, then CPU attention.
-    fn reference(&self) -> Vec<f32> {
+    /// The reference: f32 caches filled by the CPU kv_write, then CPU attention under `rule`.
+    fn reference(&self, rule: Scores) -> Vec<f32> {
         let width = self.case.table_width();
         let (mut kc, mut vc) = (vec![f32::NAN; self.cache_len()], vec![f32::NAN; self.cache_len()]);
         let n_pages = self.case.n_pages;
@@ -315,7 +348,7 @@ impl Paged {
         reference::kv_write::kv_write(&self.k, &self.v, &mut kc, &mut vc, &self.k_positions, &write, kv_width);
         let read = PageMap::new(&self.tables, width, &self.token_seqs, 4, &self.positions, n_pages).unwrap();
         let mut out = vec![0f32; self.q.len()];
-        reference::attention::attention(&self.q, &kc, &vc, &self.positions, &read, &mut out, self.shape);
+        reference::attention::attention(&self.q, &kc, &vc, &self.positions, &read, &mut out, self.shape, rule);
         out
     }
 
@@ -357,16 +390,23 @@ fn rope_kv_write_matches_rope_then_kv_write() {
     let mut rng = rng();
     let case = Paged::new(&mut rng);
     let (heads, n) = (case.heads(), case.k_positions.len());
-    let dims = heads.head_dim;
-    let freqs: Vec<f32> = (0..dims / 2)
-        .map(|i| 10000f32.powf(-2.0 * i as f32 / dims as f32))
-        .collect();
+    let head_dim = heads.head_dim;
     let q = randn(&mut rng, n * case.shape.q_width());
-    for (layout, halves) in [(RopeLayout::Adjacent, false), (RopeLayout::Halves, true)] {
+    // Every dimension rotated, and part of them with an attention factor (YaRN's, LongRoPE's).
+    let settings = [
+        (RopeLayout::Adjacent, head_dim, 1.0),
+        (RopeLayout::Halves, head_dim, 1.0),
+        (RopeLayout::Halves, head_dim * 3 / 4, 1.19),
+        (RopeLayout::Adjacent, head_dim / 2, 0.93),
+    ];
+    for (layout, dims, scale) in settings {
+        let halves = layout == RopeLayout::Halves;
+        let rope = rope_of(layout, dims, scale);
+        let freqs = rope.inverse_frequencies();
         // The reference: rope on Q and K, then kv_write into f32 caches.
         let (mut want_q, mut want_k) = (q.clone(), case.k.clone());
-        reference::rope::rope(&mut want_q, &case.k_positions, &freqs, heads.n_heads, dims, layout);
-        reference::rope::rope(&mut want_k, &case.k_positions, &freqs, heads.n_kv_heads, dims, layout);
+        reference::rope::rope(&mut want_q, &case.k_positions, &freqs, heads.n_heads, head_dim, rope);
+        reference::rope::rope(&mut want_k, &case.k_positions, &freqs, heads.n_kv_heads, head_dim, rope);
         let (mut want_kc, mut want_vc) = (vec![f32::NAN; case.cache_len()], vec![f32::NAN; case.cache_len()]);
         let map = PageMap::new(
             &case.tables,
@@ -403,9 +443,12 @@ fn rope_kv_write_matches_rope_then_kv_write() {
                 cache(f16_cache, &mut v32, &mut v16),
             );
             metal_on_cpu::rope_kv_write(
-                &mut got_q, &mut got_k, &case.v, kc, vc, &freqs, pages, heads, dims, halves, 32,
+                &mut got_q, &mut got_k, &case.v, kc, vc, &freqs, pages, heads, dims, halves, scale, 32,
             );
-            assert!(rel_l2(&got_q, &want_q) < 1e-6, "{layout:?}: rotated queries");
+            assert!(
+                rel_l2(&got_q, &want_q) < 1e-6,
+                "{layout:?}, {dims} dims: rotated queries"
+            );
             let widen = |c: &[u16]| -> Vec<f32> { c.iter().map(|&b| f16::from_bits(b).to_f32()).collect() };
             let (got_kc, got_vc) = if f16_cache {
                 (widen(&k16), widen(&v16))
@@ -424,7 +467,7 @@ fn rope_kv_write_matches_rope_then_kv_write() {
                 let err = rel_l2(&pick(got), &pick(want));
                 assert!(
                     err < tolerance(f16_cache),
-                    "{layout:?}, f16 cache {f16_cache}: {what} relative error {err}"
+                    "{layout:?}, {dims} dims, f16 cache {f16_cache}: {what} relative error {err}"
                 );
             }
         }
@@ -440,62 +483,105 @@ fn tolerance(f16_cache: bool) -> f64 {
     }
 }
 
+/// Causal attention, then every rule of `score_rules`.
+fn rules(head_dim: usize) -> Vec<Scores> {
+    std::iter::once(Scores::causal(head_dim))
+        .chain(score_rules(head_dim))
+        .collect()
+}
+
+/// Every threadgroup size of `sizes` for causal attention, the middle one for the other rules
+/// (one OS thread a GPU thread makes each run slow).
+fn sizes_for(rule: Scores, head_dim: usize, sizes: [u32; 3]) -> Vec<u32> {
+    if rule == Scores::causal(head_dim) {
+        sizes.to_vec()
+    } else {
+        vec![sizes[1]]
+    }
+}
+
+/// A rule as the kernels take it.
+fn kernel_rule(rule: Scores) -> Rule {
+    let args = rule.kernel_args().unwrap();
+    Rule {
+        scale: args.scale,
+        softcap: args.softcap,
+        window: args.window as u32,
+    }
+}
+
 #[test]
 fn kv_write_then_fused_attention_match_the_reference() {
     let mut rng = rng();
     let case = Paged::new(&mut rng);
-    let want = case.reference();
-    for f16_cache in [false, true] {
+    for (rule, f16_cache) in rules(case.shape.head_dim)
+        .into_iter()
+        .flat_map(|r| [(r, false), (r, true)])
+    {
+        let want = case.reference(rule);
         let (mut k32, mut v32, mut k16, mut v16) = case.caches(f16_cache);
-        for simds in [1, 3, 8] {
+        for simds in sizes_for(rule, case.shape.head_dim, [1, 3, 8]) {
             let mut got = vec![f32::NAN; want.len()];
             let pages = case.pages(&case.positions, &case.token_seqs);
             let (kc, vc) = (
                 cache(f16_cache, &mut k32, &mut k16),
                 cache(f16_cache, &mut v32, &mut v16),
             );
-            metal_on_cpu::attention(&case.q, kc, vc, pages, &mut got, case.heads(), simds);
+            metal_on_cpu::attention(&case.q, kc, vc, pages, &mut got, case.heads(), kernel_rule(rule), simds);
             let err = rel_l2(&got, &want);
             assert!(
                 err < tolerance(f16_cache),
-                "f16 cache {f16_cache}, {simds} simdgroups: relative error {err}"
+                "f16 cache {f16_cache}, {simds} simdgroups, {rule:?}: relative error {err}"
             );
         }
     }
 }
 
 #[test]
-fn attention_pair_masks_causally_and_matches_the_reference() {
+fn attention_pair_masks_causally_and_by_window_and_matches_the_reference() {
     let mut rng = rng();
     let case = Paged::new(&mut rng);
-    let want = case.reference();
     let n_ctx = 35; // the longest sequence
     let rows = case.positions.len() * case.shape.n_heads;
-    for f16_cache in [false, true] {
+    for (rule, f16_cache) in rules(case.shape.head_dim)
+        .into_iter()
+        .flat_map(|r| [(r, false), (r, true)])
+    {
+        let want = case.reference(rule);
         let (mut k32, mut v32, mut k16, mut v16) = case.caches(f16_cache);
         let mut scores = vec![f32::NAN; rows * n_ctx];
         let pages = case.pages(&case.positions, &case.token_seqs);
         let kc = cache(f16_cache, &mut k32, &mut k16);
-        metal_on_cpu::attention_qk(&case.q, kc, pages, &mut scores, case.heads(), n_ctx, 16);
+        metal_on_cpu::attention_qk(
+            &case.q,
+            kc,
+            pages,
+            &mut scores,
+            case.heads(),
+            n_ctx,
+            kernel_rule(rule),
+            16,
+        );
         for (row, s) in scores.chunks(n_ctx).enumerate() {
             let pos = case.positions[row / case.shape.n_heads] as usize;
+            let first = rule.first_visible(pos);
             assert!(
-                s[..=pos].iter().all(|v| v.is_finite()),
-                "row {row}: a visible score is missing"
+                s[first..=pos].iter().all(|v| v.is_finite()),
+                "row {row}, {rule:?}: a visible score is missing"
             );
             assert!(
-                s[pos + 1..].iter().all(|&v| v == f32::NEG_INFINITY),
-                "row {row}: scores beyond position {pos} must be exactly -inf"
+                s[..first].iter().chain(&s[pos + 1..]).all(|&v| v == f32::NEG_INFINITY),
+                "row {row}, {rule:?}: scores outside positions {first}..={pos} must be exactly -inf"
             );
         }
-        for threads in [32, 64, 128] {
+        for threads in sizes_for(rule, case.shape.head_dim, [32, 64, 128]) {
             let mut got = vec![f32::NAN; want.len()];
             let vc = cache(f16_cache, &mut v32, &mut v16);
             metal_on_cpu::attention_pv(&scores, vc, pages, &mut got, case.heads(), n_ctx, threads);
             let err = rel_l2(&got, &want);
             assert!(
                 err < tolerance(f16_cache),
-                "f16 cache {f16_cache}, {threads} threads: relative error {err}"
+                "f16 cache {f16_cache}, {threads} threads, {rule:?}: relative error {err}"
             );
         }
     }

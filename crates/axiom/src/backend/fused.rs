@@ -2,7 +2,7 @@
 //! [`Kernels`] primitives (the `*_in_steps` functions) that a backend replaces where it fuses
 //! them; and the small structs they take.
 
-use super::{AttentionKv, AttentionShape, BlockHandle, Input, Kernels, Matrix, Rope};
+use super::{Activation, AttentionKv, AttentionShape, BlockHandle, Input, Kernels, Matrix, Rope};
 use crate::Result;
 
 /// A step's new query, key and value rows as the Q, K and V products wrote them (before RoPE),
@@ -40,11 +40,12 @@ impl<W> Clone for Projection<'_, W> {
 }
 impl<W> Copy for Projection<'_, W> {}
 
-/// A feed-forward block's three matrices.
+/// A feed-forward block's three matrices and its gate's activation.
 pub struct FeedForward<'a, W> {
     pub gate: &'a W,
     pub up: &'a W,
     pub down: &'a W,
+    pub activation: Activation,
 }
 
 /// Scratch for a feed-forward block of `n_tokens`: `gate`, `up` and `hidden` hold rows of the
@@ -58,9 +59,9 @@ pub struct FeedForwardScratch {
 }
 
 impl FeedForwardScratch {
-    /// Where `gate_up_swiglu` writes: `hidden`, with `gate` and `up` as its scratch.
-    pub fn swiglu(&self) -> SwigluRows {
-        SwigluRows {
+    /// Where `gate_up_glu` writes: `hidden`, with `gate` and `up` as its scratch.
+    pub fn glu(&self) -> GluRows {
+        GluRows {
             gate: self.gate,
             up: self.up,
             out: self.hidden,
@@ -68,10 +69,10 @@ impl FeedForwardScratch {
     }
 }
 
-/// Where `gate_up_swiglu` writes `out`; `gate` and `up` hold the two products for a backend that
+/// Where `gate_up_glu` writes `out`; `gate` and `up` hold the two products for a backend that
 /// takes it in steps. All rows of the block's width.
 #[derive(Debug, Clone, Copy)]
-pub struct SwigluRows {
+pub struct GluRows {
     pub gate: BlockHandle,
     pub up: BlockHandle,
     pub out: BlockHandle,
@@ -117,19 +118,20 @@ pub fn attend_and_project_in_steps<B: Backend + ?Sized>(
     b.matmul_add(proj.attn, proj.wo, proj.residual, n_tokens)
 }
 
-/// `Backend::gate_up_swiglu` in two steps: `matmul_many` into the scratch, then `swiglu`.
-pub fn gate_up_swiglu_in_steps<B: Backend + ?Sized>(
+/// `Backend::gate_up_glu` in two steps: `matmul_many` into the scratch, then `glu`.
+pub fn gate_up_glu_in_steps<B: Backend + ?Sized>(
     b: &B,
     x: Input,
     [w_gate, w_up]: [&B::Weight; 2],
-    rows: SwigluRows,
+    rows: GluRows,
     n_tokens: usize,
+    act: Activation,
 ) -> Result<()> {
     b.matmul_many(x, &[w_gate, w_up], &[rows.gate, rows.up], n_tokens)?;
-    b.swiglu(rows.gate, rows.up, rows.out, n_tokens * w_gate.n_out())
+    b.glu(rows.gate, rows.up, rows.out, n_tokens * w_gate.n_out(), act)
 }
 
-/// `Backend::feed_forward` in two steps: `gate_up_swiglu` into `scratch.hidden`, then `matmul_add`.
+/// `Backend::feed_forward` in two steps: `gate_up_glu` into `scratch.hidden`, then `matmul_add`.
 pub fn feed_forward_in_steps<B: Backend + ?Sized>(
     b: &B,
     x: Input,
@@ -138,7 +140,7 @@ pub fn feed_forward_in_steps<B: Backend + ?Sized>(
     residual: BlockHandle,
     n_tokens: usize,
 ) -> Result<()> {
-    b.gate_up_swiglu(x, [ffn.gate, ffn.up], s.swiglu(), n_tokens)?;
+    b.gate_up_glu(x, [ffn.gate, ffn.up], s.glu(), n_tokens, ffn.activation)?;
     let residual = Residual {
         stream: residual,
         scratch: s.proj,
@@ -180,15 +182,22 @@ pub trait Backend: Kernels {
         self.matmul(x, w, residual.scratch, n_tokens)?;
         self.add(residual.stream, residual.scratch, n_tokens * w.n_out())
     }
-    /// The feed-forward block's first half, `rows.out = silu(x w_gate^T) * (x w_up^T)` for
-    /// `n_tokens` rows; the default is `gate_up_swiglu_in_steps`.
-    fn gate_up_swiglu(&self, x: Input, ws: [&Self::Weight; 2], rows: SwigluRows, n_tokens: usize) -> Result<()> {
-        gate_up_swiglu_in_steps(self, x, ws, rows, n_tokens)
+    /// The feed-forward block's first half, `rows.out = act(x w_gate^T) * (x w_up^T)` for
+    /// `n_tokens` rows; the default is `gate_up_glu_in_steps`.
+    fn gate_up_glu(
+        &self,
+        x: Input,
+        ws: [&Self::Weight; 2],
+        rows: GluRows,
+        n_tokens: usize,
+        act: Activation,
+    ) -> Result<()> {
+        gate_up_glu_in_steps(self, x, ws, rows, n_tokens, act)
     }
     /// The whole feed-forward block added to the residual stream: `residual += h w_down^T` with
-    /// `h = silu(x w_gate^T) * (x w_up^T)`, for `n_tokens` rows. A backend may keep `h` in a form
+    /// `h = act(x w_gate^T) * (x w_up^T)`, for `n_tokens` rows. A backend may keep `h` in a form
     /// of its own between the two halves; the default, `feed_forward_in_steps`, writes it to
-    /// `scratch.hidden` with `gate_up_swiglu` and then runs `matmul_add`.
+    /// `scratch.hidden` with `gate_up_glu` and then runs `matmul_add`.
     fn feed_forward(
         &self,
         x: Input,

@@ -2,7 +2,9 @@
 //! greedy-choice protocol, and the primitive ops, each checked against the CPU reference
 //! (tests/common/gpu.rs). The model-level ops built from them are [`super::Backend`]'s.
 
-use super::{AttentionKv, AttentionShape, BlockHandle, HostTensor, KvType, Matrix, NextInput, Rope, StepLayout};
+use super::{
+    Activation, AttentionKv, AttentionShape, BlockHandle, HostTensor, KvType, Matrix, NextInput, Rope, StepLayout,
+};
 use crate::Result;
 
 /// `Kernels`'s greedy-choice methods for a backend whose work is done when its calls return (the
@@ -158,8 +160,8 @@ pub trait Kernels {
     /// The plan of a step of `layout` for the ops of `shape` over the cache: called by the host
     /// once a step, after the step's inputs are written and outside any graph recording.
     fn plan_step(&self, layout: StepLayout, shape: AttentionShape) -> Result<Self::StepPlan>;
-    /// Causal grouped-query attention over the paged caches: token t attends to positions
-    /// `0..=positions[t]` of its own sequence.
+    /// Causal grouped-query attention over the paged caches: token t attends to the positions up
+    /// to `positions[t]` of its own sequence that `kv.scores` lets it see, weighed as it says.
     fn attention(
         &self,
         q: BlockHandle,
@@ -170,10 +172,14 @@ pub trait Kernels {
     ) -> Result<()>;
     /// `x[t] += bias` for `n_tokens` rows of `width`.
     fn add_bias(&self, x: BlockHandle, bias: BlockHandle, n_tokens: usize, width: usize) -> Result<()>;
-    /// `out = silu(gate) * up`, elementwise over `n` values.
-    fn swiglu(&self, gate: BlockHandle, up: BlockHandle, out: BlockHandle, n: usize) -> Result<()>;
+    /// `out = act(gate) * up`, elementwise over `n` values.
+    fn glu(&self, gate: BlockHandle, up: BlockHandle, out: BlockHandle, n: usize, act: Activation) -> Result<()>;
     /// `x += y`, elementwise over `n` values.
     fn add(&self, x: BlockHandle, y: BlockHandle, n: usize) -> Result<()>;
+    /// `x *= factor`, elementwise over `n` values (Gemma's scaled embeddings).
+    fn scale(&self, x: BlockHandle, factor: f32, n: usize) -> Result<()>;
+    /// `x = cap * tanh(x / cap)`, elementwise over `n` values (Gemma 2's capped logits).
+    fn softcap(&self, x: BlockHandle, cap: f32, n: usize) -> Result<()>;
     /// `out[r]` = the index of the largest value of row r of `x` (`n_rows` rows of `width`; the
     /// lowest index on ties, 0 where nothing is above -inf): greedy decoding without bringing
     /// the logits back.

@@ -21,8 +21,8 @@ pub mod metal;
 
 pub use arena::{Arena, ArenaError, BlockHandle};
 pub use fused::{
-    attend_and_project_in_steps, feed_forward_in_steps, gate_up_swiglu_in_steps, rope_attend_and_project_in_steps,
-    rope_kv_write_in_steps, Backend, FeedForward, FeedForwardScratch, NewRows, Projection, Residual, SwigluRows,
+    attend_and_project_in_steps, feed_forward_in_steps, gate_up_glu_in_steps, rope_attend_and_project_in_steps,
+    rope_kv_write_in_steps, Backend, FeedForward, FeedForwardScratch, GluRows, NewRows, Projection, Residual,
 };
 use kernels::choices_at_once;
 pub use kernels::Kernels;
@@ -44,9 +44,13 @@ pub enum RopeLayout {
 pub struct Rope {
     pub layout: RopeLayout,
     pub theta: f32,
-    /// Number of leading dimensions of each head that are rotated (usually all of them).
+    /// Number of leading dimensions of each head that are rotated (`partial_rotary_factor` of
+    /// the head, or all of it); the rest pass through unrotated.
     pub dims: usize,
     pub scaling: RopeScaling,
+    /// Factor on the cosine and sine (YaRN's and LongRoPE's attention factor, 1 otherwise): it
+    /// scales the rotated dimensions of Q and K only, as transformers applies it.
+    pub scale: f32,
 }
 
 /// How a model stretches its rotary frequencies beyond the context it was trained on.
@@ -64,17 +68,109 @@ pub enum RopeScaling {
         high_freq_factor: f32,
         original_context: usize,
     },
+    /// YaRN: frequencies that turn fewer than `beta_slow` times over the original context are
+    /// divided by `factor`, those turning more than `beta_fast` times kept, a linear ramp between
+    /// (its ends rounded outwards when `truncate`).
+    Yarn {
+        factor: f32,
+        original_context: usize,
+        beta_fast: f32,
+        beta_slow: f32,
+        truncate: bool,
+    },
+    /// LongRoPE (Phi-3): each pair's frequency divided by its own factor, the short list's when
+    /// every sequence fits `original_context`, the long list's otherwise; the lists live in
+    /// `ModelConfig::longrope`.
+    LongRope {
+        original_context: usize,
+    },
+}
+
+impl std::fmt::Display for RopeScaling {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match *self {
+            RopeScaling::None => write!(f, "none"),
+            RopeScaling::Linear { factor } => write!(f, "linear x{factor}"),
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_context,
+            } => write!(
+                f,
+                "llama3 x{factor} beyond {original_context} tokens (frequency factors {low_freq_factor}..{high_freq_factor})"
+            ),
+            RopeScaling::Yarn {
+                factor,
+                original_context,
+                beta_fast,
+                beta_slow,
+                truncate,
+            } => write!(
+                f,
+                "YaRN x{factor} beyond {original_context} tokens (beta {beta_fast}/{beta_slow}{})",
+                if truncate { "" } else { ", not truncated" }
+            ),
+            RopeScaling::LongRope { original_context } => write!(
+                f,
+                "LongRoPE (short factors while the context served fits {original_context} tokens, long beyond)"
+            ),
+        }
+    }
+}
+
+impl std::fmt::Display for Rope {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{:?} layout, theta {}, {} dims rotated, scaling {}",
+            self.layout, self.theta, self.dims, self.scaling
+        )?;
+        if self.scale != 1.0 {
+            write!(f, ", attention factor {}", self.scale)?;
+        }
+        Ok(())
+    }
+}
+
+/// YaRN's attention factor for a context stretched by `factor` (the paper's `0.1 ln(s) + 1`
+/// times `mscale`), 1 when it is not stretched.
+pub fn yarn_mscale(factor: f64, mscale: f64) -> f64 {
+    if factor <= 1.0 {
+        1.0
+    } else {
+        0.1 * mscale * factor.ln() + 1.0
+    }
 }
 
 impl Rope {
     /// The angle per position of each rotated pair, `theta^(-2i/dims)` after scaling, as
-    /// transformers computes it. The rope kernels read this table.
+    /// transformers computes it (LongRoPE's per-pair factors are applied by the config). The rope
+    /// kernels read this table.
     pub fn inverse_frequencies(&self) -> Vec<f32> {
-        (0..self.dims / 2)
+        let dims = self.dims as f64;
+        let half = self.dims / 2;
+        // YaRN's ramp over the pairs: 0 keeps a frequency, 1 divides it by the factor.
+        let yarn_ramp = |i: usize, original_context: usize, beta_fast: f32, beta_slow: f32, truncate: bool| {
+            let theta = self.theta as f64;
+            let correction_dim = |rotations: f64| {
+                dims * (original_context as f64 / (rotations * 2.0 * std::f64::consts::PI)).ln() / (2.0 * theta.ln())
+            };
+            let (mut low, mut high) = (correction_dim(beta_fast as f64), correction_dim(beta_slow as f64));
+            if truncate {
+                (low, high) = (low.floor(), high.ceil());
+            }
+            let (low, mut high) = (low.max(0.0), high.min(dims - 1.0));
+            if low == high {
+                high += 0.001;
+            }
+            ((i as f64 - low) / (high - low)).clamp(0.0, 1.0)
+        };
+        (0..half)
             .map(|i| {
-                let base = (self.theta as f64).powf(-2.0 * i as f64 / self.dims as f64);
+                let base = (self.theta as f64).powf(-2.0 * i as f64 / dims);
                 let f = match self.scaling {
-                    RopeScaling::None => base,
+                    RopeScaling::None | RopeScaling::LongRope { .. } => base,
                     RopeScaling::Linear { factor } => base / factor as f64,
                     RopeScaling::Llama3 {
                         factor,
@@ -95,10 +191,40 @@ impl Rope {
                             (1.0 - smooth) * base / factor + smooth * base
                         }
                     }
+                    RopeScaling::Yarn {
+                        factor,
+                        original_context,
+                        beta_fast,
+                        beta_slow,
+                        truncate,
+                    } => {
+                        let interpolated = yarn_ramp(i, original_context, beta_fast, beta_slow, truncate);
+                        base / factor as f64 * interpolated + base * (1.0 - interpolated)
+                    }
                 };
                 f as f32
             })
             .collect()
+    }
+}
+
+/// The activation of a gated feed-forward block's gate: `out = act(gate) * up`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    /// `g / (1 + e^-g)`: SwiGLU (Llama, Mistral, Qwen).
+    Silu,
+    /// GELU by its tanh approximation, `0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))`: GeGLU
+    /// (Gemma's `gelu_pytorch_tanh`).
+    GeluTanh,
+}
+
+impl Activation {
+    /// The number the GPU kernels take for it.
+    pub fn code(self) -> u32 {
+        match self {
+            Activation::Silu => 0,
+            Activation::GeluTanh => 1,
+        }
     }
 }
 
@@ -120,13 +246,14 @@ impl KvType {
 
 /// The weight types the GPU backends run, by the suffix of their kernels (`matmul_q4_k`,
 /// `embed_bf16`, ...: one naming for CUDA and Metal).
-pub const GPU_WEIGHT_TYPES: [(GgmlType, &str); 8] = [
+pub const GPU_WEIGHT_TYPES: [(GgmlType, &str); 9] = [
     (GgmlType::F32, "f32"),
     (GgmlType::F16, "f16"),
     (GgmlType::BF16, "bf16"),
     (GgmlType::Q8_0, "q8_0"),
     (GgmlType::Q4_0, "q4_0"),
     (GgmlType::Q4_1, "q4_1"),
+    (GgmlType::Q5_0, "q5_0"),
     (GgmlType::Q4K, "q4_k"),
     (GgmlType::Q6K, "q6_k"),
 ];
@@ -231,14 +358,90 @@ impl StepLayout<'_> {
     }
 }
 
+/// How a layer's attention weighs what it sees. Token t at position `pos` attends to positions
+/// `pos - window + 1 ..= pos` of its sequence (all of `0..=pos` without a window), with scores
+/// `scale * q.k`, capped to `softcap * tanh(s / softcap)` where set (Gemma 2), then softmaxed.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Scores {
+    pub scale: f32,
+    pub softcap: Option<f32>,
+    pub window: Option<usize>,
+}
+
+impl Scores {
+    /// Plain causal attention over every earlier position, scaled by `1/sqrt(head_dim)`.
+    pub fn causal(head_dim: usize) -> Scores {
+        Scores {
+            scale: 1.0 / (head_dim as f32).sqrt(),
+            softcap: None,
+            window: None,
+        }
+    }
+
+    /// The first position a token at `pos` sees.
+    pub fn first_visible(&self, pos: usize) -> usize {
+        self.window.map_or(0, |w| (pos + 1).saturating_sub(w))
+    }
+
+    /// The rule as the GPU kernels take it, or an error naming a rule that weighs nothing.
+    pub fn kernel_args(&self) -> crate::Result<ScoreArgs> {
+        if !self.scale.is_finite() {
+            return Err(crate::Error::Backend(format!("attention scale {}", self.scale)));
+        }
+        let softcap = match self.softcap {
+            Some(cap) if cap.is_finite() && cap > 0.0 => cap,
+            Some(cap) => {
+                return Err(crate::Error::Backend(format!(
+                    "attention soft cap {cap}: not a positive number"
+                )))
+            }
+            None => 0.0,
+        };
+        let window = match self.window {
+            Some(0) => {
+                return Err(crate::Error::Backend(
+                    "an attention window of 0 positions sees nothing".into(),
+                ))
+            }
+            // Positions stay below 2^31: a wider window sees every earlier one.
+            Some(w) => i32::try_from(w).unwrap_or(0),
+            None => 0,
+        };
+        Ok(ScoreArgs {
+            scale: self.scale,
+            softcap,
+            window,
+        })
+    }
+
+    /// A raw score `q.k` as the softmax takes it.
+    pub fn apply(&self, dot: f32) -> f32 {
+        let s = dot * self.scale;
+        match self.softcap {
+            Some(cap) => cap * (s / cap).tanh(),
+            None => s,
+        }
+    }
+}
+
+/// [`Scores`] as the GPU kernels take them: the scale, the cap (0: none) and the window (0: every
+/// earlier position).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ScoreArgs {
+    pub scale: f32,
+    pub softcap: f32,
+    pub window: i32,
+}
+
 /// What attention reads besides the queries: a layer's paged caches, the step's positions and
-/// pages, and the backend's plan of the step (`Kernels::plan_step`).
+/// pages, how the layer scores them, and the backend's plan of the step (`Kernels::plan_step`).
 #[derive(Debug)]
 pub struct AttentionKv<'a, P> {
     pub k_cache: BlockHandle,
     pub v_cache: BlockHandle,
     pub positions: BlockHandle,
     pub pages: PagedKv,
+    pub scores: Scores,
     pub plan: &'a P,
 }
 

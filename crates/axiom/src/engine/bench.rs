@@ -65,7 +65,7 @@ pub fn run_test<B: Backend>(
             Test::Prompt(_) => {
                 pages.reserve(&mut kv, tokens.len())?;
                 model.forward(&tokens, &mut kv, LogitRows::Last, |_, _| {})?;
-                pages.index_full_pages(&mut kv);
+                pages.after_step(&mut kv);
             }
             Test::Generation(_) => {
                 let mut decode = GreedyDecode::new(model, pages, &mut kv, &tokens[..1])?;

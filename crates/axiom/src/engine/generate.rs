@@ -189,7 +189,7 @@ impl<B: Backend> Tokens<'_, B> {
             (forward, masking.map(|m| m.join()))
         });
         forward?;
-        pages.index_full_pages(kv);
+        pages.after_step(kv);
         *mask = match next_mask {
             None => None,
             Some(Ok(computed)) => Some(computed?),

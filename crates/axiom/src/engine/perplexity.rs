@@ -56,7 +56,7 @@ pub fn perplexity<B: Backend>(
                 scored += 1;
             }
         })?;
-        pages.index_full_pages(&mut kv);
+        pages.after_step(&mut kv);
         let ppl = (nll / scored as f64).exp();
         running.push(ppl);
         on_chunk(c + 1, chunks, ppl);

@@ -544,7 +544,7 @@ impl<B: Backend> Scheduler<B> {
         }
         result?;
         for &(i, _) in &batch {
-            self.pages.index_full_pages(&mut self.running[i].kv);
+            self.pages.after_step(&mut self.running[i].kv);
         }
         self.retire_finished();
         self.publish_status();

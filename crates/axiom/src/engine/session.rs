@@ -99,11 +99,12 @@ impl<B: Backend> Session<B> {
 
     fn gguf(file: &GgufFile, config: ModelConfig, backend: B, options: LoadOptions) -> Result<Session<B>> {
         let tokenizer = Tokenizer::from_gguf(file)?;
-        let model = Llama::load(file, config, backend, options)?;
         let template = file
             .get("tokenizer.chat_template")
             .and_then(Value::as_str)
+            .or_else(|| crate::chat::builtin_template(&config.architecture))
             .map(str::to_owned);
+        let model = Llama::load(file, config, backend, options)?;
         let size_label = file.get("general.size_label").and_then(Value::as_str);
         let info = ModelInfo::new(file, &model.0.config.architecture, size_label, file.file_size());
         Self::assemble(model, tokenizer, template, info)
@@ -180,7 +181,7 @@ impl<B: Backend> Session<B> {
     ) -> Result<()> {
         self.pages.reserve(kv, tokens.len())?;
         self.model.forward(tokens, kv, rows, sink)?;
-        self.pages.index_full_pages(kv);
+        self.pages.after_step(kv);
         Ok(())
     }
 
@@ -188,7 +189,7 @@ impl<B: Backend> Session<B> {
     pub fn forward_last(&mut self, tokens: &[u32], kv: &mut KvCache) -> Result<&[f32]> {
         self.pages.reserve(kv, tokens.len())?;
         self.model.forward_last(tokens, kv)?;
-        self.pages.index_full_pages(kv);
+        self.pages.after_step(kv);
         Ok(self.model.last_logits())
     }
 

@@ -1,4 +1,4 @@
-//! Quantizers: f32 rows to Q8_0, Q4_0 and Q4_K blocks, for `axiom convert`. Each produces
+//! Quantizers: f32 rows to Q8_0, Q4_0, Q5_0 and Q4_K blocks, for `axiom convert`. Each produces
 //! blocks the reference dequantizers in `quant.rs` read back; the tests bound the round-trip error.
 
 use super::quant::{GgmlType, QK_K};
@@ -17,6 +17,7 @@ pub fn quantize(ty: GgmlType, x: &[f32], out: &mut Vec<u8>) -> Result<()> {
             .for_each(|v| out.extend_from_slice(&half::bf16::from_f32(*v).to_le_bytes())),
         GgmlType::Q8_0 => x.chunks_exact(32).for_each(|b| q8_0(b, out)),
         GgmlType::Q4_0 => x.chunks_exact(32).for_each(|b| q4_0(b, out)),
+        GgmlType::Q5_0 => x.chunks_exact(32).for_each(|b| q5_0(b, out)),
         GgmlType::Q4K => x.chunks_exact(QK_K).for_each(|b| q4_k(b, out)),
         other => return Err(Error::InvalidArgument(format!("no quantizer for {other}"))),
     }
@@ -27,7 +28,13 @@ pub fn quantize(ty: GgmlType, x: &[f32], out: &mut Vec<u8>) -> Result<()> {
 pub fn can_quantize(ty: GgmlType) -> bool {
     matches!(
         ty,
-        GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 | GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q4K
+        GgmlType::F32
+            | GgmlType::F16
+            | GgmlType::BF16
+            | GgmlType::Q8_0
+            | GgmlType::Q4_0
+            | GgmlType::Q5_0
+            | GgmlType::Q4K
     )
 }
 
@@ -50,6 +57,21 @@ fn q4_0(x: &[f32], out: &mut Vec<u8>) {
     out.extend_from_slice(&f16::from_f32(d).to_le_bytes());
     let q = |v: f32| ((v * inv + 8.5) as i32).clamp(0, 15) as u8;
     out.extend((0..16).map(|j| q(x[j]) | (q(x[j + 16]) << 4)));
+}
+
+/// Q5_0 as ggml makes it: Q4_0 with a fifth bit, the value of largest magnitude mapping to -16.
+fn q5_0(x: &[f32], out: &mut Vec<u8>) {
+    let max = x
+        .iter()
+        .copied()
+        .fold(0f32, |m, v| if v.abs() > m.abs() { v } else { m });
+    let d = max / -16.0;
+    let inv = if d != 0.0 { 1.0 / d } else { 0.0 };
+    let q: [u32; 32] = std::array::from_fn(|j| ((x[j] * inv + 16.5) as i32).clamp(0, 31) as u32);
+    let high = q.iter().enumerate().fold(0u32, |h, (j, v)| h | (v >> 4) << j);
+    out.extend_from_slice(&f16::from_f32(d).to_le_bytes());
+    out.extend_from_slice(&high.to_le_bytes());
+    out.extend((0..16).map(|j| (q[j] & 15) as u8 | ((q[j + 16] & 15) as u8) << 4));
 }
 
 /// Q4_K: per 32-value sub-block a scale and a minimum (min <= 0 shifts), quantized to 6 bits
@@ -126,6 +148,7 @@ mod tests {
         for (ty, tol) in [
             (GgmlType::Q8_0, 1.0 / 127.0),
             (GgmlType::Q4_0, 1.0 / 8.0),
+            (GgmlType::Q5_0, 1.0 / 16.0),
             (GgmlType::Q4K, 1.0 / 10.0),
         ] {
             let y = roundtrip(ty, &x);

@@ -7,6 +7,9 @@
 //! pages, and the model reads each sequence's pages, its block table, from its [`KvCache`]). A full page's contents are a function of the tokens up to its end, so it is
 //! indexed by a hash chained over those tokens; an indexed page is never written again while
 //! indexed. Pages nobody holds stay indexed (and reusable) until their memory is needed.
+//!
+//! Where every layer attends through a sliding window, the pages a sequence's window has passed
+//! are given back as it grows (`after_step`): the cache a long sequence holds stays one window.
 
 use std::collections::{BTreeMap, HashMap};
 use std::hash::{DefaultHasher, Hash, Hasher};
@@ -19,6 +22,9 @@ pub struct KvCache {
     /// Chained hash of each full page, in order.
     hashes: Vec<u64>,
     capacity: usize,
+    /// The leading pages given back because no later token sees them (every layer's window has
+    /// passed them). Their ids stay in `pages`, so positions keep their rows; nothing reads them.
+    released: usize,
 }
 
 impl KvCache {
@@ -83,6 +89,8 @@ struct Indexed {
 #[derive(Debug)]
 pub struct PagePool {
     page_size: usize,
+    /// Every layer's sliding window, where all of them slide: pages behind it are given back.
+    window: Option<usize>,
     holders: Vec<u32>,
     index_entry: Vec<Option<Indexed>>,
     /// Unheld, unindexed pages.
@@ -98,6 +106,7 @@ impl PagePool {
     pub fn new(n_pages: usize, page_size: usize) -> PagePool {
         PagePool {
             page_size,
+            window: None,
             holders: vec![0; n_pages],
             index_entry: (0..n_pages).map(|_| None).collect(),
             free: (0..n_pages as u32).rev().collect(),
@@ -106,6 +115,11 @@ impl PagePool {
             clock: 0,
             index: HashMap::new(),
         }
+    }
+
+    /// The pool of a model whose every layer attends only to the last `window` positions.
+    pub fn with_window(self, window: Option<usize>) -> PagePool {
+        PagePool { window, ..self }
     }
 
     pub fn page_size(&self) -> usize {
@@ -206,8 +220,22 @@ impl PagePool {
         kv.len()
     }
 
+    /// After a step of `kv`: indexes its pages that have filled up since the last call, and gives
+    /// back those every layer's window has passed (no later token reads them).
+    pub fn after_step(&mut self, kv: &mut KvCache) {
+        self.index_full_pages(kv);
+        if let Some(window) = self.window {
+            let first_visible = (kv.len() + 1).saturating_sub(window);
+            let behind = (first_visible / self.page_size).min(kv.pages.len());
+            while kv.released < behind {
+                self.release(kv.pages[kv.released]);
+                kv.released += 1;
+            }
+        }
+    }
+
     /// Indexes the pages of `kv` that have filled up since the last call.
-    pub fn index_full_pages(&mut self, kv: &mut KvCache) {
+    fn index_full_pages(&mut self, kv: &mut KvCache) {
         let full = kv.len() / self.page_size;
         while kv.hashes.len() < full {
             let i = kv.hashes.len();
@@ -229,8 +257,12 @@ impl PagePool {
     /// Shortens `kv` to at most `len` tokens and returns the length kept: less than `len` when
     /// the page `len` falls in is shared with another sequence (it cannot be written again, so
     /// it is given up and its tokens must be recomputed).
+    /// Positions in pages given back behind a window are gone: a cut among them keeps nothing.
     pub fn truncate(&mut self, kv: &mut KvCache, len: usize) -> usize {
         let mut len = len.min(kv.len());
+        if len > 0 && len / self.page_size < kv.released {
+            len = 0;
+        }
         let boundary = len / self.page_size;
         if !len.is_multiple_of(self.page_size) {
             let page = kv.pages[boundary] as usize;
@@ -241,9 +273,13 @@ impl PagePool {
                 self.index.remove(&entry.hash);
             }
         }
-        for page in kv.pages.drain(self.pages_for(len)..).collect::<Vec<_>>() {
-            self.release(page);
+        let keep = self.pages_for(len);
+        for (i, page) in kv.pages.drain(keep..).enumerate().collect::<Vec<_>>() {
+            if keep + i >= kv.released {
+                self.release(page);
+            }
         }
+        kv.released = kv.released.min(keep);
         kv.tokens.truncate(len);
         kv.hashes.truncate(len / self.page_size);
         len
@@ -284,7 +320,7 @@ mod tests {
         let mut kv = KvCache::new(1000);
         pool.grow(&mut kv, tokens.len()).unwrap();
         kv.push_tokens(tokens);
-        pool.index_full_pages(&mut kv);
+        pool.after_step(&mut kv);
         kv
     }
 
@@ -356,5 +392,24 @@ mod tests {
         assert_eq!(pool.truncate(&mut a, 6), 6);
         let mut c = KvCache::new(1000);
         assert_eq!(pool.share_prefix(&mut c, &prompt), 4);
+    }
+
+    #[test]
+    fn pages_behind_every_window_are_given_back_and_never_kept_by_a_cut() {
+        let mut pool = PagePool::new(8, 4).with_window(Some(6));
+        let mut kv = KvCache::new(1000);
+        for t in 0..12u32 {
+            pool.grow(&mut kv, t as usize + 1).unwrap();
+            kv.push_tokens(&[t]);
+            pool.after_step(&mut kv);
+        }
+        // The next token (position 12) sees positions 7..=12: page 0 (0..4) is behind it, page 1
+        // (4..8) is not.
+        assert_eq!((kv.released, kv.pages.len()), (1, 3));
+        assert_eq!(pool.usage().used, 2);
+        // A cut inside the kept pages keeps them; one among the given-back positions keeps nothing.
+        assert_eq!(pool.truncate(&mut kv, 10), 10);
+        assert_eq!(pool.truncate(&mut kv, 2), 0);
+        assert_eq!((kv.released, kv.pages.len(), pool.usage().used), (0, 0, 0));
     }
 }

@@ -2,7 +2,7 @@
 
 use super::config::ModelConfig;
 use super::kv_cache::{KvCache, PagePool};
-use super::weights::{self, TensorSource, Weights};
+use super::weights::{self, RopeTables, TensorSource, Weights};
 use crate::backend::{
     AttentionKv, Backend, BlockHandle, FeedForward, FeedForwardScratch, Input, NewRows, NextInput, PagedKv, Projection,
     Residual, StepLayout,
@@ -184,8 +184,8 @@ pub struct Llama<B: Backend> {
     pub config: ModelConfig,
     pub backend: B,
     weights: Weights<B::Weight>,
-    /// The rope kernels' table of per-pair frequencies.
-    freqs: BlockHandle,
+    /// The rope kernels' tables of per-pair frequencies.
+    freqs: RopeTables,
     scratch: Scratch,
     inputs: StepInputs,
     cache: PagedCache,
@@ -222,7 +222,12 @@ impl<B: Backend> Llama<B> {
         let max_batch = options.max_batch.max(1);
         let max_seqs = options.max_seqs.clamp(1, max_batch);
         let n_pages = options.kv_tokens.max(1).div_ceil(PAGE_SIZE);
-        let table_width = config.context_length.min(n_pages * PAGE_SIZE).div_ceil(PAGE_SIZE);
+        // A sequence holds at most the pool, unless every layer slides: then it holds one window.
+        let longest = match config.window_of_every_layer() {
+            Some(_) => config.context_length,
+            None => config.context_length.min(n_pages * PAGE_SIZE),
+        };
+        let table_width = longest.div_ceil(PAGE_SIZE);
         let page_bytes = PAGE_SIZE * config.attention().kv_width() * backend.kv_type().bytes();
         let inputs_len = 3 * max_batch + max_seqs * table_width;
         let (largest_weight, max_n_in) = weights::largest(&config);
@@ -241,7 +246,8 @@ impl<B: Backend> Llama<B> {
             + backend.staging_bytes(largest_weight, steps, max_n_in)
             + 64 * 256;
         backend.reserve(arena)?;
-        let (weights, freqs) = weights::load(source, &config, &mut backend)?;
+        let longest_sequence = config.context_length.min(n_pages * PAGE_SIZE);
+        let (weights, freqs) = weights::load(source, &config, &mut backend, longest_sequence)?;
         let scratch = Scratch::new(&mut backend, &config, max_batch)?;
         let mut cache = PagedCache {
             k: Vec::with_capacity(config.n_layers),
@@ -276,7 +282,8 @@ impl<B: Backend> Llama<B> {
             choices,
             output_rows: Vec::new(),
         };
-        Ok((model, PagePool::new(n_pages, PAGE_SIZE)))
+        let window = model.config.window_of_every_layer();
+        Ok((model, PagePool::new(n_pages, PAGE_SIZE).with_window(window)))
     }
 
     /// An empty KV cache for a sequence of up to `capacity` tokens (bounded by the context and
@@ -515,7 +522,11 @@ impl<B: Backend> Llama<B> {
             page_size: PAGE_SIZE,
         };
         b.embed(&self.weights.token_embd, self.inputs.ids(), s.x, n)?;
-        for (layer, (k_cache, v_cache)) in self.weights.layers.iter().zip(self.cache.k.iter().zip(&self.cache.v)) {
+        if let Some(factor) = c.embed_scale {
+            b.scale(s.x, factor, n * c.dim)?;
+        }
+        let layers = self.weights.layers.iter().zip(self.cache.k.iter().zip(&self.cache.v));
+        for (i, (layer, (k_cache, v_cache))) in layers.enumerate() {
             // Attention block: the residual stream, normalized on the way into Q, K and V.
             let attn_in = self.normed(s.x, layer.attn_norm);
             b.matmul_many(attn_in, &[&layer.wq, &layer.wk, &layer.wv], &[s.q, s.k, s.v], n)?;
@@ -533,43 +544,74 @@ impl<B: Backend> Llama<B> {
                 }
                 None => (s.q, s.k),
             };
+            let (freqs, rope) = match (self.freqs.local, c.local_rope()) {
+                (Some(table), Some(rope)) if c.slides(i) => (table, rope),
+                _ => (self.freqs.global, c.rope),
+            };
             let new = NewRows {
                 q,
                 k,
                 v: s.v,
-                freqs: self.freqs,
-                rope: c.rope,
+                freqs,
+                rope,
             };
             let kv = AttentionKv {
                 k_cache: *k_cache,
                 v_cache: *v_cache,
                 positions,
                 pages,
+                scores: c.scores(i),
                 plan,
             };
-            let proj = Projection {
-                wo: &layer.wo,
-                attn: s.attn,
-                residual: Residual {
-                    stream: s.x,
-                    scratch: s.proj,
-                },
-            };
-            b.rope_attend_and_project(new, kv, proj, n, shape)?;
-            // The projection lands in the residual stream, so its bias can be added there after.
-            if let Some(bo) = layer.o_bias {
-                b.add_bias(s.x, bo, n, c.dim)?;
-            }
-            // Feed-forward block, the same way.
             let ffn_in = self.normed(s.x, layer.ffn_norm);
             let ffn = FeedForward {
                 gate: &layer.w_gate,
                 up: &layer.w_up,
                 down: &layer.w_down,
+                activation: c.activation,
             };
-            b.feed_forward(ffn_in, ffn, s.feed_forward(), s.x, n)?;
+            match layer.post_norms {
+                None => {
+                    let proj = Projection {
+                        wo: &layer.wo,
+                        attn: s.attn,
+                        residual: Residual {
+                            stream: s.x,
+                            scratch: s.proj,
+                        },
+                    };
+                    b.rope_attend_and_project(new, kv, proj, n, shape)?;
+                    // The projection lands in the residual stream, so its bias can be added there.
+                    if let Some(bo) = layer.o_bias {
+                        b.add_bias(s.x, bo, n, c.dim)?;
+                    }
+                    // Feed-forward block, the same way.
+                    b.feed_forward(ffn_in, ffn, s.feed_forward(), s.x, n)?;
+                }
+                // Each block's output is normalized before it joins the stream, so it is
+                // computed apart first.
+                Some([post_attn, post_ffn]) => {
+                    b.rope_kv_write(new, kv, n, shape)?;
+                    b.attention(q, kv, s.attn, n, shape)?;
+                    b.matmul(s.attn, &layer.wo, s.proj, n)?;
+                    if let Some(bo) = layer.o_bias {
+                        b.add_bias(s.proj, bo, n, c.dim)?;
+                    }
+                    self.add_normed(s.proj, post_attn, n)?;
+                    b.gate_up_glu(ffn_in, [ffn.gate, ffn.up], s.feed_forward().glu(), n, ffn.activation)?;
+                    b.matmul(s.hidden, ffn.down, s.proj, n)?;
+                    self.add_normed(s.proj, post_ffn, n)?;
+                }
+            }
         }
         Ok(())
+    }
+
+    /// `x += rms_norm(rows) * weight` over the step's `n` rows.
+    fn add_normed(&self, rows: BlockHandle, weight: BlockHandle, n: usize) -> Result<()> {
+        let (b, s, c) = (&self.backend, &self.scratch, &self.config);
+        b.rms_norm(rows, weight, s.normed, n, c.dim, c.rms_eps)?;
+        b.add(s.x, s.normed, n * c.dim)
     }
 
     /// Rows of `x` under the RMS norm of `weight`, as a matmul input.
@@ -588,7 +630,13 @@ impl<B: Backend> Llama<B> {
         let x = self.scratch.x.slice(first * dim * 4, n * dim * 4);
         let input = self.normed(x, self.weights.output_norm);
         self.backend
-            .matmul_many(input, &[self.weights.lm_head()], &[self.scratch.logits], n)
+            .matmul_many(input, &[self.weights.lm_head()], &[self.scratch.logits], n)?;
+        match self.config.final_softcap {
+            Some(cap) => self
+                .backend
+                .softcap(self.scratch.logits, cap, n * self.config.vocab_size),
+            None => Ok(()),
+        }
     }
 
     /// Final norm and LM head for `output_rows` (ascending rows of the last step), each run of

@@ -4,6 +4,7 @@ pub mod config;
 pub mod files;
 pub mod kv_cache;
 pub mod llama;
+pub mod rope_config;
 pub mod weights;
 
 pub use config::ModelConfig;

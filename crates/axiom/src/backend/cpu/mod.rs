@@ -12,8 +12,8 @@ pub mod kernels;
 pub mod pool;
 
 use super::{
-    Arena, AttentionKv, AttentionShape, Backend, BlockHandle, HostTensor, Input, Kernels, KvType, PagedKv, Rope,
-    StepLayout,
+    Activation, Arena, AttentionKv, AttentionShape, Backend, BlockHandle, HostTensor, Input, Kernels, KvType, PagedKv,
+    Rope, Scores, StepLayout,
 };
 use crate::format::quant::GgmlType;
 use crate::{Error, Result};
@@ -171,6 +171,7 @@ impl CpuBackend {
         pages: &PageMap,
         out: &mut [f32],
         shape: AttentionShape,
+        scores: Scores,
     ) {
         let (hd, group) = (shape.head_dim, shape.n_heads / shape.n_kv_heads);
         let units = positions.len() * shape.n_kv_heads;
@@ -185,10 +186,13 @@ impl CpuBackend {
                     // SAFETY: each unit writes its own heads of its own token.
                     let o = unsafe { std::slice::from_raw_parts_mut(out.get().add(at), group * hd) };
                     let qg = &q[at..at + group * hd];
+                    let pos = positions[t] as usize;
                     let ctx = fast::attention::Context {
                         table: pages.table(t),
                         page_size: pages.page_size(),
-                        len: positions[t] as usize + 1,
+                        first: scores.first_visible(pos),
+                        end: pos + 1,
+                        scores,
                     };
                     match isa {
                         // SAFETY: chosen only when the CPU has AVX-512.
@@ -555,7 +559,7 @@ impl Kernels for CpuBackend {
         disjoint(&[x], &[positions, freqs])?;
         let x = self.view_mut(x, n_tokens * n_heads * head_dim);
         let freqs = self.view(freqs, rope.dims / 2);
-        kernels::rope::rope(x, self.view(positions, n_tokens), freqs, n_heads, head_dim, rope.layout);
+        kernels::rope::rope(x, self.view(positions, n_tokens), freqs, n_heads, head_dim, rope);
         Ok(())
     }
 
@@ -625,6 +629,7 @@ impl Kernels for CpuBackend {
             v_cache,
             positions,
             pages,
+            scores,
             ..
         }: AttentionKv<'_, ()>,
         out: BlockHandle,
@@ -635,6 +640,8 @@ impl Kernels for CpuBackend {
             &[out],
             &[q, k_cache, v_cache, positions, pages.block_tables, pages.token_seqs],
         )?;
+        // Refuses the rules the GPU backends refuse (a window of nothing, a cap that is no cap).
+        scores.kernel_args()?;
         let positions = self.view::<u32>(positions, n_tokens);
         let (map, cache_len) = self.page_map(pages, positions, k_cache, v_cache, shape.kv_width())?;
         let n = n_tokens * shape.q_width();
@@ -649,22 +656,23 @@ impl Kernels for CpuBackend {
                 &map,
                 out,
                 shape,
+                scores,
             ),
             (CpuKernels::Fast(isa), KvType::F32) => {
                 let (k, v) = (self.view::<f32>(k, cache_len), self.view::<f32>(v, cache_len));
-                self.attention_fast(isa, q, k, v, positions, &map, out, shape)
+                self.attention_fast(isa, q, k, v, positions, &map, out, shape, scores)
             }
             (CpuKernels::Fast(isa), KvType::F16) => {
                 let (k, v) = (self.view::<f16>(k, cache_len), self.view::<f16>(v, cache_len));
-                self.attention_fast(isa, q, k, v, positions, &map, out, shape)
+                self.attention_fast(isa, q, k, v, positions, &map, out, shape, scores)
             }
         }
         Ok(())
     }
 
-    fn swiglu(&self, gate: BlockHandle, up: BlockHandle, out: BlockHandle, n: usize) -> Result<()> {
+    fn glu(&self, gate: BlockHandle, up: BlockHandle, out: BlockHandle, n: usize, act: Activation) -> Result<()> {
         disjoint(&[out], &[gate, up])?;
-        kernels::swiglu::swiglu(self.view(gate, n), self.view(up, n), self.view_mut(out, n));
+        kernels::glu::glu(self.view(gate, n), self.view(up, n), self.view_mut(out, n), act);
         Ok(())
     }
 
@@ -682,6 +690,16 @@ impl Kernels for CpuBackend {
     fn add(&self, x: BlockHandle, y: BlockHandle, n: usize) -> Result<()> {
         disjoint(&[x], &[y])?;
         kernels::add::add(self.view_mut(x, n), self.view(y, n));
+        Ok(())
+    }
+
+    fn scale(&self, x: BlockHandle, factor: f32, n: usize) -> Result<()> {
+        kernels::scale::scale(self.view_mut(x, n), factor);
+        Ok(())
+    }
+
+    fn softcap(&self, x: BlockHandle, cap: f32, n: usize) -> Result<()> {
+        kernels::scale::softcap(self.view_mut(x, n), cap);
         Ok(())
     }
 }

@@ -49,22 +49,24 @@ impl CudaBackend {
             let rotate = new.map(|new| new.rope);
             return self.flash_attention(q, rotate, kv, self.ptr(out), GgmlType::F32, n_tokens, shape);
         }
-        let (k_new, v_new, freqs, (dims, halves)) = match new {
+        let (k_new, v_new, freqs, (dims, halves, scale)) = match new {
             Some(new) => (
                 self.ptr(new.k),
                 self.ptr(new.v),
                 self.ptr(new.freqs),
                 rope_args(new.rope)?,
             ),
-            None => (0, 0, 0, (0, 0)),
+            None => (0, 0, 0, (0, 0, 1.0)),
         };
         let AttentionKv {
             k_cache,
             v_cache,
             positions,
             pages,
+            scores,
             ..
         } = kv;
+        let scores = scores.kernel_args()?;
         let page_size = page_size_arg(&pages)?;
         let n = n_tokens * shape.q_width();
         let (xq, xd, interleave, start_next) = match quantized_for {
@@ -105,6 +107,7 @@ impl CudaBackend {
                 freqs,
                 dims,
                 halves,
+                rope_scale: scale,
                 out: self.ptr(out),
                 xq,
                 xd,
@@ -114,6 +117,9 @@ impl CudaBackend {
                 n_heads: shape.n_heads as i32,
                 n_kv_heads: shape.n_kv_heads as i32,
                 head_dim: shape.head_dim as i32,
+                scale: scores.scale,
+                softcap: scores.softcap,
+                window: scores.window,
             },
         )
     }

@@ -1,9 +1,10 @@
-//! Elementwise kernels on f32 rows (kernels/elementwise.cu): residual adds, biases, SwiGLU.
+//! Elementwise kernels on f32 rows (kernels/elementwise.cu): residual adds, biases, gated
+//! activations, scaling and capping.
 
 use super::launch::blocks_for;
-use super::params::{AddBiasParams, AddParams, SwigluParams};
+use super::params::{AddBiasParams, AddParams, GluParams, ScaleParams};
 use super::CudaBackend;
-use crate::backend::BlockHandle;
+use crate::backend::{Activation, BlockHandle};
 use crate::Result;
 
 impl CudaBackend {
@@ -43,17 +44,39 @@ impl CudaBackend {
         )
     }
 
-    /// `Kernels::swiglu`.
-    pub(super) fn launch_swiglu(&self, gate: BlockHandle, up: BlockHandle, out: BlockHandle, n: usize) -> Result<()> {
+    /// `Kernels::glu`.
+    pub(super) fn launch_glu(
+        &self,
+        gate: BlockHandle,
+        up: BlockHandle,
+        out: BlockHandle,
+        n: usize,
+        act: Activation,
+    ) -> Result<()> {
         self.launch(
-            "swiglu",
+            "glu",
             (blocks_for(n, 256).min(4096), 1, 1),
             256,
-            &SwigluParams {
+            &GluParams {
                 gate: self.ptr(gate),
                 up: self.ptr(up),
                 out: self.ptr(out),
                 n: n as u64,
+                act: act.code() as i32,
+            },
+        )
+    }
+
+    /// `Kernels::scale` (`"scale"`) and `Kernels::softcap` (`"softcap"`, the cap as `factor`).
+    pub(super) fn launch_scale(&self, kernel: &str, x: BlockHandle, factor: f32, n: usize) -> Result<()> {
+        self.launch(
+            kernel,
+            (blocks_for(n, 256).min(4096), 1, 1),
+            256,
+            &ScaleParams {
+                x: self.ptr(x),
+                n: n as u64,
+                factor,
             },
         )
     }

@@ -216,6 +216,7 @@ impl CudaBackend {
             v_cache,
             positions,
             pages,
+            scores,
             plan,
         }: AttentionKv<'_, Option<FlashPlan>>,
         out: u64,
@@ -234,6 +235,7 @@ impl CudaBackend {
                 ))
             })?;
         let page_size = page_size_arg(&pages)?;
+        let scores = scores.kernel_args()?;
         // How the kernel pairs the dimensions it rotates (FA_ADJACENT, FA_HALVES).
         let (turns, pairing) = match rotate {
             Some(rope) if rope.dims == shape.head_dim => {
@@ -273,6 +275,9 @@ impl CudaBackend {
                 out_type: out_type.id() as i32,
                 n_heads: shape.n_heads as i32,
                 n_kv_heads: shape.n_kv_heads as i32,
+                scale: scores.scale,
+                softcap: scores.softcap,
+                window: scores.window,
             },
         )
     }

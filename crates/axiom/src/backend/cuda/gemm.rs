@@ -3,7 +3,7 @@
 
 use super::launch::blocks_for;
 use super::matmul::MatmulPlan;
-use super::params::{ConvertF32Params, DequantParams, Swiglu16Params};
+use super::params::{ConvertF32Params, DequantParams, Glu16Params};
 use super::weights::CudaWeight;
 use super::CudaBackend;
 use crate::backend::{feed_forward_in_steps, BlockHandle, FeedForward, FeedForwardScratch, Input};
@@ -160,7 +160,7 @@ impl CudaBackend {
     }
 
     /// Where all three matrices go to cuBLAS in one 16-bit type, the gate and up products are
-    /// written in that type, and SwiGLU reads them and writes the down projection's staged input:
+    /// written in that type, and the gated activation reads them and writes the down projection's staged input:
     /// a prefill step's widest rows never pass through f32 (8B bf16, 2048 tokens: 470 MB a layer
     /// less to move). Otherwise in steps.
     pub(super) fn feed_forward_16bit(
@@ -190,15 +190,16 @@ impl CudaBackend {
             )));
         }
         self.launch(
-            "swiglu_16",
+            "glu_16",
             (blocks_for(n.div_ceil(8), 256).min(4096), 1, 1),
             256,
-            &Swiglu16Params {
+            &Glu16Params {
                 gate: self.ptr(scratch.gate),
                 up: self.ptr(scratch.up),
                 out: self.ptr(x_stage),
                 n: n as u64,
                 kind: input.id() as i32,
+                act: ffn.activation.code() as i32,
             },
         )?;
         // The down projection reads the staged rows; `scratch.hidden` stands in for their f32 form.

@@ -58,7 +58,7 @@ impl CudaBackend {
         turns: Option<BlockHandle>,
     ) -> Result<()> {
         let page_size = page_size_arg(&kv.pages)?;
-        let (dims, halves) = rope_args(new.rope)?;
+        let (dims, halves, scale) = rope_args(new.rope)?;
         let heads = shape.n_heads + shape.n_kv_heads;
         let (first_head, group) = match turns {
             Some(_) => (shape.n_heads, shape.n_kv_heads),
@@ -87,6 +87,7 @@ impl CudaBackend {
                 head_dim: shape.head_dim as i32,
                 dims,
                 halves,
+                scale,
                 first_head: first_head as i32,
                 group: group as i32,
                 turns_out: turns.map_or(0, |t| self.ptr(t)),

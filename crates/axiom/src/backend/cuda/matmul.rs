@@ -7,7 +7,7 @@ use super::norms::norm_q8_kernel;
 use super::params::{GemvIntParams, GemvNormedParams, GemvParams, Matrices, QuantizeQ8Params, RmsNormQ8Params};
 use super::weights::CudaWeight;
 use super::{kernels, CudaBackend};
-use crate::backend::{gate_up_swiglu_in_steps, Backend, BlockHandle, Input, SwigluRows};
+use crate::backend::{gate_up_glu_in_steps, Activation, Backend, BlockHandle, GluRows, Input};
 use crate::format::quant::GgmlType;
 use crate::{Error, Result};
 
@@ -137,18 +137,19 @@ impl CudaBackend {
         }
     }
 
-    /// `Backend::gate_up_swiglu`: one launch of the matrix-vector kernels for both products where
-    /// they take the step.
-    pub(super) fn gate_up_swiglu_products(
+    /// `Backend::gate_up_glu`: one launch of the matrix-vector kernels for both products where
+    /// they take the step (their epilogue computes SwiGLU only).
+    pub(super) fn gate_up_glu_products(
         &self,
         x: Input,
         [w_gate, w_up]: [&CudaWeight; 2],
-        rows: SwigluRows,
+        rows: GluRows,
         n_tokens: usize,
+        act: Activation,
     ) -> Result<()> {
         let same_shape = (w_gate.ty, w_gate.n_in, w_gate.n_out) == (w_up.ty, w_up.n_in, w_up.n_out);
         match self.matmul_plan(w_gate, n_tokens) {
-            MatmulPlan::Gemv(plan) if same_shape => self.gemv(
+            MatmulPlan::Gemv(plan) if same_shape && act == Activation::Silu => self.gemv(
                 x,
                 &[w_gate, w_up],
                 &[rows.out],
@@ -157,7 +158,7 @@ impl CudaBackend {
                 Epilogue::SwiGlu,
                 &mut None,
             ),
-            _ => gate_up_swiglu_in_steps(self, x, [w_gate, w_up], rows, n_tokens),
+            _ => gate_up_glu_in_steps(self, x, [w_gate, w_up], rows, n_tokens, act),
         }
     }
 

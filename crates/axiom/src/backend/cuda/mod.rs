@@ -31,8 +31,8 @@ mod rope;
 mod weights;
 
 use super::{
-    Arena, AttentionKv, AttentionShape, Backend, BlockHandle, FeedForward, FeedForwardScratch, HostTensor, Input,
-    KvType, NewRows, NextInput, Projection, Residual, Rope, StepLayout, SwigluRows,
+    Activation, Arena, AttentionKv, AttentionShape, Backend, BlockHandle, FeedForward, FeedForwardScratch, GluRows,
+    HostTensor, Input, KvType, NewRows, NextInput, Projection, Residual, Rope, StepLayout,
 };
 use crate::format::quant::GgmlType;
 use crate::{Error, Result};
@@ -325,12 +325,20 @@ impl super::Kernels for CudaBackend {
         self.launch_add_bias(x, bias, n_tokens, width)
     }
 
-    fn swiglu(&self, gate: BlockHandle, up: BlockHandle, out: BlockHandle, n: usize) -> Result<()> {
-        self.launch_swiglu(gate, up, out, n)
+    fn glu(&self, gate: BlockHandle, up: BlockHandle, out: BlockHandle, n: usize, act: Activation) -> Result<()> {
+        self.launch_glu(gate, up, out, n, act)
     }
 
     fn add(&self, x: BlockHandle, y: BlockHandle, n: usize) -> Result<()> {
         self.launch_add(x, y, n)
+    }
+
+    fn scale(&self, x: BlockHandle, factor: f32, n: usize) -> Result<()> {
+        self.launch_scale("scale", x, factor, n)
+    }
+
+    fn softcap(&self, x: BlockHandle, cap: f32, n: usize) -> Result<()> {
+        self.launch_scale("softcap", x, cap, n)
     }
 
     fn argmax(&self, x: BlockHandle, out: BlockHandle, n_rows: usize, width: usize) -> Result<()> {
@@ -363,8 +371,15 @@ impl Backend for CudaBackend {
         self.multiply_add(x, w, residual.stream, n_tokens)
     }
 
-    fn gate_up_swiglu(&self, x: Input, ws: [&CudaWeight; 2], rows: SwigluRows, n_tokens: usize) -> Result<()> {
-        self.gate_up_swiglu_products(x, ws, rows, n_tokens)
+    fn gate_up_glu(
+        &self,
+        x: Input,
+        ws: [&CudaWeight; 2],
+        rows: GluRows,
+        n_tokens: usize,
+        act: Activation,
+    ) -> Result<()> {
+        self.gate_up_glu_products(x, ws, rows, n_tokens, act)
     }
 
     fn feed_forward(

@@ -123,6 +123,7 @@ kernel_params! {
         head_dim: i32,
         dims: i32,
         halves: i32,
+        scale: f32,
     }
 
     /// Up to `MAX_MATRICES` weights of one type for one matrix-vector launch: their fields,
@@ -214,13 +215,15 @@ kernel_params! {
         head_dim: i32,
         dims: i32,
         halves: i32,
+        scale: f32,
         first_head: i32,
         group: i32,
         turns_out: u64,
     }
 
     /// The one-pass attention kernel: `k_new`, `v_new` and `freqs` are 0 unless it stores the
-    /// step's token itself, `xq` and `xd` unless it quantizes its output too.
+    /// step's token itself, `xq` and `xd` unless it quantizes its output too. `scale`, `softcap`
+    /// and `window` as `ScoreArgs` gives them.
     struct AttentionParams for ["attention_"] {
         q: u64,
         k_cache: u64,
@@ -235,6 +238,7 @@ kernel_params! {
         freqs: u64,
         dims: i32,
         halves: i32,
+        rope_scale: f32,
         out: u64,
         xq: u64,
         xd: u64,
@@ -244,9 +248,13 @@ kernel_params! {
         n_heads: i32,
         n_kv_heads: i32,
         head_dim: i32,
+        scale: f32,
+        softcap: f32,
+        window: i32,
     }
 
-    /// Flash attention on either kind of MMA: `turns` is 0 unless it rotates the queries.
+    /// Flash attention on either kind of MMA: `turns` is 0 unless it rotates the queries; the
+    /// scores' fields as for `AttentionParams`.
     struct FlashAttentionParams for ["flash_attention"] {
         q: u64,
         k_cache: u64,
@@ -263,21 +271,32 @@ kernel_params! {
         out_type: i32,
         n_heads: i32,
         n_kv_heads: i32,
+        scale: f32,
+        softcap: f32,
+        window: i32,
     }
 
-    struct SwigluParams for ["swiglu"] {
+    struct GluParams for ["glu"] {
         gate: u64,
         up: u64,
         out: u64,
         n: u64,
+        act: i32,
     }
 
-    struct Swiglu16Params for ["swiglu_16"] {
+    struct Glu16Params for ["glu_16"] {
         gate: u64,
         up: u64,
         out: u64,
         n: u64,
         kind: i32,
+        act: i32,
+    }
+
+    struct ScaleParams for ["scale", "softcap"] {
+        x: u64,
+        n: u64,
+        factor: f32,
     }
 
     struct AddParams for ["add"] {

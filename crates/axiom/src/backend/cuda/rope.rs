@@ -9,8 +9,9 @@ use crate::{Error, Result};
 /// The most rotated pairs of a head (rope_kv_write.cu).
 const ROPE_MAX_PAIRS: usize = 128;
 
-/// The rotated dimensions and whether pairs are halves apart, as the RoPE kernels take them.
-pub(super) fn rope_args(rope: Rope) -> Result<(i32, i32)> {
+/// The rotated dimensions, whether pairs are halves apart and the factor on cosine and sine, as
+/// the RoPE kernels take them.
+pub(super) fn rope_args(rope: Rope) -> Result<(i32, i32, f32)> {
     if rope.dims > 2 * ROPE_MAX_PAIRS {
         return Err(Error::Backend(format!(
             "RoPE over {} dimensions: the CUDA kernels take up to {}",
@@ -18,7 +19,11 @@ pub(super) fn rope_args(rope: Rope) -> Result<(i32, i32)> {
             2 * ROPE_MAX_PAIRS
         )));
     }
-    Ok((rope.dims as i32, i32::from(rope.layout == RopeLayout::Halves)))
+    Ok((
+        rope.dims as i32,
+        i32::from(rope.layout == RopeLayout::Halves),
+        rope.scale,
+    ))
 }
 
 impl CudaBackend {
@@ -33,6 +38,7 @@ impl CudaBackend {
         head_dim: usize,
         rope: Rope,
     ) -> Result<()> {
+        let (dims, halves, scale) = rope_args(rope)?;
         self.launch(
             "rope",
             (n_tokens as u32, n_heads as u32, 1),
@@ -43,8 +49,9 @@ impl CudaBackend {
                 freqs: self.ptr(freqs),
                 n_heads: n_heads as i32,
                 head_dim: head_dim as i32,
-                dims: rope.dims as i32,
-                halves: i32::from(rope.layout == RopeLayout::Halves),
+                dims,
+                halves,
+                scale,
             },
         )
     }

@@ -10,7 +10,7 @@ use crate::format::quant::GgmlType;
 use crate::{Error, Result};
 
 /// A weight matrix in device memory, in its stored type, split by field (see `split_weight`):
-/// quants in `q`, per-block scales or K-quant metadata in `s`, minimums or Q6_K high bits in `m`.
+/// quants in `q`, per-block scales or K-quant metadata in `s`, minimums or high bits in `m`.
 pub struct CudaWeight {
     pub ty: GgmlType,
     pub n_out: usize,
@@ -48,6 +48,11 @@ fn split_weight(ty: GgmlType, bytes: &[u8], n_in: usize) -> SplitWeight {
             s.extend_from_slice(&b[0..2]);
             m.extend_from_slice(&b[2..4]);
             q.extend_from_slice(&b[4..20]);
+        }),
+        GgmlType::Q5_0 => blocks.for_each(|b| {
+            s.extend_from_slice(&b[0..2]);
+            m.extend_from_slice(&b[2..6]);
+            q.extend_from_slice(&b[6..22]);
         }),
         GgmlType::Q4K => {
             let mut row = Vec::with_capacity(n_in / 2);

@@ -30,10 +30,12 @@ pub const SOURCES: &[(&str, &str)] = &[
 
 /// Every kernel function in the sources.
 fn kernel_names() -> Vec<String> {
-    let mut names: Vec<String> = ["rms_norm", "rope", "swiglu", "add", "add_bias", "argmax"]
-        .iter()
-        .map(|n| n.to_string())
-        .collect();
+    let mut names: Vec<String> = [
+        "rms_norm", "rope", "glu", "scale", "softcap", "add", "add_bias", "argmax",
+    ]
+    .iter()
+    .map(|n| n.to_string())
+    .collect();
     for prefix in ["matmul", "matmul_tiled", "embed"] {
         names.extend(GPU_WEIGHT_TYPES.iter().map(|(_, s)| format!("{prefix}_{s}")));
     }

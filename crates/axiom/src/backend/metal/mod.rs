@@ -18,8 +18,8 @@ pub mod device;
 pub mod kernels;
 
 use super::{
-    gpu_kernel_suffix, AttentionKv, AttentionShape, Backend, BlockHandle, HostTensor, Kernels, KvType, NewRows,
-    Residual, Rope, RopeLayout, StepLayout,
+    gpu_kernel_suffix, Activation, AttentionKv, AttentionShape, Backend, BlockHandle, HostTensor, Kernels, KvType,
+    NewRows, Residual, Rope, RopeLayout, ScoreArgs, StepLayout,
 };
 use crate::format::quant::GgmlType;
 use crate::{Error, Result};
@@ -95,6 +95,15 @@ enum Arg {
 
 fn u32_arg(n: usize) -> Arg {
     Arg::U32(n as u32)
+}
+
+/// A score rule's arguments, as the attention kernels take them after the heads.
+fn score_args(args: ScoreArgs) -> [Arg; 3] {
+    [
+        Arg::F32(args.scale),
+        Arg::F32(args.softcap),
+        Arg::U32(args.window as u32),
+    ]
 }
 
 /// `want` threads rounded down to whole simdgroups, within the pipeline's limit.
@@ -202,8 +211,10 @@ impl MetalBackend {
             v_cache,
             positions,
             pages,
+            scores: rule,
             plan: &StepContext { n_ctx },
         } = kv;
+        let rule = score_args(rule.kernel_args()?);
         let scores = self
             .scores
             .ok_or_else(|| Error::Backend("no attention score scratch reserved".into()))?;
@@ -245,6 +256,7 @@ impl MetalBackend {
             args.extend(paged(k_cache));
             args.extend([Arg::Buf(scores), u32_arg(n)]);
             args.extend(heads.clone());
+            args.extend(rule.clone());
             self.launch(&qk, (n_ctx.div_ceil(qk_threads), rows), |_| qk_threads, &args)?;
             let mut args = vec![Arg::Buf(scores)];
             args.extend(paged(v_cache));
@@ -460,6 +472,7 @@ impl Kernels for MetalBackend {
                 u32_arg(head_dim),
                 u32_arg(rope.dims),
                 Arg::U32(u32::from(rope.layout == RopeLayout::Halves)),
+                Arg::F32(rope.scale),
             ],
         )
     }
@@ -521,8 +534,10 @@ impl Kernels for MetalBackend {
             v_cache,
             positions,
             pages,
+            scores,
             ..
         } = kv;
+        let [scale, softcap, window] = score_args(scores.kernel_args()?);
         self.launch(
             &name,
             (n_tokens, shape.n_heads),
@@ -540,6 +555,9 @@ impl Kernels for MetalBackend {
                 u32_arg(shape.n_heads),
                 u32_arg(shape.n_kv_heads),
                 u32_arg(shape.head_dim),
+                scale,
+                softcap,
+                window,
             ],
         )
     }
@@ -553,12 +571,30 @@ impl Kernels for MetalBackend {
         )
     }
 
-    fn swiglu(&self, gate: BlockHandle, up: BlockHandle, out: BlockHandle, n: usize) -> Result<()> {
-        self.elementwise("swiglu", n, &[Arg::Buf(gate), Arg::Buf(up), Arg::Buf(out), u32_arg(n)])
+    fn glu(&self, gate: BlockHandle, up: BlockHandle, out: BlockHandle, n: usize, act: Activation) -> Result<()> {
+        self.elementwise(
+            "glu",
+            n,
+            &[
+                Arg::Buf(gate),
+                Arg::Buf(up),
+                Arg::Buf(out),
+                u32_arg(n),
+                Arg::U32(act.code()),
+            ],
+        )
     }
 
     fn add(&self, x: BlockHandle, y: BlockHandle, n: usize) -> Result<()> {
         self.elementwise("add", n, &[Arg::Buf(x), Arg::Buf(y), u32_arg(n)])
+    }
+
+    fn scale(&self, x: BlockHandle, factor: f32, n: usize) -> Result<()> {
+        self.elementwise("scale", n, &[Arg::Buf(x), u32_arg(n), Arg::F32(factor)])
+    }
+
+    fn softcap(&self, x: BlockHandle, cap: f32, n: usize) -> Result<()> {
+        self.elementwise("softcap", n, &[Arg::Buf(x), u32_arg(n), Arg::F32(cap)])
     }
 
     fn argmax(&self, x: BlockHandle, out: BlockHandle, n_rows: usize, width: usize) -> Result<()> {
@@ -616,6 +652,7 @@ impl Backend for MetalBackend {
                 u32_arg(shape.head_dim),
                 u32_arg(rope.dims),
                 Arg::U32(u32::from(rope.layout == RopeLayout::Halves)),
+                Arg::F32(rope.scale),
             ],
         )
     }

@@ -37,7 +37,7 @@ impl<'a, B: Backend> GreedyDecode<'a, B> {
             .ok_or_else(|| Error::InvalidArgument("the prompt has no tokens".into()))?;
         pages.reserve(kv, prompt.len())?;
         model.forward(prompt, kv, LogitRows::None, |_, _| {})?;
-        pages.index_full_pages(kv);
+        pages.after_step(kv);
         let row = last % model.max_batch;
         model.choose(row, 0)?;
         model.chosen(row, 0)?;
@@ -59,7 +59,7 @@ impl<'a, B: Backend> GreedyDecode<'a, B> {
             .ok_or_else(|| Error::InvalidArgument("greedy decoding has ended".into()))?;
         if let Some(token) = self.held.take() {
             self.kv.push_tokens(&[token]);
-            self.pages.index_full_pages(self.kv);
+            self.pages.after_step(self.kv);
         }
         if run_it {
             if let Err(e) = self.run_newest(1 - newest) {

@@ -5,7 +5,7 @@
 //! The loops are plain Rust, compiled again with AVX2 or AVX-512 enabled for those CPUs.
 
 use crate::backend::cpu::kernels::paged::cache_row;
-use crate::backend::AttentionShape;
+use crate::backend::{AttentionShape, Scores};
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 
@@ -54,12 +54,16 @@ pub struct Scratch {
     row: Vec<f32>,
 }
 
-/// The part of the paged cache one token reads: its sequence's pages and how many positions.
+/// The part of the paged cache one token reads: its sequence's pages and the positions it sees,
+/// with how it scores them.
 #[derive(Clone, Copy)]
 pub struct Context<'a> {
     pub table: &'a [u32],
     pub page_size: usize,
-    pub len: usize,
+    /// The positions `first..end`.
+    pub first: usize,
+    pub end: usize,
+    pub scores: Scores,
 }
 
 /// Attention for one (token, KV head) unit: `q` and `out` hold the group's query heads.
@@ -75,11 +79,11 @@ pub fn attend_group<T: KvElem>(
     out: &mut [f32],
     scratch: &mut Scratch,
 ) {
-    let n_ctx = ctx.len;
-    let row_of = |p: usize| cache_row(ctx.table, ctx.page_size, p) * shape.kv_width() + kv_head * shape.head_dim;
+    let (first, n_ctx) = (ctx.first, ctx.end - ctx.first);
+    let row_of =
+        |i: usize| cache_row(ctx.table, ctx.page_size, first + i) * shape.kv_width() + kv_head * shape.head_dim;
     let hd = shape.head_dim;
     let group = shape.n_heads / shape.n_kv_heads;
-    let scale = 1.0 / (hd as f32).sqrt();
     scratch.scores.resize(group * n_ctx, 0.0);
     scratch.row.resize(hd, 0.0);
     let Scratch { scores, row } = scratch;
@@ -100,7 +104,7 @@ pub fn attend_group<T: KvElem>(
                 .zip(row.chunks_exact(16).remainder())
                 .map(|(a, b)| a * b)
                 .sum();
-            scores[h * n_ctx + p] = (acc.iter().sum::<f32>() + tail) * scale;
+            scores[h * n_ctx + p] = ctx.scores.apply(acc.iter().sum::<f32>() + tail);
         }
     }
     for h in 0..group {

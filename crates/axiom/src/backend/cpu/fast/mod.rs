@@ -28,7 +28,7 @@ pub const GROUPS_PER_CHUNK: usize = CHUNK / GROUP;
 pub fn has_int8_kernel(ty: GgmlType) -> bool {
     matches!(
         ty,
-        GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q4K | GgmlType::Q6K
+        GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q4K | GgmlType::Q6K
     )
 }
 

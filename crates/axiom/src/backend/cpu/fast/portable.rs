@@ -48,6 +48,16 @@ pub fn unpack_row(ty: GgmlType, w: &[u8], n_in: usize, row: usize, stage: &mut S
                 put_block32(&mut u[i * 32..], &mut a[i * 8..], &mut b[i * 8..], quants, d, offset);
             }
         }
+        GgmlType::Q5_0 => {
+            for (i, blk) in src.chunks_exact(22).enumerate() {
+                let d = f16_at(blk, 0);
+                let qh = u32::from_le_bytes([blk[2], blk[3], blk[4], blk[5]]);
+                let qs = &blk[6..22];
+                let low = qs.iter().map(|q| q & 0x0f).chain(qs.iter().map(|q| q >> 4));
+                let quants = low.enumerate().map(|(j, q)| q | (((qh >> j) & 1) as u8) << 4);
+                put_block32(&mut u[i * 32..], &mut a[i * 8..], &mut b[i * 8..], quants, d, -16.0 * d);
+            }
+        }
         GgmlType::Q4K => {
             for (i, blk) in src.chunks_exact(144).enumerate() {
                 let (d, dmin) = (f16_at(blk, 0), f16_at(blk, 2));

@@ -21,7 +21,7 @@ pub const PANEL: usize = 16;
 pub enum Packing {
     /// 4-bit quants, two runs per vector (Q4_0, Q4_1, Q4_K).
     Nibbles,
-    /// 8-bit quants, one run per vector (Q8_0, Q6_K).
+    /// 8-bit quants, one run per vector (Q8_0, Q5_0, Q6_K).
     Bytes,
 }
 
@@ -47,7 +47,7 @@ impl Layout {
                 block_len: 32,
                 f32_scales: true,
             },
-            GgmlType::Q8_0 => Layout {
+            GgmlType::Q8_0 | GgmlType::Q5_0 => Layout {
                 packing: Packing::Bytes,
                 block_len: 32,
                 f32_scales: false,

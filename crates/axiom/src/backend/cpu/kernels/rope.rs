@@ -1,13 +1,14 @@
-use crate::backend::RopeLayout;
+use crate::backend::{Rope, RopeLayout};
 
 /// Rotates each head of each token's row in place: pair i by the angle `pos * freqs[i]`
-/// (computed in f64).
-pub fn rope(x: &mut [f32], positions: &[u32], freqs: &[f32], n_heads: usize, head_dim: usize, layout: RopeLayout) {
-    let half = freqs.len();
+/// (computed in f64), the pair's cosine and sine scaled by `rope.scale`.
+pub fn rope(x: &mut [f32], positions: &[u32], freqs: &[f32], n_heads: usize, head_dim: usize, rope: Rope) {
+    let (half, layout, scale) = (freqs.len(), rope.layout, rope.scale as f64);
     let mut table = vec![(0f64, 0f64); half];
     for (row, &pos) in x.chunks_exact_mut(n_heads * head_dim).zip(positions) {
         for (entry, &freq) in table.iter_mut().zip(freqs) {
-            *entry = (pos as f64 * freq as f64).sin_cos();
+            let (sin, cos) = (pos as f64 * freq as f64).sin_cos();
+            *entry = (sin * scale, cos * scale);
         }
         for head in row.chunks_exact_mut(head_dim) {
             for (i, &(sin, cos)) in table.iter().enumerate() {

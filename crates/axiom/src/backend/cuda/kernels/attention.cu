@@ -1,11 +1,13 @@
 // Causal grouped-query attention over the paged KV cache (f16 or f32), for decode and short steps.
 // Grid: (tokens, heads, splits), ATTN_THREADS threads; query head h reads KV head h / (n_heads /
-// n_kv_heads); head_dim a multiple of 8, up to 256.
+// n_kv_heads); head_dim a multiple of 8, up to 256. Token t sees the positions of its window
+// (Scores), lo..=positions[t]: the last `window` of them, or all from 0 where window is 0; its
+// scores are scale * q.k, capped to softcap * tanh(s / softcap) where softcap is not 0.
 //
 // A head's dimensions are cut into chunks of 8, and a group of `lanes` neighbouring lanes (the
 // chunk count rounded up to a power of two) holds one chunk each of the query, of a position's
 // key and value rows, and of the group's weighted sum. The groups share out the context
-// 0..=positions[t] position by position, each keeping its own online softmax, so the loop has no
+// lo..=positions[t] position by position, each keeping its own online softmax, so the loop has no
 // barrier: a group loads the key and the value rows of ATTN_BATCH positions at once (one 16-byte
 // load each for f16), finishes the scores with shuffles inside the group, and folds the batch into
 // its running maximum, sum and weighted values. The groups meet only at the end, through shuffles
@@ -131,13 +133,20 @@ __device__ __forceinline__ float3 merged(const float* m, const float* l, int n, 
 }
 
 // The one token's key and value rows (f32, before RoPE), and the rotation: pairs by `halves` (as
-// rope_kv_write) over the first `dims` dimensions by position * freqs[i]. k null: the cache
-// already holds the token's row (rope_kv_write ran).
+// rope_kv_write) over the first `dims` dimensions by position * freqs[i], cosine and sine times
+// `scale`. k null: the cache already holds the token's row (rope_kv_write ran).
 struct NewToken {
     const float* k;
     const float* v;
     const float* freqs;
     int dims, halves;
+    float scale;
+};
+
+// How a token weighs the positions it sees (AttentionParams).
+struct ScoreRule {
+    float scale, softcap;
+    int window;
 };
 
 template <typename T>
@@ -145,7 +154,7 @@ __device__ void attention(const float* __restrict__ q, T* __restrict__ k_cache, 
                           const u32* __restrict__ positions, const u32* __restrict__ tables, int table_width,
                           const u32* __restrict__ token_seqs, int page_size, NewToken fresh, float* __restrict__ out,
                           i8* xq, float* xd, int interleave, int start_next, u64* partials,
-                          int n_heads, int n_kv_heads, int head_dim) {
+                          int n_heads, int n_kv_heads, int head_dim, ScoreRule rule) {
     __shared__ float warp_m[ATTN_WARPS], warp_l[ATTN_WARPS];
     __shared__ float warp_acc[ATTN_WARPS][256];
     __shared__ double2 turns[ROPE_MAX_PAIRS];
@@ -159,8 +168,10 @@ __device__ void attention(const float* __restrict__ q, T* __restrict__ k_cache, 
     bool in_head = c < chunks;  // lanes past the head's last chunk only take part in the shuffles
     int group_size = n_heads / n_kv_heads;
     u64 kv_width = (u64)n_kv_heads * head_dim, kv_head = (u64)(h / group_size) * head_dim, kv_off = kv_head + 8 * c;
-    int n_ctx = __ldg(positions + t) + 1, pass = ATTN_BATCH * n_groups, first = split * pass;
-    int active = min(splits, (n_ctx + pass - 1) / pass);  // the splits with a pass
+    // The token sees positions lo..n_ctx-1; the passes start at lo.
+    int n_ctx = __ldg(positions + t) + 1, lo = rule.window > 0 ? max(0, n_ctx - rule.window) : 0;
+    int pass = ATTN_BATCH * n_groups, first = lo + split * pass;
+    int active = min(splits, (n_ctx - lo + pass - 1) / pass);  // the splits with a pass
     if (split >= active) return;
     const u32* table = tables + (u64)__ldg(token_seqs + t) * table_width;
     bool rotates = fresh.k != nullptr;
@@ -191,7 +202,8 @@ __device__ void attention(const float* __restrict__ q, T* __restrict__ k_cache, 
     int half = fresh.dims / 2;
     u64 own_row = 0;
     if (rotates) {
-        for (int i = threadIdx.x; i < half; i += ATTN_THREADS) turns[i] = turn(n_ctx - 1, fresh.freqs, i);
+        for (int i = threadIdx.x; i < half; i += ATTN_THREADS)
+            turns[i] = turn(n_ctx - 1, fresh.freqs, i, fresh.scale);
         own_row = page_row<true>(table, page_size, n_ctx - 1) * kv_width + kv_head;
     }
     begin_after_inputs();
@@ -229,7 +241,7 @@ __device__ void attention(const float* __restrict__ q, T* __restrict__ k_cache, 
     float qc[8] = {};
     if (in_head) {
         const float* qh = (rotates ? own_q : q + ((u64)t * n_heads + h) * head_dim) + 8 * c;
-        float scale = rsqrtf((float)head_dim);
+        float scale = rule.scale;
         float4 a = *(const float4*)qh, b = *((const float4*)qh + 1);
         qc[0] = a.x * scale, qc[1] = a.y * scale, qc[2] = a.z * scale, qc[3] = a.w * scale;
         qc[4] = b.x * scale, qc[5] = b.y * scale, qc[6] = b.z * scale, qc[7] = b.w * scale;
@@ -253,6 +265,7 @@ __device__ void attention(const float* __restrict__ q, T* __restrict__ k_cache, 
 #pragma unroll
             for (int o = 16; o > 0; o >>= 1)
                 if (o < lanes) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+            if (rule.softcap != 0.0f) dot = rule.softcap * tanhf(dot / rule.softcap);
             s[b] = base + b * n_groups + group < n_ctx ? dot : __int_as_float(0xff800000u);
             m_new = fmaxf(m_new, s[b]);
         }
@@ -343,8 +356,9 @@ __device__ void attention(const float* __restrict__ q, T* __restrict__ k_cache, 
 #define ATTENTION(NAME, T)                                                                                        \
     extern "C" __global__ void attention_##NAME(AttentionParams p) {                                             \
         attention(p.q, (T*)p.k_cache, (T*)p.v_cache, p.positions, p.tables, p.table_width, p.token_seqs,           \
-                  p.page_size, NewToken{p.k_new, p.v_new, p.freqs, p.dims, p.halves}, p.out, p.xq, p.xd,           \
-                  p.interleave, p.start_next, p.partials, p.n_heads, p.n_kv_heads, p.head_dim);                   \
+                  p.page_size, NewToken{p.k_new, p.v_new, p.freqs, p.dims, p.halves, p.rope_scale}, p.out, p.xq, p.xd,           \
+                  p.interleave, p.start_next, p.partials, p.n_heads, p.n_kv_heads, p.head_dim,                    \
+                  ScoreRule{p.scale, p.softcap, p.window});                                                      \
     }
 ATTENTION(f16, u16)
 ATTENTION(f32, float)

@@ -133,6 +133,7 @@ __device__ __forceinline__ void store_q8x4(float4 v, bool valid, u32* xq, float*
 #define TY_F16 1
 #define TY_Q4_0 2
 #define TY_Q4_1 3
+#define TY_Q5_0 6
 #define TY_Q8_0 8
 #define TY_Q4_K 12
 #define TY_Q6_K 14

@@ -8,7 +8,7 @@
 struct Weight {
     const u8* q;  // quants, row-major
     const u8* s;  // per-block scales (f16), or K-quant metadata
-    const u8* m;  // per-block minimums (f16, Q4_1), or Q6_K's high bits
+    const u8* m;  // per-block minimums (f16, Q4_1) or fifth bits (u32, Q5_0), or Q6_K's high bits
     int n_in;
 };
 
@@ -26,6 +26,11 @@ struct IntChunk {
 // Four bytes of 0..15 (0..63) to the signed bytes q - 8 (q - 32).
 __device__ __forceinline__ u32 nibbles_minus_8(u32 x) { return (x & 0x07070707u) | ((~x & 0x08080808u) * 0x1f); }
 __device__ __forceinline__ u32 six_bits_minus_32(u32 x) { return (x & 0x1f1f1f1fu) | ((~x & 0x20202020u) * 7); }
+// Four bytes of 0..31 to the signed bytes q - 16.
+__device__ __forceinline__ u32 five_bits_minus_16(u32 x) { return (x & 0x0f0f0f0fu) | ((~x & 0x10101010u) * 0x0f); }
+// Bits 0-3 of h to bit 4 of bytes 0-3: the multiply lays four copies of h 7 bits apart, so copy j
+// puts bit j at 8j (no carries: the copies do not overlap).
+__device__ __forceinline__ u32 fifth_bits(u32 h) { return (((h & 15) * 0x00204081u) << 4) & 0x10101010u; }
 
 // The scale and minimum of sub-block j of a Q4_K super-block whose 16 bytes of metadata are `meta`:
 // d and dmin (f16) in x, then 12 bytes of 6-bit scales and minimums in y, z, w, those of
@@ -82,6 +87,17 @@ template <> __device__ __forceinline__ IntChunk int_chunk<TY_Q4_1>(const Weight&
     float d = f16_to_f32(((const u16*)w.s)[b]), m = f16_to_f32(((const u16*)w.m)[b]);
     IntChunk k = {{}, {d, d}, {m, m}, {32 * c, 32 * c + 16}};
     split_nibbles(*(const uint4*)(w.q + row * (w.n_in / 2) + 16 * c), k.q);
+    return k;
+}
+
+// Q5_0: Q4_0's nibbles, each with a fifth bit, bit j of the block's word in `m` for value j.
+template <> __device__ __forceinline__ IntChunk int_chunk<TY_Q5_0>(const Weight& w, u64 row, int c) {
+    u64 b = row * (w.n_in / 32) + c;
+    float d = f16_to_f32(((const u16*)w.s)[b]);
+    u32 high = ((const u32*)w.m)[b];
+    IntChunk k = {{}, {d, d}, {0.0f, 0.0f}, {32 * c, 32 * c + 16}};
+    split_nibbles(*(const uint4*)(w.q + row * (w.n_in / 2) + 16 * c), k.q);
+    for (int i = 0; i < 8; i++) k.q[i] = five_bits_minus_16(k.q[i] | fifth_bits(high >> (4 * i)));
     return k;
 }
 

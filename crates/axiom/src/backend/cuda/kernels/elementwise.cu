@@ -1,23 +1,28 @@
-__device__ __forceinline__ float silu_times(float g, float u) { return g / (1.0f + expf(-g)) * u; }
+// act(g) * u, `act` as `Activation::code`: 0 silu, 1 GELU by its tanh approximation.
+__device__ __forceinline__ float glu_of(float g, float u, int act) {
+    if (act == 1) return 0.5f * g * (1.0f + tanhf(0.7978845608f * (g + 0.044715f * g * g * g))) * u;
+    return g / (1.0f + expf(-g)) * u;
+}
 
-// out = silu(gate) * up
-extern "C" __global__ void swiglu(SwigluParams p) {
+// out = act(gate) * up
+extern "C" __global__ void glu(GluParams p) {
     const float *gate = p.gate, *up = p.up;
     float* out = p.out;
     u64 n = p.n;
+    int act = p.act;
     begin_after_inputs();
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
-        out[i] = silu_times(gate[i], up[i]);
+        out[i] = glu_of(gate[i], up[i], act);
 }
 
-// swiglu on 16-bit gate and up products, written in their type (`kind` as in to_16bit): the
+// glu on 16-bit gate and up products, written in their type (`kind` as in to_16bit): the
 // feed-forward block's hidden rows as the down projection's cuBLAS GEMM reads them. Eight values
 // a thread, with 16-byte loads (the buffers are arena blocks, 16-byte aligned).
-extern "C" __global__ void swiglu_16(Swiglu16Params p) {
+extern "C" __global__ void glu_16(Glu16Params p) {
     const u16 *gate = p.gate, *up = p.up;
     u16* out = p.out;
     u64 n = p.n;
-    int kind = p.kind;
+    int kind = p.kind, act = p.act;
     begin_after_inputs();
     for (u64 i = 8 * (blockIdx.x * (u64)blockDim.x + threadIdx.x); i < n; i += 8 * (u64)gridDim.x * blockDim.x) {
         if (i + 8 <= n) {
@@ -26,11 +31,11 @@ extern "C" __global__ void swiglu_16(Swiglu16Params p) {
             uint4 o4;
             u16* o = (u16*)&o4;
             for (int j = 0; j < 8; j++)
-                o[j] = to_16bit(silu_times(from_16bit(g[j], kind), from_16bit(u[j], kind)), kind);
+                o[j] = to_16bit(glu_of(from_16bit(g[j], kind), from_16bit(u[j], kind), act), kind);
             *(uint4*)(out + i) = o4;
         } else {
             for (u64 j = i; j < n; j++)
-                out[j] = to_16bit(silu_times(from_16bit(gate[j], kind), from_16bit(up[j], kind)), kind);
+                out[j] = to_16bit(glu_of(from_16bit(gate[j], kind), from_16bit(up[j], kind), act), kind);
         }
     }
 }
@@ -42,6 +47,25 @@ extern "C" __global__ void add(AddParams p) {
     u64 n = p.n;
     begin_after_inputs();
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) x[i] += y[i];
+}
+
+// x *= factor
+extern "C" __global__ void scale(ScaleParams p) {
+    float* x = p.x;
+    u64 n = p.n;
+    float factor = p.factor;
+    begin_after_inputs();
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) x[i] *= factor;
+}
+
+// x = cap * tanh(x / cap), `cap` in `factor`
+extern "C" __global__ void softcap(ScaleParams p) {
+    float* x = p.x;
+    u64 n = p.n;
+    float cap = p.factor;
+    begin_after_inputs();
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
+        x[i] = cap * tanhf(x[i] / cap);
 }
 
 // x[t] += bias for rows of `width`

@@ -7,8 +7,10 @@
 // stream through shared memory 32 positions at a time, in two buffers: cp.async copies the next
 // tile while the warps work on this one. S = Q K^T and O += P V are m16n8k16 f16 MMAs with f32
 // accumulation, their fragments read by ldmatrix (transposing, for V); the softmax is online, in
-// base 2, with the scale folded into Q. Only the key tiles that reach past a warp's first query are
-// masked, and a warp skips those past its last. Blocks are numbered heads first, last tile first,
+// base 2, with the scale folded into Q (and a soft cap, where the layer has one, applied to S in
+// those units). Only the key tiles that reach past a warp's first query, or before its last query's
+// window, are masked; a warp skips those past its last query or wholly before its first query's
+// window, and a block starts at the tile of its first query's window. Blocks are numbered heads first, last tile first,
 // so that the longest ones start first and the short ones fill the tail. f16 KV cache; head_dim 64
 // or 128. The output goes out in f32, or in the f16 or bf16 (`out_type`) that the output
 // projection's GEMM reads. With `turns` (rope_kv_write's angles for each token, every dimension
@@ -72,6 +74,7 @@ __device__ __forceinline__ float row_max(float v) {
 // row's first keys.
 #define FA_RESCALE_ABOVE 8.0f
 #define FA_NEG_INF __int_as_float(0xff800000u)
+#define FA_LOG2E 1.4426950408889634f
 
 // How the queries' dimensions pair for RoPE (`pairing`): not rotated here, adjacent (2i, 2i + 1),
 // or halves apart (i, i + D/2); each load of the queries is compiled apart (Constant).
@@ -107,8 +110,8 @@ __device__ __forceinline__ u32 query_pair(const float* row, const float2* angles
 template <int D, int GROUPS, typename At>
 __device__ __forceinline__ void load_queries(const float* q, const float2* turns, int pairing, u32 first,
                                              const int (&rows)[GROUPS][2], const int (&row_pos)[GROUPS][2],
-                                             int n_heads, int h, int c, At at) {
-    const float scale = rsqrtf((float)D) * 1.4426950408889634f;  // 1/sqrt(D) * log2(e)
+                                             int n_heads, int h, int c, float score_scale, At at) {
+    const float scale = score_scale * FA_LOG2E;
     auto load = [&](auto rotation) {
         constexpr int R = decltype(rotation)::value;
 #pragma unroll
@@ -135,7 +138,9 @@ __device__ __forceinline__ void load_queries(const float* q, const float2* turns
 }
 
 // One tile of KEYS keys through the online softmax: S's scores (in the MMA's C layout, keys
-// kt..) masked where `masked` says a key may be later than a row, each row's base raised where its
+// kt.., in log2 units) capped to cap * tanh(s / cap) where `cap` (the soft cap in those units) is
+// not 0, masked where `masked` says a key may be later than a row or before its window (`window`
+// positions up to the row's own; 0: no window), each row's base raised where its
 // scores pass it by FA_RESCALE_ABOVE (the sums and outputs so far rescaled, for the whole warp at
 // once), and the probabilities packed as the A fragments of O += P V (S's C layout is P's A
 // layout). A row that has seen nothing stays at zero.
@@ -143,14 +148,20 @@ template <int GROUPS, int KEYS, int D>
 __device__ __forceinline__ void online_softmax(float (&s)[GROUPS][KEYS / 8][4], float (&m)[GROUPS][2],
                                                float (&l)[GROUPS][2], float (&o)[GROUPS][D / 8][4],
                                                u32 (&pa)[GROUPS][KEYS / 16][4], bool masked, int kt, int c,
-                                               const int (&row_pos)[GROUPS][2]) {
+                                               const int (&row_pos)[GROUPS][2], float cap, int window) {
     const float NEG_INF = FA_NEG_INF;
+    if (cap != 0.0f)
+        for (int gr = 0; gr < GROUPS; gr++)
+            for (int j = 0; j < KEYS / 8; j++)
+                for (int e = 0; e < 4; e++) s[gr][j][e] = cap * tanhf(s[gr][j][e] / cap);
     // The mask as a branch of its own: made per value, its tests ran in every tile.
     if (masked) {
         for (int gr = 0; gr < GROUPS; gr++)
             for (int j = 0; j < KEYS / 8; j++)
-                for (int e = 0; e < 4; e++)
-                    if (kt + 8 * j + 2 * c + e % 2 > row_pos[gr][e / 2]) s[gr][j][e] = NEG_INF;
+                for (int e = 0; e < 4; e++) {
+                    int key = kt + 8 * j + 2 * c + e % 2, pos = row_pos[gr][e / 2];
+                    if (key > pos || (window > 0 && pos - key >= window)) s[gr][j][e] = NEG_INF;
+                }
     }
     float tile_max[GROUPS][2];
     bool rises = false;
@@ -237,7 +248,8 @@ __device__ __forceinline__ void lane_rows(int (&rows)[GROUPS][2], int (&row_pos)
         }
 }
 
-// The loop over a block's key tiles of KEYS keys, two shared buffers in turn: the next tile's
+// The loop over a block's key tiles of KEYS keys from `key0` (a multiple of KEYS), two shared
+// buffers in turn: the next tile's
 // keys and values are copied from the paged cache while `work(kt, buffer)` runs on this one,
 // between two barriers. A thread copies the same 16-byte chunk of the head for keys copy_key,
 // copy_key + STEP, ...: the first to `chunk_at(copy_key, chunk)` bytes into a buffer, each next
@@ -246,7 +258,8 @@ __device__ __forceinline__ void lane_rows(int (&rows)[GROUPS][2], int (&row_pos)
 // fewer than 2^32 rows); keys past the last are zeros. ASYNC_PROXY: wgmma reads the tiles.
 template <int D, int KEYS, int THREADS, bool ASYNC_PROXY, typename ChunkAt, typename Work>
 __device__ __forceinline__ void over_key_tiles(const u16* k_cache, const u16* v_cache, const u32* table, int page_size,
-                                               u32 n_keys, int kv_width, int kv_off, u32 k_shared, u32 v_shared,
+                                               u32 key0, u32 n_keys, int kv_width, int kv_off, u32 k_shared,
+                                               u32 v_shared,
                                                u32 buffer_bytes, u32 row_bytes, ChunkAt chunk_at, Work work) {
     constexpr int CHUNKS = D / 8, STEP = THREADS / CHUNKS, COPIES = KEYS / STEP;
     const u32 copy_key = threadIdx.x / CHUNKS, chunk = threadIdx.x % CHUNKS;
@@ -270,10 +283,10 @@ __device__ __forceinline__ void over_key_tiles(const u16* k_cache, const u16* v_
         }
         asm volatile("cp.async.commit_group;" ::: "memory");
     };
-    look_up(0);
-    stage(0, 0);
-    look_up(KEYS);
-    for (u32 kt = 0, buf = 0; kt < n_keys; kt += KEYS, buf ^= 1) {
+    look_up(key0);
+    stage(0, key0);
+    look_up(key0 + KEYS);
+    for (u32 kt = key0, buf = 0; kt < n_keys; kt += KEYS, buf ^= 1) {
         // The next tile's copies go out (an empty group after the last), then this tile's are
         // awaited.
         if (kt + KEYS < n_keys) {
@@ -292,22 +305,26 @@ __device__ __forceinline__ void over_key_tiles(const u16* k_cache, const u16* v_
 }
 
 // A block's tile of queries (grid: heads, then tiles from the last, see the host) and where its
-// keys are: the tile's last query sees positions 0..n_keys-1 of its sequence's cache.
+// keys are: the tile's queries see positions below n_keys of its sequence's cache, none before
+// key0 (the tile of KEYS keys where the first query's window starts).
 struct QueryTile {
     int h;
-    u32 first, count, pos0, n_keys;
+    u32 first, count, pos0, key0, n_keys;
     const u32* table;
     int kv_width, kv_off;
 };
-template <int D>
+template <int D, int KEYS>
 __device__ __forceinline__ QueryTile query_tile(const u32* tiles, const u32* positions, const u32* tables,
-                                                int table_width, const u32* token_seqs, int n_heads, int n_kv_heads) {
+                                                int table_width, const u32* token_seqs, int n_heads, int n_kv_heads,
+                                                int window) {
     QueryTile t;
     t.h = blockIdx.x;
     int tile = gridDim.y - 1 - blockIdx.y;
     t.first = tiles[2 * tile], t.count = tiles[2 * tile + 1];
     t.pos0 = positions[t.first];
     t.n_keys = t.pos0 + t.count;
+    u32 seen_from = window > 0 && t.pos0 + 1 > (u32)window ? t.pos0 + 1 - window : 0;
+    t.key0 = seen_from / KEYS * KEYS;
     t.table = tables + (u64)token_seqs[t.first] * table_width;
     t.kv_width = n_kv_heads * D, t.kv_off = (t.h / (n_heads / n_kv_heads)) * D;
     return t;
@@ -317,10 +334,10 @@ __device__ __forceinline__ QueryTile query_tile(const u32* tiles, const u32* pos
 #define FLASH_ATTENTION_PARAMS                                                                                 \
     const float* q, const u16* k_cache, const u16* v_cache, const u32* positions, const u32* tables,          \
         int table_width, const u32* token_seqs, int page_size, const u32* tiles, const float2* turns, int pairing, \
-        void* out, int out_type, int n_heads, int n_kv_heads
+        void* out, int out_type, int n_heads, int n_kv_heads, float scale, float softcap, int window
 #define FLASH_ATTENTION_ARGS                                                                                     \
     p.q, p.k_cache, p.v_cache, p.positions, p.tables, p.table_width, p.token_seqs, p.page_size, p.tiles, p.turns, \
-        p.pairing, p.out, p.out_type, p.n_heads, p.n_kv_heads
+        p.pairing, p.out, p.out_type, p.n_heads, p.n_kv_heads, p.scale, p.softcap, p.window
 // The kernel NAME_D_N, NAME<D, N> on its FlashAttentionParams under launch bounds of THREADS and BLOCKS.
 #define FLASH_ATTENTION_KERNEL(NAME, D, N, THREADS, BLOCKS)                                                      \
     extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS) NAME##_##D##_##N(FlashAttentionParams p) {  \
@@ -337,7 +354,8 @@ __device__ void flash_attention(FLASH_ATTENTION_PARAMS) {
     extern __shared__ __align__(16) u8 fa_shared[];
     const u32 k_shared = shared_address(fa_shared), v_shared = k_shared + 2 * BUFFER, q_shared = v_shared + 2 * BUFFER;
     begin_after_inputs();
-    const QueryTile t = query_tile<D>(tiles, positions, tables, table_width, token_seqs, n_heads, n_kv_heads);
+    const QueryTile t =
+        query_tile<D, FA_KEYS>(tiles, positions, tables, table_width, token_seqs, n_heads, n_kv_heads, window);
     const u32 first = t.first, count = t.count, pos0 = t.pos0;
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
 
@@ -347,7 +365,8 @@ __device__ void flash_attention(FLASH_ATTENTION_PARAMS) {
     // The warp's last query position: later key tiles are all masked for it and skipped (-1: all
     // its rows are past the tile).
     const int warp_last = warp_first < (int)count ? (int)pos0 + min(warp_first + ROWS, (int)count) - 1 : -1;
-    load_queries<D>(q, turns, pairing, first, rows, row_pos, n_heads, t.h, c,
+    const float cap = softcap * FA_LOG2E;  // S is in log2 units
+    load_queries<D>(q, turns, pairing, first, rows, row_pos, n_heads, t.h, c, scale,
                     [&](int row, int d) { return (u32*)(fa_shared + 4 * BUFFER + row * ROW) + d / 2; });
     // (The loop's first barrier makes them visible to the warp's ldmatrix.)
 
@@ -364,10 +383,13 @@ __device__ void flash_attention(FLASH_ATTENTION_PARAMS) {
     const u32 v_lane = v_shared + (8 * (lane / 8 % 2) + lane % 8) * ROW + 16 * (lane / 16);
     const u32 q_lane = q_shared + (warp_first + lane % 16) * ROW + 16 * (lane / 16);
     over_key_tiles<D, FA_KEYS, FA_WARPS * 32, false>(
-        k_cache, v_cache, t.table, page_size, t.n_keys, t.kv_width, t.kv_off, k_shared, v_shared, BUFFER, ROW,
-        [](u32 key, u32 chunk) { return key * ROW + 16 * chunk; }, [&](u32 kt, u32 buf) {
+        k_cache, v_cache, t.table, page_size, t.key0, t.n_keys, t.kv_width, t.kv_off, k_shared, v_shared, BUFFER,
+        ROW, [](u32 key, u32 chunk) { return key * ROW + 16 * chunk; }, [&](u32 kt, u32 buf) {
             if ((int)kt > warp_last) return;  // every key here is later than the warp's rows
-            bool masked = kt + FA_KEYS > pos0 + warp_first;  // some key here is later than a row
+            // every key here is before the warp's first row's window
+            if (window > 0 && (int)(pos0 + warp_first) - (int)(kt + FA_KEYS - 1) >= window) return;
+            // some key here is later than a row, or before a row's window
+            bool masked = kt + FA_KEYS > pos0 + warp_first || (window > 0 && warp_last - (int)kt >= window);
 
             // S = Q K^T for this warp's rows and the tile's keys: dimensions outside, keys and
             // groups inside, so that the MMAs next to each other accumulate into different tiles.
@@ -395,7 +417,7 @@ __device__ void flash_attention(FLASH_ATTENTION_PARAMS) {
                             mma_f16(s[gr][j], qf[i][gr][t], kf[i][j][2 * t], kf[i][j][2 * t + 1]);
             }
             u32 pa[GROUPS][FA_KEYS / 16][4];
-            online_softmax<GROUPS, FA_KEYS, D>(s, m, l, o, pa, masked, (int)kt, c, row_pos);
+            online_softmax<GROUPS, FA_KEYS, D>(s, m, l, o, pa, masked, (int)kt, c, row_pos, cap, window);
 
             // O += P V, P straight from S's registers; each step's V fragments load during the step
             // before and serve every group. Step i: keys 16 kk.. (then 16 kk + 8..) against

@@ -95,7 +95,8 @@ __device__ void flash_attention_wg(FLASH_ATTENTION_PARAMS) {
     const u32 k_shared = q_shared + PANELS * Q_PANEL, v_shared = k_shared + 2 * KV_TILE;
     u8* const q_generic = fw_shared + (q_shared - unaligned);
     begin_after_inputs();
-    const QueryTile t = query_tile<D>(tiles, positions, tables, table_width, token_seqs, n_heads, n_kv_heads);
+    const QueryTile t =
+        query_tile<D, FW_KEYS>(tiles, positions, tables, table_width, token_seqs, n_heads, n_kv_heads, window);
     const u32 pos0 = t.pos0, count = t.count;
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
 
@@ -107,7 +108,8 @@ __device__ void flash_attention_wg(FLASH_ATTENTION_PARAMS) {
     // The warpgroup's last query position: it skips later key tiles, all masked for it.
     const int group_last =
         group_first < (int)count ? (int)pos0 + min(group_first + 64, (int)count) - 1 : -1;
-    load_queries<D>(q, turns, pairing, t.first, rows, row_pos, n_heads, t.h, c, [&](int row, int d) {
+    const float cap = softcap * FA_LOG2E;  // S is in log2 units
+    load_queries<D>(q, turns, pairing, t.first, rows, row_pos, n_heads, t.h, c, scale, [&](int row, int d) {
         return (u32*)(q_generic + d / 64 * Q_PANEL + swizzled(row, d % 64 / 8) + d % 8 * 2);
     });
 
@@ -117,10 +119,16 @@ __device__ void flash_attention_wg(FLASH_ATTENTION_PARAMS) {
 
     // The copies' steps are a multiple of 8 keys, so a chunk's swizzled offset moves by whole rows.
     over_key_tiles<D, FW_KEYS, WGS * 128, true>(
-        k_cache, v_cache, t.table, page_size, t.n_keys, t.kv_width, t.kv_off, k_shared, v_shared, KV_TILE, 128,
-        [](u32 key, u32 chunk) { return chunk / 8 * KV_PANEL + swizzled(key, chunk % 8); }, [&](u32 kt, u32 buf) {
-            if ((int)kt > group_last) return;  // every key here is later than the warpgroup's rows
-            bool masked = kt + FW_KEYS > pos0 + warp_first;
+        k_cache, v_cache, t.table, page_size, t.key0, t.n_keys, t.kv_width, t.kv_off, k_shared, v_shared, KV_TILE,
+        128, [](u32 key, u32 chunk) { return chunk / 8 * KV_PANEL + swizzled(key, chunk % 8); },
+        [&](u32 kt, u32 buf) {
+            // Skipped by the whole warpgroup (its MMAs are collective): every key here is later
+            // than its rows, or before its first row's window.
+            if ((int)kt > group_last) return;
+            if (window > 0 && (int)(pos0 + group_first) - (int)(kt + FW_KEYS - 1) >= window) return;
+            // Masked by the warp (the group's last row stands for the warp's: at worst a tile
+            // more is masked).
+            bool masked = kt + FW_KEYS > pos0 + warp_first || (window > 0 && group_last - (int)kt >= window);
             float s[1][FW_KEYS / 8][4];
             const u32 k_tile = k_shared + buf * KV_TILE;
             wgmma_fence();
@@ -134,7 +142,7 @@ __device__ void flash_attention_wg(FLASH_ATTENTION_PARAMS) {
             wgmma_wait();
             fence_registers(s[0]);
             u32 pa[1][FW_KEYS / 16][4];
-            online_softmax<1, FW_KEYS, D>(s, m, l, o, pa, masked, (int)kt, c, row_pos);
+            online_softmax<1, FW_KEYS, D>(s, m, l, o, pa, masked, (int)kt, c, row_pos, cap, window);
             fence_registers(o[0]);
             wgmma_fence();
             const u32 v_tile = v_shared + buf * KV_TILE;

@@ -446,6 +446,7 @@ __device__ __forceinline__ void q4k_rows(const Weight& w, const Weight& up, int 
 GEMV_INT_ALL(q8_0, TY_Q8_0)
 GEMV_INT_ALL(q4_0, TY_Q4_0)
 GEMV_INT_ALL(q4_1, TY_Q4_1)
+GEMV_INT_ALL(q5_0, TY_Q5_0)
 GEMV_INT_ALL(q4_k, TY_Q4_K)
 GEMV_INT_ALL(q6_k, TY_Q6_K)
 
@@ -568,6 +569,7 @@ GEMV_ALL(bf16, TY_BF16, float_row)
 GEMV_ALL(q8_0, TY_Q8_0, quant_row)
 GEMV_ALL(q4_0, TY_Q4_0, quant_row)
 GEMV_ALL(q4_1, TY_Q4_1, quant_row)
+GEMV_ALL(q5_0, TY_Q5_0, quant_row)
 GEMV_ALL(q4_k, TY_Q4_K, quant_row)
 GEMV_ALL(q6_k, TY_Q6_K, quant_row)
 
@@ -605,5 +607,6 @@ __device__ void dequant_f16(Weight w, u16* out, int n_out) {
 DEQUANT(q8_0, TY_Q8_0)
 DEQUANT(q4_0, TY_Q4_0)
 DEQUANT(q4_1, TY_Q4_1)
+DEQUANT(q5_0, TY_Q5_0)
 DEQUANT(q4_k, TY_Q4_K)
 DEQUANT(q6_k, TY_Q6_K)

@@ -55,6 +55,7 @@ struct RopeParams {
     int head_dim;
     int dims;
     int halves;
+    float scale;
 };
 
 // matmul.cu: up to three matrices of one type multiplied by the same activations in one launch
@@ -151,13 +152,16 @@ struct RopeKvWriteParams {
     int head_dim;
     int dims;
     int halves;
+    float scale;
     int first_head;
     int group;
     float2* turns_out;
 };
 
 // attention.cu: k_new, v_new and freqs are null unless the kernel rotates and stores the step's
-// token itself (NewToken); xq and xd unless it also quantizes its output.
+// token itself (NewToken); xq and xd unless it also quantizes its output. Scores are scale * q.k,
+// capped to softcap * tanh(s / softcap) unless softcap is 0, over the last `window` positions up
+// to the token's own (all of them where window is 0).
 struct AttentionParams {
     const float* q;
     void* k_cache;
@@ -172,6 +176,7 @@ struct AttentionParams {
     const float* freqs;
     int dims;
     int halves;
+    float rope_scale;
     float* out;
     i8* xq;
     float* xd;
@@ -181,9 +186,12 @@ struct AttentionParams {
     int n_heads;
     int n_kv_heads;
     int head_dim;
+    float scale;
+    float softcap;
+    int window;
 };
 
-// flash_attention.cu and flash_attention_wg.cu.
+// flash_attention.cu and flash_attention_wg.cu (the scores' fields as in AttentionParams).
 struct FlashAttentionParams {
     const float* q;
     const u16* k_cache;
@@ -200,22 +208,33 @@ struct FlashAttentionParams {
     int out_type;
     int n_heads;
     int n_kv_heads;
+    float scale;
+    float softcap;
+    int window;
 };
 
 // elementwise.cu
-struct SwigluParams {
+struct GluParams {
     const float* gate;
     const float* up;
     float* out;
     u64 n;
+    int act;
 };
 
-struct Swiglu16Params {
+struct Glu16Params {
     const u16* gate;
     const u16* up;
     u16* out;
     u64 n;
     int kind;
+    int act;
+};
+
+struct ScaleParams {
+    float* x;
+    u64 n;
+    float factor;
 };
 
 struct AddParams {

@@ -11,12 +11,12 @@ template <typename T>
 __device__ void rope_kv_write(float* q, float* k, const float* v, T* k_cache, T* v_cache, const u32* positions,
                               const float* freqs, const u32* tables, int table_width, const u32* token_seqs,
                               int page_size, int n_heads, int n_kv_heads, int head_dim, int dims, int halves,
-                              int first_head, int group, float2* turns_out) {
+                              float scale, int first_head, int group, float2* turns_out) {
     __shared__ double2 turns[ROPE_MAX_PAIRS];
     int t = blockIdx.x, half = dims / 2;
     int h0 = first_head + blockIdx.y * group, h1 = min(h0 + group, n_heads + n_kv_heads);
     u32 pos = positions[t];
-    for (int i = threadIdx.x; i < half; i += blockDim.x) turns[i] = turn(pos, freqs, i);
+    for (int i = threadIdx.x; i < half; i += blockDim.x) turns[i] = turn(pos, freqs, i, scale);
     // The token's cache row, where this block has key heads.
     u64 row = h1 > n_heads ? page_row(tables + (u64)token_seqs[t] * table_width, page_size, pos) : 0;
     // The angles and the cache row come from the positions and block tables, which the host
@@ -55,7 +55,7 @@ __device__ void rope_kv_write(float* q, float* k, const float* v, T* k_cache, T*
 #define ROPE_KV_WRITE(NAME, T)                                                                                     \
     extern "C" __global__ void rope_kv_write_##NAME(RopeKvWriteParams p) {                                       \
         rope_kv_write(p.q, p.k, p.v, (T*)p.k_cache, (T*)p.v_cache, p.positions, p.freqs, p.tables, p.table_width,  \
-                      p.token_seqs, p.page_size, p.n_heads, p.n_kv_heads, p.head_dim, p.dims, p.halves,            \
+                      p.token_seqs, p.page_size, p.n_heads, p.n_kv_heads, p.head_dim, p.dims, p.halves, p.scale,   \
                       p.first_head, p.group, p.turns_out);                                                         \
     }
 ROPE_KV_WRITE(f16, u16)

@@ -1,6 +1,8 @@
 // Causal grouped-query attention over the paged KV cache, fused into one pass with an online
-// softmax. One threadgroup per (token, head) of up to ATTN_MAX_SIMDS simdgroups: simdgroup s
-// takes positions s, s + simds, ... of 0..=positions[t]; each lane holds head dimensions lane,
+// softmax. Token t sees positions lo..=positions[t]: the last `window` of them, or all from 0
+// where window is 0; its scores are scale * q.k, capped to softcap * tanh(s / softcap) where
+// softcap is not 0. One threadgroup per (token, head) of up to ATTN_MAX_SIMDS simdgroups:
+// simdgroup s takes positions lo + s, lo + s + simds, ...; each lane holds head dimensions lane,
 // lane + lanes, ...; the simdgroups' partial results are merged through threadgroup memory.
 // Query head h reads KV head h / (n_heads / n_kv_heads).
 #define ATTN_MAX_SIMDS 8
@@ -10,13 +12,12 @@ template <typename T>
 void attention_head(device const float* q, device const T* k_cache, device const T* v_cache,
                     device const uint* positions, device const uint* tables, uint table_width,
                     device const uint* token_seqs, uint page_size, device float* out, uint n_heads,
-                    uint n_kv_heads, uint head_dim, uint t, uint h, uint tid, uint threads, uint simd, uint simds,
+                    uint n_kv_heads, uint head_dim, float scale, float softcap, uint window, uint t, uint h, uint tid, uint threads, uint simd, uint simds,
                     uint lane, uint lanes, threadgroup float* simd_max_score, threadgroup float* simd_sum_exp,
                     threadgroup float* simd_acc) {
     uint kv_width = n_kv_heads * head_dim;
     uint kv_off = (h / (n_heads / n_kv_heads)) * head_dim;
     device const float* qh = q + (ulong(t) * n_heads + h) * head_dim;
-    float scale = rsqrt(float(head_dim));
     float qv[ATTN_MAX_PER_LANE], acc[ATTN_MAX_PER_LANE];
     for (uint k = 0; k < ATTN_MAX_PER_LANE; k++) {
         uint d = lane + lanes * k;
@@ -24,9 +25,9 @@ void attention_head(device const float* q, device const T* k_cache, device const
         acc[k] = 0.0f;
     }
     float m = -INFINITY, l = 0.0f;
-    uint n_ctx = positions[t] + 1;
+    uint n_ctx = positions[t] + 1, lo = window > 0 && n_ctx > window ? n_ctx - window : 0;
     device const uint* table = tables + ulong(token_seqs[t]) * table_width;
-    for (uint p = simd; p < n_ctx; p += simds) {
+    for (uint p = lo + simd; p < n_ctx; p += simds) {
         ulong row = page_row(table, page_size, p) * kv_width + kv_off;
         float s = 0.0f;
         for (uint k = 0; k < ATTN_MAX_PER_LANE; k++) {
@@ -34,6 +35,7 @@ void attention_head(device const float* q, device const T* k_cache, device const
             if (d < head_dim) s += qv[k] * kv_load(k_cache + row + d);
         }
         s = simd_sum(s);
+        if (softcap != 0.0f) s = softcap * precise::tanh(s / softcap);
         float m_new = max(m, s);
         float correction = exp(m - m_new), e = exp(s - m_new);
         l = l * correction + e;
@@ -73,6 +75,8 @@ void attention_head(device const float* q, device const T* k_cache, device const
                                  device const uint* token_seqs [[buffer(6)]], constant uint& page_size [[buffer(7)]], \
                                  device float* out [[buffer(8)]], constant uint& n_heads [[buffer(9)]],            \
                                  constant uint& n_kv_heads [[buffer(10)]], constant uint& head_dim [[buffer(11)]], \
+                                 constant float& scale [[buffer(12)]], constant float& softcap [[buffer(13)]],     \
+                                 constant uint& window [[buffer(14)]],                                             \
                                  uint2 group [[threadgroup_position_in_grid]],                                     \
                                  uint tid [[thread_index_in_threadgroup]],                                         \
                                  uint2 group_size [[threads_per_threadgroup]],                                     \
@@ -84,7 +88,7 @@ void attention_head(device const float* q, device const T* k_cache, device const
         threadgroup float simd_sum_exp[ATTN_MAX_SIMDS];                                                           \
         threadgroup float simd_acc[ATTN_MAX_SIMDS * ATTN_MAX_PER_LANE * 32];                                      \
         attention_head<T>(q, k_cache, v_cache, positions, tables, table_width, token_seqs, page_size, out, n_heads,   \
-                          n_kv_heads, head_dim, group.x, group.y, tid, group_size.x, simd, simds, lane, lanes,      \
+                          n_kv_heads, head_dim, scale, softcap, window, group.x, group.y, tid, group_size.x, simd, simds, lane, lanes,      \
                           simd_max_score, simd_sum_exp, simd_acc);                                                  \
     }
 

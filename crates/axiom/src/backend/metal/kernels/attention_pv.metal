@@ -1,5 +1,5 @@
 // The seed's second attention pass: softmax over each score row of attention_qk (positions
-// 0..=positions[t]), then the weighted sum of the value rows. One threadgroup per (token, head)
+// 0..=positions[t], those outside the token's window at -inf), then the weighted sum of the value rows. One threadgroup per (token, head)
 // of a power-of-two number of threads; the max and the sum are tree reductions in threadgroup
 // memory, a barrier after every level.
 template <typename T>

@@ -63,6 +63,21 @@ struct Q4_1 {
     }
 };
 
+// d (f16), the fifth bits (u32, bit j for value j), then nibbles as Q4_0: value = d * (q - 16).
+struct Q5_0 {
+    enum { block_len = 32, block_bytes = 22, sub_len = 32 };
+    template <typename F> static void visit_sub(device const uchar* b, uint, thread F& f) {
+        float d = load_f16(b);
+        uint high = uint(b[2]) | (uint(b[3]) << 8) | (uint(b[4]) << 16) | (uint(b[5]) << 24);
+        for (uint j = 0; j < 16; j++) {
+            uint q0 = (b[6 + j] & 15) | (((high >> j) & 1) << 4);
+            uint q1 = (b[6 + j] >> 4) | (((high >> (j + 16)) & 1) << 4);
+            f(j, d * (float(q0) - 16.0f));
+            f(j + 16, d * (float(q1) - 16.0f));
+        }
+    }
+};
+
 // The 6-bit scale and min of sub-block j (0..8) of a Q4_K super-block's 12 packed bytes.
 inline void scale_min_k4(uint j, device const uchar* q, thread uint& scale, thread uint& min) {
     if (j < 4) {

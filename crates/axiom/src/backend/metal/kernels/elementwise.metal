@@ -1,12 +1,14 @@
 // Elementwise ops, one thread per value.
 
-// out = silu(gate) * up
-kernel void swiglu(device const float* gate [[buffer(0)]], device const float* up [[buffer(1)]],
-                   device float* out [[buffer(2)]], constant uint& n [[buffer(3)]],
-                   uint i [[thread_position_in_grid]]) {
+// out = act(gate) * up, `act` as Activation::code: 0 silu, 1 GELU by its tanh approximation
+kernel void glu(device const float* gate [[buffer(0)]], device const float* up [[buffer(1)]],
+                device float* out [[buffer(2)]], constant uint& n [[buffer(3)]], constant uint& act [[buffer(4)]],
+                uint i [[thread_position_in_grid]]) {
     if (i >= n) return;
     float g = gate[i];
-    out[i] = g / (1.0f + exp(-g)) * up[i];
+    float a = act == 1 ? 0.5f * g * (1.0f + precise::tanh(0.7978845608f * (g + 0.044715f * g * g * g)))
+                       : g / (1.0f + exp(-g));
+    out[i] = a * up[i];
 }
 
 // x += y
@@ -22,4 +24,18 @@ kernel void add_bias(device float* x [[buffer(0)]], device const float* bias [[b
                      uint i [[thread_position_in_grid]]) {
     if (i >= n) return;
     x[i] += bias[i % width];
+}
+
+// x *= factor
+kernel void scale(device float* x [[buffer(0)]], constant uint& n [[buffer(1)]], constant float& factor [[buffer(2)]],
+                  uint i [[thread_position_in_grid]]) {
+    if (i >= n) return;
+    x[i] *= factor;
+}
+
+// x = cap * tanh(x / cap)
+kernel void softcap(device float* x [[buffer(0)]], constant uint& n [[buffer(1)]], constant float& cap [[buffer(2)]],
+                    uint i [[thread_position_in_grid]]) {
+    if (i >= n) return;
+    x[i] = cap * precise::tanh(x[i] / cap);
 }
