@@ -17,6 +17,7 @@ use axiom::engine::Session;
 use axiom::format::gguf::GgufFile;
 use axiom::model::llama::LoadOptions;
 use axiom::tokenizer::Tokenizer;
+use common::ids;
 
 fn session(backend: CpuBackend) -> Session<CpuBackend> {
     let options = LoadOptions {
@@ -25,14 +26,6 @@ fn session(backend: CpuBackend) -> Session<CpuBackend> {
         max_seqs: 1,
     };
     Session::load(&common::gemma3_270m(), backend, options).unwrap()
-}
-
-fn ids(v: &serde_json::Value) -> Vec<u32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
 }
 
 fn gemma_refs(file: &str) -> serde_json::Value {
@@ -52,12 +45,7 @@ fn tokenizes_like_llama_cpp() {
             ("parse_special_no_bos", true, false),
             ("no_parse_special_no_bos", false, false),
         ] {
-            let want: Vec<u32> = case[mode]["ids"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|v| v.as_u64().unwrap() as u32)
-                .collect();
+            let want = ids(&case[mode]["ids"]);
             let got = tok.encode(text, special, bos).unwrap();
             assert_eq!(got, want, "{} ({mode}): {text:?}", case["name"]);
         }

@@ -16,7 +16,7 @@ use axiom::engine::perplexity::perplexity;
 use axiom::engine::{generate, GenerateOptions, Generation, Sampler, SamplerConfig, Session, StopReason};
 use axiom::model::llama::LoadOptions;
 use axiom::model::{KvCache, LogitRows};
-use common::{read_json, refs, smollm2};
+use common::{ids, read_json, refs, smollm2};
 
 /// The reference CPU backend computes exactly what transformers computes (f32 on the
 /// dequantized weights); the fast one quantizes activations as llama.cpp does.
@@ -70,14 +70,6 @@ fn top20_error(logits: &[f32], case: &serde_json::Value) -> f64 {
         norm += want * want;
     }
     (err / norm).sqrt()
-}
-
-fn ids(v: &serde_json::Value) -> Vec<u32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
 }
 
 #[test]

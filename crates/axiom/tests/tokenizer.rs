@@ -12,21 +12,13 @@ mod common;
 use axiom::chat::{ChatTemplate, Message};
 use axiom::format::gguf::{GgufFile, Value};
 use axiom::tokenizer::{TextStream, Tokenizer};
-use common::{hf_fixture, read_json, refs, smollm2, GgufWriter};
+use common::{hf_fixture, ids, read_json, refs, smollm2, GgufWriter};
 use std::time::{Duration, Instant};
 
 fn smollm2_tokenizer() -> (GgufFile, Tokenizer) {
     let file = GgufFile::open(&smollm2()).unwrap();
     let tokenizer = Tokenizer::from_gguf(&file).unwrap();
     (file, tokenizer)
-}
-
-fn ids(v: &serde_json::Value) -> Vec<u32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
 }
 
 #[test]

@@ -363,6 +363,18 @@ impl GgufFile {
         self.meta_index.get(key).map(|&i| &self.metadata[i].1)
     }
 
+    /// The count or size under `key`, if present; an error if it is not a non-negative integer.
+    pub fn get_usize(&self, key: &str) -> crate::Result<Option<usize>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => v
+                .as_u64()
+                .and_then(|x| usize::try_from(x).ok())
+                .map(Some)
+                .ok_or_else(|| crate::Error::Model(format!("{key} is not a non-negative integer"))),
+        }
+    }
+
     pub fn tensor(&self, name: &str) -> Option<&TensorInfo> {
         self.index.get(name).map(|&i| &self.tensors[i])
     }

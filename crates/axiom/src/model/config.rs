@@ -100,16 +100,7 @@ impl ModelConfig {
         };
         let gemma = arch.starts_with("gemma");
         let key = |k: &str| format!("{arch}.{k}");
-        let usize_of = |k: &str| -> Result<Option<usize>> {
-            match file.get(&key(k)) {
-                None => Ok(None),
-                Some(v) => v
-                    .as_u64()
-                    .and_then(|x| usize::try_from(x).ok())
-                    .map(Some)
-                    .ok_or_else(|| Error::Model(format!("{} is not a non-negative integer", key(k)))),
-            }
-        };
+        let usize_of = |k: &str| file.get_usize(&key(k));
         let required = |k: &str| usize_of(k)?.ok_or_else(|| Error::Model(format!("missing {}", key(k))));
         let float_of = |k: &str| file.get(&key(k)).and_then(|v| v.as_f64());
 

@@ -166,16 +166,7 @@ pub fn rope_from_gguf(
 ) -> Result<(Rope, Option<LongRopeFactors>)> {
     let key = |k: &str| format!("{arch}.{k}");
     let float = |k: &str| file.get(&key(k)).and_then(|v| v.as_f64());
-    let count = |k: &str| -> Result<Option<usize>> {
-        match file.get(&key(k)) {
-            None => Ok(None),
-            Some(v) => v
-                .as_u64()
-                .and_then(|x| usize::try_from(x).ok())
-                .map(Some)
-                .ok_or_else(|| Error::Model(format!("{} is not a non-negative integer", key(k)))),
-        }
-    };
+    let count = |k: &str| file.get_usize(&key(k));
     let dims = count("rope.dimension_count")?.unwrap_or(head_dim);
     // DeepSeek's YaRN magnitude and llama.cpp's extrapolation mix are not part of these models.
     for unread in ["rope.scaling.yarn_log_multiplier", "rope.scaling.yarn_ext_factor"] {

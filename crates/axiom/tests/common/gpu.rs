@@ -499,35 +499,48 @@ pub fn paged_kv_write_and_attention<B: Backend>(make: impl Fn(KvType) -> B, tole
         (256, &long_lens[..], vec![(0, 599)]),
     ];
     for kv_type in [KvType::F16, KvType::F32] {
-        // An f16 cache holds rounded K and V: give the reference the same values.
-        let round = |v: Vec<f32>| -> Vec<f32> {
-            match kv_type {
-                KvType::F16 => v.iter().map(|&x| f16::from_f32(x).to_f32()).collect(),
-                KvType::F32 => v,
-            }
-        };
         for ((head_dim, lens, queries), page_size) in cases.iter().flat_map(|c| [(c, 4), (c, 16)]) {
             let shape = AttentionShape {
                 n_heads: 9,
                 n_kv_heads: 3,
                 head_dim: *head_dim,
             };
-            let kv_w = shape.kv_width();
             let case = PagedCase::new(&mut rng, page_size, lens);
-            let k: Vec<Vec<f32>> = lens.iter().map(|l| round(randn(&mut rng, l * kv_w))).collect();
-            let v: Vec<Vec<f32>> = lens.iter().map(|l| round(randn(&mut rng, l * kv_w))).collect();
-            let q = randn(&mut rng, queries.len() * shape.q_width());
-            let (mut gpu, mut cpu) = pair(|| make(kv_type));
-            gpu.prepare(queries.len(), 64).unwrap();
-            let got = case.attention(&mut gpu, &k, &v, queries, &q, shape).unwrap();
-            let want = case.attention(&mut cpu, &k, &v, queries, &q, shape).unwrap();
-            let err = rel_l2(&got, &want);
+            let err = paged_attention_error(&make, kv_type, (&case, lens), queries, shape, &mut rng);
             assert!(
                 err < tolerance(kv_type, *head_dim),
                 "{kv_type:?} paged attention, head_dim {head_dim}, pages of {page_size}: relative error {err}"
             );
         }
     }
+}
+
+/// The relative error of `make(kv_type)`'s paged attention against the CPU reference's, for
+/// `queries` (sequence, position) over random keys and values of sequences of `lens` in `case`'s
+/// pages. An f16 cache holds rounded K and V: the reference is given the same values.
+fn paged_attention_error<B: Backend>(
+    make: &impl Fn(KvType) -> B,
+    kv_type: KvType,
+    (case, lens): (&PagedCase, &[usize]),
+    queries: &[(u32, u32)],
+    shape: AttentionShape,
+    rng: &mut ChaCha8Rng,
+) -> f64 {
+    let round = |v: Vec<f32>| -> Vec<f32> {
+        match kv_type {
+            KvType::F16 => v.iter().map(|&x| f16::from_f32(x).to_f32()).collect(),
+            KvType::F32 => v,
+        }
+    };
+    let kv_w = shape.kv_width();
+    let k: Vec<Vec<f32>> = lens.iter().map(|l| round(randn(rng, l * kv_w))).collect();
+    let v: Vec<Vec<f32>> = lens.iter().map(|l| round(randn(rng, l * kv_w))).collect();
+    let q = randn(rng, queries.len() * shape.q_width());
+    let (mut gpu, mut cpu) = pair(|| make(kv_type));
+    gpu.prepare(queries.len(), 64).unwrap();
+    let got = case.attention(&mut gpu, &k, &v, queries, &q, shape).unwrap();
+    let want = case.attention(&mut cpu, &k, &v, queries, &q, shape).unwrap();
+    rel_l2(&got, &want)
 }
 
 /// Attention under each rule of `score_rules` (windows, a soft cap, another scale) against the
@@ -550,28 +563,14 @@ pub fn attention_scores<B: Backend>(make: impl Fn(KvType) -> B, tolerance: impl 
             n_kv_heads,
             head_dim,
         };
-        let kv_w = shape.kv_width();
         for rule in score_rules(head_dim) {
             let page_size = if rule.window.is_some_and(|w| w < 16) { 4 } else { 16 };
             for (kv_type, queries) in [KvType::F16, KvType::F32]
                 .into_iter()
                 .flat_map(|kv| [&prefill, &decodes, &single].map(|q| (kv, q)))
             {
-                let round = |v: Vec<f32>| -> Vec<f32> {
-                    match kv_type {
-                        KvType::F16 => v.iter().map(|&x| f16::from_f32(x).to_f32()).collect(),
-                        KvType::F32 => v,
-                    }
-                };
                 let case = PagedCase::new(&mut rng, page_size, &lens).scored(rule);
-                let k: Vec<Vec<f32>> = lens.iter().map(|l| round(randn(&mut rng, l * kv_w))).collect();
-                let v: Vec<Vec<f32>> = lens.iter().map(|l| round(randn(&mut rng, l * kv_w))).collect();
-                let q = randn(&mut rng, queries.len() * shape.q_width());
-                let (mut gpu, mut cpu) = pair(|| make(kv_type));
-                gpu.prepare(queries.len(), 64).unwrap();
-                let got = case.attention(&mut gpu, &k, &v, queries, &q, shape).unwrap();
-                let want = case.attention(&mut cpu, &k, &v, queries, &q, shape).unwrap();
-                let err = rel_l2(&got, &want);
+                let err = paged_attention_error(&make, kv_type, (&case, &lens), queries, shape, &mut rng);
                 assert!(
                     err < tolerance(kv_type, head_dim, queries.len()),
                     "{kv_type:?} attention, {shape:?}, {} tokens, {rule:?}: relative error {err}",

@@ -27,6 +27,15 @@ pub fn refs(file: &str) -> PathBuf {
     tests_dir().join("refs/smollm2").join(file)
 }
 
+/// A JSON array of token ids.
+pub fn ids(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
+
 pub fn read_json(file: &str) -> serde_json::Value {
     serde_json::from_str(&std::fs::read_to_string(refs(file)).unwrap()).unwrap()
 }
