@@ -263,7 +263,9 @@ pub fn perplexity(args: PerplexityArgs, out: Output) -> Result<()> {
     };
     let loaded = load_session(&args.model, model, options, out)?;
     with_session!(loaded, session => {
-        let tokens = session.tokenizer.encode(&text, false, false)?;
+        // As llama-perplexity: the text starts with BOS where the model adds one, and each chunk's
+        // first token is overwritten with it.
+        let tokens = session.tokenizer.encode(&text, false, true)?;
         let bos = if session.tokenizer.add_bos {
             session.tokenizer.bos
         } else {
