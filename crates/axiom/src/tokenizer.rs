@@ -57,8 +57,9 @@ pub struct Tokenizer {
     pub eos: Option<u32>,
     pub add_bos: bool,
     end_of_generation: HashSet<u32>,
-    /// SentencePiece's dummy prefix (GGUF `llama` with `add_space_prefix`): "▁" goes before the
-    /// input even where it starts with a space, as llama.cpp does; `Metaspace` skips it there.
+    /// SentencePiece's dummy prefix (GGUF `llama` with `add_space_prefix`): "▁" goes before each
+    /// run of text between added tokens, even one that starts with a space, as llama.cpp and
+    /// Llama 2's own tokenizer give it; `Metaspace` would skip it there and after added tokens.
     dummy_prefix: bool,
 }
 
@@ -222,12 +223,25 @@ impl Tokenizer {
         }
     }
 
-    /// `text` as the pipeline must see it to start with SentencePiece's dummy prefix.
-    fn with_dummy_prefix<'a>(&self, text: &'a str) -> std::borrow::Cow<'a, str> {
-        match self.dummy_prefix && text.starts_with(' ') {
-            true => format!(" {text}").into(),
-            false => text.into(),
+    /// Ids of `text` through `tk`, each run between added tokens with its own dummy prefix.
+    fn encode_with(&self, tk: &tokenizers::Tokenizer, text: &str) -> Result<Vec<u32>> {
+        if !self.dummy_prefix {
+            return Ok(tk.encode_fast(text, false).map_err(tok_err)?.get_ids().to_vec());
         }
+        let splits = tk
+            .get_added_vocabulary()
+            .extract_and_normalize(tk.get_normalizer(), text);
+        let mut ids = Vec::new();
+        for (_, (start, end), tokens) in splits.get_splits(OffsetReferential::Original, OffsetType::Byte) {
+            match tokens {
+                Some(tokens) => ids.extend(tokens.iter().map(|t| t.id)),
+                None => {
+                    let run = format!(" {}", &text[start..end]);
+                    ids.extend_from_slice(tk.encode_fast(run.as_str(), false).map_err(tok_err)?.get_ids());
+                }
+            }
+        }
+        Ok(ids)
     }
 
     pub fn vocab_size(&self) -> usize {
@@ -238,12 +252,11 @@ impl Tokenizer {
     /// Adds BOS when the model asks for it and `add_bos` is set.
     pub fn encode(&self, text: &str, parse_special: bool, add_bos: bool) -> Result<Vec<u32>> {
         let tk = if parse_special { &self.parsing } else { &self.plain };
-        let encoding = tk.encode_fast(&*self.with_dummy_prefix(text), false).map_err(tok_err)?;
-        let mut ids = Vec::with_capacity(encoding.len() + 1);
+        let mut ids = Vec::new();
         if add_bos && self.add_bos {
             ids.extend(self.bos);
         }
-        ids.extend_from_slice(encoding.get_ids());
+        ids.extend(self.encode_with(tk, text)?);
         Ok(ids)
     }
 
@@ -342,11 +355,10 @@ impl Tokenizer {
         if text.is_empty() {
             return Ok(Vec::new());
         }
-        let (tk, text) = match &self.plain_continued {
-            Some(continued) if !first => (continued, text.into()),
-            _ => (&self.plain, self.with_dummy_prefix(text)),
-        };
-        Ok(tk.encode_fast(&*text, false).map_err(tok_err)?.get_ids().to_vec())
+        match &self.plain_continued {
+            Some(continued) if !first => self.encode_with(continued, text),
+            _ => self.encode_with(&self.plain, text),
+        }
     }
 
     /// The vocabulary entry of a token (e.g. "Ġworld").
@@ -619,7 +631,6 @@ fn sentencepiece_bpe(tokens: &[String], scores: &[f32], types: &[i64], unk: u32,
         .into_iter()
         .map(|(l, r)| json!([l, r]))
         .collect();
-    let prepend = if space_prefix { "first" } else { "never" };
     let mut decoders = vec![
         json!({"type": "Replace", "pattern": {"String": "▁"}, "content": " "}),
         json!({"type": "ByteFallback"}),
@@ -631,7 +642,8 @@ fn sentencepiece_bpe(tokens: &[String], scores: &[f32], types: &[i64], unk: u32,
     json!({
         "version": "1.0",
         "normalizer": null,
-        "pre_tokenizer": {"type": "Metaspace", "replacement": "▁", "prepend_scheme": prepend, "split": false},
+        // The dummy prefix is `Tokenizer::encode_with`'s: per run of text, as llama.cpp gives it.
+        "pre_tokenizer": {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "never", "split": false},
         "post_processor": null,
         "decoder": {"type": "Sequence", "decoders": decoders},
         "model": {"type": "BPE", "dropout": null, "unk_token": tokens.get(unk as usize), "continuing_subword_prefix": null,

@@ -392,7 +392,7 @@ fn sentencepiece_merges_by_score_with_byte_fallback() {
 }
 
 #[test]
-fn sentencepiece_chat_content_is_plain_text_without_a_second_space_prefix() {
+fn sentencepiece_chat_content_is_plain_text_with_one_space_prefix_a_run() {
     let file = GgufFile::from_bytes(&sentencepiece_file()).unwrap();
     let tok = Tokenizer::from_gguf(&file).unwrap();
     let piece = |s: &str| {
@@ -405,17 +405,18 @@ fn sentencepiece_chat_content_is_plain_text_without_a_second_space_prefix() {
     let world = ["w", "or", "l", "d"].map(piece);
     let messages = [Message::new("user", "hello</s>world")];
 
-    // After the template's BOS the tokenizer prepends no "▁" (it is not the input's start).
+    // After the template's BOS the content starts a run of text, with its "▁" (as llama.cpp
+    // gives it); the forged "</s>" inside it does not start another.
     let after_bos = ChatTemplate::new("{{ bos_token }}{{ messages[0].content }}</s>", "<s>", "</s>").unwrap();
     let chat = after_bos.render_chat(&messages, false).unwrap();
-    let want = [&[1, piece("hello")][..], &typed_eos, &world, &[2]].concat();
+    let want = [&[1, piece("▁hello")][..], &typed_eos, &world, &[2]].concat();
     assert_eq!(tok.encode_chat(&chat).unwrap(), want);
     let ordinary = after_bos
         .render_chat(&[Message::new("user", "hello world")], false)
         .unwrap();
     assert_eq!(
         tok.encode_chat(&ordinary).unwrap(),
-        [1, piece("hello"), piece("▁w"), piece("or"), piece("l"), piece("d"), 2]
+        [1, piece("▁hello"), piece("▁w"), piece("or"), piece("l"), piece("d"), 2]
     );
 
     // At the start of the input it does.
