@@ -177,9 +177,10 @@ struct FunctionDef {
 }
 
 /// `tool_choice`.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub enum ToolChoice {
     /// Tools are offered to the template, but the output is not read for calls (as vLLM does).
+    #[default]
     None,
     /// The model may call tools; calls in its output are returned as such.
     Auto,
@@ -207,7 +208,11 @@ pub struct ChatRequest {
     pub top_logprobs: Option<i64>,
     /// Offered tools, kept as sent: the template renders them in their given order.
     pub tools: Option<Vec<Value>>,
-    pub tool_choice: Option<Value>,
+    #[serde(rename = "tool_choice")]
+    tool_choice_sent: Option<Value>,
+    /// `tool_choice` as read by `check_chat`, once.
+    #[serde(skip)]
+    tool_choice: ToolChoice,
     pub parallel_tool_calls: Option<bool>,
     /// Completions are never stored; only `false` is accepted.
     #[serde(default)]
@@ -364,14 +369,15 @@ pub fn parse_chat(body: &[u8]) -> Result<ChatRequest, ApiError> {
     check_chat(parse(body, Endpoints::Chat)?)
 }
 
-fn check_chat(request: ChatRequest) -> Result<ChatRequest, ApiError> {
+fn check_chat(mut request: ChatRequest) -> Result<ChatRequest, ApiError> {
     if request.messages.is_empty() {
         return Err(ApiError::invalid("messages must not be empty", Some("messages")));
     }
     for (i, m) in request.messages.iter().enumerate() {
         check_message(i, m)?;
     }
-    let forced = request.tool_choice()?.forces_a_call();
+    request.tool_choice = request.read_tool_choice()?;
+    let forced = request.tool_choice.forces_a_call();
     for (i, tool) in request.tools.iter().flatten().enumerate() {
         check_tool(i, tool, forced)?;
     }
@@ -557,7 +563,8 @@ impl ChatRequest {
             logprobs: false,
             top_logprobs: None,
             tools,
-            tool_choice: None,
+            tool_choice_sent: None,
+            tool_choice: ToolChoice::None,
             parallel_tool_calls: None,
             store: false,
             modalities: None,
@@ -580,9 +587,13 @@ impl ChatRequest {
     }
 
     /// `tool_choice`: `auto` by default when tools are offered, as OpenAI's API does.
-    pub fn tool_choice(&self) -> Result<ToolChoice, ApiError> {
+    pub fn tool_choice(&self) -> &ToolChoice {
+        &self.tool_choice
+    }
+
+    fn read_tool_choice(&self) -> Result<ToolChoice, ApiError> {
         let invalid = |message: String| ApiError::invalid(message, Some("tool_choice"));
-        let choice = match &self.tool_choice {
+        let choice = match &self.tool_choice_sent {
             None if self.tools().is_empty() => ToolChoice::None,
             None => ToolChoice::Auto,
             Some(Value::String(s)) if s == "none" => ToolChoice::None,
@@ -609,7 +620,7 @@ impl ChatRequest {
     /// grammar, or a structured-output field (not both).
     pub fn constraint(&self) -> Result<Option<(ConstraintSpec, &'static str)>, ApiError> {
         let asked = self.sampling.constraint()?;
-        let choice = self.tool_choice()?;
+        let choice = self.tool_choice();
         if !choice.forces_a_call() {
             return Ok(asked);
         }
@@ -630,7 +641,7 @@ impl ChatRequest {
                 }
             })
             .collect();
-        let spec = match &choice {
+        let spec = match choice {
             ToolChoice::Function(name) => named_tool_call(&schemas, name),
             _ => any_tool_call(&schemas),
         };
@@ -1064,7 +1075,7 @@ mod tests {
             r#"{{"messages":[{{"role":"assistant","content":null,"tool_calls":[{call}]}},{{"role":"tool","tool_call_id":"call_1","content":"2"}}],"tools":[{tool}]}}"#
         );
         let chat = parse_chat(body.as_bytes()).unwrap();
-        assert_eq!(chat.tool_choice().unwrap(), ToolChoice::Auto);
+        assert_eq!(chat.tool_choice(), &ToolChoice::Auto);
         let messages = chat.template_messages().unwrap();
         assert_eq!(
             messages[0].tool_calls.as_ref().unwrap()[0]["function"]["arguments"],

@@ -322,7 +322,7 @@ impl AppState {
     /// The tool-call format to read from a chat's output: none unless tools are offered with
     /// `tool_choice` other than none.
     fn tool_format_for(&self, request: &api::ChatRequest) -> Result<Option<ToolFormat>, ApiError> {
-        let choice = request.tool_choice()?;
+        let choice = request.tool_choice();
         if request.tools().is_empty() {
             return Ok(None);
         }
@@ -449,7 +449,7 @@ async fn chat_completions(
     }
     let logprobs = request.logprobs()?;
     let constraint = request.constraint()?;
-    let forced = request.tool_choice()?.forces_a_call();
+    let forced = request.tool_choice().forces_a_call();
     let prompt = s
         .chat_prompt(request.template_messages()?, request.tools().to_vec(), true, forced)
         .await?;
