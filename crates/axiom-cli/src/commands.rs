@@ -124,6 +124,9 @@ pub struct BenchArgs {
     /// Generation lengths to test (comma-separated; 0 skips).
     #[arg(short = 'n', long = "n-gen", value_delimiter = ',', default_value = "128")]
     generate: Vec<usize>,
+    /// Tokens of context each test runs after (comma-separated), as llama-bench's -d.
+    #[arg(short = 'd', long = "n-depth", value_delimiter = ',', default_value = "0")]
+    depth: Vec<usize>,
     /// Repetitions of each test.
     #[arg(short = 'r', long, default_value_t = 3)]
     repetitions: usize,
@@ -315,14 +318,19 @@ pub fn bench(args: BenchArgs, out: Output) -> Result<()> {
         .chain(args.generate.iter().filter(|&&n| n > 0).map(|&n| Test::Generation(n)))
         .collect();
     let longest = tests.iter().map(|t| t.tokens()).max().unwrap_or(1);
+    let deepest = args.depth.iter().copied().max().unwrap_or(0);
     let model = open_model(&args.model)?;
     let context_length = model.files.config.context_length;
-    if longest > context_length {
-        bail!("a test of {longest} tokens exceeds the model's context of {context_length} tokens");
+    let needed = longest.saturating_add(deepest);
+    if needed > context_length {
+        bail!(
+            "a test of {longest} tokens after {deepest} of context exceeds the model's context of \
+             {context_length} tokens"
+        );
     }
     let options = LoadOptions {
-        max_batch: longest.min(args.ubatch),
-        kv_tokens: longest,
+        max_batch: needed.min(args.ubatch),
+        kv_tokens: needed,
         max_seqs: 1,
     };
     let loaded = load_session(&args.model, model, options, out)?;
@@ -333,13 +341,16 @@ pub fn bench(args: BenchArgs, out: Output) -> Result<()> {
         let size = format!("{:.2} MiB", info.file_bytes as f64 / (1 << 20) as f64);
         let params = format!("{:.2} M", info.parameters as f64 / 1e6);
         let mut rows = Vec::new();
-        let bar = progress(tests.len() as u64, "bench", out);
+        let bar = progress((tests.len() * args.depth.len()) as u64, "bench", out);
         for test in tests {
-            bar.set_message(format!("bench {}", test.name()));
-            let r = run_test(&mut session.model, &mut session.pages, test, args.repetitions)?;
-            bar.inc(1);
-            let gbps = matches!(test, Test::Generation(_)).then(|| r.mean * info.weight_bytes_per_token as f64 / 1e9);
-            rows.push((r, gbps));
+            for &depth in &args.depth {
+                bar.set_message(format!("bench {}", test.name()));
+                let r = run_test(&mut session.model, &mut session.pages, test, depth, args.repetitions)?;
+                bar.inc(1);
+                let gbps = matches!(test, Test::Generation(_))
+                    .then(|| r.mean * info.weight_bytes_per_token as f64 / 1e9);
+                rows.push((r, gbps));
+            }
         }
         bar.finish_and_clear();
         if args.json {
@@ -347,6 +358,7 @@ pub fn bench(args: BenchArgs, out: Output) -> Result<()> {
                 let out = json!({
                     "model": info.description, "size_bytes": info.file_bytes, "params": info.parameters,
                     "backend": backend, "threads": threads, "test": r.test, "n_tokens": r.n_tokens,
+                    "n_depth": r.depth,
                     "samples_ts": r.samples, "avg_ts": r.mean, "stddev_ts": r.stddev,
                     "weight_bandwidth_gbps": gbps,
                 });

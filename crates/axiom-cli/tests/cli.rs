@@ -254,6 +254,15 @@ fn bench_prints_a_llama_bench_style_table_and_json() {
     assert_eq!(objects[1]["samples_ts"].as_array().unwrap().len(), 2);
     assert!(objects[1]["weight_bandwidth_gbps"].as_f64().unwrap() > 0.0);
     assert!(objects[0]["weight_bandwidth_gbps"].is_null());
+
+    // After context: the tests are named as llama-bench names them, and each runs at each depth.
+    let out = ok(&axiom(&[
+        "bench", "-m", m, "-p", "8", "-n", "2", "-r", "1", "-d", "0,24", "--json",
+    ]));
+    let objects: Vec<Value> = out.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let names: Vec<&str> = objects.iter().map(|o| o["test"].as_str().unwrap()).collect();
+    assert_eq!(names, ["pp8", "pp8 @ d24", "tg2", "tg2 @ d24"]);
+    assert_eq!(objects[3]["n_depth"], 24);
 }
 
 #[test]
@@ -364,7 +373,7 @@ fn huge_sizes_from_flags_are_clamped_or_refused() {
     assert_eq!(out, " Paris.\n");
     // Sizes that cannot be honoured are refused with a message, never a panic or an abort.
     let text = concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml");
-    let cases: [(&[&str], &str); 4] = [
+    let cases: [(&[&str], &str); 5] = [
         (
             &["perplexity", "-m", m, "-f", text, "-c", HUGE],
             "exceeds the model's context of 8192 tokens",
@@ -372,6 +381,10 @@ fn huge_sizes_from_flags_are_clamped_or_refused() {
         (
             &["bench", "-m", m, "-p", HUGE],
             "exceeds the model's context of 8192 tokens",
+        ),
+        (
+            &["bench", "-m", m, "-p", "8", "-d", "8190"],
+            "a test of 128 tokens after 8190 of context exceeds the model's context of 8192 tokens",
         ),
         (&["bench", "-m", m, "-t", HUGE], "--threads must be between 1 and 1024"),
         (

@@ -4,7 +4,8 @@
 //! one at a time from an empty cache, decoded greedily as `axiom run` does at temperature 0 (each
 //! chosen on the device, which runs a step ahead of the host; llama-bench instead brings each
 //! step's logits back and waits for them). Each test runs once to warm up, then `repetitions`
-//! times.
+//! times. At a depth of d (llama-bench's `-d`), each repetition starts after d tokens of context,
+//! prefilled once and not timed.
 
 use crate::backend::Backend;
 use crate::model::{GreedyDecode, Llama, LogitRows, PagePool};
@@ -35,8 +36,10 @@ impl Test {
 
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct BenchResult {
+    /// As llama-bench names it: `tg128`, or `tg128 @ d4096` after context.
     pub test: String,
     pub n_tokens: usize,
+    pub depth: usize,
     /// Tokens per second of each repetition.
     pub samples: Vec<f64>,
     pub mean: f64,
@@ -47,6 +50,7 @@ pub fn run_test<B: Backend>(
     model: &mut Llama<B>,
     pages: &mut PagePool,
     test: Test,
+    depth: usize,
     repetitions: usize,
 ) -> Result<BenchResult> {
     let n = test.tokens();
@@ -55,11 +59,19 @@ pub fn run_test<B: Backend>(
     }
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(n as u64);
     let vocab = model.config.vocab_size as u32;
-    let tokens: Vec<u32> = (0..n).map(|_| rng.random_range(0..vocab)).collect();
-    let mut kv = model.new_kv_cache(n);
+    let mut random = |len: usize| -> Vec<u32> { (0..len).map(|_| rng.random_range(0..vocab)).collect() };
+    let tokens = random(n);
+    let context = random(depth);
+    let mut kv = model.new_kv_cache(depth + n);
+    if depth > 0 {
+        pages.reserve(&mut kv, depth)?;
+        model.forward(&context, &mut kv, LogitRows::None, |_, _| {})?;
+        pages.after_step(&mut kv);
+    }
     let mut samples = Vec::new();
     for rep in 0..=repetitions {
-        pages.truncate(&mut kv, 0);
+        pages.truncate(&mut kv, depth);
+        model.backend.synchronize()?;
         let start = Instant::now();
         match test {
             Test::Prompt(_) => {
@@ -83,9 +95,14 @@ pub fn run_test<B: Backend>(
     pages.free(&mut kv);
     let mean = samples.iter().sum::<f64>() / samples.len() as f64;
     let var = samples.iter().map(|s| (s - mean).powi(2)).sum::<f64>() / (samples.len().max(2) - 1) as f64;
+    let name = match depth {
+        0 => test.name(),
+        d => format!("{} @ d{d}", test.name()),
+    };
     Ok(BenchResult {
-        test: test.name(),
+        test: name,
         n_tokens: n,
+        depth,
         samples,
         mean,
         stddev: var.sqrt(),
