@@ -4,10 +4,11 @@
 Builds llama.cpp's llama-bench and llama-completion from the sources vendored in the PyPI sdist of
 llama-cpp-python (into ~/.cache/axiom-bench, once; needs cmake and ninja, e.g. `pip install cmake
 ninja scikit-build-core`), then runs A B A B: `axiom bench` and `llama-bench`, one repetition each,
-`--runs` times, and prints the medians and ratios for pp512 and tg128. Also compares the peak RSS
-of one generation run of each (`/usr/bin/time -v`).
+`--runs` times, and prints the medians and ratios for pp512 and tg128 (and both again after
+`--depth` tokens of context, as llama-bench's `-d`). Also compares the peak RSS of one generation
+run of each (`/usr/bin/time -v`).
 
-    cargo build --release && python3 scripts/bench_cpu_vs_llamacpp.py [--runs 5] [--threads 2]
+    cargo build --release && python3 scripts/bench_cpu_vs_llamacpp.py [--runs 5] [--threads 2] [--depth 2048]
 """
 import argparse
 import json
@@ -49,15 +50,20 @@ def llama_cpp() -> Path:
     return build
 
 
-def axiom_run(axiom, model, threads, test):
-    flag = ["-p", "512", "-n", "0"] if test == "pp512" else ["-p", "0", "-n", "128"]
-    out = sh([axiom, "bench", "-m", model, "-t", str(threads), "-r", "1", "--json", *flag])
+def bench_flags(test, depth):
+    """The flags both benches share for one test: ("pp512" or "tg128", depth)."""
+    sizes = ["-p", "512", "-n", "0"] if test == "pp512" else ["-p", "0", "-n", "128"]
+    return [*sizes, "-d", str(depth)]
+
+
+def axiom_run(axiom, model, threads, test, depth):
+    out = sh([axiom, "bench", "-m", model, "-t", str(threads), "-r", "1", "--json", *bench_flags(test, depth)])
     return json.loads(out.strip().splitlines()[-1])["avg_ts"]
 
 
-def llama_run(build, model, threads, test):
-    flag = ["-p", "512", "-n", "0"] if test == "pp512" else ["-p", "0", "-n", "128"]
-    out = sh([str(build / "bin" / "llama-bench"), "-m", model, "-t", str(threads), "-r", "1", "-o", "json", *flag])
+def llama_run(build, model, threads, test, depth):
+    out = sh([str(build / "bin" / "llama-bench"), "-m", model, "-t", str(threads), "-r", "1", "-o", "json",
+              *bench_flags(test, depth)])
     return json.loads(out)[0]["avg_ts"]
 
 
@@ -71,18 +77,21 @@ def main():
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--model", help="GGUF (default: axiom's default model)")
+    ap.add_argument("--depth", type=int, default=0, help="also run both tests after this many tokens of context")
     args = ap.parse_args()
     axiom = str(ROOT / "target" / "release" / "axiom")
     model = args.model or sh([axiom, "info"]).split("(")[0].split("file:")[1].strip()
     build = llama_cpp()
     print(f"model {model}, {args.threads} threads, {args.runs} alternating runs per test")
-    for test in ["pp512", "tg128"]:
+    depths = [0, args.depth] if args.depth else [0]
+    for test, depth in [(t, d) for d in depths for t in ["pp512", "tg128"]]:
         ours, theirs = [], []
         for _ in range(args.runs):
-            ours.append(axiom_run(axiom, model, args.threads, test))
-            theirs.append(llama_run(build, model, args.threads, test))
+            ours.append(axiom_run(axiom, model, args.threads, test, depth))
+            theirs.append(llama_run(build, model, args.threads, test, depth))
         a, l = statistics.median(ours), statistics.median(theirs)
-        print(f"{test}: axiom {a:7.1f} tok/s  llama.cpp {l:7.1f} tok/s  ratio {a / l:.2f}x"
+        name = f"{test} @ d{depth}" if depth else test
+        print(f"{name}: axiom {a:7.1f} tok/s  llama.cpp {l:7.1f} tok/s  ratio {a / l:.2f}x"
               f"   (axiom {['%.1f' % x for x in ours]}, llama.cpp {['%.1f' % x for x in theirs]})")
     prompt = "Why is the sky blue?"
     ours = peak_rss_kib([axiom, "run", "-m", model, "-t", str(args.threads), "-n", "128", "--temp", "0", prompt])

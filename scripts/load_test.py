@@ -1,7 +1,10 @@
 #!/usr/bin/env python3
-"""Throughput and latency of `axiom serve` under concurrent streaming clients, on loopback.
+"""Throughput and latency of `axiom serve` or llama-server under concurrent streaming clients,
+on loopback.
 
-Starts the server, then for each concurrency level runs that many client threads, each
+Starts the server (`--axiom BIN`, or `--llama-server BIN` with one slot per stream of the largest
+level and each slot the context a request needs), then for each concurrency level runs that many
+client threads, each
 sending `--requests` streaming completions one after another (prompts of random token ids,
 greedy, `ignore_eos` so every request generates exactly `--max-tokens`). Reports per level:
 aggregate generated tokens per second over the level's wall time, time to first token and
@@ -11,13 +14,15 @@ constrained decoding. Standard library only, so it runs anywhere Python does.
 
     python3 scripts/load_test.py --axiom target/release/axiom [--model M.gguf] [--backend cpu]
         [--concurrency 1,8,32] [--requests 2] [--prompt-tokens 128] [--max-tokens 64]
-        [--json-schema schema.json] [--json out.json]
+        [--json-schema schema.json] [--json out.json] [-- more server arguments]
+    python3 scripts/load_test.py --llama-server llama-server --model M.gguf [...] [-- -ngl 99]
 """
 import argparse
 import http.client
 import json
 import random
 import re
+import socket
 import statistics
 import subprocess
 import threading
@@ -25,6 +30,12 @@ import time
 
 
 def start_server(args):
+    if args.axiom:
+        return start_axiom(args)
+    return start_llama_server(args)
+
+
+def start_axiom(args):
     cmd = [args.axiom, "serve", "--port", "0", "--max-seqs", str(max(args.levels)), *args.server_args]
     if args.model:
         cmd += ["--model", args.model]
@@ -43,6 +54,35 @@ def start_server(args):
     raise SystemExit("server did not start in time")
 
 
+def start_llama_server(args):
+    """llama-server with continuous batching over one slot per stream; ready once /health says so."""
+    if not args.model:
+        raise SystemExit("--llama-server needs --model")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    slots = max(args.levels)
+    # llama-server divides its context among the slots: each gets what one request needs.
+    ctx = slots * (args.prompt_tokens + args.max_tokens + 8)
+    cmd = [args.llama_server, "-m", args.model, "--host", "127.0.0.1", "--port", str(port),
+           "-np", str(slots), "-c", str(ctx), *args.server_args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + args.load_timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"llama-server exited ({proc.returncode}) before it was ready: {' '.join(cmd)}")
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            conn.request("GET", "/health")
+            if conn.getresponse().status == 200:
+                return proc, "127.0.0.1", port, f"llama-server on port {port}: {' '.join(cmd)}"
+        except OSError:
+            pass
+        time.sleep(0.5)
+    proc.terminate()
+    raise SystemExit("llama-server did not become ready in time")
+
+
 def one_request(host, port, prompt, max_tokens, deadline, schema=None):
     """Streams one completion; returns (ttft, [gaps], completion tokens)."""
     conn = http.client.HTTPConnection(host, port, timeout=max(1.0, deadline - time.time()))
@@ -56,7 +96,7 @@ def one_request(host, port, prompt, max_tokens, deadline, schema=None):
     resp = conn.getresponse()
     if resp.status != 200:
         raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:200]!r}")
-    ttft, last, gaps, tokens = None, None, [], 0
+    ttft, last, gaps, tokens, chunks = None, None, [], None, 0
     for raw in resp:
         line = raw.decode().strip()
         if not line.startswith("data: ") or line == "data: [DONE]":
@@ -65,14 +105,16 @@ def one_request(host, port, prompt, max_tokens, deadline, schema=None):
         now = time.perf_counter()
         if chunk.get("usage"):
             tokens = chunk["usage"]["completion_tokens"]
-        elif chunk["choices"] and chunk["choices"][0].get("text"):
+        if chunk.get("choices") and chunk["choices"][0].get("text"):
+            chunks += 1
             if ttft is None:
                 ttft = now - start
             else:
                 gaps.append(now - last)
             last = now
     conn.close()
-    return ttft, gaps, tokens
+    # A server that reports no usage is counted by its streamed pieces, a token each.
+    return ttft, gaps, chunks if tokens is None else tokens
 
 
 def run_level(args, host, port, streams):
@@ -117,7 +159,9 @@ def run_level(args, host, port, streams):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--axiom", required=True)
+    server = ap.add_mutually_exclusive_group(required=True)
+    server.add_argument("--axiom", help="the axiom binary to serve with")
+    server.add_argument("--llama-server", help="the llama-server binary to serve with, for comparison")
     ap.add_argument("--model")
     ap.add_argument("--backend")
     ap.add_argument("--concurrency", default="1,8,32")
@@ -128,8 +172,10 @@ def main():
     ap.add_argument("--load-timeout", type=float, default=300)
     ap.add_argument("--json-schema", help="a JSON schema file every request's output must follow")
     ap.add_argument("--json")
-    ap.add_argument("server_args", nargs="*", help="more `axiom serve` arguments (after --)")
+    ap.add_argument("server_args", nargs="*", help="more server arguments (after --)")
     args = ap.parse_args()
+    if args.llama_server and args.backend:
+        ap.error("--backend is axiom's: give llama-server its own flags after --")
     args.levels = [int(c) for c in args.concurrency.split(",")]
     args.schema = None
     if args.json_schema:

@@ -190,26 +190,23 @@ fn rope_metadata(config: &ModelConfig, arch: &str, w: &mut GgufWriter) -> Result
         }
         // Travels as `rope_freqs` (below).
         RopeScaling::Llama3 { .. } => {}
-        RopeScaling::Yarn {
-            factor,
-            original_context,
-            beta_fast,
-            beta_slow,
-            truncate,
-        } => {
+        RopeScaling::Yarn(yarn) => {
             // llama.cpp always rounds YaRN's ramp outwards, and has no key saying otherwise.
-            if !truncate {
+            if !yarn.truncate {
                 return Err(Error::Model(
                     "YaRN with truncate: false cannot be written to GGUF (llama.cpp always truncates)".into(),
                 ));
             }
             w.set(&key("type"), Value::String("yarn".into()));
-            w.set(&key("factor"), Value::F32(factor));
-            w.set(&key("original_context_length"), Value::U32(original_context as u32));
-            w.set(&key("yarn_beta_fast"), Value::F32(beta_fast));
-            w.set(&key("yarn_beta_slow"), Value::F32(beta_slow));
+            w.set(&key("factor"), Value::F32(yarn.factor));
+            w.set(
+                &key("original_context_length"),
+                Value::U32(yarn.original_context as u32),
+            );
+            w.set(&key("yarn_beta_fast"), Value::F32(yarn.beta_fast));
+            w.set(&key("yarn_beta_slow"), Value::F32(yarn.beta_slow));
             // llama.cpp multiplies this by YaRN's own magnitude term.
-            let attn_factor = config.rope.scale as f64 / crate::backend::yarn_mscale(factor as f64, 1.0);
+            let attn_factor = config.rope.scale as f64 / crate::backend::yarn_mscale(yarn.factor as f64, 1.0);
             w.set(&key("attn_factor"), Value::F32(attn_factor as f32));
         }
         RopeScaling::LongRope { original_context } => {

@@ -306,7 +306,7 @@ fn config_of(
 
 #[test]
 fn rope_scaling_keys_read_as_llama_cpp_writes_them() {
-    use axiom::backend::RopeScaling;
+    use axiom::backend::{RopeScaling, Yarn};
     let yarn = [
         ("rope.scaling.type", Value::String("yarn".into())),
         ("rope.scaling.factor", Value::F32(4.0)),
@@ -315,13 +315,13 @@ fn rope_scaling_keys_read_as_llama_cpp_writes_them() {
     let c = config_of("qwen2", &yarn, &[]).unwrap();
     assert!(matches!(
         c.rope.scaling,
-        RopeScaling::Yarn {
+        RopeScaling::Yarn(Yarn {
             factor: 4.0,
             original_context: 64,
             beta_fast: 32.0,
             beta_slow: 1.0,
             truncate: true
-        }
+        })
     ));
     // llama.cpp's attention factor is YaRN's own `0.1 ln(s) + 1`, times `attn_factor` if given.
     assert!(

@@ -68,22 +68,61 @@ pub enum RopeScaling {
         high_freq_factor: f32,
         original_context: usize,
     },
-    /// YaRN: frequencies that turn fewer than `beta_slow` times over the original context are
-    /// divided by `factor`, those turning more than `beta_fast` times kept, a linear ramp between
-    /// (its ends rounded outwards when `truncate`).
-    Yarn {
-        factor: f32,
-        original_context: usize,
-        beta_fast: f32,
-        beta_slow: f32,
-        truncate: bool,
-    },
+    Yarn(Yarn),
     /// LongRoPE (Phi-3): each pair's frequency divided by its own factor, the short list's when
     /// every sequence fits `original_context`, the long list's otherwise; the lists live in
     /// `ModelConfig::longrope`.
     LongRope {
         original_context: usize,
     },
+}
+
+/// YaRN: frequencies that turn fewer than `beta_slow` times over the original context are
+/// divided by `factor`, those turning more than `beta_fast` times kept, a linear ramp between (its
+/// ends rounded outwards when `truncate`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Yarn {
+    pub factor: f32,
+    pub original_context: usize,
+    pub beta_fast: f32,
+    pub beta_slow: f32,
+    pub truncate: bool,
+}
+
+impl Yarn {
+    /// The ramp at pair `i` of `dims` rotated dimensions turning at `theta`: 0 keeps the pair's
+    /// frequency, 1 divides it by the factor.
+    fn ramp(&self, i: usize, dims: f64, theta: f64) -> f64 {
+        let correction_dim = |rotations: f64| {
+            dims * (self.original_context as f64 / (rotations * 2.0 * std::f64::consts::PI)).ln() / (2.0 * theta.ln())
+        };
+        let (mut low, mut high) = (
+            correction_dim(self.beta_fast as f64),
+            correction_dim(self.beta_slow as f64),
+        );
+        if self.truncate {
+            (low, high) = (low.floor(), high.ceil());
+        }
+        let (low, mut high) = (low.max(0.0), high.min(dims - 1.0));
+        if low == high {
+            high += 0.001;
+        }
+        ((i as f64 - low) / (high - low)).clamp(0.0, 1.0)
+    }
+}
+
+impl std::fmt::Display for Yarn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "YaRN x{} beyond {} tokens (beta {}/{}{})",
+            self.factor,
+            self.original_context,
+            self.beta_fast,
+            self.beta_slow,
+            if self.truncate { "" } else { ", not truncated" }
+        )
+    }
 }
 
 impl std::fmt::Display for RopeScaling {
@@ -100,17 +139,7 @@ impl std::fmt::Display for RopeScaling {
                 f,
                 "llama3 x{factor} beyond {original_context} tokens (frequency factors {low_freq_factor}..{high_freq_factor})"
             ),
-            RopeScaling::Yarn {
-                factor,
-                original_context,
-                beta_fast,
-                beta_slow,
-                truncate,
-            } => write!(
-                f,
-                "YaRN x{factor} beyond {original_context} tokens (beta {beta_fast}/{beta_slow}{})",
-                if truncate { "" } else { ", not truncated" }
-            ),
+            RopeScaling::Yarn(yarn) => write!(f, "{yarn}"),
             RopeScaling::LongRope { original_context } => write!(
                 f,
                 "LongRoPE (short factors while the context served fits {original_context} tokens, long beyond)"
@@ -150,22 +179,6 @@ impl Rope {
     pub fn inverse_frequencies(&self) -> Vec<f32> {
         let dims = self.dims as f64;
         let half = self.dims / 2;
-        // YaRN's ramp over the pairs: 0 keeps a frequency, 1 divides it by the factor.
-        let yarn_ramp = |i: usize, original_context: usize, beta_fast: f32, beta_slow: f32, truncate: bool| {
-            let theta = self.theta as f64;
-            let correction_dim = |rotations: f64| {
-                dims * (original_context as f64 / (rotations * 2.0 * std::f64::consts::PI)).ln() / (2.0 * theta.ln())
-            };
-            let (mut low, mut high) = (correction_dim(beta_fast as f64), correction_dim(beta_slow as f64));
-            if truncate {
-                (low, high) = (low.floor(), high.ceil());
-            }
-            let (low, mut high) = (low.max(0.0), high.min(dims - 1.0));
-            if low == high {
-                high += 0.001;
-            }
-            ((i as f64 - low) / (high - low)).clamp(0.0, 1.0)
-        };
         (0..half)
             .map(|i| {
                 let base = (self.theta as f64).powf(-2.0 * i as f64 / dims);
@@ -191,15 +204,9 @@ impl Rope {
                             (1.0 - smooth) * base / factor + smooth * base
                         }
                     }
-                    RopeScaling::Yarn {
-                        factor,
-                        original_context,
-                        beta_fast,
-                        beta_slow,
-                        truncate,
-                    } => {
-                        let interpolated = yarn_ramp(i, original_context, beta_fast, beta_slow, truncate);
-                        base / factor as f64 * interpolated + base * (1.0 - interpolated)
+                    RopeScaling::Yarn(yarn) => {
+                        let ramp = yarn.ramp(i, dims, self.theta as f64);
+                        base / yarn.factor as f64 * ramp + base * (1.0 - ramp)
                     }
                 };
                 f as f32

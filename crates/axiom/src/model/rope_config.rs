@@ -1,7 +1,7 @@
 //! Rotary embedding settings from a `config.json` (transformers' `rope_parameters`) or from GGUF
 //! metadata (llama.cpp's `rope.*` keys), and LongRoPE's per-pair factor lists.
 
-use crate::backend::{yarn_mscale, Rope, RopeLayout, RopeScaling};
+use crate::backend::{yarn_mscale, Rope, RopeLayout, RopeScaling, Yarn};
 use crate::format::gguf::GgufFile;
 use crate::format::quant::GgmlType;
 use crate::{Error, Result};
@@ -98,13 +98,13 @@ pub fn rope_from_hf(config: &Json, model_type: &str, head_dim: usize) -> Result<
                 v => v.as_bool().ok_or_else(|| bad("rope truncate is not a boolean".into()))?,
             };
             (
-                RopeScaling::Yarn {
+                RopeScaling::Yarn(Yarn {
                     factor: factor as f32,
                     original_context,
                     beta_fast: beta("beta_fast", 32.0) as f32,
                     beta_slow: beta("beta_slow", 1.0) as f32,
                     truncate,
-                },
+                }),
                 attention_factor,
             )
         }
@@ -209,13 +209,13 @@ pub fn rope_from_gguf(
             // llama.cpp multiplies its `attn_factor` by YaRN's own `0.1 ln(s) + 1`.
             let scale = attn_factor.unwrap_or(1.0) * yarn_mscale(factor, 1.0);
             (
-                RopeScaling::Yarn {
+                RopeScaling::Yarn(Yarn {
                     factor: factor as f32,
                     original_context: original_context()?,
                     beta_fast: float("rope.scaling.yarn_beta_fast").unwrap_or(32.0) as f32,
                     beta_slow: float("rope.scaling.yarn_beta_slow").unwrap_or(1.0) as f32,
                     truncate: true,
-                },
+                }),
                 scale,
             )
         }
