@@ -282,7 +282,7 @@ fn generate_follows_a_schema_and_ends_when_it_is_complete() {
     let prompt = chat(&s, "Describe a person as JSON.");
     let schema = json!({
         "type": "object",
-        "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}},
+        "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
         "required": ["name", "age"],
         "additionalProperties": false,
     });

@@ -135,12 +135,14 @@ impl<B: Backend> Tokens<'_, B> {
             Tokens::Greedy(decode) => decode.next_token(will_run),
             Tokens::Sampled {
                 model,
+                kv,
                 sampler,
                 history,
                 mask,
                 ..
             } => sampler
-                .sample(model.last_logits(), history, mask.as_ref())
+                // Every known token has run: the new one takes the next position.
+                .sample(model.last_logits(), history, mask.as_ref(), kv.len())
                 .ok_or_else(|| {
                     Error::InvalidArgument("the constraint and the logit bias leave no token to sample".into())
                 }),

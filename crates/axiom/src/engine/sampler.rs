@@ -1,5 +1,9 @@
 //! Token sampling: a constraint's mask and the logit bias, then greedy, or penalties → top-k →
 //! top-p → min-p → temperature → a seeded draw (llama.cpp's default chain order).
+//!
+//! The draw for the token at sequence position `p` is word `p` of the ChaCha20 keystream keyed by
+//! the seed, so it depends on the seed and the position only: never on earlier draws, batching,
+//! preemption or which backend computed the logits.
 
 use super::constraint::TokenMask;
 use crate::backend::cpu::kernels::argmax::argmax;
@@ -142,6 +146,7 @@ impl SamplerConfig {
 
 pub struct Sampler {
     config: SamplerConfig,
+    /// Keyed by the seed; positioned afresh for every draw.
     rng: ChaCha20Rng,
     /// Candidates (token, logit), reused between calls.
     candidates: Vec<(u32, f32)>,
@@ -161,9 +166,16 @@ impl Sampler {
         &self.config
     }
 
-    /// Picks the next token from `logits`, given the tokens so far (for the penalties), among
-    /// those `allowed` lets through; `None` when the mask and the bias leave no token.
-    pub fn sample(&mut self, logits: &[f32], history: &[u32], allowed: Option<&TokenMask>) -> Option<u32> {
+    /// Picks the token for sequence position `position` from `logits`, given the tokens so far
+    /// (for the penalties), among those `allowed` lets through; `None` when the mask and the bias
+    /// leave no token.
+    pub fn sample(
+        &mut self,
+        logits: &[f32],
+        history: &[u32],
+        allowed: Option<&TokenMask>,
+        position: usize,
+    ) -> Option<u32> {
         let c = &self.config;
         let mut logits = std::borrow::Cow::Borrowed(logits);
         if let Some(mask) = allowed {
@@ -204,7 +216,7 @@ impl Sampler {
         top_p(cands, c.top_p);
         min_p(cands, c.min_p);
         let probs = softmax_with_temperature(cands, c.temperature);
-        let r: f32 = self.rng.random();
+        let r = draw(&mut self.rng, position);
         let mut acc = 0.0;
         for (&(id, _), p) in cands.iter().zip(&probs) {
             acc += p;
@@ -214,6 +226,12 @@ impl Sampler {
         }
         cands.last().map(|c| c.0)
     }
+}
+
+/// The uniform draw in [0, 1) for `position`: word `position` of `rng`'s keystream.
+fn draw(rng: &mut ChaCha20Rng, position: usize) -> f32 {
+    rng.set_word_pos(position as u128);
+    rng.random()
 }
 
 fn apply_bias(logits: &mut [f32], bias: &[(u32, f32)]) {
@@ -317,9 +335,10 @@ mod tests {
         (0..100).map(|i| i as f32 / 10.0).collect()
     }
 
+    /// The tokens for positions `0..n`.
     fn draws(config: SamplerConfig, n: usize) -> Vec<u32> {
         let mut s = Sampler::new(config);
-        (0..n).map(|_| s.sample(&logits(), &[], None).unwrap()).collect()
+        (0..n).map(|p| s.sample(&logits(), &[], None, p).unwrap()).collect()
     }
 
     #[test]
@@ -341,6 +360,34 @@ mod tests {
         let a = draws(config.clone(), 50);
         assert_eq!(a, draws(config.clone(), 50));
         assert_ne!(a, draws(SamplerConfig { seed: 8, ..config }, 50));
+    }
+
+    #[test]
+    fn a_draw_depends_on_its_position_only() {
+        let config = SamplerConfig {
+            temperature: 1.5,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            seed: 11,
+            ..Default::default()
+        };
+        let all = draws(config.clone(), 64);
+        // A sampler resumed at each position, or walking the positions backwards, draws the same.
+        for (p, &token) in all.iter().enumerate() {
+            assert_eq!(
+                Sampler::new(config.clone()).sample(&logits(), &[], None, p),
+                Some(token)
+            );
+        }
+        let mut backwards = Sampler::new(config);
+        let reversed: Vec<u32> = (0..64)
+            .rev()
+            .map(|p| backwards.sample(&logits(), &[], None, p).unwrap())
+            .collect();
+        assert!(all.iter().eq(reversed.iter().rev()));
+        // And the positions do draw differently.
+        assert!(all.iter().any(|&t| t != all[0]), "{all:?}");
     }
 
     #[test]
@@ -391,7 +438,7 @@ mod tests {
             repeat_penalty: 1.5,
             ..SamplerConfig::greedy()
         });
-        assert_eq!(s.sample(&[3.0, 2.5], &[0], None), Some(1));
+        assert_eq!(s.sample(&[3.0, 2.5], &[0], None, 1), Some(1));
     }
 
     #[test]
@@ -410,7 +457,10 @@ mod tests {
         let banned: Vec<(u32, f32)> = (90..100).map(|t| (t, BANNED_BIAS)).collect();
         assert!(draws(bias(banned, 5.0), 200).iter().all(|&t| t < 90));
         let everything: Vec<(u32, f32)> = (0..100).map(|t| (t, BANNED_BIAS)).collect();
-        assert_eq!(Sampler::new(bias(everything, 1.0)).sample(&logits(), &[], None), None);
+        assert_eq!(
+            Sampler::new(bias(everything, 1.0)).sample(&logits(), &[], None, 0),
+            None
+        );
         let e = bias(vec![(1, 150.0)], 1.0).validate().unwrap_err();
         assert_eq!(e.to_string(), "logit_bias must be between -100 and 100, got 150");
     }

@@ -698,7 +698,8 @@ fn next_token(
     };
     let (token, logits) = match output {
         StepOutput::Argmax(id) => (id, None),
-        StepOutput::Logits(logits) => match seq.sampler.sample(logits, &seq.tokens, mask.as_ref()) {
+        // Every known token has run: the new one takes the next position.
+        StepOutput::Logits(logits) => match seq.sampler.sample(logits, &seq.tokens, mask.as_ref(), seq.tokens.len()) {
             Some(token) => (token, Some(logits)),
             None => return seq.fail("the constraint and the logit bias leave no token to sample".into()),
         },
