@@ -9,7 +9,7 @@
 // window: the rule as attention.metal takes it), and each row's online softmax keeps its max and
 // sum; the values, staged where the keys were, give O = diag(correction) O + P V. A simdgroup
 // whose rows see none of a tile skips its products. Head dims up to HEAD_MAX (a kernel per class
-// of 64, 128 and 256), padded with zeros to whole 8-wide blocks.
+// of 64, 128 and 256), padded with zeros to it.
 enum { FA_ROWS = 32, FA_SIMDS = 4, FA_STAGE = 4096, FA_MAX_KEYS = 32 };
 static_assert(FA_ROWS == 8 * FA_SIMDS, "a simdgroup owns 8 rows");
 #define FA_NONE 0xffffffffu  // a row of no sequence; as a bound, past every position
@@ -25,9 +25,11 @@ void flash_attention_tile(device const float* q, device const T* k_cache, device
     // A tile of keys fills the stage: KEYS rows of HEAD_MAX.
     constexpr uint KEYS = uint(FA_STAGE) / HEAD_MAX < uint(FA_MAX_KEYS) ? uint(FA_STAGE) / HEAD_MAX : uint(FA_MAX_KEYS);
     constexpr uint QCOLS = FA_STAGE / FA_ROWS;  // the queries' columns staged at once
+    // Every loop over a head's blocks runs to the class's bound, over zeros past head_dim: the
+    // compiler can then unroll them and keep the matrices in registers.
+    constexpr uint BLOCKS = HEAD_MAX / 8;
     static_assert(KEYS % 8 == 0 && HEAD_MAX % 8 == 0 && KEYS <= 32, "whole 8x8 blocks, a lane per key");
     uint t0 = tile.x * FA_ROWS, h = tile.y;
-    uint blocks = (head_dim + 7) / 8;
     uint kv_width = n_kv_heads * head_dim, kv_off = (h / (n_heads / n_kv_heads)) * head_dim;
     threadgroup float* my_scores = scores + simd * 8 * KEYS;
     threadgroup float* my_diag = diag + simd * 64;
@@ -39,19 +41,19 @@ void flash_attention_tile(device const float* q, device const T* k_cache, device
         row_lo[tid] = window > 0 && pos + 1 > window ? pos + 1 - window : 0;
     }
     for (uint i = tid; i < FA_SIMDS * 64; i += threads) diag[i] = 0.0f;
-    simdgroup_float8x8 qm[HEAD_MAX / 8], om[HEAD_MAX / 8];
+    simdgroup_float8x8 qm[BLOCKS], om[BLOCKS];
     const simdgroup_float8x8 zero = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
-    for (uint c0 = 0; c0 < 8 * blocks; c0 += QCOLS) {
+    for (uint c0 = 0; c0 < HEAD_MAX; c0 += QCOLS) {
         for (uint e = tid; e < FA_ROWS * QCOLS; e += threads) {
             uint t = t0 + e / QCOLS, d = c0 + e % QCOLS;
             stage[e] = t < n_tokens && d < head_dim ? q[(ulong(t) * n_heads + h) * head_dim + d] * scale : 0.0f;
         }
         threadgroup_barrier(mem_flags::mem_threadgroup);
-        for (uint j = c0 / 8; j < blocks && j < (c0 + QCOLS) / 8; j++)
+        for (uint j = c0 / 8; j < BLOCKS && j < (c0 + QCOLS) / 8; j++)
             simdgroup_load(qm[j], stage + 8 * simd * QCOLS + 8 * j - c0, QCOLS);
         threadgroup_barrier(mem_flags::mem_threadgroup);  // the next columns overwrite the stage
     }
-    for (uint j = 0; j < blocks; j++) om[j] = zero;
+    for (uint j = 0; j < BLOCKS; j++) om[j] = zero;
     // Finite stand-ins for -inf (fast math may assume no infinities): a masked score is -FLT_MAX,
     // a row's max starts at half that, so exp of either against any max is 0 and no row needs a case.
     float m[8], l[8];
@@ -89,7 +91,7 @@ void flash_attention_tile(device const float* q, device const T* k_cache, device
             if (active) {
                 simdgroup_float8x8 s[KEYS / 8];
                 for (uint i = 0; i < KEYS / 8; i++) s[i] = zero;
-                for (uint j = 0; j < blocks; j++)
+                for (uint j = 0; j < BLOCKS; j++)
                     for (uint i = 0; i < KEYS / 8; i++) {
                         simdgroup_float8x8 kt;
                         simdgroup_load(kt, stage + 8 * j * KEYS + 8 * i, KEYS);
@@ -124,7 +126,7 @@ void flash_attention_tile(device const float* q, device const T* k_cache, device
                 simdgroup_float8x8 correction, pm[KEYS / 8];
                 simdgroup_load(correction, my_diag, 8);
                 for (uint i = 0; i < KEYS / 8; i++) simdgroup_load(pm[i], my_scores + 8 * i, KEYS);
-                for (uint j = 0; j < blocks; j++) {
+                for (uint j = 0; j < BLOCKS; j++) {
                     simdgroup_multiply_accumulate(om[j], correction, om[j], zero);
                     for (uint i = 0; i < KEYS / 8; i++) {
                         simdgroup_float8x8 v;
@@ -138,7 +140,7 @@ void flash_attention_tile(device const float* q, device const T* k_cache, device
     }
 
     // Each 8x8 block of the output through the simdgroup's scratch, divided by its row's sum.
-    for (uint j = 0; j < blocks; j++) {
+    for (uint j = 0; j < (head_dim + 7) / 8; j++) {
         simdgroup_store(om[j], my_diag, 8);
         simdgroup_barrier(mem_flags::mem_threadgroup);
         for (uint e = lane; e < 64; e += 32) {
