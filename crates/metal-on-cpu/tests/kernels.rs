@@ -2,7 +2,8 @@
 //! random inputs at awkward sizes: head_dim 48, 35 positions, 9 heads over 3 KV heads, rows that
 //! are not a multiple of the threadgroup, threadgroups of 1 to 4 simdgroups. Outputs start as
 //! NaN, so an element a kernel never writes fails; masked scores must be exactly -inf. Attention
-//! runs causal and under every score rule of the engine's tests (windows, a soft cap, a scale).
+//! runs causal and under every score rule of the engine's tests (windows, a soft cap, a scale),
+//! one test per rule and cache type; the prompt attention over contexts of 1, 7, 64 and 200.
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
