@@ -8,11 +8,16 @@
 #     - attention_qk's causal mask off by one (position p + 1 visible), and its window's
 #     - the fused attention ignoring the window
 #     - the tiled matmul's edge off by one (the last row of a partial tile of rows staged as zeros)
+#     - the prompt attention's key tile edge off by one (a sequence's last position staged as zeros)
 #   The same run under ThreadSanitizer (AXIOM_MSL_TSAN=1), on the quick kernels with threadgroup
-#   memory and one tile of the tiled matmul (under TSan every GPU thread is still an OS thread:
-#   the attention tests and the tiled matmul's every type take many minutes):
+#   memory and one tile of the tiled matmul and of the prompt attention (under TSan every GPU
+#   thread is still an OS thread: the other attention tests and the tiled matmul's every type
+#   take many minutes):
 #     - clean as written, then the missing barrier in rms_norm reported as a data race
 #     - a tiled matmul whose simdgroups read the staged tiles without waiting at the barrier
+#     - a prompt attention that stages the values over keys other simdgroups still read
+#   Each plant runs the one test (one score rule, one cache type) that catches it: the kernels are
+#   rebuilt for every plant, and the whole suite would take most of the time.
 #   Type-check (scripts/metal_check.sh):
 #     - a usize passed where a kernel's u32 argument goes
 #     - a Metal method called with the wrong argument type
@@ -45,45 +50,59 @@ expect_failure() {
     fi
 }
 
-# kernel_tests [ENV...]: the MSL tests, with the environment given.
+# kernel_tests ENV TEST...: the MSL tests named (exactly), with the environment given.
 kernel_tests() {
-    env "$@" cargo test --release --quiet -p metal-on-cpu --test kernels
+    local env=$1
+    shift
+    env $env cargo test --release --quiet -p metal-on-cpu --test kernels -- --exact "$@"
 }
 
-# tsan_tests [ENV...]: the quick kernels with threadgroup memory, under ThreadSanitizer.
+# tsan_tests ENV TEST...: as kernel_tests, under ThreadSanitizer.
 tsan_tests() {
+    local env=$1
+    shift
     env AXIOM_MSL_TSAN=1 TSAN_OPTIONS="suppressions=$root/crates/metal-on-cpu/tsan.supp halt_on_error=1 exitcode=66" \
-        "$@" cargo test --release --quiet -p metal-on-cpu --test kernels -- --test-threads 1 rms_norm argmax matmul_tiled_one_partial_tile
+        $env cargo test --release --quiet -p metal-on-cpu --test kernels -- --test-threads 1 --exact "$@"
 }
 
-# plant_kernel WHAT FILE OLD NEW [RUNNER]: the tests must fail on the altered kernels.
+# The quick kernels with threadgroup memory, and one tile of each tiled kernel.
+tsan_quick=(rms_norm_matches_the_reference argmax_takes_the_first_of_equal_maxima
+    matmul_tiled_one_partial_tile_matches_the_reference flash_attention_one_partial_tile_matches_the_reference)
+
+# plant_kernel WHAT FILE OLD NEW RUNNER TEST: the test must fail on the altered kernels.
 plant_kernel() {
-    local what=$1 file=$2 old=$3 new=$4 runner=${5:-kernel_tests}
+    local what=$1 file=$2 old=$3 new=$4 runner=$5 test=$6
     rm -rf "$work/kernels"
     cp -r crates/axiom/src/backend/metal/kernels "$work/kernels"
     replace "$work/kernels/$file" "$old" "$new"
-    expect_failure "$what" "$runner" AXIOM_METAL_KERNELS="$work/kernels"
+    expect_failure "$what" "$runner" AXIOM_METAL_KERNELS="$work/kernels" "$test"
 }
 
 plant_kernel "missing barrier in attention_pv's reduction" attention_pv.metal \
     "        if (tid < stride) scratch[tid] = max(scratch[tid], scratch[tid + stride]);
         threadgroup_barrier(mem_flags::mem_threadgroup);" \
-    "        if (tid < stride) scratch[tid] = max(scratch[tid], scratch[tid + stride]);"
+    "        if (tid < stride) scratch[tid] = max(scratch[tid], scratch[tid + stride]);" \
+    kernel_tests attention_pair::causal::f32_cache
 plant_kernel "missing barrier in rms_norm" rms_norm.metal \
     "    if (lane == 0) partial[simd] = sum;
     threadgroup_barrier(mem_flags::mem_threadgroup);" \
-    "    if (lane == 0) partial[simd] = sum;"
+    "    if (lane == 0) partial[simd] = sum;" kernel_tests rms_norm_matches_the_reference
 plant_kernel "causal mask off by one in attention_qk" attention_qk.metal \
-    "if (p <= pos && " "if (p <= pos + 1 && "
+    "if (p <= pos && " "if (p <= pos + 1 && " kernel_tests attention_pair::causal::f32_cache
 plant_kernel "window off by one in attention_qk" attention_qk.metal \
-    "pos - p < window" "pos - p <= window"
+    "pos - p < window" "pos - p <= window" kernel_tests attention_pair::window_3::f32_cache
 plant_kernel "window ignored by the fused attention" attention.metal \
-    "lo = window > 0 && n_ctx > window ? n_ctx - window : 0;" "lo = 0;"
+    "lo = window > 0 && n_ctx > window ? n_ctx - window : 0;" "lo = 0;" \
+    kernel_tests fused_attention::window_3::f32_cache
 plant_kernel "the tiled matmul's row edge off by one" matmul_tiled.metal \
-    "if (o0 + r < n_out && k < n_in) {" "if (o0 + r + 1 < n_out && k < n_in) {"
+    "if (o0 + r < n_out && k < n_in) {" "if (o0 + r + 1 < n_out && k < n_in) {" \
+    kernel_tests matmul_tiled_one_partial_tile_matches_the_reference
+plant_kernel "the prompt attention's key tile edge off by one" flash_attention.metal \
+    "p <= hi && d < head_dim ? kv_load(k_cache" "p < hi && d < head_dim ? kv_load(k_cache" \
+    kernel_tests flash_attention_one_partial_tile_matches_the_reference
 
-if tsan_tests >"$work/log" 2>&1; then
-    echo "clean under ThreadSanitizer: rms_norm, argmax, one tile of matmul_tiled"
+if tsan_tests "" "${tsan_quick[@]}" >"$work/log" 2>&1; then
+    echo "clean under ThreadSanitizer: rms_norm, argmax, one tile of matmul_tiled and of flash_attention"
 else
     echo "the kernels race under ThreadSanitizer:" && cat "$work/log"
     failures=$((failures + 1))
@@ -91,11 +110,14 @@ fi
 plant_kernel "missing barrier in rms_norm, under ThreadSanitizer" rms_norm.metal \
     "    if (lane == 0) partial[simd] = sum;
     threadgroup_barrier(mem_flags::mem_threadgroup);" \
-    "    if (lane == 0) partial[simd] = sum;" tsan_tests
+    "    if (lane == 0) partial[simd] = sum;" tsan_tests rms_norm_matches_the_reference
 plant_kernel "the tiled matmul reading its tiles before the barrier, under ThreadSanitizer" matmul_tiled.metal \
     "        threadgroup_barrier(mem_flags::mem_threadgroup);
         for (uint kk = 0; kk < TILE_K; kk += 8) {" \
-    "        for (uint kk = 0; kk < TILE_K; kk += 8) {" tsan_tests
+    "        for (uint kk = 0; kk < TILE_K; kk += 8) {" tsan_tests matmul_tiled_one_partial_tile_matches_the_reference
+plant_kernel "the prompt attention staging values over keys still read, under ThreadSanitizer" \
+    flash_attention.metal "            threadgroup_barrier(mem_flags::mem_threadgroup);  // every simdgroup is done with the keys
+" "" tsan_tests flash_attention_one_partial_tile_matches_the_reference
 
 # The type-check plants go into a copy of the workspace's sources.
 plant_rust() {

@@ -1,8 +1,8 @@
 // Runs a compute kernel on the CPU the way a GPU would schedule it, slowly but faithfully enough
 // to test it: one OS thread per GPU thread of a threadgroup, the groups one after another.
-// threadgroup_barrier waits for the group's threads (std::barrier); simd_* functions and simdgroup
-// matrix multiplies exchange values among the 32 lanes of a simdgroup through a per-simdgroup
-// barrier. A thread that returns leaves both barriers, as an inactive lane would.
+// threadgroup_barrier waits for the group's threads (std::barrier); simdgroup_barrier, simd_*
+// functions and simdgroup matrix multiplies wait for (and exchange values among) the 32 lanes of a
+// simdgroup through a per-simdgroup barrier. A thread that returns leaves both barriers, as an inactive lane would.
 //
 // What this cannot catch: Metal-only language rules (the real compiler is only on macOS),
 // fast-math differences, races between threadgroups (they never overlap here), and barriers
@@ -130,6 +130,7 @@ void launch(uint3 groups, uint3 per_group, Body body) {
 
 namespace metal {
 inline void threadgroup_barrier(mem_flags) { msl_cpu::current->group_state->sync.arrive_and_wait(); }
+inline void simdgroup_barrier(mem_flags) { msl_cpu::current->simd_state->sync.arrive_and_wait(); }
 inline float simd_sum(float v) {
     return msl_cpu::simd_reduce(v, [](float a, float b) { return a + b; });
 }

@@ -10,16 +10,34 @@ using msl_cpu::Thread;
 // GGUF type ids, as in format/quant.rs.
 #define WEIGHT_TYPES(X) X(0, f32) X(1, f16) X(30, bf16) X(8, q8_0) X(2, q4_0) X(3, q4_1) X(6, q5_0) X(12, q4_k) X(14, q6_k)
 
-extern "C" int msl_matmul(uint ty, const uchar* w, const float* x, float* out, uint n_in, uint n_out, uint n_tokens,
-                          uint accumulate, uint simds_per_group) {
+// `g` and `eps` are the RMS norm taken on the way in where `normed` is set.
+extern "C" int msl_matmul(uint ty, const uchar* w, const float* x, const float* g, float eps, uint normed, float* out,
+                          uint n_in, uint n_out, uint n_tokens, uint accumulate, uint simds_per_group) {
     uint3 groups = {(n_out + simds_per_group - 1) / simds_per_group, 1, 1};
     uint3 threads = {simds_per_group * msl_cpu::SIMD_WIDTH, 1, 1};
 #define CASE(ID, NAME)                                                                                   \
     case ID:                                                                                             \
         launch(groups, threads, [&](const Thread& t) {                                                   \
-            matmul_##NAME(w, x, out, n_in, n_out, n_tokens, accumulate, t.group.x, t.simd, t.simds, t.lane, \
-                          t.lanes);                                                                          \
+            matmul_##NAME(w, x, out, n_in, n_out, n_tokens, accumulate, g, eps, normed, t.group.x, t.simd, \
+                          t.simds, t.lane, t.lanes);                                                     \
         });                                                                                              \
+        return 0;
+    switch (ty) { WEIGHT_TYPES(CASE) }
+#undef CASE
+    return 1;
+}
+
+extern "C" int msl_matmul_glu(uint ty, const uchar* w_gate, const uchar* w_up, const float* x, const float* g,
+                              float eps, uint normed, float* out, uint n_in, uint n_out, uint n_tokens, uint act,
+                              uint simds_per_group) {
+    uint3 groups = {(n_out + simds_per_group - 1) / simds_per_group, 1, 1};
+    uint3 threads = {simds_per_group * msl_cpu::SIMD_WIDTH, 1, 1};
+#define CASE(ID, NAME)                                                                                           \
+    case ID:                                                                                                     \
+        launch(groups, threads, [&](const Thread& t) {                                                           \
+            matmul_glu_##NAME(w_gate, w_up, x, out, n_in, n_out, n_tokens, act, g, eps, normed, t.group.x, t.simd, \
+                              t.simds, t.lane, t.lanes);                                                         \
+        });                                                                                                      \
         return 0;
     switch (ty) { WEIGHT_TYPES(CASE) }
 #undef CASE
@@ -35,7 +53,7 @@ extern "C" int msl_matmul_tiled(uint ty, const uchar* w, const float* x, float* 
     case ID:                                                                                                        \
         launch(groups, threads, [&](const Thread& t) {                                                              \
             matmul_tiled_##NAME(w, x, out, n_in, n_out, n_tokens, accumulate, {t.group.x, t.group.y}, t.index,       \
-                                t.threads, t.simd);                                                                   \
+                                {t.threads, 1}, t.simd);                                                              \
         });                                                                                                         \
         return 0;
     switch (ty) { WEIGHT_TYPES(CASE) }
@@ -128,6 +146,34 @@ extern "C" void msl_attention(uint f16, const float* q, const void* k_cache, con
                           p.token_seqs, p.page_size, out, n_heads, n_kv_heads, head_dim, r.scale, r.softcap, r.window,
                           group, t.index, {t.threads, 1}, t.simd, t.simds, t.lane, t.lanes);
     });
+}
+
+// Tiles of FA_ROWS tokens by one head, FA_SIMDS simdgroups each (flash_attention.metal); `head_max`
+// picks the kernel of that head-dim class.
+extern "C" int msl_flash_attention(uint f16, uint head_max, const float* q, const void* k_cache, const void* v_cache,
+                                   Paged p, float* out, uint n_tokens, uint n_heads, uint n_kv_heads, uint head_dim,
+                                   Rule r) {
+    uint3 groups = {(n_tokens + FA_ROWS - 1) / FA_ROWS, n_heads, 1};
+    uint3 threads = {FA_SIMDS * msl_cpu::SIMD_WIDTH, 1, 1};
+#define CASE(HEAD_MAX)                                                                                             \
+    case HEAD_MAX:                                                                                                 \
+        launch(groups, threads, [&](const Thread& t) {                                                             \
+            uint2 tile = {t.group.x, t.group.y};                                                                   \
+            if (f16)                                                                                               \
+                flash_attention_f16_##HEAD_MAX(q, (const half*)k_cache, (const half*)v_cache, p.positions, p.tables, \
+                                               p.table_width, p.token_seqs, p.page_size, out, n_tokens, n_heads,   \
+                                               n_kv_heads, head_dim, r.scale, r.softcap, r.window, tile, t.index,  \
+                                               {t.threads, 1}, t.simd, t.lane);                                    \
+            else                                                                                                   \
+                flash_attention_f32_##HEAD_MAX(q, (const float*)k_cache, (const float*)v_cache, p.positions,       \
+                                               p.tables, p.table_width, p.token_seqs, p.page_size, out, n_tokens,  \
+                                               n_heads, n_kv_heads, head_dim, r.scale, r.softcap, r.window, tile,  \
+                                               t.index, {t.threads, 1}, t.simd, t.lane);                           \
+        });                                                                                                        \
+        return 0;
+    switch (head_max) { CASE(64) CASE(128) CASE(256) }
+#undef CASE
+    return 1;
 }
 
 extern "C" void msl_attention_qk(uint f16, const float* q, const void* k_cache, Paged p, float* scores, uint n_tokens,

@@ -89,11 +89,29 @@ unsafe extern "C" {
         ty: u32,
         w: *const u8,
         x: *const f32,
+        g: *const f32,
+        eps: f32,
+        normed: u32,
         out: *mut f32,
         n_in: u32,
         n_out: u32,
         n_tokens: u32,
         accumulate: u32,
+        simds: u32,
+    ) -> i32;
+    fn msl_matmul_glu(
+        ty: u32,
+        w_gate: *const u8,
+        w_up: *const u8,
+        x: *const f32,
+        g: *const f32,
+        eps: f32,
+        normed: u32,
+        out: *mut f32,
+        n_in: u32,
+        n_out: u32,
+        n_tokens: u32,
+        act: u32,
         simds: u32,
     ) -> i32;
     fn msl_matmul_tiled(
@@ -171,6 +189,20 @@ unsafe extern "C" {
         rule: Rule,
         simds: u32,
     );
+    fn msl_flash_attention(
+        f16: u32,
+        head_max: u32,
+        q: *const f32,
+        k_cache: *const c_void,
+        v_cache: *const c_void,
+        pages: Paged,
+        out: *mut f32,
+        n_tokens: u32,
+        n_heads: u32,
+        n_kv_heads: u32,
+        head_dim: u32,
+        rule: Rule,
+    ) -> i32;
     fn msl_attention_qk(
         f16: u32,
         q: *const f32,
@@ -214,14 +246,34 @@ pub struct Heads {
     pub head_dim: usize,
 }
 
+/// The RMS norm a row kernel takes on the way in: `x[t] / rms(x[t]) * weight`.
+#[derive(Clone, Copy)]
+pub struct Norm<'a> {
+    pub weight: &'a [f32],
+    pub eps: f32,
+}
+
+/// A norm's arguments: its weight (checked to hold a value per input), or `x` in its place, unread.
+fn norm_args(norm: Option<Norm>, x: &[f32], n_in: usize) -> (*const f32, f32, u32) {
+    match norm {
+        Some(Norm { weight, eps }) => {
+            assert_eq!(weight.len(), n_in, "a norm weight per input");
+            (weight.as_ptr(), eps, 1)
+        }
+        None => (x.as_ptr(), 0.0, 0),
+    }
+}
+
 /// `matmul_<type>`: `out[t, o] = sum_i x[t, i] * w[o, i]` (`+=` with `accumulate`), `w` in GGUF
-/// type `ty` (its id) with `row_bytes` bytes per row; `simds` rows per threadgroup.
+/// type `ty` (its id) with `row_bytes` bytes per row, `x` normalized on the way in with `norm`;
+/// `simds` rows per threadgroup.
 #[allow(clippy::too_many_arguments)]
 pub fn matmul(
     ty: u32,
     w: &[u8],
     row_bytes: usize,
     x: &[f32],
+    norm: Option<Norm>,
     out: &mut [f32],
     n_in: usize,
     n_tokens: usize,
@@ -230,12 +282,16 @@ pub fn matmul(
 ) {
     let n_out = out.len() / n_tokens;
     assert!(w.len() >= n_out * row_bytes && x.len() >= n_tokens * n_in && out.len() == n_tokens * n_out);
+    let (g, eps, normed) = norm_args(norm, x, n_in);
     // SAFETY: lengths checked above; the kernel reads `n_out` rows and `n_tokens` inputs.
     let rc = unsafe {
         msl_matmul(
             ty,
             w.as_ptr(),
             x.as_ptr(),
+            g,
+            eps,
+            normed,
             out.as_mut_ptr(),
             n_in as u32,
             n_out as u32,
@@ -245,6 +301,47 @@ pub fn matmul(
         )
     };
     assert_eq!(rc, 0, "no matmul kernel for type {ty}");
+}
+
+/// `matmul_glu_<type>`: `out = act(x w_gate^T) * (x w_up^T)`, `act` as axiom's
+/// `Activation::code`, both weights in type `ty` with `row_bytes` bytes per row; `x` normalized
+/// on the way in with `norm`; `simds` rows per threadgroup.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_glu(
+    ty: u32,
+    [w_gate, w_up]: [&[u8]; 2],
+    row_bytes: usize,
+    x: &[f32],
+    norm: Option<Norm>,
+    out: &mut [f32],
+    n_in: usize,
+    n_tokens: usize,
+    act: u32,
+    simds: u32,
+) {
+    let n_out = out.len() / n_tokens;
+    assert!(w_gate.len() >= n_out * row_bytes && w_up.len() >= n_out * row_bytes);
+    assert!(x.len() >= n_tokens * n_in && out.len() == n_tokens * n_out);
+    let (g, eps, normed) = norm_args(norm, x, n_in);
+    // SAFETY: lengths checked above; the kernel reads `n_out` rows of each weight and `n_tokens` inputs.
+    let rc = unsafe {
+        msl_matmul_glu(
+            ty,
+            w_gate.as_ptr(),
+            w_up.as_ptr(),
+            x.as_ptr(),
+            g,
+            eps,
+            normed,
+            out.as_mut_ptr(),
+            n_in as u32,
+            n_out as u32,
+            n_tokens as u32,
+            act,
+            simds,
+        )
+    };
+    assert_eq!(rc, 0, "no matmul_glu kernel for type {ty}");
 }
 
 /// `matmul_tiled_<type>`, the prompt matmul: as [`matmul`], in tiles of tokens by rows staged in
@@ -450,6 +547,48 @@ pub fn attention(
             simds,
         )
     }
+}
+
+/// The head-dim classes of the prompt attention (`flash_attention_<f16|f32>_<class>`): a head
+/// runs in any class at least its size, padded.
+pub const FLASH_HEAD_CLASSES: [usize; 3] = [64, 128, 256];
+
+/// The prompt attention, `flash_attention_<f16|f32>_<head_max>`: tiles of 32 tokens by one head,
+/// keys and values streamed through threadgroup memory, four simdgroups per tile.
+#[allow(clippy::too_many_arguments)]
+pub fn flash_attention(
+    q: &[f32],
+    mut k_cache: Cache,
+    mut v_cache: Cache,
+    pages: Pages,
+    out: &mut [f32],
+    heads: Heads,
+    rule: Rule,
+    head_max: usize,
+) {
+    let n_tokens = out.len() / (heads.n_heads * heads.head_dim);
+    let (f16, kc, rows) = k_cache.parts();
+    let (_, vc, _) = v_cache.parts();
+    let paged = pages.ffi(n_tokens, rows / (heads.n_kv_heads * heads.head_dim));
+    assert!(q.len() == out.len() && heads.head_dim <= head_max);
+    // SAFETY: sizes and pages checked above.
+    let rc = unsafe {
+        msl_flash_attention(
+            f16,
+            head_max as u32,
+            q.as_ptr(),
+            kc,
+            vc,
+            paged,
+            out.as_mut_ptr(),
+            n_tokens as u32,
+            heads.n_heads as u32,
+            heads.n_kv_heads as u32,
+            heads.head_dim as u32,
+            rule,
+        )
+    };
+    assert_eq!(rc, 0, "no flash attention kernel for heads of up to {head_max}");
 }
 
 /// The two-pass attention's first pass, `attention_qk_<f16|f32>`: scores `[n_tokens * n_heads, n_ctx]`.

@@ -2,7 +2,8 @@
 //! random inputs at awkward sizes: head_dim 48, 35 positions, 9 heads over 3 KV heads, rows that
 //! are not a multiple of the threadgroup, threadgroups of 1 to 4 simdgroups. Outputs start as
 //! NaN, so an element a kernel never writes fails; masked scores must be exactly -inf. Attention
-//! runs causal and under every score rule of the engine's tests (windows, a soft cap, a scale).
+//! runs causal and under every score rule of the engine's tests (windows, a soft cap, a scale),
+//! one test per rule and cache type; the prompt attention over contexts of 1, 7, 64 and 200.
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
@@ -17,7 +18,7 @@ use axiom::backend::cpu::kernels::{self as reference, paged::PageMap};
 use axiom::backend::{Activation, AttentionShape, Rope, RopeLayout, RopeScaling, Scores};
 use axiom::format::quant::GgmlType;
 use common::gpu::{randn, rel_l2, WEIGHT_TYPES};
-use common::{paged_queries, random_weight_bytes, score_rules, PagedCase, PAGED_LENS};
+use common::{capped_window, paged_queries, random_weight_bytes, score_rules, PagedCase, PAGED_LENS};
 use half::f16;
 use metal_on_cpu::{Cache, Heads, Pages, Rule};
 use rand::SeedableRng;
@@ -52,6 +53,7 @@ fn matmul_every_type_matches_the_reference() {
                 &w,
                 ty.row_bytes(n_in),
                 &x,
+                None,
                 &mut got,
                 n_in,
                 n_tokens,
@@ -63,9 +65,102 @@ fn matmul_every_type_matches_the_reference() {
         }
         let (residual, want_sum) = residual_and_sum(&mut rng, &want);
         let mut got = residual;
-        metal_on_cpu::matmul(ty.id(), &w, ty.row_bytes(n_in), &x, &mut got, n_in, n_tokens, true, 4);
+        metal_on_cpu::matmul(
+            ty.id(),
+            &w,
+            ty.row_bytes(n_in),
+            &x,
+            None,
+            &mut got,
+            n_in,
+            n_tokens,
+            true,
+            4,
+        );
         let err = rel_l2(&got, &want_sum);
         assert!(err < 1e-5, "{ty} added to a residual: relative error {err}");
+    }
+}
+
+/// The row matmul with the RMS norm taken on the way in, against the reference's norm, then
+/// matmul; rows of an odd length for the float types, so that lanes hold different counts.
+#[test]
+fn matmul_normalizing_its_input_matches_rms_norm_then_matmul() {
+    let mut rng = rng();
+    for ty in WEIGHT_TYPES {
+        let (n_in, n_out, n_tokens) = (awkward_n_in(ty), 37, 3);
+        let w = random_weight_bytes(&mut rng, ty, n_in * n_out);
+        let (x, g) = (randn(&mut rng, n_tokens * n_in), randn(&mut rng, n_in));
+        let want = normed_product(ty, &w, &x, &g, n_in, n_out);
+        let mut got = vec![f32::NAN; n_tokens * n_out];
+        let norm = metal_on_cpu::Norm { weight: &g, eps: 1e-5 };
+        metal_on_cpu::matmul(
+            ty.id(),
+            &w,
+            ty.row_bytes(n_in),
+            &x,
+            Some(norm),
+            &mut got,
+            n_in,
+            n_tokens,
+            false,
+            3,
+        );
+        let err = rel_l2(&got, &want);
+        assert!(err < 1e-5, "{ty}: relative error {err}");
+    }
+}
+
+/// The reference's `x` under the RMS norm of `g`, times `w` (`n_out` rows of `n_in`).
+fn normed_product(ty: GgmlType, w: &[u8], x: &[f32], g: &[f32], n_in: usize, n_out: usize) -> Vec<f32> {
+    let mut normed = vec![0f32; x.len()];
+    reference::rms_norm::rms_norm(x, g, &mut normed, n_in, 1e-5);
+    let mut out = vec![0f32; x.len() / n_in * n_out];
+    reference::matmul::matmul_rows(ty, w, n_in, 0..n_out, &normed, &mut out);
+    out
+}
+
+/// The gate and up products and the gated activation in one kernel, on rows as they are (SiLU)
+/// and normalized on the way in (GELU), against the reference's matmuls and glu.
+#[test]
+fn matmul_glu_every_type_matches_the_reference() {
+    let mut rng = rng();
+    for ty in WEIGHT_TYPES {
+        let (n_in, n_out, n_tokens) = (awkward_n_in(ty), 37, 3);
+        let w_gate = random_weight_bytes(&mut rng, ty, n_in * n_out);
+        let w_up = random_weight_bytes(&mut rng, ty, n_in * n_out);
+        let (x, g) = (randn(&mut rng, n_tokens * n_in), randn(&mut rng, n_in));
+        for (act, normed) in [(Activation::Silu, false), (Activation::GeluTanh, true)] {
+            let (gate, up) = if normed {
+                (
+                    normed_product(ty, &w_gate, &x, &g, n_in, n_out),
+                    normed_product(ty, &w_up, &x, &g, n_in, n_out),
+                )
+            } else {
+                let (mut gate, mut up) = (vec![0f32; n_tokens * n_out], vec![0f32; n_tokens * n_out]);
+                reference::matmul::matmul_rows(ty, &w_gate, n_in, 0..n_out, &x, &mut gate);
+                reference::matmul::matmul_rows(ty, &w_up, n_in, 0..n_out, &x, &mut up);
+                (gate, up)
+            };
+            let mut want = vec![0f32; n_tokens * n_out];
+            reference::glu::glu(&gate, &up, &mut want, act);
+            let mut got = vec![f32::NAN; n_tokens * n_out];
+            let norm = normed.then_some(metal_on_cpu::Norm { weight: &g, eps: 1e-5 });
+            metal_on_cpu::matmul_glu(
+                ty.id(),
+                [&w_gate, &w_up],
+                ty.row_bytes(n_in),
+                &x,
+                norm,
+                &mut got,
+                n_in,
+                n_tokens,
+                act.code(),
+                2,
+            );
+            let err = rel_l2(&got, &want);
+            assert!(err < 1e-5, "{ty}, {act:?}, normed {normed}: relative error {err}");
+        }
     }
 }
 
@@ -271,8 +366,10 @@ fn argmax_takes_the_first_of_equal_maxima() {
     }
 }
 
-/// The paged attention case of the engine's tests: two sequences in scrambled pages of 4, one
-/// prefilled at every position (so the causal mask matters) next to decodes of the other.
+/// A step of paged attention: sequences of `lens` positions in scrambled pages, their K and V rows
+/// at every position, and the step's queries. By default the engine's tests' case: two sequences
+/// in pages of 4, one prefilled at every position (so the causal mask matters) next to decodes of
+/// the other.
 struct Paged {
     shape: AttentionShape,
     case: PagedCase,
@@ -294,10 +391,20 @@ impl Paged {
             n_kv_heads: 3,
             head_dim: 48,
         };
-        let case = PagedCase::new(rng, 4, &PAGED_LENS);
-        let queries = paged_queries();
+        Paged::with(rng, shape, 4, &PAGED_LENS, &paged_queries())
+    }
+
+    /// Sequences of `lens` positions in pages of `page_size`, queried at `(sequence, position)`.
+    fn with(
+        rng: &mut ChaCha8Rng,
+        shape: AttentionShape,
+        page_size: usize,
+        lens: &[usize],
+        queries: &[(u32, u32)],
+    ) -> Paged {
+        let case = PagedCase::new(rng, page_size, lens);
         let (mut k_positions, mut k_seqs) = (Vec::new(), Vec::new());
-        for (seq, &len) in PAGED_LENS.iter().enumerate() {
+        for (seq, &len) in lens.iter().enumerate() {
             k_positions.extend(0..len as u32);
             k_seqs.extend(std::iter::repeat_n(seq as u32, len));
         }
@@ -343,10 +450,19 @@ impl Paged {
         let width = self.case.table_width();
         let (mut kc, mut vc) = (vec![f32::NAN; self.cache_len()], vec![f32::NAN; self.cache_len()]);
         let n_pages = self.case.n_pages;
-        let write = PageMap::new(&self.tables, width, &self.k_seqs, 4, &self.k_positions, n_pages).unwrap();
+        let page_size = self.case.page_size;
+        let write = PageMap::new(&self.tables, width, &self.k_seqs, page_size, &self.k_positions, n_pages).unwrap();
         let kv_width = self.shape.kv_width();
         reference::kv_write::kv_write(&self.k, &self.v, &mut kc, &mut vc, &self.k_positions, &write, kv_width);
-        let read = PageMap::new(&self.tables, width, &self.token_seqs, 4, &self.positions, n_pages).unwrap();
+        let read = PageMap::new(
+            &self.tables,
+            width,
+            &self.token_seqs,
+            page_size,
+            &self.positions,
+            n_pages,
+        )
+        .unwrap();
         let mut out = vec![0f32; self.q.len()];
         reference::attention::attention(&self.q, &kc, &vc, &self.positions, &read, &mut out, self.shape, rule);
         out
@@ -412,7 +528,7 @@ fn rope_kv_write_matches_rope_then_kv_write() {
             &case.tables,
             case.case.table_width(),
             &case.k_seqs,
-            4,
+            case.case.page_size,
             &case.k_positions,
             case.case.n_pages,
         )
@@ -490,6 +606,71 @@ fn rules(head_dim: usize) -> Vec<Scores> {
         .collect()
 }
 
+/// A rule's name in the tests made per rule: `causal`, `window_<positions>`, `softcap`, `scale`,
+/// or `capped_window` for all three.
+fn describe(rule: Scores, head_dim: usize) -> String {
+    let causal = Scores::causal(head_dim);
+    match (rule.scale == causal.scale, rule.softcap, rule.window) {
+        (true, None, None) => "causal".into(),
+        (true, None, Some(w)) => format!("window_{w}"),
+        (true, Some(_), None) => "softcap".into(),
+        (false, None, None) => "scale".into(),
+        (false, Some(_), Some(_)) => "capped_window".into(),
+        _ => panic!("a score rule the tests have no name for: {rule:?}"),
+    }
+}
+
+/// The rule of `rules(head_dim)` that `describe` names `name`.
+fn named_rule(name: &str, head_dim: usize) -> Scores {
+    rules(head_dim)
+        .into_iter()
+        .find(|&r| describe(r, head_dim) == name)
+        .unwrap_or_else(|| panic!("no score rule is named {name}"))
+}
+
+/// Calls `$then!` with the names of the rules every attention kernel is tested under, after its
+/// own arguments: one list for the tests made per rule and for the check that it names them all.
+macro_rules! with_rule_names {
+    ($then:ident $(, $arg:ident)*) => {
+        $then!($($arg,)* causal window_1 window_3 window_37 window_100 window_10000 softcap scale capped_window);
+    };
+}
+
+macro_rules! rule_name_list {
+    ($($rule:ident)+) => {
+        const RULE_NAMES: &[&str] = &[$(stringify!($rule)),+];
+    };
+}
+with_rule_names!(rule_name_list);
+
+/// A module of tests `$check::<rule>::<f32|f16>_cache`, each calling `$check(rule name, f16
+/// cache)`, so that a filter picks one rule and one cache type (scripts/metal_planted_bugs.sh).
+macro_rules! tests_per_rule {
+    ($check:ident, $($rule:ident)+) => {
+        mod $check {
+            $(mod $rule {
+                #[test]
+                fn f32_cache() {
+                    crate::$check(stringify!($rule), false);
+                }
+                #[test]
+                fn f16_cache() {
+                    crate::$check(stringify!($rule), true);
+                }
+            })+
+        }
+    };
+}
+
+#[test]
+fn the_attention_tests_cover_every_score_rule() {
+    let named: Vec<String> = rules(48).into_iter().map(|r| describe(r, 48)).collect();
+    assert_eq!(
+        named, RULE_NAMES,
+        "the rules of `score_rules` and the tests made per rule differ"
+    );
+}
+
 /// Every threadgroup size of `sizes` for causal attention, the middle one for the other rules
 /// (one OS thread a GPU thread makes each run slow).
 fn sizes_for(rule: Scores, head_dim: usize, sizes: [u32; 3]) -> Vec<u32> {
@@ -510,81 +691,174 @@ fn kernel_rule(rule: Scores) -> Rule {
     }
 }
 
-#[test]
-fn kv_write_then_fused_attention_match_the_reference() {
+/// kv_write, then the fused one-pass attention (decode's), against the reference.
+fn fused_attention(rule_name: &str, f16_cache: bool) {
     let mut rng = rng();
     let case = Paged::new(&mut rng);
-    for (rule, f16_cache) in rules(case.shape.head_dim)
-        .into_iter()
-        .flat_map(|r| [(r, false), (r, true)])
-    {
-        let want = case.reference(rule);
-        let (mut k32, mut v32, mut k16, mut v16) = case.caches(f16_cache);
-        for simds in sizes_for(rule, case.shape.head_dim, [1, 3, 8]) {
-            let mut got = vec![f32::NAN; want.len()];
-            let pages = case.pages(&case.positions, &case.token_seqs);
-            let (kc, vc) = (
-                cache(f16_cache, &mut k32, &mut k16),
-                cache(f16_cache, &mut v32, &mut v16),
-            );
-            metal_on_cpu::attention(&case.q, kc, vc, pages, &mut got, case.heads(), kernel_rule(rule), simds);
-            let err = rel_l2(&got, &want);
-            assert!(
-                err < tolerance(f16_cache),
-                "f16 cache {f16_cache}, {simds} simdgroups, {rule:?}: relative error {err}"
-            );
-        }
+    let rule = named_rule(rule_name, case.shape.head_dim);
+    let want = case.reference(rule);
+    let (mut k32, mut v32, mut k16, mut v16) = case.caches(f16_cache);
+    for simds in sizes_for(rule, case.shape.head_dim, [1, 3, 8]) {
+        let mut got = vec![f32::NAN; want.len()];
+        let pages = case.pages(&case.positions, &case.token_seqs);
+        let (kc, vc) = (
+            cache(f16_cache, &mut k32, &mut k16),
+            cache(f16_cache, &mut v32, &mut v16),
+        );
+        metal_on_cpu::attention(&case.q, kc, vc, pages, &mut got, case.heads(), kernel_rule(rule), simds);
+        let err = rel_l2(&got, &want);
+        assert!(
+            err < tolerance(f16_cache),
+            "f16 cache {f16_cache}, {simds} simdgroups, {rule:?}: relative error {err}"
+        );
+    }
+}
+with_rule_names!(tests_per_rule, fused_attention);
+
+/// The two-pass attention: its scores masked causally and by window (exactly -inf), then its
+/// output against the reference.
+fn attention_pair(rule_name: &str, f16_cache: bool) {
+    let mut rng = rng();
+    let case = Paged::new(&mut rng);
+    let rule = named_rule(rule_name, case.shape.head_dim);
+    let n_ctx = 35; // the longest sequence
+    let rows = case.positions.len() * case.shape.n_heads;
+    let want = case.reference(rule);
+    let (mut k32, mut v32, mut k16, mut v16) = case.caches(f16_cache);
+    let mut scores = vec![f32::NAN; rows * n_ctx];
+    let pages = case.pages(&case.positions, &case.token_seqs);
+    let kc = cache(f16_cache, &mut k32, &mut k16);
+    metal_on_cpu::attention_qk(
+        &case.q,
+        kc,
+        pages,
+        &mut scores,
+        case.heads(),
+        n_ctx,
+        kernel_rule(rule),
+        16,
+    );
+    for (row, s) in scores.chunks(n_ctx).enumerate() {
+        let pos = case.positions[row / case.shape.n_heads] as usize;
+        let first = rule.first_visible(pos);
+        assert!(
+            s[first..=pos].iter().all(|v| v.is_finite()),
+            "row {row}, {rule:?}: a visible score is missing"
+        );
+        assert!(
+            s[..first].iter().chain(&s[pos + 1..]).all(|&v| v == f32::NEG_INFINITY),
+            "row {row}, {rule:?}: scores outside positions {first}..={pos} must be exactly -inf"
+        );
+    }
+    for threads in sizes_for(rule, case.shape.head_dim, [32, 64, 128]) {
+        let mut got = vec![f32::NAN; want.len()];
+        let vc = cache(f16_cache, &mut v32, &mut v16);
+        metal_on_cpu::attention_pv(&scores, vc, pages, &mut got, case.heads(), n_ctx, threads);
+        let err = rel_l2(&got, &want);
+        assert!(
+            err < tolerance(f16_cache),
+            "f16 cache {f16_cache}, {threads} threads, {rule:?}: relative error {err}"
+        );
+    }
+}
+with_rule_names!(tests_per_rule, attention_pair);
+
+/// A prompt step at sizes the prompt attention's tiles do not divide: sequences with contexts of
+/// 7, 1, 64 and 200 positions (pages of 16), the first two prefilled whole, then the last 23
+/// positions of the third and the last 39 of the fourth (chunks after their cached starts). 70
+/// tokens: the first tile of 32 queries holds all four sequences, windows and contexts cross
+/// tiles of keys, and the last tile is partial.
+fn prompt_step(rng: &mut ChaCha8Rng, shape: AttentionShape) -> Paged {
+    let mut queries: Vec<(u32, u32)> = (0..7).map(|p| (0, p)).collect();
+    queries.push((1, 0));
+    queries.extend((41..64).map(|p| (2, p)));
+    queries.extend((161..200).map(|p| (3, p)));
+    Paged::with(rng, shape, 16, &[7, 1, 64, 200], &queries)
+}
+
+/// `flash_attention` in the kernel for heads of up to `head_max`, against the reference.
+fn check_flash_attention(case: &Paged, rule: Scores, f16_cache: bool, head_max: usize) {
+    let want = case.reference(rule);
+    let (mut k32, mut v32, mut k16, mut v16) = case.caches(f16_cache);
+    let mut got = vec![f32::NAN; want.len()];
+    let pages = case.pages(&case.positions, &case.token_seqs);
+    let (kc, vc) = (
+        cache(f16_cache, &mut k32, &mut k16),
+        cache(f16_cache, &mut v32, &mut v16),
+    );
+    metal_on_cpu::flash_attention(
+        &case.q,
+        kc,
+        vc,
+        pages,
+        &mut got,
+        case.heads(),
+        kernel_rule(rule),
+        head_max,
+    );
+    let err = rel_l2(&got, &want);
+    let head_dim = case.shape.head_dim;
+    assert!(
+        err < tolerance(f16_cache),
+        "heads of {head_dim} in the kernel for {head_max}, f16 cache {f16_cache}, {rule:?}: relative error {err}"
+    );
+}
+
+/// Heads of 48, in groups of three over each KV head.
+const GQA_48: AttentionShape = AttentionShape {
+    n_heads: 6,
+    n_kv_heads: 2,
+    head_dim: 48,
+};
+
+/// The prompt attention (flash), 6 heads of 48 over 2, in the kernel for heads of up to 64.
+fn flash_attention(rule_name: &str, f16_cache: bool) {
+    let mut rng = rng();
+    let case = prompt_step(&mut rng, GQA_48);
+    check_flash_attention(&case, named_rule(rule_name, GQA_48.head_dim), f16_cache, 64);
+}
+with_rule_names!(tests_per_rule, flash_attention);
+
+/// Heads padded in the wider kernels: 48 in those for 128 and 256 (tiles of 16 keys), and 80,
+/// not a whole number of 16, in that for 128.
+#[test]
+fn flash_attention_pads_heads_in_every_class() {
+    let mut rng = rng();
+    for (head_dim, head_max) in [(48, 128), (48, 256), (80, 128)] {
+        let shape = AttentionShape { head_dim, ..GQA_48 };
+        let case = prompt_step(&mut rng, shape);
+        check_flash_attention(&case, Scores::causal(head_dim), false, head_max);
     }
 }
 
+/// Gemma 3's heads (4 of 256 over one), causal as its global layers and a capped window.
 #[test]
-fn attention_pair_masks_causally_and_by_window_and_matches_the_reference() {
+fn flash_attention_at_gemma_3s_heads() {
     let mut rng = rng();
-    let case = Paged::new(&mut rng);
-    let n_ctx = 35; // the longest sequence
-    let rows = case.positions.len() * case.shape.n_heads;
-    for (rule, f16_cache) in rules(case.shape.head_dim)
-        .into_iter()
-        .flat_map(|r| [(r, false), (r, true)])
-    {
-        let want = case.reference(rule);
-        let (mut k32, mut v32, mut k16, mut v16) = case.caches(f16_cache);
-        let mut scores = vec![f32::NAN; rows * n_ctx];
-        let pages = case.pages(&case.positions, &case.token_seqs);
-        let kc = cache(f16_cache, &mut k32, &mut k16);
-        metal_on_cpu::attention_qk(
-            &case.q,
-            kc,
-            pages,
-            &mut scores,
-            case.heads(),
-            n_ctx,
-            kernel_rule(rule),
-            16,
-        );
-        for (row, s) in scores.chunks(n_ctx).enumerate() {
-            let pos = case.positions[row / case.shape.n_heads] as usize;
-            let first = rule.first_visible(pos);
-            assert!(
-                s[first..=pos].iter().all(|v| v.is_finite()),
-                "row {row}, {rule:?}: a visible score is missing"
-            );
-            assert!(
-                s[..first].iter().chain(&s[pos + 1..]).all(|&v| v == f32::NEG_INFINITY),
-                "row {row}, {rule:?}: scores outside positions {first}..={pos} must be exactly -inf"
-            );
-        }
-        for threads in sizes_for(rule, case.shape.head_dim, [32, 64, 128]) {
-            let mut got = vec![f32::NAN; want.len()];
-            let vc = cache(f16_cache, &mut v32, &mut v16);
-            metal_on_cpu::attention_pv(&scores, vc, pages, &mut got, case.heads(), n_ctx, threads);
-            let err = rel_l2(&got, &want);
-            assert!(
-                err < tolerance(f16_cache),
-                "f16 cache {f16_cache}, {threads} threads, {rule:?}: relative error {err}"
-            );
-        }
+    let shape = AttentionShape {
+        n_heads: 4,
+        n_kv_heads: 1,
+        head_dim: 256,
+    };
+    let case = prompt_step(&mut rng, shape);
+    for rule in [Scores::causal(256), capped_window()] {
+        check_flash_attention(&case, rule, true, 256);
     }
+}
+
+/// Two short sequences in one partial tile, small enough for ThreadSanitizer to watch the staging
+/// and the barriers (scripts/metal_planted_bugs.sh) in seconds.
+#[test]
+fn flash_attention_one_partial_tile_matches_the_reference() {
+    let mut rng = rng();
+    let shape = AttentionShape {
+        n_heads: 2,
+        n_kv_heads: 1,
+        head_dim: 48,
+    };
+    let queries: Vec<(u32, u32)> = (0..5).map(|p| (0, p)).chain((0..3).map(|p| (1, p))).collect();
+    let case = Paged::with(&mut rng, shape, 4, &[5, 3], &queries);
+    check_flash_attention(&case, Scores::causal(48), false, 64);
 }
 
 /// A cache layer in the kind under test.

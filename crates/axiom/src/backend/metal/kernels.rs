@@ -3,7 +3,7 @@
 //! (`threadExecutionWidth`, `maxTotalThreadsPerThreadgroup`), never a guess.
 
 use super::device::MetalDevice;
-use super::MetalError;
+use super::{MetalError, FLASH_HEAD_CLASSES};
 use crate::backend::GPU_WEIGHT_TYPES;
 use objc2::rc::{autoreleasepool, Retained};
 use objc2::runtime::ProtocolObject;
@@ -20,6 +20,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("attention_qk.metal", include_str!("kernels/attention_qk.metal")),
     ("elementwise.metal", include_str!("kernels/elementwise.metal")),
     ("embed.metal", include_str!("kernels/embed.metal")),
+    ("flash_attention.metal", include_str!("kernels/flash_attention.metal")),
     ("kv_write.metal", include_str!("kernels/kv_write.metal")),
     ("matmul.metal", include_str!("kernels/matmul.metal")),
     ("matmul_tiled.metal", include_str!("kernels/matmul_tiled.metal")),
@@ -36,11 +37,14 @@ fn kernel_names() -> Vec<String> {
     .iter()
     .map(|n| n.to_string())
     .collect();
-    for prefix in ["matmul", "matmul_tiled", "embed"] {
+    for prefix in ["matmul", "matmul_glu", "matmul_tiled", "embed"] {
         names.extend(GPU_WEIGHT_TYPES.iter().map(|(_, s)| format!("{prefix}_{s}")));
     }
-    for prefix in ["kv_write", "rope_kv_write", "attention", "attention_qk", "attention_pv"] {
-        names.extend(["f16", "f32"].iter().map(|s| format!("{prefix}_{s}")));
+    for kv in ["f16", "f32"] {
+        for prefix in ["kv_write", "rope_kv_write", "attention", "attention_qk", "attention_pv"] {
+            names.push(format!("{prefix}_{kv}"));
+        }
+        names.extend(FLASH_HEAD_CLASSES.iter().map(|c| format!("flash_attention_{kv}_{c}")));
     }
     names
 }

@@ -18,8 +18,8 @@ pub mod device;
 pub mod kernels;
 
 use super::{
-    gpu_kernel_suffix, Activation, AttentionKv, AttentionShape, Backend, BlockHandle, HostTensor, Kernels, KvType,
-    NewRows, Residual, Rope, RopeLayout, ScoreArgs, StepLayout,
+    gate_up_glu_in_steps, gpu_kernel_suffix, Activation, AttentionKv, AttentionShape, Backend, BlockHandle, GluRows,
+    HostTensor, Input, Kernels, KvType, NewRows, Residual, Rope, RopeLayout, ScoreArgs, StepLayout,
 };
 use crate::format::quant::GgmlType;
 use crate::{Error, Result};
@@ -47,8 +47,20 @@ const TILED_MIN_TOKENS: usize = 16;
 const TILE_SIMDS: usize = 4;
 const TILE_O: usize = 64;
 const TILE_T: usize = 32;
-/// The lanes of a simdgroup matrix: the tiled kernel's 8x8 multiplies need 32.
+/// The lanes of a simdgroup matrix: the tiled kernels' 8x8 multiplies need 32.
 const SIMDGROUP_MATRIX_LANES: usize = 32;
+/// Steps where a sequence brings at least this many consecutive tokens (a prompt, or a chunk of
+/// one) run the prompt attention (`flash_attention_*`): its tiles of 32 queries then share each
+/// key and value row among half their rows or more, where the one-pass kernel reads it once a
+/// query; its 8x8 products cost the same whatever a tile's rows, so with fewer (decode: one a
+/// sequence) the padding would cost more than the reads it saves.
+const FLASH_MIN_RUN: usize = 16;
+/// The prompt attention's tile: queries, and simdgroups (FA_ROWS, FA_SIMDS in
+/// flash_attention.metal); a kernel per class of head sizes, a head running in the first at least
+/// its size.
+const FLASH_ROWS: usize = 32;
+const FLASH_SIMDS: usize = 4;
+pub(crate) const FLASH_HEAD_CLASSES: [usize; 3] = [64, 128, 256];
 
 /// What can go wrong in the Metal layers, each naming the problem.
 #[derive(Debug, thiserror::Error)]
@@ -79,10 +91,11 @@ pub struct MetalWeight {
 super::impl_matrix!(MetalWeight);
 
 /// The plan of a step (`Backend::plan_step`): the longest context a token of it attends to,
-/// which the two-pass attention's score rows span.
+/// which the two-pass attention's score rows span, and whether it runs the prompt attention.
 #[derive(Debug, Clone, Copy)]
 pub struct StepContext {
     n_ctx: usize,
+    prompt: bool,
 }
 
 /// A kernel argument: an arena block bound as a buffer, or a scalar copied into the encoder.
@@ -212,7 +225,7 @@ impl MetalBackend {
             positions,
             pages,
             scores: rule,
-            plan: &StepContext { n_ctx },
+            plan: &StepContext { n_ctx, .. },
         } = kv;
         let rule = score_args(rule.kernel_args()?);
         let scores = self
@@ -447,7 +460,7 @@ impl Kernels for MetalBackend {
     }
 
     fn matmul(&self, x: BlockHandle, w: &MetalWeight, out: BlockHandle, n_tokens: usize) -> Result<()> {
-        self.multiply(x, w, out, n_tokens, false)
+        self.multiply(x.into(), w, out, n_tokens, false)
     }
 
     fn rope(
@@ -512,7 +525,11 @@ impl Kernels for MetalBackend {
 
     fn plan_step(&self, layout: StepLayout, _: AttentionShape) -> Result<StepContext> {
         let n_ctx = layout.positions.iter().max().map_or(1, |&p| p as usize + 1);
-        Ok(StepContext { n_ctx })
+        let longest_run = layout.token_seqs.chunk_by(|a, b| a == b).map(<[u32]>::len).max();
+        Ok(StepContext {
+            n_ctx,
+            prompt: longest_run.is_some_and(|n| n >= FLASH_MIN_RUN),
+        })
     }
 
     fn attention(
@@ -523,6 +540,9 @@ impl Kernels for MetalBackend {
         n_tokens: usize,
         shape: AttentionShape,
     ) -> Result<()> {
+        if let Some(name) = self.flash_kernel(kv.plan, shape)? {
+            return self.flash_attention(&name, q, kv, out, n_tokens, shape);
+        }
         let name = format!("attention_{}", self.kv_suffix());
         let kernel = self.kernels.get(&name)?;
         let width = kernel.simd_width.max(1);
@@ -612,8 +632,52 @@ impl Kernels for MetalBackend {
 }
 
 impl Backend for MetalBackend {
+    fn matmul_many(&self, x: Input, ws: &[&MetalWeight], outs: &[BlockHandle], n_tokens: usize) -> Result<()> {
+        // The row kernel normalizes as it reads; rows for the tiled one are normalized once for all.
+        let mut tiled = false;
+        for w in ws {
+            tiled |= self.tiled_kernel(w, n_tokens)?.is_some();
+        }
+        let x = match (x, ws.first()) {
+            (Input::RmsNormed { .. }, Some(w)) if tiled => Input::Rows(self.input_rows(x, n_tokens, w.n_in)?),
+            _ => x,
+        };
+        for (w, &out) in ws.iter().zip(outs) {
+            self.multiply(x, w, out, n_tokens, false)?;
+        }
+        Ok(())
+    }
+
     fn matmul_add(&self, x: BlockHandle, w: &MetalWeight, residual: Residual, n_tokens: usize) -> Result<()> {
-        self.multiply(x, w, residual.stream, n_tokens, true)
+        self.multiply(x.into(), w, residual.stream, n_tokens, true)
+    }
+
+    fn gate_up_glu(
+        &self,
+        x: Input,
+        [gate, up]: [&MetalWeight; 2],
+        rows: GluRows,
+        n_tokens: usize,
+        act: Activation,
+    ) -> Result<()> {
+        // Prompts run the tiled kernel twice and the glu: one dispatch more among far longer ones.
+        let alike = gate.ty == up.ty && gate.n_in == up.n_in && gate.n_out == up.n_out;
+        if !alike || self.tiled_kernel(gate, n_tokens)?.is_some() {
+            return gate_up_glu_in_steps(self, x, [gate, up], rows, n_tokens, act);
+        }
+        let (x, norm) = row_input(x);
+        let mut args = vec![
+            Arg::Buf(gate.block),
+            Arg::Buf(up.block),
+            Arg::Buf(x),
+            Arg::Buf(rows.out),
+            u32_arg(gate.n_in),
+            u32_arg(gate.n_out),
+            u32_arg(n_tokens),
+            Arg::U32(act.code()),
+        ];
+        args.extend(norm);
+        self.launch_rows(&format!("matmul_glu_{}", weight_suffix(gate)?), gate.n_out, &args)
     }
 
     fn rope_kv_write(
@@ -658,19 +722,57 @@ impl Backend for MetalBackend {
     }
 }
 
+/// The kernel suffix of a weight's type.
+fn weight_suffix(w: &MetalWeight) -> Result<&'static str> {
+    gpu_kernel_suffix(w.ty).ok_or_else(|| Error::Backend(format!("no matmul kernel for {}", w.ty)))
+}
+
+/// The activations a row kernel reads, and its norm arguments: the RMS norm's weight, epsilon and
+/// whether to take it (the rows themselves stand in for the weight, unread, where it is not).
+fn row_input(x: Input) -> (BlockHandle, [Arg; 3]) {
+    match x {
+        Input::Rows(rows) => (rows, [Arg::Buf(rows), Arg::F32(0.0), Arg::U32(0)]),
+        Input::RmsNormed { x, weight, eps, .. } => (x, [Arg::Buf(weight), Arg::F32(eps), Arg::U32(1)]),
+    }
+}
+
 impl MetalBackend {
-    /// `out = x w^T`, or `out += x w^T` with `accumulate`: the row kernel for a few tokens, the
-    /// tiled one from `TILED_MIN_TOKENS`.
-    fn multiply(
-        &self,
-        x: BlockHandle,
-        w: &MetalWeight,
-        out: BlockHandle,
-        n_tokens: usize,
-        accumulate: bool,
-    ) -> Result<()> {
-        let suffix = gpu_kernel_suffix(w.ty).ok_or_else(|| Error::Backend(format!("no matmul kernel for {}", w.ty)))?;
-        let args = [
+    /// The tiled matmul's kernel for `w` where a step of `n_tokens` runs it: from
+    /// `TILED_MIN_TOKENS`, and only where the pipeline runs 32-wide simdgroups and a whole tile.
+    fn tiled_kernel(&self, w: &MetalWeight, n_tokens: usize) -> Result<Option<String>> {
+        if n_tokens < TILED_MIN_TOKENS {
+            return Ok(None);
+        }
+        let name = format!("matmul_tiled_{}", weight_suffix(w)?);
+        let kernel = self.kernels.get(&name)?;
+        let fits =
+            kernel.simd_width == SIMDGROUP_MATRIX_LANES && kernel.max_threads >= TILE_SIMDS * SIMDGROUP_MATRIX_LANES;
+        Ok(fits.then_some(name))
+    }
+
+    /// `out = x w^T`, or `out += x w^T` with `accumulate`: the row kernel for a few tokens (which
+    /// takes an RMS norm on the way in), the tiled one from `TILED_MIN_TOKENS` (on rows normalized
+    /// first, where `x` asks for a norm).
+    fn multiply(&self, x: Input, w: &MetalWeight, out: BlockHandle, n_tokens: usize, accumulate: bool) -> Result<()> {
+        if let Some(tiled) = self.tiled_kernel(w, n_tokens)? {
+            let x = self.input_rows(x, n_tokens, w.n_in)?;
+            return self.launch(
+                &tiled,
+                (w.n_out.div_ceil(TILE_O), n_tokens.div_ceil(TILE_T)),
+                |_| TILE_SIMDS * SIMDGROUP_MATRIX_LANES,
+                &[
+                    Arg::Buf(w.block),
+                    Arg::Buf(x),
+                    Arg::Buf(out),
+                    u32_arg(w.n_in),
+                    u32_arg(w.n_out),
+                    u32_arg(n_tokens),
+                    Arg::U32(u32::from(accumulate)),
+                ],
+            );
+        }
+        let (x, norm) = row_input(x);
+        let mut args = vec![
             Arg::Buf(w.block),
             Arg::Buf(x),
             Arg::Buf(out),
@@ -679,29 +781,82 @@ impl MetalBackend {
             u32_arg(n_tokens),
             Arg::U32(u32::from(accumulate)),
         ];
-        let tiled_name = format!("matmul_tiled_{suffix}");
-        let tiled = self.kernels.get(&tiled_name)?;
-        let tile_threads = TILE_SIMDS * SIMDGROUP_MATRIX_LANES;
-        if n_tokens >= TILED_MIN_TOKENS
-            && tiled.simd_width == SIMDGROUP_MATRIX_LANES
-            && tiled.max_threads >= tile_threads
-        {
-            return self.launch(
-                &tiled_name,
-                (w.n_out.div_ceil(TILE_O), n_tokens.div_ceil(TILE_T)),
-                |_| tile_threads,
-                &args,
-            );
-        }
-        // One simdgroup per output row, four rows per threadgroup where the pipeline allows.
-        let name = format!("matmul_{suffix}");
-        let kernel = self.kernels.get(&name)?;
-        let rows_per_group = threads(kernel, 4 * kernel.simd_width) / kernel.simd_width.max(1);
+        args.extend(norm);
+        self.launch_rows(&format!("matmul_{}", weight_suffix(w)?), w.n_out, &args)
+    }
+
+    /// A row kernel over `n_out` rows: one simdgroup per row, four rows per threadgroup where the
+    /// pipeline allows.
+    fn launch_rows(&self, name: &str, n_out: usize, args: &[Arg]) -> Result<()> {
+        let kernel = self.kernels.get(name)?;
+        let width = kernel.simd_width.max(1);
+        let rows_per_group = threads(kernel, 4 * width) / width;
         self.launch(
-            &name,
-            (w.n_out.div_ceil(rows_per_group), 1),
-            |_| rows_per_group * kernel.simd_width.max(1),
-            &args,
+            name,
+            (n_out.div_ceil(rows_per_group), 1),
+            |_| rows_per_group * width,
+            args,
+        )
+    }
+
+    /// The prompt attention's kernel for this step and head size, if it runs it: steps of a
+    /// prompt (`FLASH_MIN_RUN`), heads of up to the widest class, pipelines of 32-wide simdgroups
+    /// that take a whole tile.
+    fn flash_kernel(&self, plan: &StepContext, shape: AttentionShape) -> Result<Option<String>> {
+        let Some(class) = FLASH_HEAD_CLASSES.iter().find(|&&c| shape.head_dim <= c) else {
+            return Ok(None);
+        };
+        if !plan.prompt {
+            return Ok(None);
+        }
+        let name = format!("flash_attention_{}_{class}", self.kv_suffix());
+        let kernel = self.kernels.get(&name)?;
+        let fits =
+            kernel.simd_width == SIMDGROUP_MATRIX_LANES && kernel.max_threads >= FLASH_SIMDS * SIMDGROUP_MATRIX_LANES;
+        Ok(fits.then_some(name))
+    }
+
+    /// The prompt attention: tiles of `FLASH_ROWS` tokens by one head.
+    fn flash_attention(
+        &self,
+        name: &str,
+        q: BlockHandle,
+        kv: AttentionKv<'_, StepContext>,
+        out: BlockHandle,
+        n_tokens: usize,
+        shape: AttentionShape,
+    ) -> Result<()> {
+        let AttentionKv {
+            k_cache,
+            v_cache,
+            positions,
+            pages,
+            scores,
+            ..
+        } = kv;
+        let [scale, softcap, window] = score_args(scores.kernel_args()?);
+        self.launch(
+            name,
+            (n_tokens.div_ceil(FLASH_ROWS), shape.n_heads),
+            |_| FLASH_SIMDS * SIMDGROUP_MATRIX_LANES,
+            &[
+                Arg::Buf(q),
+                Arg::Buf(k_cache),
+                Arg::Buf(v_cache),
+                Arg::Buf(positions),
+                Arg::Buf(pages.block_tables),
+                u32_arg(pages.table_width),
+                Arg::Buf(pages.token_seqs),
+                u32_arg(pages.page_size),
+                Arg::Buf(out),
+                u32_arg(n_tokens),
+                u32_arg(shape.n_heads),
+                u32_arg(shape.n_kv_heads),
+                u32_arg(shape.head_dim),
+                scale,
+                softcap,
+                window,
+            ],
         )
     }
 
@@ -714,7 +869,26 @@ impl MetalBackend {
 
 #[cfg(test)]
 mod tests {
-    use super::{TILE_O, TILE_SIMDS, TILE_T};
+    use super::{FLASH_HEAD_CLASSES, FLASH_ROWS, FLASH_SIMDS, TILE_O, TILE_SIMDS, TILE_T};
+
+    #[test]
+    fn the_flash_dispatch_uses_the_kernels_tile_and_classes() {
+        let source = include_str!("kernels/flash_attention.metal");
+        let tile = format!("FA_ROWS = {FLASH_ROWS}, FA_SIMDS = {FLASH_SIMDS},");
+        assert!(
+            source.contains(&tile),
+            "flash_attention.metal's tile is not the one the dispatcher's grid assumes ({tile})"
+        );
+        for class in FLASH_HEAD_CLASSES {
+            for (name, ty) in [("f16", "half"), ("f32", "float")] {
+                let kernel = format!("FLASH_ATTENTION({name}, {ty}, {class})");
+                assert!(
+                    source.contains(&kernel),
+                    "no kernel {kernel} for a head class the dispatcher picks"
+                );
+            }
+        }
+    }
 
     #[test]
     fn the_tiled_dispatch_uses_the_kernels_tile() {

@@ -134,6 +134,12 @@ inline ulong page_row(device const uint* table, uint page_size, uint p) {
     return ulong(table[p / page_size]) * page_size + p % page_size;
 }
 
+// A gate's activation, `act` as Activation::code: 0 SiLU, 1 GELU by its tanh approximation.
+inline float activate(float g, uint act) {
+    return act == 1 ? 0.5f * g * (1.0f + precise::tanh(0.7978845608f * (g + 0.044715f * g * g * g)))
+                    : g / (1.0f + exp(-g));
+}
+
 // KV cache elements, f16 or f32.
 inline float kv_load(device const half* p) { return float(*p); }
 inline float kv_load(device const float* p) { return *p; }

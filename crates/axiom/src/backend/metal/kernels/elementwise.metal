@@ -1,14 +1,11 @@
 // Elementwise ops, one thread per value.
 
-// out = act(gate) * up, `act` as Activation::code: 0 silu, 1 GELU by its tanh approximation
+// out = act(gate) * up (`activate` in common.metal)
 kernel void glu(device const float* gate [[buffer(0)]], device const float* up [[buffer(1)]],
                 device float* out [[buffer(2)]], constant uint& n [[buffer(3)]], constant uint& act [[buffer(4)]],
                 uint i [[thread_position_in_grid]]) {
     if (i >= n) return;
-    float g = gate[i];
-    float a = act == 1 ? 0.5f * g * (1.0f + precise::tanh(0.7978845608f * (g + 0.044715f * g * g * g)))
-                       : g / (1.0f + exp(-g));
-    out[i] = a * up[i];
+    out[i] = activate(gate[i], act) * up[i];
 }
 
 // x += y

@@ -75,11 +75,11 @@ void matmul_tiled(device const uchar* w, device const float* x, device float* ou
                                     constant uint& accumulate [[buffer(6)]],                                   \
                                     uint2 tile [[threadgroup_position_in_grid]],                               \
                                     uint tid [[thread_index_in_threadgroup]],                                  \
-                                    uint threads [[threads_per_threadgroup]],                                  \
+                                    uint2 group_size [[threads_per_threadgroup]],                              \
                                     uint simd [[simdgroup_index_in_threadgroup]]) {                            \
         threadgroup float xs[TILE_T * TILE_K];                                                                 \
         threadgroup float ws[TILE_K * TILE_O];                                                                 \
-        matmul_tiled<W>(w, x, out, n_in, n_out, n_tokens, accumulate, tile, tid, threads, simd, xs, ws);       \
+        matmul_tiled<W>(w, x, out, n_in, n_out, n_tokens, accumulate, tile, tid, group_size.x, simd, xs, ws);  \
     }
 
 MATMUL_TILED(f32, F32)
