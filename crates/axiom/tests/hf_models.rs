@@ -95,6 +95,49 @@ fn configs_that_change_the_math_are_refused() {
 }
 
 #[test]
+fn mixture_configs_are_read_per_family_and_bad_ones_refused() {
+    use axiom::model::ModelConfig;
+    let config = |name: &str| -> serde_json::Value {
+        serde_json::from_str(&std::fs::read_to_string(fixture(name).join("config.json")).unwrap()).unwrap()
+    };
+    let experts = |c: &serde_json::Value| ModelConfig::from_hf(c).unwrap().experts.unwrap();
+    // qwen3_moe's middle layer is in `mlp_only_layers`; Mixtral always renormalizes.
+    let qwen3 = experts(&config("qwen3_moe"));
+    assert_eq!((qwen3.count, qwen3.used, qwen3.ffn_dim), (6, 2, 48));
+    assert_eq!(
+        (qwen3.layers.clone(), qwen3.renormalize),
+        (vec![true, false, true], true)
+    );
+    let mixtral = experts(&config("mixtral"));
+    assert_eq!(
+        (mixtral.count, mixtral.renormalize, mixtral.shared_ffn_dim),
+        (8, true, None)
+    );
+    let qwen2 = experts(&config("qwen2_moe"));
+    assert_eq!((qwen2.renormalize, qwen2.shared_ffn_dim), (false, Some(96)));
+    // Every second layer a mixture under `decoder_sparse_step`.
+    let mut c = config("qwen2_moe");
+    c["decoder_sparse_step"] = 2.into();
+    assert_eq!(experts(&c).layers, vec![false, true]);
+    let refused = |name: &str, key: &str, value: serde_json::Value| {
+        let mut c = config(name);
+        c[key] = value;
+        ModelConfig::from_hf(&c)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default()
+    };
+    let mut windowed = config("qwen3_moe");
+    windowed["sliding_window"] = 4.into();
+    windowed["use_sliding_window"] = true.into();
+    let err = ModelConfig::from_hf(&windowed).unwrap_err().to_string();
+    assert!(err.contains("use_sliding_window"), "{err}");
+    assert!(refused("qwen2_moe", "decoder_sparse_step", 0.into()).contains("decoder_sparse_step"));
+    assert!(refused("mixtral", "num_experts_per_tok", 9.into()).contains("8 experts of 9 a token"));
+    assert!(refused("qwen2_moe", "mlp_only_layers", "all".into()).contains("mlp_only_layers"));
+}
+
+#[test]
 fn chat_templates_and_end_of_generation_come_from_the_directory() {
     let s = Session::load(
         &fixture("qwen2"),
