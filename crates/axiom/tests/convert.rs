@@ -19,7 +19,7 @@ use common::{hf_fixture, worst_error};
 fn converted_gguf_files_match_transformers() {
     let dir = std::env::temp_dir().join(format!("axiom-convert-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    for &name in common::HF_FIXTURES {
+    for &name in common::HF_FIXTURES.iter().chain(common::MOE_FIXTURES) {
         // f32: the same numbers, in GGUF's layout (Q/K rows permuted for llama).
         let out = dir.join(format!("{name}-f32.gguf"));
         convert_hf_dir(&hf_fixture(name), &out, GgmlType::F32, |_, _, _| {}).unwrap();
@@ -30,8 +30,14 @@ fn converted_gguf_files_match_transformers() {
         convert_hf_dir(&hf_fixture(name), &out, GgmlType::Q8_0, |_, _, _| {}).unwrap();
         let err = worst_error(&out, &hf_fixture(name), CpuBackend::reference(2));
         // Phi-3's LongRoPE attention factor squared multiplies the attention logits, and with
-        // them the weights' rounding error.
-        let tolerance = if name == "phi3" { 0.08 } else { 0.05 };
+        // them the weights' rounding error. In a mixture, rounding can tip a token near a tie to
+        // another expert, which moves its logits by a whole expert's output.
+        let tolerance = match name {
+            "phi3" => 0.08,
+            "mixtral" => 0.1,
+            "qwen3_moe" => 0.2,
+            _ => 0.05,
+        };
         assert!(err < tolerance, "{name} Q8_0 GGUF: relative L2 error {err}");
     }
     std::fs::remove_dir_all(dir).unwrap();
@@ -134,5 +140,44 @@ fn yarn_without_truncation_is_refused_as_llama_cpp_cannot_say_it() {
         .to_string();
     assert!(err.contains("truncate"), "{err}");
     assert!(!out.exists());
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn experts_are_written_stacked_under_llama_cpp_names() {
+    let dir = std::env::temp_dir().join(format!("axiom-convert-moe-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    // (fixture, GGUF architecture, experts, shared expert width)
+    for (name, arch, experts, shared) in [
+        ("qwen3_moe", "qwen3moe", 6, None),
+        ("mixtral", "llama", 8, None),
+        ("qwen2_moe", "qwen2moe", 6, Some(96)),
+    ] {
+        let out = dir.join(format!("{name}.gguf"));
+        convert_hf_dir(&hf_fixture(name), &out, GgmlType::Q8_0, |_, _, _| {}).unwrap();
+        let f = GgufFile::open(&out).unwrap();
+        assert_eq!(f.get("general.architecture").unwrap().as_str(), Some(arch));
+        assert_eq!(f.get_usize(&format!("{arch}.expert_count")).unwrap(), Some(experts));
+        assert_eq!(f.get_usize(&format!("{arch}.expert_used_count")).unwrap(), Some(2));
+        assert_eq!(
+            f.get_usize(&format!("{arch}.expert_shared_feed_forward_length"))
+                .unwrap(),
+            shared
+        );
+        let t = |n: &str| f.tensor(n).unwrap_or_else(|| panic!("{name}: no {n}"));
+        // Experts stacked as the last dimension, quantized; the router left in F32.
+        let gate = t("blk.0.ffn_gate_exps.weight");
+        assert_eq!((gate.ty, gate.dims.clone()), (GgmlType::Q8_0, vec![64, 48, experts]));
+        assert_eq!(t("blk.0.ffn_down_exps.weight").dims, vec![48, 64, experts]);
+        let router = t("blk.0.ffn_gate_inp.weight");
+        assert_eq!((router.ty, router.dims.clone()), (GgmlType::F32, vec![64, experts]));
+        if shared.is_some() {
+            assert_eq!(t("blk.0.ffn_gate_inp_shexp.weight").dims, vec![64]);
+            assert_eq!(t("blk.0.ffn_down_shexp.weight").dims, vec![96, 64]);
+        }
+    }
+    // qwen3_moe's dense middle layer keeps the dense names.
+    let f = GgufFile::open(&dir.join("qwen3_moe.gguf")).unwrap();
+    assert!(f.tensor("blk.1.ffn_gate.weight").is_some() && f.tensor("blk.1.ffn_gate_inp.weight").is_none());
     std::fs::remove_dir_all(dir).unwrap();
 }
