@@ -482,6 +482,9 @@ fn print_config(config: axiom::Result<ModelConfig>) -> Result<()> {
             outln!("rms epsilon:   {:e}", c.rms_eps)?;
             outln!("vocabulary:    {}", c.vocab_size)?;
             outln!("extras:        {}", features(&c).join(", "))?;
+            if let Some(e) = &c.experts {
+                outln!("experts:       {}", experts(e))?;
+            }
         }
         Err(e) => outln!("config:        cannot run this model: {e}")?,
     }
@@ -530,6 +533,23 @@ fn features(c: &ModelConfig) -> Vec<String> {
         out.push("none".into());
     }
     out
+}
+
+/// A mixture of experts: how many, how many a token runs, and where.
+fn experts(e: &axiom::model::ExpertsConfig) -> String {
+    let mixtures = e.layers.iter().filter(|&&m| m).count();
+    let mut text = format!(
+        "{} of {} a token (FFN {} each), weights {}renormalized, on {mixtures} of {} layers",
+        e.used,
+        e.count,
+        e.ffn_dim,
+        if e.renormalize { "" } else { "not " },
+        e.layers.len()
+    );
+    if let Some(shared) = e.shared_ffn_dim {
+        text += &format!(", a gated shared expert of FFN {shared}");
+    }
+    text
 }
 
 fn print_tokenizer(tokenizer: axiom::Result<Tokenizer>) -> Result<()> {
