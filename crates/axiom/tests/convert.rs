@@ -181,3 +181,60 @@ fn experts_are_written_stacked_under_llama_cpp_names() {
     assert!(f.tensor("blk.1.ffn_gate.weight").is_some() && f.tensor("blk.1.ffn_gate_inp.weight").is_none());
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+#[test]
+fn gguf_experts_follow_llama_cpp_where_keys_are_missing_and_odd_gating_is_refused() {
+    use axiom::format::gguf::Value;
+    use axiom::format::gguf_writer::GgufWriter;
+    use axiom::model::ModelConfig;
+    let dir = std::env::temp_dir().join(format!("axiom-convert-moe-keys-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    // The converted file of `name` with `key` set to `value` (or dropped), its config read back.
+    let config_with = |name: &str, key: &str, value: Option<Value>| {
+        let converted = dir.join(format!("{name}.gguf"));
+        convert_hf_dir(&hf_fixture(name), &converted, GgmlType::F32, |_, _, _| {}).unwrap();
+        let f = GgufFile::open(&converted).unwrap();
+        let mut w = GgufWriter::default();
+        for (k, v) in f.metadata.iter().filter(|(k, _)| k != key) {
+            w.set(k, v.clone());
+        }
+        if let Some(v) = value {
+            w.set(key, v);
+        }
+        for t in &f.tensors {
+            w.tensor(&t.name, t.ty, &t.dims, f.tensor_bytes(t).to_vec()).unwrap();
+        }
+        let edited = dir.join(format!("{name}-edited.gguf"));
+        w.write(&edited).unwrap();
+        ModelConfig::from_gguf(&GgufFile::open(&edited).unwrap())
+    };
+    // Without `expert_weights_norm`, llama.cpp renormalizes Qwen3-MoE's and Mixtral's weights,
+    // not Qwen2-MoE's.
+    for (name, key, renormalized) in [
+        ("qwen3_moe", "qwen3moe.expert_weights_norm", true),
+        ("mixtral", "llama.expert_weights_norm", true),
+        ("qwen2_moe", "qwen2moe.expert_weights_norm", false),
+    ] {
+        let experts = config_with(name, key, None).unwrap().experts.unwrap();
+        assert_eq!(experts.renormalize, renormalized, "{name}");
+    }
+    // A layer is a mixture where it has a router.
+    let experts = config_with("qwen3_moe", "qwen3moe.expert_weights_norm", None)
+        .unwrap()
+        .experts
+        .unwrap();
+    assert_eq!(experts.layers, vec![true, false, true]);
+    for (key, value, refused) in [
+        ("qwen3moe.expert_gating_func", Value::U32(2), "expert_gating_func 2"),
+        (
+            "qwen3moe.expert_weights_scale",
+            Value::F32(2.5),
+            "expert_weights_scale 2.5",
+        ),
+        ("qwen3moe.expert_used_count", Value::U32(7), "6 experts of 7 a token"),
+    ] {
+        let err = config_with("qwen3_moe", key, Some(value)).unwrap_err().to_string();
+        assert!(err.contains(refused), "{err}");
+    }
+    std::fs::remove_dir_all(dir).unwrap();
+}

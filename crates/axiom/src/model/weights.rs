@@ -225,14 +225,15 @@ pub fn refuse_unread<S: TensorSource + ?Sized>(source: &S, read: &HashSet<&str>)
 /// The largest matrix (elements) and the widest matmul input of the model.
 pub fn largest(config: &ModelConfig) -> (usize, usize) {
     let a = config.attention();
-    let expert_widths = config
+    // An expert's, a shared expert's width, and the router's count of experts.
+    let [expert, shared, router] = config
         .experts
         .as_ref()
-        .map_or(0, |e| e.ffn_dim.max(e.shared_ffn_dim.unwrap_or(0)));
-    let widest = config.dim.max(config.ffn_dim).max(a.q_width()).max(expert_widths);
+        .map_or([0; 3], |e| [e.ffn_dim, e.shared_ffn_dim.unwrap_or(0), e.count]);
+    let widest = config.dim.max(config.ffn_dim).max(a.q_width()).max(expert).max(shared);
     let largest = [
         config.vocab_size * config.dim,
-        config.ffn_dim * config.dim,
+        config.ffn_dim.max(expert).max(shared).max(router) * config.dim,
         a.q_width() * config.dim,
     ]
     .into_iter()
