@@ -362,10 +362,15 @@ pub fn bench(args: BenchArgs, out: Output) -> Result<()> {
                 info.description, r.test, r.mean, r.stddev
             )?;
         }
+        // A mixture's token reads only the experts it chose: their expected share.
+        let active = match &session.model.config.experts {
+            Some(e) => format!(", {} of {} experts a token", e.used, e.count),
+            None => String::new(),
+        };
         for (r, gbps) in &rows {
             if let Some(g) = gbps {
                 outln!(
-                    "\n{}: {:.1} GB/s of weights ({:.1} MB per token)",
+                    "\n{}: {:.1} GB/s of weights ({:.1} MB per token{active})",
                     r.test,
                     g,
                     info.weight_bytes_per_token as f64 / 1e6

@@ -168,6 +168,26 @@ fn info_names_the_rope_scaling_and_the_experts() {
 }
 
 #[test]
+fn bench_counts_a_mixtures_chosen_experts_per_token() {
+    let fixture = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../axiom/tests/fixtures/hf/qwen3_moe");
+    let out = ok(&axiom(&[
+        "bench",
+        "-m",
+        fixture.to_str().unwrap(),
+        "-p",
+        "8",
+        "-n",
+        "4",
+        "-r",
+        "1",
+        "-t",
+        "1",
+    ]));
+    // Every matrix but the embedding (the LM head is its own) and a third of the experts.
+    assert!(out.contains("(0.8 MB per token, 2 of 6 experts a token)"), "{out}");
+}
+
+#[test]
 fn perplexity_cli_reports_the_llama_cpp_method_value() {
     let m = model();
     let file = refs("apache-2.0.txt");

@@ -238,3 +238,31 @@ fn gguf_experts_follow_llama_cpp_where_keys_are_missing_and_odd_gating_is_refuse
     }
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+#[test]
+fn a_token_reads_only_its_share_of_the_experts() {
+    use axiom::engine::Session;
+    use axiom::model::llama::LoadOptions;
+    let options = LoadOptions {
+        max_batch: 8,
+        kv_tokens: 16,
+        max_seqs: 1,
+    };
+    let out = std::env::temp_dir().join(format!("axiom-convert-moe-bytes-{}.gguf", std::process::id()));
+    convert_hf_dir(&hf_fixture("qwen3_moe"), &out, GgmlType::F32, |_, _, _| {}).unwrap();
+    let gguf = Session::load(&out, CpuBackend::new(1), options).unwrap().info;
+    let hf = Session::load(&hf_fixture("qwen3_moe"), CpuBackend::new(1), options)
+        .unwrap()
+        .info;
+    std::fs::remove_file(&out).unwrap();
+    // Two mixture layers of six experts, each three F32 matrices of 64 x 48; a token runs two.
+    let experts = 2 * 6 * 3 * 64 * 48 * 4;
+    let every_matrix: usize = hf.parameters * 4 - {
+        // The norms, the only vectors: two a layer, Q/K norms of 32, the final norm.
+        (3 * (2 * 64 + 2 * 32) + 64) * 4
+    };
+    // Nor does it read the embedding table as a matrix: the LM head is its own.
+    let embedding = 1000 * 64 * 4;
+    assert_eq!(hf.weight_bytes_per_token, every_matrix - embedding - experts * 4 / 6);
+    assert_eq!(gguf.weight_bytes_per_token, hf.weight_bytes_per_token);
+}

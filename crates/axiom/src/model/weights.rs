@@ -71,7 +71,8 @@ impl<W> Weights<W> {
 pub trait TensorSource {
     /// The tensor stored under GGUF name `name` ("blk.0.attn_q.weight"), if there is one.
     fn tensor(&self, name: &str) -> Option<HostTensor<'_>>;
-    /// Every tensor: (type, dimensions, bytes), for sizing and summaries.
+    /// Every tensor: (type, dimensions, bytes), for sizing and summaries; in the order of
+    /// `stored_names`.
     fn all(&self) -> Vec<(GgmlType, Vec<usize>, usize)>;
     /// Every tensor's name as the file stores it (a [`HostTensor`]'s `name`).
     fn stored_names(&self) -> Vec<&str>;
