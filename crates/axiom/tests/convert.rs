@@ -39,6 +39,16 @@ fn converted_gguf_files_match_transformers() {
             _ => 0.05,
         };
         assert!(err < tolerance, "{name} Q8_0 GGUF: relative L2 error {err}");
+        // The experts of the fast backend (8-bit activations, an f16 cache): slices of the stacked
+        // tensors, repacked one by one. Qwen2-MoE's weights, not renormalized, move little where a
+        // token flips to another expert, so it holds the fast backend to the dense models' bound.
+        if name == "qwen2_moe" {
+            let err = worst_error(&out, &hf_fixture(name), CpuBackend::new(2));
+            assert!(
+                err < tolerance,
+                "{name} Q8_0 GGUF, fast backend: relative L2 error {err}"
+            );
+        }
     }
     std::fs::remove_dir_all(dir).unwrap();
 }

@@ -6,8 +6,10 @@ use crate::format::gguf::GgufFile;
 use crate::{Error, Result};
 use serde_json::Value as Json;
 
-/// Most experts a layer may have: far beyond any released model, small enough for any buffer.
+/// Most experts a layer may have, and a token may run: far beyond any released model (8 of 128
+/// for Qwen3-MoE), small enough that every buffer's size fits a `usize`.
 const MAX_EXPERTS: usize = 1 << 12;
+const MAX_USED: usize = 64;
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct ExpertsConfig {
@@ -33,9 +35,9 @@ impl ExpertsConfig {
 
     pub fn validate(&self, n_layers: usize) -> Result<()> {
         let bad = |what: String| Err(Error::Model(what));
-        if self.count == 0 || self.count > MAX_EXPERTS || self.used == 0 || self.used > self.count {
+        if self.count == 0 || self.count > MAX_EXPERTS || self.used == 0 || self.used > self.count.min(MAX_USED) {
             return bad(format!(
-                "{} experts of {} a token (at most {MAX_EXPERTS} experts, at least one a token)",
+                "{} experts of {} a token (at most {MAX_EXPERTS} experts, 1 to {MAX_USED} of them a token)",
                 self.count, self.used
             ));
         }
