@@ -205,3 +205,46 @@ fn tensors_the_model_does_not_read_are_refused_by_name() {
     assert!(err < 1e-4, "relative L2 error {err}");
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+#[test]
+fn an_expert_too_many_or_too_few_is_refused_by_name() {
+    use safetensors::tensor::TensorView;
+    let dir = std::env::temp_dir().join(format!("axiom-experts-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for entry in std::fs::read_dir(fixture("qwen3_moe")).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, dir.join(path.file_name().unwrap())).unwrap();
+    }
+    let original = std::fs::read(fixture("qwen3_moe").join("model.safetensors")).unwrap();
+    let options = LoadOptions {
+        max_batch: 8,
+        kv_tokens: 8,
+        max_seqs: 1,
+    };
+    // The checkpoint without the tensors `drop` names, with one more F32 `[48, 64]` if `extra`.
+    let values = vec![0u8; 48 * 64 * 4];
+    let load_error = |extra: Option<&str>, drop: &dyn Fn(&str) -> bool| {
+        let checkpoint = safetensors::SafeTensors::deserialize(&original).unwrap();
+        let mut tensors: Vec<(String, TensorView)> =
+            checkpoint.tensors().into_iter().filter(|(n, _)| !drop(n)).collect();
+        if let Some(name) = extra {
+            let view = TensorView::new(safetensors::Dtype::F32, vec![48, 64], &values).unwrap();
+            tensors.push((name.to_string(), view));
+        }
+        safetensors::serialize_to_file(tensors, None, &dir.join("model.safetensors")).unwrap();
+        Session::load(&dir, CpuBackend::new(1), options)
+            .err()
+            .unwrap()
+            .to_string()
+    };
+    // A seventh expert of six.
+    let extra = "model.layers.0.mlp.experts.6.up_proj.weight";
+    let err = load_error(Some(extra), &|_| false);
+    assert!(err.contains(&format!("does not use: {extra}")), "{err}");
+    // An expert's matrix missing, or every expert's.
+    let err = load_error(None, &|n| n == "model.layers.2.mlp.experts.3.down_proj.weight");
+    assert!(err.contains("missing tensor blk.2.ffn_down_exps.3.weight"), "{err}");
+    let err = load_error(None, &|n| n.contains("layers.0.mlp.experts."));
+    assert!(err.contains("missing tensor blk.0.ffn_gate_exps.weight"), "{err}");
+    std::fs::remove_dir_all(dir).unwrap();
+}

@@ -268,6 +268,11 @@ pub fn expert_tensors<'s, S: TensorSource + ?Sized>(
     [n_in, n_out]: [usize; 2],
 ) -> Result<Vec<HostTensor<'s>>> {
     let Some(t) = source.tensor(&format!("{name}.weight")) else {
+        if source.tensor(&format!("{name}.0.weight")).is_none() {
+            return Err(Error::Model(format!(
+                "missing tensor {name}.weight (each expert's {n_out} x {n_in} matrix, stacked)"
+            )));
+        }
         return (0..count)
             .map(|e| checked(source, &format!("{name}.{e}.weight"), &[n_in, n_out]))
             .collect();
