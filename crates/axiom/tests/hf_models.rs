@@ -1,5 +1,6 @@
 //! Hugging Face model directories of every supported architecture (tiny random models written by
-//! scripts/make_hf_fixtures.py with transformers 5.17; the `_bias` ones with 5.25) against transformers' float32 logits.
+//! scripts/make_hf_fixtures.py with transformers 5.17; the `_bias` and mixture-of-experts ones with 5.25) against
+//! transformers' float32 logits.
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,

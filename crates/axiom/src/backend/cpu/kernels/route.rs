@@ -20,7 +20,8 @@ pub fn route(logits: &[f32], routing: Routing, ids: &mut [u32], weights: &mut [f
         probs.iter_mut().for_each(|p| *p /= sum);
         order.clear();
         order.extend(0..n);
-        // Stable: equal probabilities keep their index order.
+        // Stable: equal probabilities keep their index order. (torch's topk leaves exact ties to
+        // its selection algorithm; the lowest index is a rule every backend can follow.)
         order.sort_by(|&a, &b| probs[b].total_cmp(&probs[a]));
         for (j, &e) in order[..k].iter().enumerate() {
             ids[j] = e as u32;
