@@ -19,8 +19,10 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig,
-                          LlamaForCausalLM, MistralConfig, MistralForCausalLM, Phi3Config, Phi3ForCausalLM,
-                          PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+                          LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig, MixtralForCausalLM,
+                          Phi3Config, Phi3ForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM,
+                          Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
+                          Qwen3MoeForCausalLM)
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "crates/axiom/tests/fixtures/hf"
@@ -30,6 +32,8 @@ TEXTS = ["The license applies to every contribution.", "Copyright 2004, all righ
          "<|im_start|>user\nWhat is a derivative work?<|im_end|>\n<|im_start|>assistant\n"]
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              vocab_size=1000, max_position_embeddings=256)
+# Mixtures of experts: six or eight experts of width 48, two a token.
+MOE = dict(SHAPE, moe_intermediate_size=48, num_experts=6, num_experts_per_tok=2)
 
 
 def tokenizer():
@@ -132,6 +136,18 @@ def models_to_make():
                                                   partial_rotary_factor=0.75, original_max_position_embeddings=64,
                                                   rope_scaling=longrope(6), pad_token_id=0, bos_token_id=0,
                                                   eos_token_id=2)),
+        # Qwen3-MoE: renormalized top-2 of 6 experts; the middle of three layers dense
+        # (`mlp_only_layers`).
+        "qwen3_moe": (Qwen3MoeForCausalLM, Qwen3MoeConfig(**dict(MOE, num_hidden_layers=3), head_dim=32,
+                                                          rope_theta=1000000.0, tie_word_embeddings=False,
+                                                          norm_topk_prob=True, mlp_only_layers=[1])),
+        # Mixtral: top-2 of 8 experts in every layer.
+        "mixtral": (MixtralForCausalLM, MixtralConfig(**dict(SHAPE, intermediate_size=48), num_local_experts=8,
+                                                      num_experts_per_tok=2, rope_theta=1000000.0,
+                                                      tie_word_embeddings=False)),
+        # Qwen2-MoE: top-2 of 6 experts, not renormalized, and a gated shared expert.
+        "qwen2_moe": (Qwen2MoeForCausalLM, Qwen2MoeConfig(**MOE, shared_expert_intermediate_size=96,
+                                                          rope_theta=1000000.0, tie_word_embeddings=True)),
     }
 
 

@@ -374,10 +374,15 @@ pub fn bench(args: BenchArgs, out: Output) -> Result<()> {
                 info.description, r.test, r.mean, r.stddev
             )?;
         }
+        // A mixture's token reads only the experts it chose: their expected share.
+        let active = match &session.model.config.experts {
+            Some(e) => format!(", {} of {} experts a token", e.used, e.count),
+            None => String::new(),
+        };
         for (r, gbps) in &rows {
             if let Some(g) = gbps {
                 outln!(
-                    "\n{}: {:.1} GB/s of weights ({:.1} MB per token)",
+                    "\n{}: {:.1} GB/s of weights ({:.1} MB per token{active})",
                     r.test,
                     g,
                     info.weight_bytes_per_token as f64 / 1e6
@@ -494,6 +499,9 @@ fn print_config(config: axiom::Result<ModelConfig>) -> Result<()> {
             outln!("rms epsilon:   {:e}", c.rms_eps)?;
             outln!("vocabulary:    {}", c.vocab_size)?;
             outln!("extras:        {}", features(&c).join(", "))?;
+            if let Some(e) = &c.experts {
+                outln!("experts:       {}", experts(e))?;
+            }
         }
         Err(e) => outln!("config:        cannot run this model: {e}")?,
     }
@@ -542,6 +550,23 @@ fn features(c: &ModelConfig) -> Vec<String> {
         out.push("none".into());
     }
     out
+}
+
+/// A mixture of experts: how many, how many a token runs, and where.
+fn experts(e: &axiom::model::ExpertsConfig) -> String {
+    let mixtures = e.layers.iter().filter(|&&m| m).count();
+    let mut text = format!(
+        "{} of {} a token (FFN {} each), weights {}renormalized, on {mixtures} of {} layers",
+        e.used,
+        e.count,
+        e.ffn_dim,
+        if e.renormalize { "" } else { "not " },
+        e.layers.len()
+    );
+    if let Some(shared) = e.shared_ffn_dim {
+        text += &format!(", a gated shared expert of FFN {shared}");
+    }
+    text
 }
 
 fn print_tokenizer(tokenizer: axiom::Result<Tokenizer>) -> Result<()> {

@@ -127,13 +127,24 @@ fn info_describes_the_model() {
 }
 
 #[test]
-fn info_names_the_rope_scaling() {
+fn info_names_the_rope_scaling_and_the_experts() {
     let fixture = |name: &str| {
         PathBuf::from(env!("CARGO_MANIFEST_DIR"))
             .join("../axiom/tests/fixtures/hf")
             .join(name)
     };
-    let cases: [(&str, &[&str]); 2] = [
+    let cases: [(&str, &[&str]); 4] = [
+        (
+            "qwen3_moe",
+            &[
+                "architecture:  qwen3_moe",
+                "experts:       2 of 6 a token (FFN 48 each), weights renormalized, on 2 of 3 layers",
+            ],
+        ),
+        (
+            "qwen2_moe",
+            &["not renormalized, on 2 of 2 layers, a gated shared expert of FFN 96"],
+        ),
         (
             "qwen2_yarn",
             &["16 dims rotated", "YaRN x4 beyond 64 tokens", "attention factor 1.13"],
@@ -154,6 +165,26 @@ fn info_names_the_rope_scaling() {
             assert!(out.contains(needle), "missing {needle:?} in\n{out}");
         }
     }
+}
+
+#[test]
+fn bench_counts_a_mixtures_chosen_experts_per_token() {
+    let fixture = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../axiom/tests/fixtures/hf/qwen3_moe");
+    let out = ok(&axiom(&[
+        "bench",
+        "-m",
+        fixture.to_str().unwrap(),
+        "-p",
+        "8",
+        "-n",
+        "4",
+        "-r",
+        "1",
+        "-t",
+        "1",
+    ]));
+    // Every matrix but the embedding (the LM head is its own) and a third of the experts.
+    assert!(out.contains("(0.8 MB per token, 2 of 6 experts a token)"), "{out}");
 }
 
 #[test]

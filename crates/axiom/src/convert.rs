@@ -5,7 +5,11 @@
 //! architecture names (Phi-3 its fused Q/K/V and gate/up matrices, as llama.cpp stores them),
 //! Gemma 3's text model becomes `gemma3`; Gemma's norm weights are written as the norm
 //! multiplies by them (its checkpoints store them minus one), as llama.cpp's converter does.
+//! Mixtures of experts take llama.cpp's form: Mixtral is `llama` with experts, Qwen's are
+//! `qwen2moe` and `qwen3moe`, each layer's experts stacked into 3-D tensors (`ffn_gate_exps`,
+//! ...), the routers kept in F32 as llama-quantize keeps them.
 
+use crate::backend::HostTensor;
 use crate::backend::RopeScaling;
 use crate::format::gguf::Value;
 use crate::format::gguf_writer::GgufWriter;
@@ -13,7 +17,7 @@ use crate::format::quant::{dequantize, GgmlType};
 use crate::format::quantize::{can_quantize, quantize};
 use crate::format::safetensors::SafetensorsModel;
 use crate::model::rope_config::{LONGROPE_LONG, LONGROPE_SHORT};
-use crate::model::weights::{refuse_unread, TensorSource};
+use crate::model::weights::{expert_tensors, refuse_unread, TensorSource};
 use crate::model::ModelConfig;
 use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
@@ -60,8 +64,11 @@ pub fn convert_hf_dir(
     let config = ModelConfig::from_hf(&json)?;
     let checkpoint = SafetensorsModel::open_dir(dir)?;
     let arch = match config.architecture.as_str() {
-        "llama" | "mistral" => "llama",
+        // llama.cpp writes Mixtral as `llama` with experts.
+        "llama" | "mistral" | "mixtral" => "llama",
         "gemma3_text" => "gemma3",
+        "qwen2_moe" => "qwen2moe",
+        "qwen3_moe" => "qwen3moe",
         other => other,
     };
     let permute = arch == "llama";
@@ -90,6 +97,16 @@ pub fn convert_hf_dir(
     w.set(&format!("{arch}.vocab_size"), u32v(config.vocab_size));
     rope_metadata(&config, arch, &mut w)?;
     sliding_metadata(&config, arch, &mut w)?;
+    if let Some(e) = &config.experts {
+        w.set(&format!("{arch}.expert_count"), u32v(e.count));
+        w.set(&format!("{arch}.expert_used_count"), u32v(e.used));
+        w.set(&format!("{arch}.expert_feed_forward_length"), u32v(e.ffn_dim));
+        // llama.cpp assumes it per architecture where the key is missing; written, it is read.
+        w.set(&format!("{arch}.expert_weights_norm"), Value::Bool(e.renormalize));
+        if let Some(shared) = e.shared_ffn_dim {
+            w.set(&format!("{arch}.expert_shared_feed_forward_length"), u32v(shared));
+        }
+    }
     if config.attention_scale != 1.0 / (config.head_dim as f32).sqrt() || arch.starts_with("gemma") {
         w.set(&format!("{arch}.attention.scale"), Value::F32(config.attention_scale));
     }
@@ -127,10 +144,13 @@ pub fn convert_hf_dir(
     }
 
     let names = tensor_names(&config, checkpoint.tensor("output.weight").is_some());
-    let read: HashSet<&str> = names
-        .iter()
-        .filter_map(|n| checkpoint.tensor(n).map(|t| t.name))
-        .collect();
+    let mut read: HashSet<&str> = HashSet::new();
+    for name in &names {
+        // A missing tensor is named when it is written, below.
+        if let Ok(parts) = source_tensors(&checkpoint, &config, name) {
+            read.extend(parts.iter().map(|t| t.name));
+        }
+    }
     refuse_unread(&checkpoint, &read)?;
     let mut written = Written {
         matrices: Vec::new(),
@@ -138,12 +158,14 @@ pub fn convert_hf_dir(
     };
     for (i, gguf_name) in names.iter().enumerate() {
         progress(i, names.len(), gguf_name);
-        let t = checkpoint
-            .tensor(gguf_name)
-            .ok_or_else(|| Error::Model(format!("missing tensor {gguf_name}")))?;
-        let n: usize = t.dims.iter().product();
-        let mut values = vec![0f32; n];
-        dequantize(t.ty, t.bytes, &mut values);
+        let parts = source_tensors(&checkpoint, &config, gguf_name)?;
+        let (mut values, dims) = (Vec::new(), stored_dims(&parts));
+        for t in &parts {
+            let start = values.len();
+            values.resize(start + t.dims.iter().product::<usize>(), 0.0);
+            dequantize(t.ty, t.bytes, &mut values[start..]);
+        }
+        let n = values.len();
         if gguf_name.ends_with("norm.weight") {
             values.iter_mut().for_each(|v| *v += config.norm_weight_offset);
         }
@@ -155,15 +177,21 @@ pub fn convert_hf_dir(
             };
             if let Some(heads) = heads {
                 // A matrix's rows, or a bias vector's values.
-                let (rows, row_len) = match *t.dims {
+                let (rows, row_len) = match dims[..] {
                     [row_len, rows] => (rows, row_len),
                     _ => (n, 1),
                 };
                 values = permute_rows(&values, heads, rows, row_len);
             }
         }
-        let target = if t.dims.len() == 2 {
-            let target = matrix_type(ty, t.dims[0]);
+        // Routers stay F32, as llama-quantize leaves them: a rounded logit can change the choice.
+        let router = gguf_name.contains(".ffn_gate_inp");
+        let target = if dims.len() >= 2 {
+            let target = if router {
+                GgmlType::F32
+            } else {
+                matrix_type(ty, dims[0])
+            };
             written.add_matrix(target);
             target
         } else {
@@ -172,7 +200,7 @@ pub fn convert_hf_dir(
         };
         let mut bytes = Vec::with_capacity(target.bytes_for(n).unwrap_or(0));
         quantize(target, &values, &mut bytes)?;
-        w.tensor(&stored_name(gguf_name), target, t.dims, bytes)?;
+        w.tensor(&stored_name(gguf_name), target, &dims, bytes)?;
     }
     progress(names.len(), names.len(), "");
     w.write(out)?;
@@ -225,6 +253,46 @@ fn rope_metadata(config: &ModelConfig, arch: &str, w: &mut GgufWriter) -> Result
     Ok(())
 }
 
+/// The checkpoint's tensors that make the GGUF tensor `name`: the one of that name, or, for a
+/// stacked expert tensor (`ffn_gate_exps`, ...), each expert's matrix in expert order.
+fn source_tensors<'s>(
+    checkpoint: &'s SafetensorsModel,
+    config: &ModelConfig,
+    name: &str,
+) -> Result<Vec<HostTensor<'s>>> {
+    let stacked = name.strip_suffix(".weight").filter(|n| n.ends_with("_exps"));
+    match (stacked, &config.experts) {
+        (Some(stacked), Some(e)) => {
+            let shape = if stacked.ends_with("ffn_down_exps") {
+                [e.ffn_dim, config.dim]
+            } else {
+                [config.dim, e.ffn_dim]
+            };
+            expert_tensors(checkpoint, stacked, e.count, shape)
+        }
+        _ => checkpoint
+            .tensor(name)
+            .map(|t| vec![t])
+            .ok_or_else(|| Error::Model(format!("missing tensor {name}"))),
+    }
+}
+
+/// The GGUF dimensions of `parts` written as one tensor: experts stacked as the last dimension;
+/// a `[1, n]` matrix (Qwen2-MoE's shared expert gate) as the vector llama.cpp stores.
+fn stored_dims(parts: &[HostTensor]) -> Vec<usize> {
+    match parts {
+        [one] => match one.dims {
+            [n, 1] => vec![*n],
+            dims => dims.to_vec(),
+        },
+        many => {
+            let mut dims = many.first().map_or(Vec::new(), |t| t.dims.to_vec());
+            dims.push(many.len());
+            dims
+        }
+    }
+}
+
 /// The name a tensor is written under: llama.cpp's Phi-3 keeps its fused gate and up matrix as
 /// `ffn_up`, which axiom reads from a checkpoint as `ffn_gate_up`.
 fn stored_name(name: &str) -> String {
@@ -246,7 +314,26 @@ fn tensor_names(config: &ModelConfig, untied: bool) -> Vec<String> {
         names.push("output.weight".into());
     }
     for i in 0..config.n_layers {
+        let mixture = config.experts.as_ref().filter(|e| e.is_mixture(i));
         let mut fields = match config.architecture.as_str() {
+            _ if mixture.is_some() => {
+                let mut fields = vec![
+                    "attn_norm",
+                    "attn_q",
+                    "attn_k",
+                    "attn_v",
+                    "attn_output",
+                    "ffn_norm",
+                    "ffn_gate_inp",
+                    "ffn_gate_exps",
+                    "ffn_up_exps",
+                    "ffn_down_exps",
+                ];
+                if mixture.is_some_and(|e| e.shared_ffn_dim.is_some()) {
+                    fields.extend(["ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp", "ffn_gate_inp_shexp"]);
+                }
+                fields
+            }
             "phi3" => vec![
                 "attn_norm",
                 "attn_qkv",

@@ -8,7 +8,7 @@ pub enum Error {
     Gguf(#[from] GgufError),
     #[error("model: {0}")]
     Model(String),
-    #[error("unsupported architecture {0:?} (supported: llama, mistral, qwen2, qwen3)")]
+    #[error("unsupported architecture {0:?} (supported: llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe, phi3, gemma2, gemma3_text)")]
     UnsupportedArchitecture(String),
     #[error("tensor {name:?} has type {ty}, which {op} does not support")]
     UnsupportedTensorType { name: String, ty: String, op: &'static str },

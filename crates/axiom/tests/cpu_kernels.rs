@@ -554,3 +554,264 @@ fn rope_frequency_scaling_follows_transformers() {
         }
     }
 }
+
+/// Awkward mixture sizes: 6 experts of width 64 over rows of 96, two a token.
+const EXPERTS: usize = 6;
+const EXPERT_DIM: usize = 96;
+const EXPERT_WIDTH: usize = 64;
+const EXPERTS_PER_TOKEN: usize = 2;
+
+#[test]
+fn routing_takes_the_top_k_of_the_softmax() {
+    let mut r = rng();
+    let n_tokens = 33;
+    let mut logits = randn(&mut r, n_tokens * EXPERTS);
+    // Ties: a row of equal logits, and one whose top two are equal.
+    logits[..EXPERTS].fill(0.25);
+    logits[EXPERTS..2 * EXPERTS].copy_from_slice(&[0.1, 0.9, -0.3, 0.9, 0.2, 0.0]);
+    for renormalize in [false, true] {
+        let mut b = backend();
+        let lh = upload(&mut b, &logits);
+        let k = EXPERTS_PER_TOKEN;
+        let routes = axiom::backend::Routes {
+            ids: upload_u32(&mut b, &vec![u32::MAX; n_tokens * k]),
+            weights: poisoned(&mut b, n_tokens * k),
+            k,
+        };
+        let routing = axiom::backend::Routing {
+            n_experts: EXPERTS,
+            k,
+            renormalize,
+        };
+        b.route(lh, routes, n_tokens, routing).unwrap();
+        let mut ids = vec![0u32; n_tokens * k];
+        b.read_u32(routes.ids, &mut ids).unwrap();
+        let weights = read(&b, routes.weights, n_tokens * k);
+        for t in 0..n_tokens {
+            let row: Vec<f64> = logits[t * EXPERTS..(t + 1) * EXPERTS]
+                .iter()
+                .map(|&l| l as f64)
+                .collect();
+            let total: f64 = row.iter().map(|l| l.exp()).sum();
+            let probs: Vec<f64> = row.iter().map(|l| l.exp() / total).collect();
+            // The k largest, the lower index first among equals.
+            let mut chosen: Vec<usize> = Vec::new();
+            for _ in 0..k {
+                let best = (0..EXPERTS)
+                    .filter(|e| !chosen.contains(e))
+                    .fold(None, |b: Option<usize>, e| match b {
+                        Some(b) if probs[b] >= probs[e] => Some(b),
+                        _ => Some(e),
+                    })
+                    .unwrap();
+                chosen.push(best);
+            }
+            let sum: f64 = chosen.iter().map(|&e| probs[e]).sum();
+            let want: Vec<f32> = chosen
+                .iter()
+                .map(|&e| (if renormalize { probs[e] / sum } else { probs[e] }) as f32)
+                .collect();
+            let want_ids: Vec<u32> = chosen.iter().map(|&e| e as u32).collect();
+            assert_eq!(&ids[t * k..(t + 1) * k], &want_ids[..], "token {t}");
+            assert_close(&weights[t * k..(t + 1) * k], &want, 1e-6, &format!("token {t}"));
+        }
+        assert_eq!(&ids[..4], &[0, 1, 1, 3], "ties go to the lower index");
+    }
+}
+
+/// A test case of the expert op: the experts' matrices in `ty`, and a step's routes.
+struct ExpertCase {
+    ty: GgmlType,
+    /// Per expert: gate, up, down as stored.
+    matrices: Vec<[Vec<u8>; 3]>,
+    x: Vec<f32>,
+    ids: Vec<u32>,
+    weights: Vec<f32>,
+    residual: Vec<f32>,
+    n_tokens: usize,
+}
+
+impl ExpertCase {
+    fn new(r: &mut ChaCha8Rng, ty: GgmlType, n_tokens: usize) -> ExpertCase {
+        let (d, w) = (EXPERT_DIM, EXPERT_WIDTH);
+        let matrices = (0..EXPERTS)
+            .map(|_| {
+                [
+                    random_weight_bytes(r, ty, d * w),
+                    random_weight_bytes(r, ty, d * w),
+                    random_weight_bytes(r, ty, w * d),
+                ]
+            })
+            .collect();
+        // Distinct experts per token; with one token most experts run nothing.
+        let ids = (0..n_tokens)
+            .flat_map(|_| {
+                let first = r.random_range(0..EXPERTS as u32);
+                [first, (first + r.random_range(1..EXPERTS as u32)) % EXPERTS as u32]
+            })
+            .collect();
+        ExpertCase {
+            ty,
+            matrices,
+            x: randn(r, n_tokens * d),
+            ids,
+            weights: (0..n_tokens * EXPERTS_PER_TOKEN)
+                .map(|_| r.random_range(0.0f32..1.0))
+                .collect(),
+            residual: randn(r, n_tokens * d),
+            n_tokens,
+        }
+    }
+
+    /// The residual after the expert op on `b`.
+    fn run(&self, mut b: CpuBackend) -> axiom::Result<Vec<f32>> {
+        b.reserve(16 << 20).unwrap();
+        let (d, w, k, n) = (EXPERT_DIM, EXPERT_WIDTH, EXPERTS_PER_TOKEN, self.n_tokens);
+        let mut upload_matrix = |which: usize, n_in: usize, n_out: usize| {
+            let tensors: Vec<HostTensor> = self
+                .matrices
+                .iter()
+                .map(|m| HostTensor {
+                    name: "expert",
+                    ty: self.ty,
+                    dims: if which == 2 {
+                        &[EXPERT_WIDTH, EXPERT_DIM]
+                    } else {
+                        &[EXPERT_DIM, EXPERT_WIDTH]
+                    },
+                    bytes: &m[which],
+                    region: None,
+                })
+                .collect();
+            assert_eq!(tensors[0].dims, [n_in, n_out]);
+            b.upload_experts(&tensors).unwrap()
+        };
+        let (gate, up, down) = (upload_matrix(0, d, w), upload_matrix(1, d, w), upload_matrix(2, w, d));
+        let x = upload(&mut b, &self.x);
+        let routes = axiom::backend::Routes {
+            ids: upload_u32(&mut b, &self.ids),
+            weights: upload(&mut b, &self.weights),
+            k,
+        };
+        let scratch = axiom::backend::ExpertScratch {
+            rows: poisoned(&mut b, n * k * d),
+            gate: poisoned(&mut b, n * k * w),
+            up: poisoned(&mut b, n * k * w),
+            hidden: poisoned(&mut b, n * k * w),
+            out: poisoned(&mut b, n * k * d),
+        };
+        let residual = upload(&mut b, &self.residual);
+        let set = axiom::backend::ExpertSet {
+            gate: &gate,
+            up: &up,
+            down: &down,
+            activation: Activation::Silu,
+        };
+        b.experts(x, set, routes, scratch, residual, n)?;
+        Ok(read(&b, residual, n * d))
+    }
+
+    /// The formula in f64 on the dequantized matrices.
+    fn want(&self) -> Vec<f32> {
+        let (d, w, k) = (EXPERT_DIM, EXPERT_WIDTH, EXPERTS_PER_TOKEN);
+        let dense: Vec<[Vec<f32>; 3]> = self
+            .matrices
+            .iter()
+            .map(|m| {
+                m.clone().map(|bytes| {
+                    let mut v = vec![0f32; d * w];
+                    dequantize(self.ty, &bytes, &mut v);
+                    v
+                })
+            })
+            .collect();
+        let product = |m: &[f32], x: &[f64], n_out: usize| -> Vec<f64> {
+            let n_in = x.len();
+            (0..n_out)
+                .map(|o| (0..n_in).map(|i| m[o * n_in + i] as f64 * x[i]).sum())
+                .collect()
+        };
+        let mut out: Vec<f64> = self.residual.iter().map(|&v| v as f64).collect();
+        for t in 0..self.n_tokens {
+            let xt: Vec<f64> = self.x[t * d..(t + 1) * d].iter().map(|&v| v as f64).collect();
+            for j in 0..k {
+                let [g, u, down] = &dense[self.ids[t * k + j] as usize];
+                let (g, u) = (product(g, &xt, w), product(u, &xt, w));
+                let h: Vec<f64> = g.iter().zip(&u).map(|(g, u)| g / (1.0 + (-g).exp()) * u).collect();
+                for (o, v) in out[t * d..(t + 1) * d].iter_mut().zip(product(down, &h, d)) {
+                    *o += self.weights[t * k + j] as f64 * v;
+                }
+            }
+        }
+        out.iter().map(|&v| v as f32).collect()
+    }
+}
+
+/// `|got - want| / |want - residual|`: the error relative to what the experts added.
+fn experts_error(case: &ExpertCase, got: &[f32], want: &[f32]) -> f64 {
+    let (mut err, mut norm) = (0f64, 0f64);
+    for ((g, w), r) in got.iter().zip(want).zip(&case.residual) {
+        err += ((g - w) as f64).powi(2);
+        norm += ((w - r) as f64).powi(2);
+    }
+    (err / norm).sqrt()
+}
+
+#[test]
+fn experts_add_each_tokens_chosen_feed_forward_blocks_weighed() {
+    let mut r = rng();
+    for ty in [GgmlType::F32, GgmlType::Q8_0, GgmlType::Q4_1] {
+        for n_tokens in [1, 7, 33] {
+            let case = ExpertCase::new(&mut r, ty, n_tokens);
+            let err = experts_error(&case, &case.run(CpuBackend::reference(3)).unwrap(), &case.want());
+            assert!(err < 1e-5, "{ty} x {n_tokens} tokens: relative error {err}");
+        }
+    }
+}
+
+#[test]
+fn fast_experts_grouped_by_expert_match_the_reference() {
+    let mut r = rng();
+    for isa in Isa::available() {
+        for ty in [GgmlType::F16, GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q5_0] {
+            for n_tokens in [1, 7, 33] {
+                let case = ExpertCase::new(&mut r, ty, n_tokens);
+                let want = case.run(CpuBackend::reference(3)).unwrap();
+                let got = case.run(CpuBackend::with_kernels(3, CpuKernels::Fast(isa))).unwrap();
+                // The integer kernels quantize the activations to 8 bits on the way in.
+                let bound = if has_int8_kernel(ty) { 2e-2 } else { 1e-5 };
+                let err = experts_error(&case, &got, &want);
+                assert!(err < bound, "{isa:?} {ty} x {n_tokens} tokens: relative error {err}");
+            }
+        }
+    }
+}
+
+#[test]
+fn experts_refuse_an_expert_outside_the_set() {
+    let mut r = rng();
+    let mut case = ExpertCase::new(&mut r, GgmlType::F32, 7);
+    case.ids[5] = EXPERTS as u32;
+    for kernels in [CpuKernels::Reference, CpuKernels::Fast(Isa::detect())] {
+        let err = case.run(CpuBackend::with_kernels(1, kernels)).unwrap_err().to_string();
+        assert!(err.contains("expert 6 chosen of 6 experts"), "{kernels:?}: {err}");
+    }
+}
+
+#[test]
+fn add_gated_scales_rows_by_the_sigmoid_of_their_gate() {
+    let mut r = rng();
+    let (n_tokens, width) = (7, 96);
+    let (x, rows, gates) = (
+        randn(&mut r, n_tokens * width),
+        randn(&mut r, n_tokens * width),
+        randn(&mut r, n_tokens),
+    );
+    let mut b = backend();
+    let (xh, rh, gh) = (upload(&mut b, &x), upload(&mut b, &rows), upload(&mut b, &gates));
+    b.add_gated(xh, rh, gh, n_tokens, width).unwrap();
+    let want: Vec<f32> = (0..n_tokens * width)
+        .map(|i| x[i] + rows[i] / (1.0 + (-gates[i / width]).exp()))
+        .collect();
+    assert_close(&read(&b, xh, n_tokens * width), &want, 1e-6, "add_gated");
+}

@@ -153,6 +153,12 @@ fn every_architecture_on_cuda_matches_transformers() {
 
 #[test]
 #[ignore = "needs an NVIDIA GPU: cargo test --release --test cuda -- --ignored"]
+fn mixtures_of_experts_are_refused_on_cuda() {
+    gpu::mixtures_of_experts_are_refused_by_name(|| cuda(KvType::F16), "cuda");
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: cargo test --release --test cuda -- --ignored"]
 fn greedy_decode_on_cuda_matches_host_argmax() {
     gpu::greedy_decode_matches_host_argmax(cuda(KvType::F16));
 }

@@ -1,5 +1,6 @@
 //! Hugging Face model directories of every supported architecture (tiny random models written by
-//! scripts/make_hf_fixtures.py with transformers 5.17; the `_bias` ones with 5.25) against transformers' float32 logits.
+//! scripts/make_hf_fixtures.py with transformers 5.17; the `_bias` and mixture-of-experts ones with 5.25) against
+//! transformers' float32 logits.
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
@@ -16,7 +17,7 @@ use common::{hf_fixture as fixture, worst_error};
 
 #[test]
 fn every_architecture_matches_transformers_in_f32() {
-    for &name in common::HF_FIXTURES {
+    for &name in common::HF_FIXTURES.iter().chain(common::MOE_FIXTURES) {
         let reference = worst_error(&fixture(name), &fixture(name), CpuBackend::reference(2));
         assert!(
             reference < 1e-4,
@@ -95,6 +96,49 @@ fn configs_that_change_the_math_are_refused() {
 }
 
 #[test]
+fn mixture_configs_are_read_per_family_and_bad_ones_refused() {
+    use axiom::model::ModelConfig;
+    let config = |name: &str| -> serde_json::Value {
+        serde_json::from_str(&std::fs::read_to_string(fixture(name).join("config.json")).unwrap()).unwrap()
+    };
+    let experts = |c: &serde_json::Value| ModelConfig::from_hf(c).unwrap().experts.unwrap();
+    // qwen3_moe's middle layer is in `mlp_only_layers`; Mixtral always renormalizes.
+    let qwen3 = experts(&config("qwen3_moe"));
+    assert_eq!((qwen3.count, qwen3.used, qwen3.ffn_dim), (6, 2, 48));
+    assert_eq!(
+        (qwen3.layers.clone(), qwen3.renormalize),
+        (vec![true, false, true], true)
+    );
+    let mixtral = experts(&config("mixtral"));
+    assert_eq!(
+        (mixtral.count, mixtral.renormalize, mixtral.shared_ffn_dim),
+        (8, true, None)
+    );
+    let qwen2 = experts(&config("qwen2_moe"));
+    assert_eq!((qwen2.renormalize, qwen2.shared_ffn_dim), (false, Some(96)));
+    // Every second layer a mixture under `decoder_sparse_step`.
+    let mut c = config("qwen2_moe");
+    c["decoder_sparse_step"] = 2.into();
+    assert_eq!(experts(&c).layers, vec![false, true]);
+    let refused = |name: &str, key: &str, value: serde_json::Value| {
+        let mut c = config(name);
+        c[key] = value;
+        ModelConfig::from_hf(&c)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default()
+    };
+    let mut windowed = config("qwen3_moe");
+    windowed["sliding_window"] = 4.into();
+    windowed["use_sliding_window"] = true.into();
+    let err = ModelConfig::from_hf(&windowed).unwrap_err().to_string();
+    assert!(err.contains("use_sliding_window"), "{err}");
+    assert!(refused("qwen2_moe", "decoder_sparse_step", 0.into()).contains("decoder_sparse_step"));
+    assert!(refused("mixtral", "num_experts_per_tok", 9.into()).contains("8 experts of 9 a token"));
+    assert!(refused("qwen2_moe", "mlp_only_layers", "all".into()).contains("mlp_only_layers"));
+}
+
+#[test]
 fn chat_templates_and_end_of_generation_come_from_the_directory() {
     let s = Session::load(
         &fixture("qwen2"),
@@ -160,5 +204,48 @@ fn tensors_the_model_does_not_read_are_refused_by_name() {
     with_extra("model.layers.0.self_attn.rotary_emb.inv_freq", 8);
     let err = worst_error(&dir, &fixture("qwen2"), CpuBackend::reference(1));
     assert!(err < 1e-4, "relative L2 error {err}");
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn an_expert_too_many_or_too_few_is_refused_by_name() {
+    use safetensors::tensor::TensorView;
+    let dir = std::env::temp_dir().join(format!("axiom-experts-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for entry in std::fs::read_dir(fixture("qwen3_moe")).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, dir.join(path.file_name().unwrap())).unwrap();
+    }
+    let original = std::fs::read(fixture("qwen3_moe").join("model.safetensors")).unwrap();
+    let options = LoadOptions {
+        max_batch: 8,
+        kv_tokens: 8,
+        max_seqs: 1,
+    };
+    // The checkpoint without the tensors `drop` names, with one more F32 `[48, 64]` if `extra`.
+    let values = vec![0u8; 48 * 64 * 4];
+    let load_error = |extra: Option<&str>, drop: &dyn Fn(&str) -> bool| {
+        let checkpoint = safetensors::SafeTensors::deserialize(&original).unwrap();
+        let mut tensors: Vec<(String, TensorView)> =
+            checkpoint.tensors().into_iter().filter(|(n, _)| !drop(n)).collect();
+        if let Some(name) = extra {
+            let view = TensorView::new(safetensors::Dtype::F32, vec![48, 64], &values).unwrap();
+            tensors.push((name.to_string(), view));
+        }
+        safetensors::serialize_to_file(tensors, None, &dir.join("model.safetensors")).unwrap();
+        Session::load(&dir, CpuBackend::new(1), options)
+            .err()
+            .unwrap()
+            .to_string()
+    };
+    // A seventh expert of six.
+    let extra = "model.layers.0.mlp.experts.6.up_proj.weight";
+    let err = load_error(Some(extra), &|_| false);
+    assert!(err.contains(&format!("does not use: {extra}")), "{err}");
+    // An expert's matrix missing, or every expert's.
+    let err = load_error(None, &|n| n == "model.layers.2.mlp.experts.3.down_proj.weight");
+    assert!(err.contains("missing tensor blk.2.ffn_down_exps.3.weight"), "{err}");
+    let err = load_error(None, &|n| n.contains("layers.0.mlp.experts."));
+    assert!(err.contains("missing tensor blk.0.ffn_gate_exps.weight"), "{err}");
     std::fs::remove_dir_all(dir).unwrap();
 }

@@ -72,6 +72,11 @@ fn every_architecture_on_metal_matches_transformers() {
 }
 
 #[test]
+fn mixtures_of_experts_are_refused_on_metal() {
+    gpu::mixtures_of_experts_are_refused_by_name(|| metal(KvType::F16), "metal");
+}
+
+#[test]
 fn greedy_decode_on_metal_matches_host_argmax() {
     gpu::greedy_decode_matches_host_argmax(metal(KvType::F16));
 }

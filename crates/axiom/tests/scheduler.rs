@@ -1,6 +1,6 @@
 //! Continuous batching on the real default model (fast CPU backend): a greedy request gives the
 //! same tokens alone or among 31 others, through chunked prompts, preemption and shared
-//! prefixes; a cancelled request frees its pages at once.
+//! prefixes; a cancelled request frees its pages at once. A tiny mixture of experts too.
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
@@ -22,12 +22,19 @@ use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
 
 fn scheduler(options: LoadOptions) -> (Scheduler<CpuBackend>, EngineHandle, Arc<Tokenizer>) {
+    scheduler_of(&common::smollm2(), options)
+}
+
+fn scheduler_of(
+    model: &std::path::Path,
+    options: LoadOptions,
+) -> (Scheduler<CpuBackend>, EngineHandle, Arc<Tokenizer>) {
     let Session {
         model,
         pages,
         tokenizer,
         ..
-    } = Session::load(&common::smollm2(), CpuBackend::new(2), options).unwrap();
+    } = Session::load(model, CpuBackend::new(2), options).unwrap();
     let tokenizer = Arc::new(tokenizer);
     let (sched, handle) = Scheduler::new(model, pages, tokenizer.clone(), SchedulerConfig::default());
     (sched, handle, tokenizer)
@@ -132,6 +139,32 @@ fn thirty_two_requests_together_give_their_solo_outputs() {
     assert!(full >= 24, "most requests run to max_tokens ({full} of 32 do)");
     let status = handle.status();
     assert_eq!((status.running, status.queued, status.pages.used), (0, 0, 0));
+}
+
+#[test]
+fn a_mixture_of_experts_model_gives_its_solo_outputs_batched() {
+    // Tokens of one step choose different experts: each must get its own, batched or not,
+    // through chunked prompts and shared prefixes.
+    let (mut sched, handle, s) = scheduler_of(
+        &common::hf_fixture("qwen3_moe"),
+        LoadOptions {
+            max_batch: 16,
+            kv_tokens: 1024,
+            max_seqs: 8,
+        },
+    );
+    let mut prompts = prompts(&s, 7);
+    prompts.push(raw(&s, &"The license applies to every contribution. ".repeat(4)));
+    assert!(prompts.iter().any(|p| p.len() > 16));
+    let max_tokens = 16;
+    let alone = solo(&mut sched, &handle, &prompts, max_tokens);
+    let rxs: Vec<_> = prompts.iter().map(|p| submit(&handle, p.clone(), max_tokens)).collect();
+    run_all(&mut sched);
+    for (i, rx) in rxs.iter().enumerate() {
+        assert_eq!(collect(rx).0, alone[i], "request {i} differs when batched");
+    }
+    assert!(alone.iter().any(|t| t.len() == max_tokens), "{alone:?}");
+    assert_eq!(handle.status().pages.used, 0);
 }
 
 #[test]

@@ -2,7 +2,10 @@
 //! [`Kernels`] primitives (the `*_in_steps` functions) that a backend replaces where it fuses
 //! them; and the small structs they take.
 
-use super::{Activation, AttentionKv, AttentionShape, BlockHandle, Input, Kernels, Matrix, Rope};
+use super::{
+    Activation, AttentionKv, AttentionShape, BlockHandle, ExpertScratch, ExpertSet, Input, Kernels, Matrix, Rope,
+    Routes, Routing,
+};
 use crate::Result;
 
 /// A step's new query, key and value rows as the Q, K and V products wrote them (before RoPE),
@@ -76,6 +79,65 @@ pub struct GluRows {
     pub gate: BlockHandle,
     pub up: BlockHandle,
     pub out: BlockHandle,
+}
+
+/// A mixture-of-experts feed-forward block: the router's matrix (`[n_experts, dim]`), how tokens
+/// choose by its logits, the experts, and a shared expert where the model has one.
+pub struct Mixture<'a, W> {
+    pub router: &'a W,
+    pub routing: Routing,
+    pub experts: ExpertSet<'a, W>,
+    pub shared: Option<SharedExpert<'a, W>>,
+}
+
+/// An expert every token runs (Qwen2-MoE), its output scaled by `sigmoid(x gate^T)` (`gate` is
+/// `[1, dim]`).
+pub struct SharedExpert<'a, W> {
+    pub ffn: FeedForward<'a, W>,
+    pub gate: &'a W,
+}
+
+/// Scratch for a mixture block of `n_tokens`: the router's `logits` (`[n_tokens, n_experts]`),
+/// the `routes` it chooses, the expert op's rows, the shared expert's feed-forward rows and its
+/// gate logits (one per token).
+#[derive(Debug, Clone, Copy)]
+pub struct MixtureScratch {
+    pub logits: BlockHandle,
+    pub routes: Routes,
+    pub experts: ExpertScratch,
+    pub shared: FeedForwardScratch,
+    pub shared_gates: BlockHandle,
+}
+
+/// `Backend::mixture` in steps: the input rows, the router's `matmul`, `route`, `experts`
+/// added to the residual stream, then the shared expert's feed-forward block and `add_gated`.
+pub fn mixture_in_steps<B: Backend + ?Sized>(
+    b: &B,
+    x: Input,
+    m: Mixture<'_, B::Weight>,
+    s: MixtureScratch,
+    residual: BlockHandle,
+    n_tokens: usize,
+) -> Result<()> {
+    let dim = m.router.n_in();
+    let rows = b.input_rows(x, n_tokens, dim)?;
+    b.matmul(rows, m.router, s.logits, n_tokens)?;
+    b.route(s.logits, s.routes, n_tokens, m.routing)?;
+    b.experts(rows, m.experts, s.routes, s.experts, residual, n_tokens)?;
+    if let Some(shared) = m.shared {
+        let ffn = shared.ffn;
+        b.gate_up_glu(
+            rows.into(),
+            [ffn.gate, ffn.up],
+            s.shared.glu(),
+            n_tokens,
+            ffn.activation,
+        )?;
+        b.matmul(s.shared.hidden, ffn.down, s.shared.proj, n_tokens)?;
+        b.matmul(rows, shared.gate, s.shared_gates, n_tokens)?;
+        b.add_gated(residual, s.shared.proj, s.shared_gates, n_tokens, dim)?;
+    }
+    Ok(())
 }
 
 /// `Backend::rope_kv_write` in three steps: `rope` on the queries, on the keys, then `kv_write`.
@@ -207,6 +269,19 @@ pub trait Backend: Kernels {
         n_tokens: usize,
     ) -> Result<()> {
         feed_forward_in_steps(self, x, ffn, scratch, residual, n_tokens)
+    }
+    /// A mixture-of-experts feed-forward block added to the residual stream: each token's
+    /// chosen experts weighed by the router, plus the gated shared expert where there is one.
+    /// The default is `mixture_in_steps`.
+    fn mixture(
+        &self,
+        x: Input,
+        m: Mixture<'_, Self::Weight>,
+        scratch: MixtureScratch,
+        residual: BlockHandle,
+        n_tokens: usize,
+    ) -> Result<()> {
+        mixture_in_steps(self, x, m, scratch, residual, n_tokens)
     }
     /// `rope` on the query and key heads of `new`, then `kv_write` of the rotated keys and the
     /// values: the start of a layer's attention in one op. The default is

@@ -3,7 +3,8 @@
 //! (tests/common/gpu.rs). The model-level ops built from them are [`super::Backend`]'s.
 
 use super::{
-    Activation, AttentionKv, AttentionShape, BlockHandle, HostTensor, KvType, Matrix, NextInput, Rope, StepLayout,
+    Activation, AttentionKv, AttentionShape, BlockHandle, ExpertScratch, ExpertSet, HostTensor, KvType, Matrix,
+    NextInput, Rope, Routes, Routing, StepLayout,
 };
 use crate::Result;
 
@@ -76,6 +77,10 @@ pub trait Kernels {
 
     /// Makes a weight matrix (2-D, any supported type) available to `matmul` and `embed`.
     fn upload_weight(&mut self, tensor: &HostTensor) -> Result<Self::Weight>;
+    /// Makes one matrix of every expert of a mixture-of-experts layer (all of one shape and
+    /// type) available to `experts`. A backend that does not run such layers refuses here, at
+    /// load, by name ([`super::experts_not_implemented`]).
+    fn upload_experts(&mut self, tensors: &[HostTensor]) -> Result<Vec<Self::Weight>>;
 
     // --- context: host <-> device and ordering ---
 
@@ -184,6 +189,34 @@ pub trait Kernels {
     /// lowest index on ties, 0 where nothing is above -inf): greedy decoding without bringing
     /// the logits back.
     fn argmax(&self, x: BlockHandle, out: BlockHandle, n_rows: usize, width: usize) -> Result<()>;
+
+    // --- mixture of experts: the choice stays on the device, between `route` and `experts` ---
+
+    /// Each token's experts from its router logits (`[n_tokens, routing.n_experts]`), as
+    /// [`Routing`] says, into `routes`.
+    fn route(&self, logits: BlockHandle, routes: Routes, n_tokens: usize, routing: Routing) -> Result<()>;
+    /// `residual[t] += sum_j weights[t, j] * down_e(act(gate_e x[t]) * up_e x[t])` over each
+    /// token's chosen experts `e = ids[t, j]` of `routes`, for `n_tokens` rows `x` of the model's
+    /// width. An id outside the set is an error.
+    fn experts(
+        &self,
+        x: BlockHandle,
+        experts: ExpertSet<'_, Self::Weight>,
+        routes: Routes,
+        scratch: ExpertScratch,
+        residual: BlockHandle,
+        n_tokens: usize,
+    ) -> Result<()>;
+    /// `x[t] += sigmoid(gates[t]) * rows[t]` for `n_tokens` rows of `width` and one gate logit
+    /// each (Qwen2-MoE's gated shared expert).
+    fn add_gated(
+        &self,
+        x: BlockHandle,
+        rows: BlockHandle,
+        gates: BlockHandle,
+        n_tokens: usize,
+        width: usize,
+    ) -> Result<()>;
 
     // --- greedy choices the host reads a step later ---
 

@@ -14,15 +14,19 @@
 pub mod arena;
 pub mod cpu;
 pub mod cuda;
+mod experts;
 mod fused;
 mod kernels;
 #[cfg(any(target_vendor = "apple", axiom_metal_check))]
 pub mod metal;
 
 pub use arena::{Arena, ArenaError, BlockHandle};
+use experts::experts_not_implemented_on;
+pub use experts::{experts_not_implemented, ExpertScratch, ExpertSet, Routes, Routing};
 pub use fused::{
-    attend_and_project_in_steps, feed_forward_in_steps, gate_up_glu_in_steps, rope_attend_and_project_in_steps,
-    rope_kv_write_in_steps, Backend, FeedForward, FeedForwardScratch, GluRows, NewRows, Projection, Residual,
+    attend_and_project_in_steps, feed_forward_in_steps, gate_up_glu_in_steps, mixture_in_steps,
+    rope_attend_and_project_in_steps, rope_kv_write_in_steps, Backend, FeedForward, FeedForwardScratch, GluRows,
+    Mixture, MixtureScratch, NewRows, Projection, Residual, SharedExpert,
 };
 use kernels::choices_at_once;
 pub use kernels::Kernels;

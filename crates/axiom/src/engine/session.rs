@@ -29,21 +29,36 @@ pub struct ModelInfo {
     pub description: String,
     pub file_bytes: usize,
     pub parameters: usize,
-    /// Weight bytes one decode step reads: every matrix, the LM head included.
+    /// Weight bytes one decode step of one token reads: every matrix, the LM head included, and
+    /// of a mixture's experts only the share a token runs (`used / count` of them).
     pub weight_bytes_per_token: usize,
 }
 
 impl ModelInfo {
-    fn new(source: &dyn TensorSource, architecture: &str, size_label: Option<&str>, file_bytes: usize) -> ModelInfo {
+    fn new(source: &dyn TensorSource, config: &ModelConfig, size_label: Option<&str>, file_bytes: usize) -> ModelInfo {
+        let architecture = &config.architecture;
         let tensors = source.all();
         let parameters: usize = tensors.iter().map(|(_, dims, _)| dims.iter().product::<usize>()).sum();
-        let matrices = || tensors.iter().filter(|(_, dims, _)| dims.len() == 2);
-        // A decode step reads every matrix once, except an embedding that is not also the LM head.
+        // Experts stacked in one tensor (GGUF) count as matrices.
+        let matrices = || tensors.iter().filter(|(_, dims, _)| dims.len() >= 2);
+        // A decode step reads every matrix once, except an embedding that is not also the LM head,
+        // and of the experts, the ones each token chose.
         let untied_embedding = match (source.tensor("output.weight"), source.tensor("token_embd.weight")) {
             (Some(_), Some(e)) => e.bytes.len(),
             _ => 0,
         };
-        let weight_bytes_per_token = matrices().map(|(_, _, b)| b).sum::<usize>() - untied_embedding;
+        let is_expert = |name: &str| name.contains("_exps.") || name.contains(".experts.");
+        let weight_bytes_per_token = source
+            .stored_names()
+            .into_iter()
+            .zip(&tensors)
+            .filter(|(_, (_, dims, _))| dims.len() >= 2)
+            .map(|(name, &(_, _, bytes))| match &config.experts {
+                Some(e) if is_expert(name) => bytes * e.used / e.count,
+                _ => bytes,
+            })
+            .sum::<usize>()
+            - untied_embedding;
         let size = size_label.map(str::to_owned).unwrap_or_else(|| {
             let p = parameters as f64;
             match p {
@@ -106,7 +121,7 @@ impl<B: Backend> Session<B> {
             .map(str::to_owned);
         let model = Llama::load(file, config, backend, options)?;
         let size_label = file.get("general.size_label").and_then(Value::as_str);
-        let info = ModelInfo::new(file, &model.0.config.architecture, size_label, file.file_size());
+        let info = ModelInfo::new(file, &model.0.config, size_label, file.file_size());
         Self::assemble(model, tokenizer, template, info)
     }
 
@@ -134,7 +149,7 @@ impl<B: Backend> Session<B> {
                 _ => None,
             }
         });
-        let info = ModelInfo::new(checkpoint, &config.architecture, None, checkpoint.file_size());
+        let info = ModelInfo::new(checkpoint, &config, None, checkpoint.file_size());
         let model = Llama::load(checkpoint, config, backend, options)?;
         Self::assemble(model, tokenizer, template, info)
     }

@@ -2,6 +2,7 @@
 //! Face `config.json`. Anything that would change the math and is not understood is an error,
 //! never a silently different model.
 
+use super::experts_config::ExpertsConfig;
 use super::rope_config::{rope_from_gguf, rope_from_hf, LongRopeFactors};
 use crate::backend::{Activation, AttentionShape, Rope, RopeLayout, RopeScaling, Scores};
 use crate::format::gguf::GgufFile;
@@ -49,6 +50,8 @@ pub struct ModelConfig {
     pub final_softcap: Option<f32>,
     /// Sliding-window attention, where layers use it.
     pub sliding: Option<SlidingWindow>,
+    /// Mixture-of-experts feed-forward blocks, where layers have them.
+    pub experts: Option<ExpertsConfig>,
 }
 
 /// Layers that attend only to the last `window` positions (Mistral v0.1, Qwen2's upper layers,
@@ -67,9 +70,21 @@ pub struct SlidingWindow {
 const MAX_DIM: usize = 1 << 17;
 const MAX_LAYERS: usize = 1024;
 const MAX_CONTEXT: usize = 1 << 24;
+pub(super) const MAX_FFN: usize = MAX_DIM * 4;
 
 /// The architectures axiom runs, by their Hugging Face `model_type` / GGUF architecture name.
-const ARCHITECTURES: &[&str] = &["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text"];
+const ARCHITECTURES: &[&str] = &[
+    "llama",
+    "mistral",
+    "mixtral",
+    "qwen2",
+    "qwen2_moe",
+    "qwen3",
+    "qwen3_moe",
+    "phi3",
+    "gemma2",
+    "gemma3_text",
+];
 
 impl ModelConfig {
     pub fn attention(&self) -> AttentionShape {
@@ -95,7 +110,7 @@ impl ModelConfig {
         // converters keep Hugging Face's rotate-half order (GGUF's "NeoX" rope).
         let layout = match arch.as_str() {
             "llama" | "mistral" => RopeLayout::Adjacent,
-            "qwen2" | "qwen3" | "phi3" | "gemma2" | "gemma3" => RopeLayout::Halves,
+            "qwen2" | "qwen3" | "qwen2moe" | "qwen3moe" | "phi3" | "gemma2" | "gemma3" => RopeLayout::Halves,
             _ => return Err(Error::UnsupportedArchitecture(arch)),
         };
         let gemma = arch.starts_with("gemma");
@@ -205,10 +220,11 @@ impl ModelConfig {
             }
         };
         let softcap = |k: &str| float_of(k).filter(|&c| c > 0.0).map(|c| c as f32);
+        let ffn_dim = required("feed_forward_length")?;
         let config = ModelConfig {
             n_layers,
             dim,
-            ffn_dim: required("feed_forward_length")?,
+            ffn_dim,
             n_heads,
             n_kv_heads: usize_of("attention.head_count_kv")?.unwrap_or(n_heads),
             head_dim,
@@ -229,6 +245,7 @@ impl ModelConfig {
             attn_softcap: softcap("attn_logit_softcapping"),
             final_softcap: softcap("final_logit_softcapping"),
             sliding,
+            experts: ExpertsConfig::from_gguf(file, &arch, n_layers, ffn_dim)?,
             architecture: arch,
         };
         config.validate()?;
@@ -290,7 +307,9 @@ impl ModelConfig {
         let attention_bias = config["attention_bias"].as_bool() == Some(true);
         let (qkv_bias, o_bias) = match model_type.as_str() {
             "qwen2" => (true, false),
-            "mistral" | "phi3" => (false, false),
+            // Qwen2-MoE names its Q, K and V biases `qkv_bias`.
+            "qwen2_moe" => (config["qkv_bias"].as_bool() != Some(false), false),
+            "mistral" | "mixtral" | "phi3" => (false, false),
             _ => (attention_bias, attention_bias),
         };
         let n_heads = required("num_attention_heads")?;
@@ -346,7 +365,7 @@ impl ModelConfig {
             rope,
             qkv_bias,
             o_bias,
-            qk_norm: model_type == "qwen3" || model_type == "gemma3_text",
+            qk_norm: matches!(model_type.as_str(), "qwen3" | "qwen3_moe" | "gemma3_text"),
             rope_factors: None,
             longrope,
             activation,
@@ -357,6 +376,7 @@ impl ModelConfig {
             attn_softcap: softcap("attn_logit_softcapping"),
             final_softcap: softcap("final_logit_softcapping"),
             sliding,
+            experts: ExpertsConfig::from_hf(config, &model_type, n_layers)?,
             architecture: model_type,
         };
         config_out.validate()?;
@@ -367,7 +387,7 @@ impl ModelConfig {
         let bad = |what: String| Err(Error::Model(what));
         for (name, v, max) in [
             ("embedding length", self.dim, MAX_DIM),
-            ("feed-forward length", self.ffn_dim, MAX_DIM * 4),
+            ("feed-forward length", self.ffn_dim, MAX_FFN),
             ("head count", self.n_heads, MAX_DIM),
             ("KV head count", self.n_kv_heads, MAX_DIM),
             ("head dimension", self.head_dim, MAX_DIM),
@@ -441,6 +461,13 @@ impl ModelConfig {
                     f.len(),
                     self.rope.dims / 2
                 ));
+            }
+        }
+        if let Some(experts) = &self.experts {
+            experts.validate(self.n_layers)?;
+            // No family normalizes a mixture's output before the residual stream.
+            if self.post_norms {
+                return bad("mixture-of-experts layers with post-norms are not supported".into());
             }
         }
         Ok(())
@@ -524,7 +551,14 @@ fn sliding_window(config: &Json, model_type: &str, n_layers: usize) -> Result<Op
         _ => return Err(bad(format!("layer_types is not one type per layer ({n_layers})"))),
     };
     let layers: Vec<bool> = match model_type {
-        "mistral" | "phi3" => vec![true; n_layers],
+        "mistral" | "mixtral" | "phi3" => vec![true; n_layers],
+        // transformers' Qwen MoE windows are not the dense Qwens' (every layer for Qwen3-MoE,
+        // every other one below `max_window_layers` for Qwen2-MoE); no released model slides.
+        "qwen2_moe" | "qwen3_moe" if config["use_sliding_window"].as_bool() == Some(true) => {
+            return Err(bad(format!(
+                "use_sliding_window: sliding windows are not supported for {model_type}"
+            )))
+        }
         "qwen2" | "qwen3" => {
             if config["use_sliding_window"].as_bool() != Some(true) {
                 return Ok(None);

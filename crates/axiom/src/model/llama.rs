@@ -2,10 +2,10 @@
 
 use super::config::ModelConfig;
 use super::kv_cache::{KvCache, PagePool};
-use super::weights::{self, RopeTables, TensorSource, Weights};
+use super::weights::{self, FeedForwardWeights, MixtureWeights, RopeTables, TensorSource, Weights};
 use crate::backend::{
-    AttentionKv, Backend, BlockHandle, FeedForward, FeedForwardScratch, Input, NewRows, NextInput, PagedKv, Projection,
-    Residual, StepLayout,
+    AttentionKv, Backend, BlockHandle, ExpertScratch, ExpertSet, FeedForward, FeedForwardScratch, Input, Mixture,
+    MixtureScratch, NewRows, NextInput, PagedKv, Projection, Residual, Routes, Routing, SharedExpert, StepLayout,
 };
 use crate::{Error, Result};
 
@@ -167,6 +167,16 @@ struct Scratch {
     logits: BlockHandle,
     /// Device argmax of each row of `logits`.
     argmax: BlockHandle,
+    /// The mixture-of-experts blocks' (empty without experts), `mixture_widths` order.
+    router_logits: BlockHandle,
+    route_ids: BlockHandle,
+    route_weights: BlockHandle,
+    expert_rows: BlockHandle,
+    expert_gate: BlockHandle,
+    expert_up: BlockHandle,
+    expert_hidden: BlockHandle,
+    expert_out: BlockHandle,
+    shared_gates: BlockHandle,
 }
 
 impl Scratch {
@@ -176,6 +186,28 @@ impl Scratch {
             up: self.up,
             hidden: self.hidden,
             proj: self.proj,
+        }
+    }
+
+    /// A mixture block's scratch, for `k` experts a token; the shared expert takes the dense
+    /// feed-forward rows.
+    fn mixture(&self, k: usize) -> MixtureScratch {
+        MixtureScratch {
+            logits: self.router_logits,
+            routes: Routes {
+                ids: self.route_ids,
+                weights: self.route_weights,
+                k,
+            },
+            experts: ExpertScratch {
+                rows: self.expert_rows,
+                gate: self.expert_gate,
+                up: self.expert_up,
+                hidden: self.expert_hidden,
+                out: self.expert_out,
+            },
+            shared: self.feed_forward(),
+            shared_gates: self.shared_gates,
         }
     }
 }
@@ -232,11 +264,15 @@ impl<B: Backend> Llama<B> {
         let inputs_len = 3 * max_batch + max_seqs * table_width;
         let (largest_weight, max_n_in) = weights::largest(&config);
         let steps = max_batch.max(LOGIT_ROWS_PER_STEP);
+        // A stacked expert tensor is one matrix per expert.
         let matrices: Vec<usize> = source
             .all()
             .into_iter()
-            .filter(|(_, dims, _)| dims.len() == 2)
-            .map(|(_, _, b)| b)
+            .flat_map(|(_, dims, b)| match dims[..] {
+                [_, _] => vec![b],
+                [_, _, experts] => vec![b / experts.max(1); experts],
+                _ => Vec::new(),
+            })
             .collect();
         let arena = weights::vector_bytes(&config)
             + scratch_bytes(&config, max_batch)
@@ -564,12 +600,6 @@ impl<B: Backend> Llama<B> {
                 plan,
             };
             let ffn_in = self.normed(s.x, layer.ffn_norm);
-            let ffn = FeedForward {
-                gate: &layer.w_gate,
-                up: &layer.w_up,
-                down: &layer.w_down,
-                activation: c.activation,
-            };
             match layer.post_norms {
                 None => {
                     let proj = Projection {
@@ -586,11 +616,30 @@ impl<B: Backend> Llama<B> {
                         b.add_bias(s.x, bo, n, c.dim)?;
                     }
                     // Feed-forward block, the same way.
-                    b.feed_forward(ffn_in, ffn, s.feed_forward(), s.x, n)?;
+                    match &layer.ffn {
+                        FeedForwardWeights::Dense { gate, up, down } => {
+                            let ffn = FeedForward {
+                                gate,
+                                up,
+                                down,
+                                activation: c.activation,
+                            };
+                            b.feed_forward(ffn_in, ffn, s.feed_forward(), s.x, n)?;
+                        }
+                        FeedForwardWeights::Mixture(m) => {
+                            let k = c.experts.as_ref().map_or(0, |e| e.used);
+                            b.mixture(ffn_in, self.mixture(m), s.mixture(k), s.x, n)?;
+                        }
+                    }
                 }
                 // Each block's output is normalized before it joins the stream, so it is
                 // computed apart first.
                 Some([post_attn, post_ffn]) => {
+                    let FeedForwardWeights::Dense { gate, up, down } = &layer.ffn else {
+                        return Err(Error::Model(
+                            "mixture-of-experts layers with post-norms are not supported".into(),
+                        ));
+                    };
                     b.rope_kv_write(new, kv, n, shape)?;
                     b.attention(q, kv, s.attn, n, shape)?;
                     b.matmul(s.attn, &layer.wo, s.proj, n)?;
@@ -598,13 +647,42 @@ impl<B: Backend> Llama<B> {
                         b.add_bias(s.proj, bo, n, c.dim)?;
                     }
                     self.add_normed(s.proj, post_attn, n)?;
-                    b.gate_up_glu(ffn_in, [ffn.gate, ffn.up], s.feed_forward().glu(), n, ffn.activation)?;
-                    b.matmul(s.hidden, ffn.down, s.proj, n)?;
+                    b.gate_up_glu(ffn_in, [gate, up], s.feed_forward().glu(), n, c.activation)?;
+                    b.matmul(s.hidden, down, s.proj, n)?;
                     self.add_normed(s.proj, post_ffn, n)?;
                 }
             }
         }
         Ok(())
+    }
+
+    /// A layer's mixture block as the backend op takes it.
+    fn mixture<'a>(&self, m: &'a MixtureWeights<B::Weight>) -> Mixture<'a, B::Weight> {
+        let (c, activation) = (&self.config, self.config.activation);
+        let experts = c.experts.as_ref();
+        Mixture {
+            router: &m.router,
+            routing: Routing {
+                n_experts: m.gate.len(),
+                k: experts.map_or(0, |e| e.used),
+                renormalize: experts.is_some_and(|e| e.renormalize),
+            },
+            experts: ExpertSet {
+                gate: &m.gate,
+                up: &m.up,
+                down: &m.down,
+                activation,
+            },
+            shared: m.shared.as_ref().map(|sh| SharedExpert {
+                ffn: FeedForward {
+                    gate: &sh.gate,
+                    up: &sh.up,
+                    down: &sh.down,
+                    activation,
+                },
+                gate: &sh.gate_inp,
+            }),
+        }
     }
 
     /// `x += rms_norm(rows) * weight` over the step's `n` rows.
@@ -675,18 +753,37 @@ impl<B: Backend> Llama<B> {
 }
 
 /// Widths (values per token) of the scratch buffers, in `Scratch` field order up to `k_normed`.
+/// The feed-forward rows also serve a shared expert.
 fn scratch_widths(c: &ModelConfig) -> [usize; 12] {
     let a = c.attention();
     let (q, kv) = (a.q_width(), a.kv_width());
     let (qn, kn) = if c.qk_norm { (q, kv) } else { (0, 0) };
-    [
-        c.dim, c.dim, q, kv, kv, q, c.dim, c.ffn_dim, c.ffn_dim, c.ffn_dim, qn, kn,
-    ]
+    let ffn = c
+        .experts
+        .as_ref()
+        .and_then(|e| e.shared_ffn_dim)
+        .map_or(c.ffn_dim, |w| w.max(c.ffn_dim));
+    [c.dim, c.dim, q, kv, kv, q, c.dim, ffn, ffn, ffn, qn, kn]
+}
+
+/// Widths (values per token, 4 bytes each) of the mixture blocks' scratch in `Scratch` field
+/// order from `router_logits`: the router's logits, the k routes' ids and weights, the k
+/// gathered rows of each token and the experts' rows for them, the shared expert's gate logit.
+fn mixture_widths(c: &ModelConfig) -> [usize; 9] {
+    match &c.experts {
+        None => [0; 9],
+        Some(e) => {
+            let (k, shared_gate) = (e.used, usize::from(e.shared_ffn_dim.is_some()));
+            let (rows, hidden) = (k * c.dim, k * e.ffn_dim);
+            [e.count, k, k, rows, hidden, hidden, hidden, rows, shared_gate]
+        }
+    }
 }
 
 fn scratch_bytes(c: &ModelConfig, max_batch: usize) -> usize {
     let activations: usize = scratch_widths(c)
         .iter()
+        .chain(&mixture_widths(c))
         .map(|w| (w * max_batch * 4).next_multiple_of(64))
         .sum();
     activations + (LOGIT_ROWS_PER_STEP * (c.vocab_size + 1) * 4).next_multiple_of(64) + 256
@@ -695,6 +792,8 @@ fn scratch_bytes(c: &ModelConfig, max_batch: usize) -> usize {
 impl Scratch {
     fn new<B: Backend>(b: &mut B, c: &ModelConfig, max_batch: usize) -> Result<Scratch> {
         let [x, normed, q, k, v, attn, proj, gate, up, hidden, q_normed, k_normed] = scratch_widths(c);
+        let [router_logits, route_ids, route_weights, expert_rows, expert_gate, expert_up, expert_hidden, expert_out, shared_gates] =
+            mixture_widths(c);
         let mut alloc = |width: usize| b.alloc(width * max_batch * 4);
         Ok(Scratch {
             x: alloc(x)?,
@@ -709,6 +808,15 @@ impl Scratch {
             hidden: alloc(hidden)?,
             q_normed: alloc(q_normed)?,
             k_normed: alloc(k_normed)?,
+            router_logits: alloc(router_logits)?,
+            route_ids: alloc(route_ids)?,
+            route_weights: alloc(route_weights)?,
+            expert_rows: alloc(expert_rows)?,
+            expert_gate: alloc(expert_gate)?,
+            expert_up: alloc(expert_up)?,
+            expert_hidden: alloc(expert_hidden)?,
+            expert_out: alloc(expert_out)?,
+            shared_gates: alloc(shared_gates)?,
             logits: b.alloc(LOGIT_ROWS_PER_STEP * c.vocab_size * 4)?,
             argmax: b.alloc(LOGIT_ROWS_PER_STEP * 4)?,
         })

@@ -1,6 +1,7 @@
 //! The model: the files it is read from, normalized hyperparameters, weights, and the Llama forward pass.
 
 pub mod config;
+pub mod experts_config;
 pub mod files;
 pub mod kv_cache;
 pub mod llama;
@@ -8,6 +9,7 @@ pub mod rope_config;
 pub mod weights;
 
 pub use config::ModelConfig;
+pub use experts_config::ExpertsConfig;
 pub use files::ModelFiles;
 pub use kv_cache::{KvCache, OutOfPages, PagePool, PageUsage};
 pub use llama::{GreedyDecode, Llama, LoadOptions, LogitRows, SeqStep, StepOutput, Want, PAGE_SIZE};

@@ -2,6 +2,7 @@
 //! for by their GGUF names; a Hugging Face checkpoint maps those to its own.
 
 use super::config::ModelConfig;
+use super::experts_config::ExpertsConfig;
 use super::rope_config::{LONGROPE_LONG, LONGROPE_SHORT};
 use crate::backend::{Backend, BlockHandle, HostTensor};
 use crate::format::gguf::GgufFile;
@@ -25,9 +26,31 @@ pub struct LayerWeights<W> {
     pub ffn_norm: BlockHandle,
     /// The norms of the attention and feed-forward outputs (Gemma 2 and 3).
     pub post_norms: Option<[BlockHandle; 2]>,
-    pub w_gate: W,
-    pub w_up: W,
-    pub w_down: W,
+    pub ffn: FeedForwardWeights<W>,
+}
+
+/// A layer's feed-forward block: one gated block, or a mixture of experts.
+pub enum FeedForwardWeights<W> {
+    Dense { gate: W, up: W, down: W },
+    Mixture(MixtureWeights<W>),
+}
+
+/// A mixture-of-experts block: the router (`[n_experts, dim]`), each expert's three matrices,
+/// and the shared expert where the model has one.
+pub struct MixtureWeights<W> {
+    pub router: W,
+    pub gate: Vec<W>,
+    pub up: Vec<W>,
+    pub down: Vec<W>,
+    pub shared: Option<SharedExpertWeights<W>>,
+}
+
+/// Qwen2-MoE's shared expert: a gated block and the `[1, dim]` matrix of its sigmoid gate.
+pub struct SharedExpertWeights<W> {
+    pub gate: W,
+    pub up: W,
+    pub down: W,
+    pub gate_inp: W,
 }
 
 pub struct Weights<W> {
@@ -48,7 +71,8 @@ impl<W> Weights<W> {
 pub trait TensorSource {
     /// The tensor stored under GGUF name `name` ("blk.0.attn_q.weight"), if there is one.
     fn tensor(&self, name: &str) -> Option<HostTensor<'_>>;
-    /// Every tensor: (type, dimensions, bytes), for sizing and summaries.
+    /// Every tensor: (type, dimensions, bytes), for sizing and summaries; in the order of
+    /// `stored_names`.
     fn all(&self) -> Vec<(GgmlType, Vec<usize>, usize)>;
     /// Every tensor's name as the file stores it (a [`HostTensor`]'s `name`).
     fn stored_names(&self) -> Vec<&str>;
@@ -78,9 +102,20 @@ impl TensorSource for GgufFile {
     }
 }
 
-/// The Hugging Face name of a GGUF tensor name, in a checkpoint whose feed-forward input norm is
-/// `pre_feedforward_layernorm` (Gemma's four norms a layer) or not.
-fn hf_name(gguf: &str, four_norms: bool) -> Option<String> {
+/// How a checkpoint names its layers' parts where families differ.
+#[derive(Debug, Clone, Copy)]
+struct HfNaming {
+    /// The feed-forward input norm is `pre_feedforward_layernorm` (Gemma's four norms a layer).
+    four_norms: bool,
+    /// The experts live in `block_sparse_moe` with matrices `w1`, `w3`, `w2` (Mixtral), not in
+    /// `mlp` as `gate_proj`, `up_proj`, `down_proj` (Qwen).
+    mixtral: bool,
+}
+
+/// The Hugging Face name of a GGUF tensor name. One expert's matrix of a stacked GGUF expert
+/// tensor is asked for as `blk.N.ffn_gate_exps.E.weight` (expert E).
+fn hf_name(gguf: &str, naming: HfNaming) -> Option<String> {
+    let four_norms = naming.four_norms;
     Some(match gguf {
         "token_embd.weight" => "model.embed_tokens.weight".into(),
         "output_norm.weight" => "model.norm.weight".into(),
@@ -89,7 +124,26 @@ fn hf_name(gguf: &str, four_norms: bool) -> Option<String> {
             let rest = gguf.strip_prefix("blk.")?;
             let (layer, field) = rest.split_once('.')?;
             let (field, kind) = field.rsplit_once('.')?;
+            if let Some((stacked, expert)) = field.split_once('.') {
+                let proj = match (stacked, naming.mixtral) {
+                    ("ffn_gate_exps", false) => "gate_proj",
+                    ("ffn_up_exps", false) => "up_proj",
+                    ("ffn_down_exps", false) => "down_proj",
+                    ("ffn_gate_exps", true) => "w1",
+                    ("ffn_up_exps", true) => "w3",
+                    ("ffn_down_exps", true) => "w2",
+                    _ => return None,
+                };
+                let block = if naming.mixtral { "block_sparse_moe" } else { "mlp" };
+                return Some(format!("model.layers.{layer}.{block}.experts.{expert}.{proj}.{kind}"));
+            }
             let hf = match field {
+                "ffn_gate_inp" if naming.mixtral => "block_sparse_moe.gate",
+                "ffn_gate_inp" => "mlp.gate",
+                "ffn_gate_shexp" => "mlp.shared_expert.gate_proj",
+                "ffn_up_shexp" => "mlp.shared_expert.up_proj",
+                "ffn_down_shexp" => "mlp.shared_expert.down_proj",
+                "ffn_gate_inp_shexp" => "mlp.shared_expert_gate",
                 "attn_norm" => "input_layernorm",
                 "ffn_norm" if four_norms => "pre_feedforward_layernorm",
                 "ffn_norm" => "post_attention_layernorm",
@@ -116,8 +170,11 @@ fn hf_name(gguf: &str, four_norms: bool) -> Option<String> {
 impl TensorSource for SafetensorsModel {
     fn tensor(&self, name: &str) -> Option<HostTensor<'_>> {
         // Gemma's `post_attention_layernorm` follows attention; other models' is the FFN's input.
-        let four_norms = self.get("model.layers.0.pre_feedforward_layernorm.weight").is_some();
-        let hf = hf_name(name, four_norms)?;
+        let naming = HfNaming {
+            four_norms: self.get("model.layers.0.pre_feedforward_layernorm.weight").is_some(),
+            mixtral: self.get("model.layers.0.block_sparse_moe.gate.weight").is_some(),
+        };
+        let hf = hf_name(name, naming)?;
         let entry = self.get(&hf)?;
         Some(HostTensor {
             name: &entry.name,
@@ -169,10 +226,15 @@ pub fn refuse_unread<S: TensorSource + ?Sized>(source: &S, read: &HashSet<&str>)
 /// The largest matrix (elements) and the widest matmul input of the model.
 pub fn largest(config: &ModelConfig) -> (usize, usize) {
     let a = config.attention();
-    let widest = config.dim.max(config.ffn_dim).max(a.q_width());
+    // An expert's, a shared expert's width, and the router's count of experts.
+    let [expert, shared, router] = config
+        .experts
+        .as_ref()
+        .map_or([0; 3], |e| [e.ffn_dim, e.shared_ffn_dim.unwrap_or(0), e.count]);
+    let widest = config.dim.max(config.ffn_dim).max(a.q_width()).max(expert).max(shared);
     let largest = [
         config.vocab_size * config.dim,
-        config.ffn_dim * config.dim,
+        config.ffn_dim.max(expert).max(shared).max(router) * config.dim,
         a.q_width() * config.dim,
     ]
     .into_iter()
@@ -195,6 +257,51 @@ struct Loader<'a, B: Backend, S: TensorSource + ?Sized> {
     /// The stored names of the tensors read so far.
     read: HashSet<&'a str>,
     norm_offset: f32,
+}
+
+/// One matrix of every expert, `[n_in, n_out]` each: the slices of the stacked GGUF tensor
+/// `{name}.weight` (`[n_in, n_out, count]`), or a checkpoint's `{name}.E.weight` per expert E.
+pub fn expert_tensors<'s, S: TensorSource + ?Sized>(
+    source: &'s S,
+    name: &str,
+    count: usize,
+    [n_in, n_out]: [usize; 2],
+) -> Result<Vec<HostTensor<'s>>> {
+    let Some(t) = source.tensor(&format!("{name}.weight")) else {
+        if source.tensor(&format!("{name}.0.weight")).is_none() {
+            return Err(Error::Model(format!(
+                "missing tensor {name}.weight (each expert's {n_out} x {n_in} matrix, stacked)"
+            )));
+        }
+        return (0..count)
+            .map(|e| checked(source, &format!("{name}.{e}.weight"), &[n_in, n_out]))
+            .collect();
+    };
+    let per_expert = t.ty.row_bytes(n_in) * n_out;
+    if t.dims != [n_in, n_out, count] || t.bytes.len() != per_expert * count {
+        return Err(Error::Model(format!(
+            "tensor {}.weight has shape {:?}, expected {:?}",
+            name,
+            t.dims,
+            [n_in, n_out, count]
+        )));
+    }
+    let dims = &t.dims[..2];
+    Ok((0..count)
+        .map(|e| {
+            let bytes = e * per_expert..(e + 1) * per_expert;
+            HostTensor {
+                name: t.name,
+                ty: t.ty,
+                dims,
+                bytes: &t.bytes[bytes.clone()],
+                region: t
+                    .region
+                    .clone()
+                    .map(|(map, r)| (map, r.start + bytes.start..r.start + bytes.end)),
+            }
+        })
+        .collect())
 }
 
 /// The tensor `name`, checked to have the dimensions `expected`.
@@ -270,6 +377,50 @@ impl<'a, B: Backend, S: TensorSource + ?Sized> Loader<'a, B, S> {
         matrices
             .try_into()
             .map_err(|_| Error::Model(format!("{name}: split into the wrong number of parts")))
+    }
+
+    /// One matrix of every expert (see `expert_tensors`), counted as read.
+    fn experts(&mut self, name: &str, count: usize, shape: [usize; 2]) -> Result<Vec<B::Weight>> {
+        let tensors = expert_tensors(self.source, name, count, shape)?;
+        self.read.extend(tensors.iter().map(|t| t.name));
+        self.backend.upload_experts(&tensors)
+    }
+
+    /// A matrix of one row, stored as a `[1, n_in]` matrix or as a vector (GGUF).
+    fn row(&mut self, name: &str, n_in: usize) -> Result<B::Weight> {
+        let tensor = match self.source.tensor(name) {
+            Some(t) if t.dims == [n_in] => t,
+            _ => checked(self.source, name, &[n_in, 1])?,
+        };
+        self.read.insert(tensor.name);
+        self.backend.upload_weight(&tensor)
+    }
+
+    /// Layer `i`'s mixture-of-experts block.
+    fn mixture(
+        &mut self,
+        i: usize,
+        config: &ModelConfig,
+        experts: &ExpertsConfig,
+    ) -> Result<MixtureWeights<B::Weight>> {
+        let p = |s: &str| format!("blk.{i}.{s}");
+        let (dim, width, count) = (config.dim, experts.ffn_dim, experts.count);
+        let shared = match experts.shared_ffn_dim {
+            Some(w) => Some(SharedExpertWeights {
+                gate: self.matrix(&p("ffn_gate_shexp.weight"), dim, w)?,
+                up: self.matrix(&p("ffn_up_shexp.weight"), dim, w)?,
+                down: self.matrix(&p("ffn_down_shexp.weight"), w, dim)?,
+                gate_inp: self.row(&p("ffn_gate_inp_shexp.weight"), dim)?,
+            }),
+            None => None,
+        };
+        Ok(MixtureWeights {
+            router: self.matrix(&p("ffn_gate_inp.weight"), dim, count)?,
+            gate: self.experts(&p("ffn_gate_exps"), count, [dim, width])?,
+            up: self.experts(&p("ffn_up_exps"), count, [dim, width])?,
+            down: self.experts(&p("ffn_down_exps"), count, [width, dim])?,
+            shared,
+        })
     }
 
     fn upload(&mut self, values: &[f32]) -> Result<BlockHandle> {
@@ -370,12 +521,19 @@ pub fn load<B: Backend, S: TensorSource + ?Sized>(
             None if config.architecture == "phi3" => Some(p("ffn_up.weight")),
             None => None,
         };
-        let [w_gate, w_up] = match fused_gate_up {
-            Some(name) => l.split(&name, dim, [ffn, ffn])?,
-            None => [
-                l.matrix(&p("ffn_gate.weight"), dim, ffn)?,
-                l.matrix(&p("ffn_up.weight"), dim, ffn)?,
-            ],
+        let ffn = match &config.experts {
+            Some(experts) if experts.is_mixture(i) => FeedForwardWeights::Mixture(l.mixture(i, config, experts)?),
+            _ => {
+                let [gate, up] = match fused_gate_up {
+                    Some(name) => l.split(&name, dim, [ffn, ffn])?,
+                    None => [
+                        l.matrix(&p("ffn_gate.weight"), dim, ffn)?,
+                        l.matrix(&p("ffn_up.weight"), dim, ffn)?,
+                    ],
+                };
+                let down = l.matrix(&p("ffn_down.weight"), ffn, dim)?;
+                FeedForwardWeights::Dense { gate, up, down }
+            }
         };
         layers.push(LayerWeights {
             attn_norm: l.norm(&p("attn_norm.weight"), dim)?,
@@ -388,9 +546,7 @@ pub fn load<B: Backend, S: TensorSource + ?Sized>(
             qk_norm,
             ffn_norm: l.norm(&p("ffn_norm.weight"), dim)?,
             post_norms,
-            w_gate,
-            w_up,
-            w_down: l.matrix(&p("ffn_down.weight"), ffn, dim)?,
+            ffn,
         });
     }
     refuse_unread(source, &l.read)?;

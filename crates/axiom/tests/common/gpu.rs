@@ -940,6 +940,27 @@ pub fn smollm2_matches_transformers<B: Backend>(backend: B) {
     assert!((ppl / 15.9167 - 1.0).abs() < 0.01, "perplexity {ppl}");
 }
 
+/// A backend whose kernels do not run mixtures of experts refuses the tiny MoE models at load,
+/// saying so by its name.
+pub fn mixtures_of_experts_are_refused_by_name<B: Backend>(make: impl Fn() -> B, backend: &str) {
+    for &name in super::MOE_FIXTURES {
+        let err = Session::load(
+            &super::hf_fixture(name),
+            make(),
+            LoadOptions {
+                max_batch: 8,
+                kv_tokens: 16,
+                max_seqs: 1,
+            },
+        )
+        .err()
+        .unwrap_or_else(|| panic!("{name} loaded"))
+        .to_string();
+        let want = format!("mixture-of-experts layers are not yet implemented on the {backend} backend");
+        assert!(err.contains(&want), "{name}: {err}");
+    }
+}
+
 /// The tiny models of every architecture (tests/fixtures/hf), decoded token by token, against
 /// transformers' logits.
 pub fn every_architecture_matches_transformers<B: Backend>(make: impl Fn(KvType) -> B) {

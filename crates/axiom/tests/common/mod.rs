@@ -194,6 +194,10 @@ pub const HF_FIXTURES: &[&str] = &[
     "phi4_mini",
 ];
 
+/// The tiny mixture-of-experts models of `scripts/make_hf_fixtures.py` (the CPU backend alone runs
+/// them): Qwen3-MoE with a dense layer, Mixtral, Qwen2-MoE with its shared expert.
+pub const MOE_FIXTURES: &[&str] = &["qwen3_moe", "mixtral", "qwen2_moe"];
+
 /// A tiny Hugging Face model of `scripts/make_hf_fixtures.py`.
 pub fn hf_fixture(name: &str) -> PathBuf {
     tests_dir().join("fixtures/hf").join(name)

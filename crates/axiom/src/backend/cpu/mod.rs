@@ -12,8 +12,8 @@ pub mod kernels;
 pub mod pool;
 
 use super::{
-    Activation, Arena, AttentionKv, AttentionShape, Backend, BlockHandle, HostTensor, Input, Kernels, KvType, PagedKv,
-    Rope, Scores, StepLayout,
+    Activation, Arena, AttentionKv, AttentionShape, Backend, BlockHandle, ExpertScratch, ExpertSet, HostTensor, Input,
+    Kernels, KvType, PagedKv, Rope, Routes, Routing, Scores, StepLayout,
 };
 use crate::format::quant::GgmlType;
 use crate::{Error, Result};
@@ -472,6 +472,10 @@ impl Kernels for CpuBackend {
         })
     }
 
+    fn upload_experts(&mut self, tensors: &[HostTensor]) -> Result<Vec<CpuWeight>> {
+        tensors.iter().map(|t| self.upload_weight(t)).collect()
+    }
+
     fn write_f32(&self, dst: BlockHandle, src: &[f32]) -> Result<()> {
         self.view_mut(dst, src.len()).copy_from_slice(src);
         Ok(())
@@ -686,6 +690,106 @@ impl Kernels for CpuBackend {
     }
 
     super::choices_at_once!();
+
+    fn route(&self, logits: BlockHandle, routes: Routes, n_tokens: usize, routing: Routing) -> Result<()> {
+        disjoint(&[routes.ids, routes.weights], &[logits])?;
+        if routing.k == 0 || routing.k > routing.n_experts || routes.k != routing.k {
+            return Err(Error::Backend(format!(
+                "routing to {} of {} experts into routes of {}",
+                routing.k, routing.n_experts, routes.k
+            )));
+        }
+        let n = n_tokens * routing.k;
+        kernels::route::route(
+            self.view(logits, n_tokens * routing.n_experts),
+            routing,
+            self.view_mut(routes.ids, n),
+            self.view_mut(routes.weights, n),
+        );
+        Ok(())
+    }
+
+    fn experts(
+        &self,
+        x: BlockHandle,
+        set: ExpertSet<'_, CpuWeight>,
+        routes: Routes,
+        scratch: ExpertScratch,
+        residual: BlockHandle,
+        n_tokens: usize,
+    ) -> Result<()> {
+        let ExpertScratch {
+            rows,
+            gate,
+            up,
+            hidden,
+            out,
+        } = scratch;
+        disjoint(
+            &[residual, rows, gate, up, hidden, out],
+            &[x, routes.ids, routes.weights],
+        )?;
+        let (dim, width) = set.shape()?;
+        let n = n_tokens * routes.k;
+        let (ids, weights) = (self.view::<u32>(routes.ids, n), self.view::<f32>(routes.weights, n));
+        if let Some(bad) = ids.iter().find(|&&e| e as usize >= set.n_experts()) {
+            return Err(Error::Backend(format!(
+                "expert {bad} chosen of {} experts",
+                set.n_experts()
+            )));
+        }
+        match self.kernels {
+            CpuKernels::Reference => {
+                fn matrix(w: &CpuWeight) -> kernels::experts::ExpertMatrix<'_> {
+                    kernels::experts::ExpertMatrix {
+                        ty: w.ty,
+                        bytes: w.bytes(),
+                        n_in: w.n_in,
+                        n_out: w.n_out,
+                    }
+                }
+                let experts: Vec<kernels::experts::Expert> = (0..set.n_experts())
+                    .map(|e| kernels::experts::Expert {
+                        gate: matrix(&set.gate[e]),
+                        up: matrix(&set.up[e]),
+                        down: matrix(&set.down[e]),
+                    })
+                    .collect();
+                kernels::experts::experts(
+                    self.view(x, n_tokens * dim),
+                    &experts,
+                    ids,
+                    weights,
+                    routes.k,
+                    set.activation,
+                    self.view_mut(residual, n_tokens * dim),
+                );
+                Ok(())
+            }
+            CpuKernels::Fast(_) => {
+                self.experts_grouped(x, set, ids, weights, scratch, residual, n_tokens, (dim, width))
+            }
+        }
+    }
+
+    fn add_gated(
+        &self,
+        x: BlockHandle,
+        rows: BlockHandle,
+        gates: BlockHandle,
+        n_tokens: usize,
+        width: usize,
+    ) -> Result<()> {
+        disjoint(&[x], &[rows, gates])?;
+        let n = n_tokens * width;
+        kernels::add::add_gated(
+            self.view_mut(x, n),
+            self.view(rows, n),
+            self.view(gates, n_tokens),
+            width,
+        );
+        Ok(())
+    }
 
     fn add(&self, x: BlockHandle, y: BlockHandle, n: usize) -> Result<()> {
         disjoint(&[x], &[y])?;

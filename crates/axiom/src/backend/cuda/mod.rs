@@ -325,6 +325,8 @@ impl super::Kernels for CudaBackend {
         self.launch_add_bias(x, bias, n_tokens, width)
     }
 
+    super::experts_not_implemented_on!("cuda");
+
     fn glu(&self, gate: BlockHandle, up: BlockHandle, out: BlockHandle, n: usize, act: Activation) -> Result<()> {
         self.launch_glu(gate, up, out, n, act)
     }

@@ -591,6 +591,8 @@ impl Kernels for MetalBackend {
         )
     }
 
+    super::experts_not_implemented_on!("metal");
+
     fn glu(&self, gate: BlockHandle, up: BlockHandle, out: BlockHandle, n: usize, act: Activation) -> Result<()> {
         self.elementwise(
             "glu",

@@ -14,6 +14,7 @@ pub mod attention;
 pub mod avx2;
 #[cfg(target_arch = "x86_64")]
 pub mod avx512;
+pub mod experts;
 pub mod portable;
 pub mod repack;
 

@@ -5,12 +5,14 @@ pub mod add;
 pub mod argmax;
 pub mod attention;
 pub mod embed;
+pub mod experts;
 pub mod glu;
 pub mod kv_write;
 pub mod matmul;
 pub mod paged;
 pub mod rms_norm;
 pub mod rope;
+pub mod route;
 pub mod scale;
 
 /// Dot product with several accumulators so the compiler can vectorise it.

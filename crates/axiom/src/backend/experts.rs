@@ -1,0 +1,134 @@
+//! The shapes a mixture-of-experts layer hands its ops: how tokens choose experts ([`Routing`]),
+//! where the choice lives on the device ([`Routes`]), the experts' matrices ([`ExpertSet`]) and
+//! the rows the expert op may use ([`ExpertScratch`]). The choice never travels to the host: the
+//! expert op reads it where `route` left it.
+
+use super::{Activation, BlockHandle, Matrix};
+
+/// How a token chooses its experts from the router's logits: a softmax over all `n_experts`, the
+/// `k` most probable (the lowest index first among equals), their probabilities divided by their
+/// sum when `renormalize` (Mixtral always, Qwen under `norm_topk_prob`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Routing {
+    pub n_experts: usize,
+    pub k: usize,
+    pub renormalize: bool,
+}
+
+/// Each token's `k` chosen experts: `ids` (u32 `[n_tokens, k]`) and their weights (f32
+/// `[n_tokens, k]`), most probable first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Routes {
+    pub ids: BlockHandle,
+    pub weights: BlockHandle,
+    pub k: usize,
+}
+
+/// The experts of one layer: per expert, the matrices of a gated feed-forward block of one width.
+pub struct ExpertSet<'a, W> {
+    pub gate: &'a [W],
+    pub up: &'a [W],
+    pub down: &'a [W],
+    pub activation: Activation,
+}
+
+// By hand: derived, they would ask for `W: Clone` of weights only ever borrowed.
+impl<W> Clone for ExpertSet<'_, W> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<W> Copy for ExpertSet<'_, W> {}
+
+impl<W: Matrix> ExpertSet<'_, W> {
+    pub fn n_experts(&self) -> usize {
+        self.gate.len()
+    }
+
+    /// `(model width, expert width)`, checked to be one shape for every expert.
+    pub fn shape(&self) -> crate::Result<(usize, usize)> {
+        let bad = |what: String| crate::Error::Backend(format!("experts: {what}"));
+        let (Some(g), n) = (self.gate.first(), self.gate.len()) else {
+            return Err(bad("a mixture of no experts".into()));
+        };
+        let (dim, width) = (g.n_in(), g.n_out());
+        if self.up.len() != n || self.down.len() != n {
+            return Err(bad(format!(
+                "{n} gate, {} up and {} down matrices",
+                self.up.len(),
+                self.down.len()
+            )));
+        }
+        let fits = |w: &W, n_in: usize, n_out: usize| w.n_in() == n_in && w.n_out() == n_out;
+        if !(self.gate.iter().all(|w| fits(w, dim, width))
+            && self.up.iter().all(|w| fits(w, dim, width))
+            && self.down.iter().all(|w| fits(w, width, dim)))
+        {
+            return Err(bad(format!("not every expert is {dim} -> {width} -> {dim}")));
+        }
+        Ok((dim, width))
+    }
+}
+
+/// Scratch for the expert op over `n_tokens` tokens of `k` experts each: `rows` and `out` hold
+/// `n_tokens * k` rows of the model's width, `gate`, `up` and `hidden` as many of the experts'.
+#[derive(Debug, Clone, Copy)]
+pub struct ExpertScratch {
+    pub rows: BlockHandle,
+    pub gate: BlockHandle,
+    pub up: BlockHandle,
+    pub hidden: BlockHandle,
+    pub out: BlockHandle,
+}
+
+/// The error of a backend whose kernels do not run mixture-of-experts layers yet.
+pub fn experts_not_implemented(backend: &str) -> crate::Error {
+    crate::Error::Backend(format!(
+        "mixture-of-experts layers are not yet implemented on the {backend} backend (the CPU backend runs them)"
+    ))
+}
+
+/// `Kernels`'s mixture-of-experts methods for a backend whose kernels do not run them yet: each
+/// refuses by the backend's name, `upload_experts` at load.
+macro_rules! experts_not_implemented_on {
+    ($backend:literal) => {
+        fn upload_experts(&mut self, _: &[$crate::backend::HostTensor]) -> $crate::Result<Vec<Self::Weight>> {
+            Err($crate::backend::experts_not_implemented($backend))
+        }
+
+        fn route(
+            &self,
+            _: $crate::backend::BlockHandle,
+            _: $crate::backend::Routes,
+            _: usize,
+            _: $crate::backend::Routing,
+        ) -> $crate::Result<()> {
+            Err($crate::backend::experts_not_implemented($backend))
+        }
+
+        fn experts(
+            &self,
+            _: $crate::backend::BlockHandle,
+            _: $crate::backend::ExpertSet<'_, Self::Weight>,
+            _: $crate::backend::Routes,
+            _: $crate::backend::ExpertScratch,
+            _: $crate::backend::BlockHandle,
+            _: usize,
+        ) -> $crate::Result<()> {
+            Err($crate::backend::experts_not_implemented($backend))
+        }
+
+        fn add_gated(
+            &self,
+            _: $crate::backend::BlockHandle,
+            _: $crate::backend::BlockHandle,
+            _: $crate::backend::BlockHandle,
+            _: usize,
+            _: usize,
+        ) -> $crate::Result<()> {
+            Err($crate::backend::experts_not_implemented($backend))
+        }
+    };
+}
+#[cfg_attr(not(any(target_vendor = "apple", axiom_metal_check)), allow(unused_imports))]
+pub(crate) use experts_not_implemented_on;
