@@ -1,12 +1,16 @@
 // Runs a compute kernel on the CPU the way a GPU would schedule it, slowly but faithfully enough
-// to test it: one OS thread per GPU thread of a threadgroup, the groups one after another.
-// threadgroup_barrier waits for the group's threads (std::barrier); simdgroup_barrier, simd_*
-// functions and simdgroup matrix multiplies wait for (and exchange values among) the 32 lanes of a
-// simdgroup through a per-simdgroup barrier. A thread that returns leaves both barriers, as an inactive lane would.
+// to test it: the threadgroups one after another, each GPU thread of a group a fiber on one OS
+// thread that runs until it reaches a barrier, in thread order. threadgroup_barrier waits for the
+// group's threads; simdgroup_barrier, simd_* functions and simdgroup matrix multiplies wait for
+// (and exchange values among) the 32 lanes of a simdgroup. A thread that returns leaves both
+// barriers, as an inactive lane would. Fibers switch without the kernel's help, so a missing barrier
+// shows as a thread reading what a later thread has not yet written (or has already overwritten).
+// Under ThreadSanitizer (MSL_CPU_OS_THREADS) every GPU thread is an OS thread instead, so that it
+// sees the races.
 //
 // What this cannot catch: Metal-only language rules (the real compiler is only on macOS),
 // fast-math differences, races between threadgroups (they never overlap here), and barriers
-// whose absence happens not to change the interleaving the OS picks.
+// whose absence happens not to change what the threads read.
 #pragma once
 
 #include <barrier>
@@ -17,6 +21,9 @@
 #include <mutex>
 #include <thread>
 #include <vector>
+#ifndef MSL_CPU_OS_THREADS
+#include <ucontext.h>
+#endif
 
 namespace msl_cpu {
 // Named before metal_stdlib makes `thread` an address-space keyword (an empty macro).
@@ -29,10 +36,43 @@ namespace msl_cpu {
 
 constexpr uint SIMD_WIDTH = 32;
 
+#ifdef MSL_CPU_OS_THREADS
+using Barrier = std::barrier<>;
+#else
+inline void yield();
+
+// A barrier among fibers: waiting hands the OS thread to the next fiber until the last one arrives.
+class Barrier {
+  public:
+    explicit Barrier(uint n) : expected(n) {}
+    void arrive_and_wait() {
+        uint generation_now = generation;
+        if (++arrived == expected) {
+            release();
+            return;
+        }
+        while (generation == generation_now) yield();
+    }
+    void arrive_and_drop() {
+        expected--;
+        if (expected > 0 && arrived == expected) release();
+    }
+
+  private:
+    void release() {
+        arrived = 0;
+        generation++;
+    }
+    uint expected;
+    uint arrived = 0;
+    uint generation = 0;
+};
+#endif
+
 struct Simdgroup {
     explicit Simdgroup(uint n) : size(n), sync(n) {}
     uint size;
-    std::barrier<> sync;
+    Barrier sync;
     uint64_t slots[SIMD_WIDTH] = {};
     // The two operands of a simdgroup matrix multiply, every lane's elements.
     float matrices[2][64] = {};
@@ -41,7 +81,7 @@ struct Simdgroup {
 
 struct Group {
     explicit Group(uint n) : sync(n) {}
-    std::barrier<> sync;
+    Barrier sync;
     std::vector<std::unique_ptr<Simdgroup>> simds;
 };
 
@@ -81,6 +121,67 @@ T simd_reduce(T v, Op op) {
     return result;
 }
 
+#ifndef MSL_CPU_OS_THREADS
+// The fibers of the threadgroup running now, on this OS thread.
+struct Fibers {
+    // Big enough for any kernel's locals; only the pages a fiber touches are ever committed.
+    static constexpr size_t STACK_BYTES = 256 * 1024;
+    ucontext_t scheduler;
+    std::vector<ucontext_t> contexts;
+    char* stacks;
+    std::vector<Thread>* threads;
+    void (*run)(void* body, Thread& t);
+    void* body;
+    uint running = 0;
+};
+inline thread_local Fibers* fibers = nullptr;
+
+inline void yield() { swapcontext(&fibers->contexts[fibers->running], &fibers->scheduler); }
+
+inline void fiber_main() {
+    Fibers& f = *fibers;
+    Thread& t = (*f.threads)[f.running];
+    f.run(f.body, t);
+    t.simd_state->active[t.lane] = false;
+    t.simd_state->sync.arrive_and_drop();
+    t.group_state->sync.arrive_and_drop();
+}  // returns to the scheduler through uc_link
+
+// Runs a threadgroup's `threads` as fibers, round robin, each to its next barrier or its end.
+// The scheduler's context is saved at each switch and resumed right there, nothing changed in
+// between, so GCC's setjmp-style warning about clobbered locals does not apply.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wclobbered"
+inline void run_fibers(Fibers& f, std::vector<Thread>& threads) {
+    uint n = threads.size();
+    f.threads = &threads;
+    for (uint i = 0; i < n; i++) {
+        ucontext_t& c = f.contexts[i];
+        getcontext(&c);
+        c.uc_stack.ss_sp = f.stacks + i * Fibers::STACK_BYTES;
+        c.uc_stack.ss_size = Fibers::STACK_BYTES;
+        c.uc_link = &f.scheduler;
+        makecontext(&c, fiber_main, 0);
+    }
+    std::vector<bool> done(n, false);
+    for (uint left = n; left > 0;) {
+        for (uint i = 0; i < n; i++) {
+            if (done[i]) continue;
+            f.running = i;
+            current = &threads[i];
+            swapcontext(&f.scheduler, &f.contexts[i]);
+            // A fiber that ended came back through uc_link, its lane marked inactive.
+            if (!threads[i].simd_state->active[threads[i].lane]) {
+                done[i] = true;
+                left--;
+            }
+        }
+    }
+    current = nullptr;
+}
+#pragma GCC diagnostic pop
+#endif
+
 // Runs `body(thread)` for every thread of `groups` threadgroups of `per_group` threads.
 // Kernels keep threadgroup memory in statics, so launches are serialised.
 template <typename Body>
@@ -89,6 +190,22 @@ void launch(uint3 groups, uint3 per_group, Body body) {
     std::lock_guard<std::mutex> lock(one_at_a_time);
     uint n = per_group.x * per_group.y * per_group.z;
     uint n_simds = (n + SIMD_WIDTH - 1) / SIMD_WIDTH;
+#ifndef MSL_CPU_OS_THREADS
+    // Kept from launch to launch: mapping and faulting in fresh stacks each time costs more than
+    // the kernels.
+    static std::unique_ptr<char[]> stacks;
+    static size_t stacks_for = 0;
+    if (stacks_for < n) {
+        stacks = std::make_unique_for_overwrite<char[]>(n * Fibers::STACK_BYTES);
+        stacks_for = n;
+    }
+    Fibers f;
+    f.contexts.resize(n);
+    f.stacks = stacks.get();
+    f.run = [](void* b, Thread& t) { (*static_cast<Body*>(b))(t); };
+    f.body = &body;
+    fibers = &f;
+#endif
     for (uint gz = 0; gz < groups.z; gz++)
         for (uint gy = 0; gy < groups.y; gy++)
             for (uint gx = 0; gx < groups.x; gx++) {
@@ -97,23 +214,28 @@ void launch(uint3 groups, uint3 per_group, Body body) {
                     group.simds.push_back(std::make_unique<Simdgroup>(std::min(SIMD_WIDTH, n - s * SIMD_WIDTH)));
                     for (uint l = 0; l < group.simds.back()->size; l++) group.simds.back()->active[l] = true;
                 }
+                std::vector<Thread> threads;
+                for (uint i = 0; i < n; i++) {
+                    uint3 local = {i % per_group.x, i / per_group.x % per_group.y, i / (per_group.x * per_group.y)};
+                    threads.push_back({
+                        {gx, gy, gz},
+                        local,
+                        {gx * per_group.x + local.x, gy * per_group.y + local.y, gz * per_group.z + local.z},
+                        i,
+                        n,
+                        i / SIMD_WIDTH,
+                        n_simds,
+                        i % SIMD_WIDTH,
+                        SIMD_WIDTH,
+                        &group,
+                        group.simds[i / SIMD_WIDTH].get(),
+                    });
+                }
+#ifdef MSL_CPU_OS_THREADS
                 std::vector<OsThread> workers;
                 for (uint i = 0; i < n; i++) {
                     workers.emplace_back([&, i] {
-                        uint3 local = {i % per_group.x, i / per_group.x % per_group.y, i / (per_group.x * per_group.y)};
-                        Thread t = {
-                            {gx, gy, gz},
-                            local,
-                            {gx * per_group.x + local.x, gy * per_group.y + local.y, gz * per_group.z + local.z},
-                            i,
-                            n,
-                            i / SIMD_WIDTH,
-                            n_simds,
-                            i % SIMD_WIDTH,
-                            SIMD_WIDTH,
-                            &group,
-                            group.simds[i / SIMD_WIDTH].get(),
-                        };
+                        Thread& t = threads[i];
                         current = &t;
                         body(t);
                         t.simd_state->active[t.lane] = false;
@@ -123,7 +245,13 @@ void launch(uint3 groups, uint3 per_group, Body body) {
                     });
                 }
                 for (auto& w : workers) w.join();
+#else
+                run_fibers(f, threads);
+#endif
             }
+#ifndef MSL_CPU_OS_THREADS
+    fibers = nullptr;
+#endif
 }
 
 }  // namespace msl_cpu
