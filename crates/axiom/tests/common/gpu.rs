@@ -964,7 +964,16 @@ pub fn mixtures_of_experts_are_refused_by_name<B: Backend>(make: impl Fn() -> B,
 /// The tiny models of every architecture (tests/fixtures/hf), decoded token by token, against
 /// transformers' logits.
 pub fn every_architecture_matches_transformers<B: Backend>(make: impl Fn(KvType) -> B) {
-    for &name in super::HF_FIXTURES {
+    fixtures_match_transformers(super::HF_FIXTURES, make);
+}
+
+/// The tiny mixture-of-experts models, decoded token by token, against transformers' logits.
+pub fn mixtures_of_experts_match_transformers<B: Backend>(make: impl Fn(KvType) -> B) {
+    fixtures_match_transformers(super::MOE_FIXTURES, make);
+}
+
+fn fixtures_match_transformers<B: Backend>(fixtures: &[&str], make: impl Fn(KvType) -> B) {
+    for &name in fixtures {
         let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
             .join("tests/fixtures/hf")
             .join(name);
