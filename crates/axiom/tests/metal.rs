@@ -72,6 +72,11 @@ fn every_architecture_on_metal_matches_transformers() {
 }
 
 #[test]
+fn expert_ops_match_the_cpu_reference() {
+    gpu::expert_ops(|| metal(KvType::F16), 1e-5);
+}
+
+#[test]
 fn mixtures_of_experts_on_metal_match_transformers() {
     gpu::mixtures_of_experts_match_transformers(metal);
 }
