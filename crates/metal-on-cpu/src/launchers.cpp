@@ -62,6 +62,23 @@ extern "C" int msl_matmul_experts(uint ty, const uchar* w, const uint* ids, cons
     return 1;
 }
 
+extern "C" int msl_matmul_glu_experts(uint ty, const uchar* w_gate, const uchar* w_up, const uint* ids, const float* x,
+                                      float* out, uint n_in, uint n_out, uint expert_bytes, uint n_experts, uint per_x,
+                                      uint act, uint pairs, uint simds_per_group) {
+    uint3 groups = {(n_out + simds_per_group - 1) / simds_per_group, pairs, 1};
+    uint3 threads = {simds_per_group * msl_cpu::SIMD_WIDTH, 1, 1};
+#define CASE(ID, NAME)                                                                                              \
+    case ID:                                                                                                        \
+        launch(groups, threads, [&](const Thread& t) {                                                              \
+            matmul_glu_experts_##NAME(w_gate, w_up, ids, x, out, n_in, n_out, expert_bytes, n_experts, per_x, act,  \
+                                      {t.group.x, t.group.y}, t.simd, t.simds, t.lane, t.lanes);                    \
+        });                                                                                                         \
+        return 0;
+    switch (ty) { WEIGHT_TYPES(CASE) }
+#undef CASE
+    return 1;
+}
+
 // Tiles of TILE_T tokens by TILE_O rows, TILE_SIMDS simdgroups each (matmul_tiled.metal).
 extern "C" int msl_matmul_tiled(uint ty, const uchar* w, const float* x, float* out, uint n_in, uint n_out,
                                 uint n_tokens, uint accumulate) {

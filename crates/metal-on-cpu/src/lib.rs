@@ -250,6 +250,22 @@ unsafe extern "C" {
         pairs: u32,
         simds: u32,
     ) -> i32;
+    fn msl_matmul_glu_experts(
+        ty: u32,
+        w_gate: *const u8,
+        w_up: *const u8,
+        ids: *const u32,
+        x: *const f32,
+        out: *mut f32,
+        n_in: u32,
+        n_out: u32,
+        expert_bytes: u32,
+        n_experts: u32,
+        per_x: u32,
+        act: u32,
+        pairs: u32,
+        simds: u32,
+    ) -> i32;
     fn msl_route(
         logits: *const f32,
         ids: *mut u32,
@@ -810,6 +826,43 @@ pub fn matmul_experts(stack: ExpertStack, ids: &[u32], x: &[f32], per_x: usize, 
     assert_eq!(rc, 0, "no expert matmul kernel for type {}", stack.ty);
 }
 
+/// `matmul_glu_experts_<type>`: `out[p] = act(gate[ids[p]] x[p / per_x]) * (up[ids[p]] x[p / per_x])`,
+/// both stacks of one type and shape; `simds` rows per threadgroup.
+pub fn matmul_glu_experts(
+    [gate, up]: [ExpertStack; 2],
+    ids: &[u32],
+    x: &[f32],
+    per_x: usize,
+    act: u32,
+    out: &mut [f32],
+    simds: u32,
+) {
+    let (pairs, expert_bytes) = (ids.len(), gate.n_out * gate.row_bytes);
+    assert!(gate.ty == up.ty && gate.n_in == up.n_in && gate.n_out == up.n_out && gate.bytes.len() == up.bytes.len());
+    assert_eq!(gate.bytes.len(), gate.n_experts() * expert_bytes, "whole experts");
+    assert!(x.len() >= pairs.div_ceil(per_x) * gate.n_in && out.len() == pairs * gate.n_out);
+    // SAFETY: lengths checked above; the kernel reads only experts below n_experts.
+    let rc = unsafe {
+        msl_matmul_glu_experts(
+            gate.ty,
+            gate.bytes.as_ptr(),
+            up.bytes.as_ptr(),
+            ids.as_ptr(),
+            x.as_ptr(),
+            out.as_mut_ptr(),
+            gate.n_in as u32,
+            gate.n_out as u32,
+            expert_bytes as u32,
+            gate.n_experts() as u32,
+            per_x as u32,
+            act,
+            pairs as u32,
+            simds,
+        )
+    };
+    assert_eq!(rc, 0, "no expert matmul kernel for type {}", gate.ty);
+}
+
 /// The experts' gated feed-forward blocks.
 #[derive(Clone, Copy)]
 pub struct Experts<'a> {
@@ -820,10 +873,11 @@ pub struct Experts<'a> {
     pub act: u32,
 }
 
-/// The whole expert op as axiom's Metal `experts` encodes it: `matmul_experts` of the gate and up
-/// matrices for each (token, choice) pair of `ids`, `glu`, `matmul_experts` of the down
-/// matrices, then `experts_sum` of the pairs' rows, weighted, into `residual` (`k` choices a
-/// token); scratch rows start as NaN.
+/// The whole expert op as axiom's Metal `experts` encodes it: for each (token, choice) pair of
+/// `ids`, `matmul_glu_experts` of the gate and up matrices where they are of one type
+/// (`matmul_experts` of each and `glu` otherwise), `matmul_experts` of the down matrices, then
+/// `experts_sum` of the pairs' rows, weighted, into `residual` (`k` choices a token); scratch
+/// rows start as NaN.
 pub fn experts(experts: Experts, x: &[f32], ids: &[u32], weights: &[f32], k: usize, residual: &mut [f32], simds: u32) {
     let (dim, width, pairs) = (experts.gate.n_in, experts.gate.n_out, ids.len());
     assert!(weights.len() == pairs && residual.len() == pairs / k * dim);
@@ -833,9 +887,13 @@ pub fn experts(experts: Experts, x: &[f32], ids: &[u32], weights: &[f32], k: usi
         vec![f32::NAN; pairs * width],
     );
     let mut rows = vec![f32::NAN; pairs * dim];
-    matmul_experts(experts.gate, ids, x, k, &mut gate, simds);
-    matmul_experts(experts.up, ids, x, k, &mut up, simds);
-    glu(&gate, &up, &mut hidden, experts.act, 256);
+    if experts.gate.ty == experts.up.ty {
+        matmul_glu_experts([experts.gate, experts.up], ids, x, k, experts.act, &mut hidden, simds);
+    } else {
+        matmul_experts(experts.gate, ids, x, k, &mut gate, simds);
+        matmul_experts(experts.up, ids, x, k, &mut up, simds);
+        glu(&gate, &up, &mut hidden, experts.act, 256);
+    }
     matmul_experts(experts.down, ids, &hidden, 1, &mut rows, simds);
     // SAFETY: `pairs / k` rows of `dim` in residual, `pairs` rows of `dim` and `pairs` weights.
     unsafe {

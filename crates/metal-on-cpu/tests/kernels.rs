@@ -919,15 +919,17 @@ fn route_matches_the_reference_with_ties() {
 }
 
 /// The expert op on the shim and in the reference, 6 experts of which each token runs 2, routed
-/// by the reference from tied logits: gate and up in `ty`, down in `down_ty` (Q4_K_M mixes them).
-fn check_experts(rng: &mut ChaCha8Rng, ty: GgmlType, down_ty: GgmlType, n_tokens: usize) {
+/// by the reference from tied logits: gate, up and down in `[ty, up_ty, down_ty]` (Q4_K_M mixes
+/// gate and down; gate and up of one type run in one kernel).
+fn check_experts(rng: &mut ChaCha8Rng, [ty, up_ty, down_ty]: [GgmlType; 3], act: Activation, n_tokens: usize) {
     let (n_experts, k) = (6, 2);
     // The model's width holds whole blocks of the gate and up type, the experts' of the down type.
     let (dim, width) = (
         awkward_dim(ty),
         (awkward_dim(down_ty) / 3).next_multiple_of(down_ty.block_len()),
     );
-    let [gate, up] = [(); 2].map(|_| random_weight_bytes(rng, ty, n_experts * dim * width));
+    let gate = random_weight_bytes(rng, ty, n_experts * dim * width);
+    let up = random_weight_bytes(rng, up_ty, n_experts * dim * width);
     let down = random_weight_bytes(rng, down_ty, n_experts * width * dim);
     let routing = Routing {
         n_experts,
@@ -940,12 +942,12 @@ fn check_experts(rng: &mut ChaCha8Rng, ty: GgmlType, down_ty: GgmlType, n_tokens
 
     let stacks = [
         (ty, &gate[..], dim, width),
-        (ty, &up[..], dim, width),
+        (up_ty, &up[..], dim, width),
         (down_ty, &down[..], width, dim),
     ];
     let mut want = residual.clone();
     let reference_experts = reference_experts(stacks, n_experts);
-    reference::experts::experts(&x, &reference_experts, &ids, &weights, k, Activation::Silu, &mut want);
+    reference::experts::experts(&x, &reference_experts, &ids, &weights, k, act, &mut want);
     let [gate, up, down] = stacks.map(|(ty, bytes, n_in, n_out)| ExpertStack {
         ty: ty.id(),
         bytes,
@@ -957,14 +959,14 @@ fn check_experts(rng: &mut ChaCha8Rng, ty: GgmlType, down_ty: GgmlType, n_tokens
         gate,
         up,
         down,
-        act: Activation::Silu.code(),
+        act: act.code(),
     };
     let mut got = residual;
     metal_on_cpu::experts(experts, &x, &ids, &weights, k, &mut got, 4);
     let err = rel_l2(&got, &want);
     assert!(
         err < 1e-5,
-        "{ty} and {down_ty}, {n_tokens} tokens: relative error {err}"
+        "{ty}, {up_ty} and {down_ty}, {n_tokens} tokens: relative error {err}"
     );
 }
 
@@ -1003,17 +1005,23 @@ fn awkward_dim(ty: GgmlType) -> usize {
 fn experts_every_type_match_the_reference() {
     let mut rng = rng();
     for (i, &ty) in WEIGHT_TYPES.iter().enumerate() {
-        check_experts(&mut rng, ty, WEIGHT_TYPES[(i + 1) % WEIGHT_TYPES.len()], 1);
+        check_experts(
+            &mut rng,
+            [ty, ty, WEIGHT_TYPES[(i + 1) % WEIGHT_TYPES.len()]],
+            Activation::Silu,
+            1,
+        );
     }
 }
 
-/// Several tokens, each reading its own row of the input and its own experts.
+/// Several tokens, each reading its own row of the input and its own experts: gate and up of
+/// different types (a kernel for each, then the activation) with GELU, and of one type.
 #[test]
 fn experts_over_7_and_33_tokens_match_the_reference() {
     let mut rng = rng();
-    for n_tokens in [7, 33] {
-        check_experts(&mut rng, GgmlType::Q8_0, GgmlType::Q4_0, n_tokens);
-    }
+    let (q8, q4) = (GgmlType::Q8_0, GgmlType::Q4_0);
+    check_experts(&mut rng, [q8, q4, q4], Activation::GeluTanh, 7);
+    check_experts(&mut rng, [q8, q8, q4], Activation::Silu, 33);
 }
 
 /// An expert id outside the set (which `route` never writes) makes the token's rows NaN rather

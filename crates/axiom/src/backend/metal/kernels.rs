@@ -49,7 +49,14 @@ fn kernel_names() -> Vec<String> {
     .iter()
     .map(|n| n.to_string())
     .collect();
-    for prefix in ["matmul", "matmul_glu", "matmul_tiled", "matmul_experts", "embed"] {
+    for prefix in [
+        "matmul",
+        "matmul_glu",
+        "matmul_tiled",
+        "matmul_experts",
+        "matmul_glu_experts",
+        "embed",
+    ] {
         names.extend(GPU_WEIGHT_TYPES.iter().map(|(_, s)| format!("{prefix}_{s}")));
     }
     for kv in ["f16", "f32"] {

@@ -607,6 +607,9 @@ impl Kernels for MetalBackend {
 
     fn route(&self, logits: BlockHandle, routes: Routes, n_tokens: usize, routing: Routing) -> Result<()> {
         routing.check(&routes)?;
+        if n_tokens == 0 {
+            return Ok(()); // a grid is never empty: one group would route a token that is not there
+        }
         self.launch(
             "route",
             (n_tokens, 1),
@@ -622,10 +625,10 @@ impl Kernels for MetalBackend {
         )
     }
 
-    /// Each (token, choice) pair's gate and up products, the gated activation, the down
-    /// products, then their weighted sum into the residual; every expert product reads its
-    /// expert's id where `route` left it. (A id outside the set makes NaN rows: see
-    /// matmul.metal.)
+    /// Each (token, choice) pair's gate and up products with the gated activation (one dispatch
+    /// where gate and up are of one type), the down products, then their weighted sum into the
+    /// residual; every expert product reads its expert's id where `route` left it. (An id
+    /// outside the set makes NaN rows: see matmul.metal.)
     fn experts(
         &self,
         x: BlockHandle,
@@ -637,9 +640,35 @@ impl Kernels for MetalBackend {
     ) -> Result<()> {
         let (dim, width) = set.shape()?;
         let pairs = n_tokens * routes.k;
-        self.expert_products(set.gate, routes, x, routes.k, scratch.gate, pairs)?;
-        self.expert_products(set.up, routes, x, routes.k, scratch.up, pairs)?;
-        self.glu(scratch.gate, scratch.up, scratch.hidden, pairs * width, set.activation)?;
+        if pairs == 0 {
+            return Ok(()); // as in `route`
+        }
+        let (gate, gate_bytes) = expert_stack(set.gate)?;
+        let (up, _) = expert_stack(set.up)?;
+        if gate.ty == up.ty {
+            self.launch_expert_rows(
+                &format!("matmul_glu_experts_{}", weight_suffix(gate)?),
+                gate.n_out,
+                pairs,
+                &[
+                    Arg::Buf(gate.block),
+                    Arg::Buf(up.block),
+                    Arg::Buf(routes.ids),
+                    Arg::Buf(x),
+                    Arg::Buf(scratch.hidden),
+                    u32_arg(gate.n_in),
+                    u32_arg(gate.n_out),
+                    Arg::U32(gate_bytes),
+                    u32_arg(set.n_experts()),
+                    u32_arg(routes.k),
+                    Arg::U32(set.activation.code()),
+                ],
+            )?;
+        } else {
+            self.expert_products(set.gate, routes, x, routes.k, scratch.gate, pairs)?;
+            self.expert_products(set.up, routes, x, routes.k, scratch.up, pairs)?;
+            self.glu(scratch.gate, scratch.up, scratch.hidden, pairs * width, set.activation)?;
+        }
         self.expert_products(set.down, routes, scratch.hidden, 1, scratch.out, pairs)?;
         let n = n_tokens * dim;
         self.elementwise(
@@ -826,6 +855,27 @@ fn matrix_bytes(t: &HostTensor) -> Result<(usize, usize, usize)> {
     Ok((n_in, n_out, bytes))
 }
 
+/// The first of a layer's experts' matrices and the bytes from one expert to the next, checked
+/// to be one stack of one type as `upload_experts` leaves them.
+fn expert_stack(matrices: &[MetalWeight]) -> Result<(&MetalWeight, u32)> {
+    let Some(first) = matrices.first() else {
+        return Err(Error::Backend("experts: a mixture of no experts".into()));
+    };
+    let stride = first.block.len;
+    let stacked = matrices
+        .iter()
+        .enumerate()
+        .all(|(e, w)| w.ty == first.ty && w.block.offset == first.block.offset + e * stride);
+    if !stacked {
+        return Err(Error::Backend(
+            "experts: the matrices are not one stack of one type (upload them with upload_experts)".into(),
+        ));
+    }
+    let bytes = u32::try_from(stride)
+        .map_err(|_| Error::Backend(format!("experts: a matrix of {stride} bytes is over 4 GiB")))?;
+    Ok((first, bytes))
+}
+
 /// The kernel suffix of a weight's type.
 fn weight_suffix(w: &MetalWeight) -> Result<&'static str> {
     gpu_kernel_suffix(w.ty).ok_or_else(|| Error::Backend(format!("no matmul kernel for {}", w.ty)))
@@ -890,8 +940,7 @@ impl MetalBackend {
     }
 
     /// `out[p] = matrices[ids[p]] x[p / per_x]` for `pairs` (token, choice) pairs, the experts'
-    /// matrices as `upload_experts` stacked them: a row kernel's simdgroup per row, a row of
-    /// threadgroups per pair.
+    /// matrices as `upload_experts` stacked them.
     fn expert_products(
         &self,
         matrices: &[MetalWeight],
@@ -901,29 +950,11 @@ impl MetalBackend {
         out: BlockHandle,
         pairs: usize,
     ) -> Result<()> {
-        let Some(first) = matrices.first() else {
-            return Err(Error::Backend("experts: a mixture of no experts".into()));
-        };
-        let stride = first.block.len;
-        let stacked = matrices
-            .iter()
-            .enumerate()
-            .all(|(e, w)| w.ty == first.ty && w.block.offset == first.block.offset + e * stride);
-        if !stacked {
-            return Err(Error::Backend(
-                "experts: the matrices are not one stack of one type (upload them with upload_experts)".into(),
-            ));
-        }
-        let expert_bytes = u32::try_from(stride)
-            .map_err(|_| Error::Backend(format!("experts: a matrix of {stride} bytes is over 4 GiB")))?;
-        let name = format!("matmul_experts_{}", weight_suffix(first)?);
-        let kernel = self.kernels.get(&name)?;
-        let width = kernel.simd_width.max(1);
-        let rows_per_group = threads(kernel, 4 * width) / width;
-        self.launch(
-            &name,
-            (first.n_out.div_ceil(rows_per_group), pairs),
-            |_| rows_per_group * width,
+        let (first, expert_bytes) = expert_stack(matrices)?;
+        self.launch_expert_rows(
+            &format!("matmul_experts_{}", weight_suffix(first)?),
+            first.n_out,
+            pairs,
             &[
                 Arg::Buf(first.block),
                 Arg::Buf(routes.ids),
@@ -935,6 +966,20 @@ impl MetalBackend {
                 u32_arg(matrices.len()),
                 u32_arg(per_x),
             ],
+        )
+    }
+
+    /// An expert row kernel: a row kernel's simdgroup per row of `n_out`, a row of threadgroups
+    /// per pair.
+    fn launch_expert_rows(&self, name: &str, n_out: usize, pairs: usize, args: &[Arg]) -> Result<()> {
+        let kernel = self.kernels.get(name)?;
+        let width = kernel.simd_width.max(1);
+        let rows_per_group = threads(kernel, 4 * width) / width;
+        self.launch(
+            name,
+            (n_out.div_ceil(rows_per_group), pairs),
+            |_| rows_per_group * width,
+            args,
         )
     }
 
