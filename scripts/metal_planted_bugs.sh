@@ -9,6 +9,7 @@
 #     - the fused attention ignoring the window
 #     - the tiled matmul's edge off by one (the last row of a partial tile of rows staged as zeros)
 #     - the prompt attention's key tile edge off by one (a sequence's last position staged as zeros)
+#     - the router passing over experts tied with the one it chose last
 #   The same run under ThreadSanitizer (AXIOM_MSL_TSAN=1), on the quick kernels with threadgroup
 #   memory and one tile of the tiled matmul and of the prompt attention (under TSan every GPU
 #   thread is still an OS thread: the other attention tests and the tiled matmul's every type
@@ -100,6 +101,9 @@ plant_kernel "the tiled matmul's row edge off by one" matmul_tiled.metal \
 plant_kernel "the prompt attention's key tile edge off by one" flash_attention.metal \
     "p <= hi && d < head_dim ? kv_load(k_cache" "p < hi && d < head_dim ? kv_load(k_cache" \
     kernel_tests flash_attention_one_partial_tile_matches_the_reference
+plant_kernel "the router passing over experts tied with its last choice" route.metal \
+    "bool after = p < last_p || (p == last_p && e > last_e);" "bool after = p < last_p;" \
+    kernel_tests route_matches_the_reference_with_ties
 
 if tsan_tests "" "${tsan_quick[@]}" >"$work/log" 2>&1; then
     echo "clean under ThreadSanitizer: rms_norm, argmax, one tile of matmul_tiled and of flash_attention"

@@ -788,6 +788,15 @@ fn fast_experts_grouped_by_expert_match_the_reference() {
 }
 
 #[test]
+fn fast_expert_ops_match_the_reference() {
+    // The GPU suite's expert cases (Q8_0, and Q4_K with Q6_K down), the fast kernels standing for
+    // the backend under test; they quantize the activations to 8 bits on the way in.
+    for isa in Isa::available() {
+        common::gpu::expert_ops(|| CpuBackend::with_kernels(2, CpuKernels::Fast(isa)), 2e-2);
+    }
+}
+
+#[test]
 fn experts_refuse_an_expert_outside_the_set() {
     let mut r = rng();
     let mut case = ExpertCase::new(&mut r, GgmlType::F32, 7);

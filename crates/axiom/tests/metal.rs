@@ -72,8 +72,13 @@ fn every_architecture_on_metal_matches_transformers() {
 }
 
 #[test]
-fn mixtures_of_experts_are_refused_on_metal() {
-    gpu::mixtures_of_experts_are_refused_by_name(|| metal(KvType::F16), "metal");
+fn expert_ops_match_the_cpu_reference() {
+    gpu::expert_ops(|| metal(KvType::F16), 1e-5);
+}
+
+#[test]
+fn mixtures_of_experts_on_metal_match_transformers() {
+    gpu::mixtures_of_experts_match_transformers(metal);
 }
 
 #[test]

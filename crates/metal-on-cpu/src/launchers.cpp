@@ -44,6 +44,41 @@ extern "C" int msl_matmul_glu(uint ty, const uchar* w_gate, const uchar* w_up, c
     return 1;
 }
 
+// One row of threadgroups per (token, choice) pair, `simds_per_group` rows each.
+extern "C" int msl_matmul_experts(uint ty, const uchar* w, const uint* ids, const float* x, float* out, uint n_in,
+                                  uint n_out, uint expert_bytes, uint n_experts, uint per_x, uint pairs,
+                                  uint simds_per_group) {
+    uint3 groups = {(n_out + simds_per_group - 1) / simds_per_group, pairs, 1};
+    uint3 threads = {simds_per_group * msl_cpu::SIMD_WIDTH, 1, 1};
+#define CASE(ID, NAME)                                                                                           \
+    case ID:                                                                                                     \
+        launch(groups, threads, [&](const Thread& t) {                                                           \
+            matmul_experts_##NAME(w, ids, x, out, n_in, n_out, expert_bytes, n_experts, per_x, {t.group.x, t.group.y}, \
+                                  t.simd, t.simds, t.lane, t.lanes);                                             \
+        });                                                                                                      \
+        return 0;
+    switch (ty) { WEIGHT_TYPES(CASE) }
+#undef CASE
+    return 1;
+}
+
+extern "C" int msl_matmul_glu_experts(uint ty, const uchar* w_gate, const uchar* w_up, const uint* ids, const float* x,
+                                      float* out, uint n_in, uint n_out, uint expert_bytes, uint n_experts, uint per_x,
+                                      uint act, uint pairs, uint simds_per_group) {
+    uint3 groups = {(n_out + simds_per_group - 1) / simds_per_group, pairs, 1};
+    uint3 threads = {simds_per_group * msl_cpu::SIMD_WIDTH, 1, 1};
+#define CASE(ID, NAME)                                                                                              \
+    case ID:                                                                                                        \
+        launch(groups, threads, [&](const Thread& t) {                                                              \
+            matmul_glu_experts_##NAME(w_gate, w_up, ids, x, out, n_in, n_out, expert_bytes, n_experts, per_x, act,  \
+                                      {t.group.x, t.group.y}, t.simd, t.simds, t.lane, t.lanes);                    \
+        });                                                                                                         \
+        return 0;
+    switch (ty) { WEIGHT_TYPES(CASE) }
+#undef CASE
+    return 1;
+}
+
 // Tiles of TILE_T tokens by TILE_O rows, TILE_SIMDS simdgroups each (matmul_tiled.metal).
 extern "C" int msl_matmul_tiled(uint ty, const uchar* w, const float* x, float* out, uint n_in, uint n_out,
                                 uint n_tokens, uint accumulate) {
@@ -233,4 +268,23 @@ extern "C" void msl_argmax(const float* x, uint* out, uint width, uint rows, uin
     launch({rows, 1, 1}, {threads, 1, 1}, [&](const Thread& t) {
         argmax(x, out, width, t.group.x, t.index, t.threads, t.simd, t.simds, t.lane);
     });
+}
+
+// One simdgroup per token.
+extern "C" void msl_route(const float* logits, uint* ids, float* weights, uint n_experts, uint k, uint renormalize,
+                          uint n_tokens) {
+    launch({n_tokens, 1, 1}, {msl_cpu::SIMD_WIDTH, 1, 1}, [&](const Thread& t) {
+        route(logits, ids, weights, n_experts, k, renormalize, t.group.x, t.lane, t.lanes);
+    });
+}
+
+extern "C" void msl_experts_sum(float* residual, const float* rows, const float* weights, uint n, uint width, uint k,
+                                uint threads) {
+    launch({(n + threads - 1) / threads, 1, 1}, {threads, 1, 1},
+           [&](const Thread& t) { experts_sum(residual, rows, weights, n, width, k, t.grid.x); });
+}
+
+extern "C" void msl_add_gated(float* x, const float* rows, const float* gates, uint n, uint width, uint threads) {
+    launch({(n + threads - 1) / threads, 1, 1}, {threads, 1, 1},
+           [&](const Thread& t) { add_gated(x, rows, gates, n, width, t.grid.x); });
 }

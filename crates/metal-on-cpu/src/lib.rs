@@ -236,6 +236,55 @@ unsafe extern "C" {
     fn msl_add(x: *mut f32, y: *const f32, n: u32, threads: u32);
     fn msl_add_bias(x: *mut f32, bias: *const f32, n: u32, width: u32, threads: u32);
     fn msl_argmax(x: *const f32, out: *mut u32, width: u32, rows: u32, threads: u32);
+    fn msl_matmul_experts(
+        ty: u32,
+        w: *const u8,
+        ids: *const u32,
+        x: *const f32,
+        out: *mut f32,
+        n_in: u32,
+        n_out: u32,
+        expert_bytes: u32,
+        n_experts: u32,
+        per_x: u32,
+        pairs: u32,
+        simds: u32,
+    ) -> i32;
+    fn msl_matmul_glu_experts(
+        ty: u32,
+        w_gate: *const u8,
+        w_up: *const u8,
+        ids: *const u32,
+        x: *const f32,
+        out: *mut f32,
+        n_in: u32,
+        n_out: u32,
+        expert_bytes: u32,
+        n_experts: u32,
+        per_x: u32,
+        act: u32,
+        pairs: u32,
+        simds: u32,
+    ) -> i32;
+    fn msl_route(
+        logits: *const f32,
+        ids: *mut u32,
+        weights: *mut f32,
+        n_experts: u32,
+        k: u32,
+        renormalize: u32,
+        n_tokens: u32,
+    );
+    fn msl_experts_sum(
+        residual: *mut f32,
+        rows: *const f32,
+        weights: *const f32,
+        n: u32,
+        width: u32,
+        k: u32,
+        threads: u32,
+    );
+    fn msl_add_gated(x: *mut f32, rows: *const f32, gates: *const f32, n: u32, width: u32, threads: u32);
 }
 
 /// Head counts and sizes.
@@ -712,4 +761,167 @@ pub fn argmax(x: &[f32], out: &mut [u32], threads: u32) {
     assert_eq!(x.len(), width * out.len());
     // SAFETY: `out.len()` rows of `width`.
     unsafe { msl_argmax(x.as_ptr(), out.as_mut_ptr(), width as u32, out.len() as u32, threads) }
+}
+
+/// `route`: each row of `logits` (`n_experts` wide) to its `k` experts, `ids` and `weights`
+/// holding `[n_tokens, k]`; one simdgroup per token.
+pub fn route(logits: &[f32], n_experts: usize, k: usize, renormalize: bool, ids: &mut [u32], weights: &mut [f32]) {
+    let n_tokens = logits.len() / n_experts;
+    assert!(logits.len() == n_tokens * n_experts && ids.len() == n_tokens * k && weights.len() == n_tokens * k);
+    assert!(k >= 1 && k <= n_experts, "routing to {k} of {n_experts} experts");
+    // SAFETY: `n_tokens` rows of logits, ids and weights, checked above.
+    unsafe {
+        msl_route(
+            logits.as_ptr(),
+            ids.as_mut_ptr(),
+            weights.as_mut_ptr(),
+            n_experts as u32,
+            k as u32,
+            renormalize as u32,
+            n_tokens as u32,
+        )
+    }
+}
+
+/// One matrix of every expert, stacked as axiom's Metal `upload_experts` stacks them: `n_experts`
+/// matrices of `n_out` rows of `n_in`, in GGUF type `ty` (its id), `row_bytes` bytes per row.
+#[derive(Clone, Copy)]
+pub struct ExpertStack<'a> {
+    pub ty: u32,
+    pub bytes: &'a [u8],
+    pub row_bytes: usize,
+    pub n_in: usize,
+    pub n_out: usize,
+}
+
+impl ExpertStack<'_> {
+    fn n_experts(&self) -> usize {
+        self.bytes.len() / (self.n_out * self.row_bytes)
+    }
+}
+
+/// `matmul_experts_<type>`: `out[p] = stack[ids[p]] x[p / per_x]` for every pair `p` of `ids`
+/// (an id outside the stack writes NaN); `simds` rows per threadgroup.
+pub fn matmul_experts(stack: ExpertStack, ids: &[u32], x: &[f32], per_x: usize, out: &mut [f32], simds: u32) {
+    let (pairs, expert_bytes) = (ids.len(), stack.n_out * stack.row_bytes);
+    assert_eq!(stack.bytes.len(), stack.n_experts() * expert_bytes, "whole experts");
+    assert!(x.len() >= pairs.div_ceil(per_x) * stack.n_in && out.len() == pairs * stack.n_out);
+    // SAFETY: lengths checked above; the kernel reads only experts below n_experts.
+    let rc = unsafe {
+        msl_matmul_experts(
+            stack.ty,
+            stack.bytes.as_ptr(),
+            ids.as_ptr(),
+            x.as_ptr(),
+            out.as_mut_ptr(),
+            stack.n_in as u32,
+            stack.n_out as u32,
+            expert_bytes as u32,
+            stack.n_experts() as u32,
+            per_x as u32,
+            pairs as u32,
+            simds,
+        )
+    };
+    assert_eq!(rc, 0, "no expert matmul kernel for type {}", stack.ty);
+}
+
+/// `matmul_glu_experts_<type>`: `out[p] = act(gate[ids[p]] x[p / per_x]) * (up[ids[p]] x[p / per_x])`,
+/// both stacks of one type and shape; `simds` rows per threadgroup.
+pub fn matmul_glu_experts(
+    [gate, up]: [ExpertStack; 2],
+    ids: &[u32],
+    x: &[f32],
+    per_x: usize,
+    act: u32,
+    out: &mut [f32],
+    simds: u32,
+) {
+    let (pairs, expert_bytes) = (ids.len(), gate.n_out * gate.row_bytes);
+    assert!(gate.ty == up.ty && gate.n_in == up.n_in && gate.n_out == up.n_out && gate.bytes.len() == up.bytes.len());
+    assert_eq!(gate.bytes.len(), gate.n_experts() * expert_bytes, "whole experts");
+    assert!(x.len() >= pairs.div_ceil(per_x) * gate.n_in && out.len() == pairs * gate.n_out);
+    // SAFETY: lengths checked above; the kernel reads only experts below n_experts.
+    let rc = unsafe {
+        msl_matmul_glu_experts(
+            gate.ty,
+            gate.bytes.as_ptr(),
+            up.bytes.as_ptr(),
+            ids.as_ptr(),
+            x.as_ptr(),
+            out.as_mut_ptr(),
+            gate.n_in as u32,
+            gate.n_out as u32,
+            expert_bytes as u32,
+            gate.n_experts() as u32,
+            per_x as u32,
+            act,
+            pairs as u32,
+            simds,
+        )
+    };
+    assert_eq!(rc, 0, "no expert matmul kernel for type {}", gate.ty);
+}
+
+/// The experts' gated feed-forward blocks.
+#[derive(Clone, Copy)]
+pub struct Experts<'a> {
+    pub gate: ExpertStack<'a>,
+    pub up: ExpertStack<'a>,
+    pub down: ExpertStack<'a>,
+    /// The gate's activation, as axiom's `Activation::code`.
+    pub act: u32,
+}
+
+/// The whole expert op as axiom's Metal `experts` encodes it: for each (token, choice) pair of
+/// `ids`, `matmul_glu_experts` of the gate and up matrices where they are of one type
+/// (`matmul_experts` of each and `glu` otherwise), `matmul_experts` of the down matrices, then
+/// `experts_sum` of the pairs' rows, weighted, into `residual` (`k` choices a token); scratch
+/// rows start as NaN.
+pub fn experts(experts: Experts, x: &[f32], ids: &[u32], weights: &[f32], k: usize, residual: &mut [f32], simds: u32) {
+    let (dim, width, pairs) = (experts.gate.n_in, experts.gate.n_out, ids.len());
+    assert!(weights.len() == pairs && residual.len() == pairs / k * dim);
+    let (mut gate, mut up, mut hidden) = (
+        vec![f32::NAN; pairs * width],
+        vec![f32::NAN; pairs * width],
+        vec![f32::NAN; pairs * width],
+    );
+    let mut rows = vec![f32::NAN; pairs * dim];
+    if experts.gate.ty == experts.up.ty {
+        matmul_glu_experts([experts.gate, experts.up], ids, x, k, experts.act, &mut hidden, simds);
+    } else {
+        matmul_experts(experts.gate, ids, x, k, &mut gate, simds);
+        matmul_experts(experts.up, ids, x, k, &mut up, simds);
+        glu(&gate, &up, &mut hidden, experts.act, 256);
+    }
+    matmul_experts(experts.down, ids, &hidden, 1, &mut rows, simds);
+    // SAFETY: `pairs / k` rows of `dim` in residual, `pairs` rows of `dim` and `pairs` weights.
+    unsafe {
+        msl_experts_sum(
+            residual.as_mut_ptr(),
+            rows.as_ptr(),
+            weights.as_ptr(),
+            residual.len() as u32,
+            dim as u32,
+            k as u32,
+            256,
+        )
+    }
+}
+
+/// `add_gated`: `x[t] += sigmoid(gates[t]) * rows[t]`, rows of `x.len() / gates.len()`.
+pub fn add_gated(x: &mut [f32], rows: &[f32], gates: &[f32], threads: u32) {
+    let width = x.len() / gates.len();
+    assert!(x.len() == width * gates.len() && rows.len() == x.len());
+    // SAFETY: `gates.len()` rows of `width` in `x` and `rows`.
+    unsafe {
+        msl_add_gated(
+            x.as_mut_ptr(),
+            rows.as_ptr(),
+            gates.as_ptr(),
+            x.len() as u32,
+            width as u32,
+            threads,
+        )
+    }
 }

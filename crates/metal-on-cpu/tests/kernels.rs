@@ -3,7 +3,8 @@
 //! are not a multiple of the threadgroup, threadgroups of 1 to 4 simdgroups. Outputs start as
 //! NaN, so an element a kernel never writes fails; masked scores must be exactly -inf. Attention
 //! runs causal and under every score rule of the engine's tests (windows, a soft cap, a scale),
-//! one test per rule and cache type; the prompt attention over contexts of 1, 7, 64 and 200.
+//! one test per rule and cache type; the prompt attention over contexts of 1, 7, 64 and 200. The
+//! mixture-of-experts kernels at 6 experts, top-2, router logits with exact ties, 1/7/33 tokens.
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
@@ -14,13 +15,14 @@
 #[path = "../../axiom/tests/common/mod.rs"]
 mod common;
 
+use axiom::backend::cpu::kernels::experts::{Expert, ExpertMatrix};
 use axiom::backend::cpu::kernels::{self as reference, paged::PageMap};
-use axiom::backend::{Activation, AttentionShape, Rope, RopeLayout, RopeScaling, Scores};
+use axiom::backend::{Activation, AttentionShape, Rope, RopeLayout, RopeScaling, Routing, Scores};
 use axiom::format::quant::GgmlType;
 use common::gpu::{randn, rel_l2, WEIGHT_TYPES};
 use common::{capped_window, paged_queries, random_weight_bytes, score_rules, PagedCase, PAGED_LENS};
 use half::f16;
-use metal_on_cpu::{Cache, Heads, Pages, Rule};
+use metal_on_cpu::{Cache, ExpertStack, Experts, Heads, Pages, Rule};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
@@ -867,4 +869,198 @@ fn cache<'a>(f16_cache: bool, c32: &'a mut [f32], c16: &'a mut [u16]) -> Cache<'
         true => Cache::F16(c16),
         false => Cache::F32(c32),
     }
+}
+
+/// Router logits for `n_tokens` tokens of `n_experts`, rounded to halves so that a row holds exact
+/// ties, and the last row all equal.
+fn tied_logits(rng: &mut ChaCha8Rng, n_tokens: usize, n_experts: usize) -> Vec<f32> {
+    let mut logits: Vec<f32> = randn(rng, n_tokens * n_experts)
+        .iter()
+        .map(|v| (v * 4.0).round() / 2.0)
+        .collect();
+    let last = logits.len() - n_experts;
+    logits[last..].fill(0.5);
+    logits
+}
+
+/// The reference's routes of `logits`: ids and weights.
+fn reference_routes(logits: &[f32], routing: Routing) -> (Vec<u32>, Vec<f32>) {
+    let n = logits.len() / routing.n_experts * routing.k;
+    let (mut ids, mut weights) = (vec![0u32; n], vec![0f32; n]);
+    reference::route::route(logits, routing, &mut ids, &mut weights);
+    (ids, weights)
+}
+
+/// Routing over 6 experts (fewer than a simdgroup's lanes) and 40 (some lanes hold two), top-2
+/// and all, renormalized (Mixtral, Qwen's `norm_topk_prob`) or not, for 1, 7 and 33 tokens whose
+/// logits hold exact ties: the same ids as the reference, lowest index first among equals.
+#[test]
+fn route_matches_the_reference_with_ties() {
+    let mut rng = rng();
+    for (n_experts, k) in [(6, 2), (6, 6), (40, 3)] {
+        for n_tokens in [1, 7, 33] {
+            let logits = tied_logits(&mut rng, n_tokens, n_experts);
+            for renormalize in [true, false] {
+                let routing = Routing {
+                    n_experts,
+                    k,
+                    renormalize,
+                };
+                let (want_ids, want_weights) = reference_routes(&logits, routing);
+                let (mut ids, mut weights) = (vec![u32::MAX; n_tokens * k], vec![f32::NAN; n_tokens * k]);
+                metal_on_cpu::route(&logits, n_experts, k, renormalize, &mut ids, &mut weights);
+                let case = format!("{k} of {n_experts}, {n_tokens} tokens, renormalize {renormalize}");
+                assert_eq!(ids, want_ids, "{case}");
+                let err = rel_l2(&weights, &want_weights);
+                assert!(err < 1e-6, "{case}: weights' relative error {err}");
+            }
+        }
+    }
+}
+
+/// The expert op on the shim and in the reference, 6 experts of which each token runs 2, routed
+/// by the reference from tied logits: gate, up and down in `[ty, up_ty, down_ty]` (Q4_K_M mixes
+/// gate and down; gate and up of one type run in one kernel).
+fn check_experts(rng: &mut ChaCha8Rng, [ty, up_ty, down_ty]: [GgmlType; 3], act: Activation, n_tokens: usize) {
+    let (n_experts, k) = (6, 2);
+    // The model's width holds whole blocks of the gate and up type, the experts' of the down type.
+    let (dim, width) = (
+        awkward_dim(ty),
+        (awkward_dim(down_ty) / 3).next_multiple_of(down_ty.block_len()),
+    );
+    let gate = random_weight_bytes(rng, ty, n_experts * dim * width);
+    let up = random_weight_bytes(rng, up_ty, n_experts * dim * width);
+    let down = random_weight_bytes(rng, down_ty, n_experts * width * dim);
+    let routing = Routing {
+        n_experts,
+        k,
+        renormalize: true,
+    };
+    let (ids, weights) = reference_routes(&tied_logits(rng, n_tokens, n_experts), routing);
+    let x = randn(rng, n_tokens * dim);
+    let residual = randn(rng, n_tokens * dim);
+
+    let stacks = [
+        (ty, &gate[..], dim, width),
+        (up_ty, &up[..], dim, width),
+        (down_ty, &down[..], width, dim),
+    ];
+    let mut want = residual.clone();
+    let reference_experts = reference_experts(stacks, n_experts);
+    reference::experts::experts(&x, &reference_experts, &ids, &weights, k, act, &mut want);
+    let [gate, up, down] = stacks.map(|(ty, bytes, n_in, n_out)| ExpertStack {
+        ty: ty.id(),
+        bytes,
+        row_bytes: ty.row_bytes(n_in),
+        n_in,
+        n_out,
+    });
+    let experts = Experts {
+        gate,
+        up,
+        down,
+        act: act.code(),
+    };
+    let mut got = residual;
+    metal_on_cpu::experts(experts, &x, &ids, &weights, k, &mut got, 4);
+    let err = rel_l2(&got, &want);
+    assert!(
+        err < 1e-5,
+        "{ty}, {up_ty} and {down_ty}, {n_tokens} tokens: relative error {err}"
+    );
+}
+
+/// The reference's experts over stacks of gate, up and down matrices: (type, bytes, n_in, n_out).
+fn reference_experts<'a>(stacks: [(GgmlType, &'a [u8], usize, usize); 3], n_experts: usize) -> Vec<Expert<'a>> {
+    let part = |e: usize, (ty, bytes, n_in, n_out): (GgmlType, &'a [u8], usize, usize)| {
+        let size = ty.row_bytes(n_in) * n_out;
+        ExpertMatrix {
+            ty,
+            bytes: &bytes[e * size..(e + 1) * size],
+            n_in,
+            n_out,
+        }
+    };
+    (0..n_experts)
+        .map(|e| Expert {
+            gate: part(e, stacks[0]),
+            up: part(e, stacks[1]),
+            down: part(e, stacks[2]),
+        })
+        .collect()
+}
+
+/// A model width that is not a multiple of the 32 lanes in blocks (elements for floats): 96, or
+/// one block of 256 values (for the experts' width, a third of it: 32, or 256 again).
+fn awkward_dim(ty: GgmlType) -> usize {
+    match ty.block_len() {
+        256 => 256,
+        _ => 96,
+    }
+}
+
+/// One token through every weight type, the down matrices of the next type in the list (so
+/// that a layer of mixed types, as Q4_K_M writes, is covered too).
+#[test]
+fn experts_every_type_match_the_reference() {
+    let mut rng = rng();
+    for (i, &ty) in WEIGHT_TYPES.iter().enumerate() {
+        check_experts(
+            &mut rng,
+            [ty, ty, WEIGHT_TYPES[(i + 1) % WEIGHT_TYPES.len()]],
+            Activation::Silu,
+            1,
+        );
+    }
+}
+
+/// Several tokens, each reading its own row of the input and its own experts: gate and up of
+/// different types (a kernel for each, then the activation) with GELU, and of one type.
+#[test]
+fn experts_over_7_and_33_tokens_match_the_reference() {
+    let mut rng = rng();
+    let (q8, q4) = (GgmlType::Q8_0, GgmlType::Q4_0);
+    check_experts(&mut rng, [q8, q4, q4], Activation::GeluTanh, 7);
+    check_experts(&mut rng, [q8, q8, q4], Activation::Silu, 33);
+}
+
+/// An expert id outside the set (which `route` never writes) makes the token's rows NaN rather
+/// than reading past the stack.
+#[test]
+fn an_expert_id_outside_the_set_makes_nan_rows() {
+    let (n_in, n_out) = (32, 32);
+    let bytes = vec![0u8; 2 * n_out * n_in * 4];
+    let stack = ExpertStack {
+        ty: GgmlType::F32.id(),
+        bytes: &bytes,
+        row_bytes: n_in * 4,
+        n_in,
+        n_out,
+    };
+    let x = vec![1f32; 2 * n_in];
+    let mut out = vec![0f32; 2 * n_out];
+    metal_on_cpu::matmul_experts(stack, &[1, 2], &x, 1, &mut out, 1);
+    assert!(out[..n_out].iter().all(|&v| v == 0.0), "expert 1 of 2 ran");
+    assert!(
+        out[n_out..].iter().all(|v| v.is_nan()),
+        "expert 2 of 2 did not make NaN"
+    );
+}
+
+/// The gated shared expert's add, over 33 rows of 96.
+#[test]
+fn add_gated_matches_the_reference() {
+    let mut rng = rng();
+    let (n_tokens, width) = (33, 96);
+    let (x, rows, gates) = (
+        randn(&mut rng, n_tokens * width),
+        randn(&mut rng, n_tokens * width),
+        randn(&mut rng, n_tokens).iter().map(|g| 4.0 * g).collect::<Vec<_>>(),
+    );
+    let mut want = x.clone();
+    reference::add::add_gated(&mut want, &rows, &gates, width);
+    let mut got = x;
+    metal_on_cpu::add_gated(&mut got, &rows, &gates, 64);
+    let err = rel_l2(&got, &want);
+    assert!(err < 1e-6, "relative error {err}");
 }

@@ -15,6 +15,20 @@ pub struct Routing {
     pub renormalize: bool,
 }
 
+impl Routing {
+    /// Refuses a routing that cannot fill `routes`: `k` of 0, more than the experts, or not
+    /// `routes.k`.
+    pub fn check(&self, routes: &Routes) -> crate::Result<()> {
+        if self.k == 0 || self.k > self.n_experts || routes.k != self.k {
+            return Err(crate::Error::Backend(format!(
+                "routing to {} of {} experts into routes of {}",
+                self.k, self.n_experts, routes.k
+            )));
+        }
+        Ok(())
+    }
+}
+
 /// Each token's `k` chosen experts: `ids` (u32 `[n_tokens, k]`) and their weights (f32
 /// `[n_tokens, k]`), most probable first.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -130,5 +144,4 @@ macro_rules! experts_not_implemented_on {
         }
     };
 }
-#[cfg_attr(not(any(target_vendor = "apple", axiom_metal_check)), allow(unused_imports))]
 pub(crate) use experts_not_implemented_on;

@@ -197,7 +197,8 @@ pub trait Kernels {
     fn route(&self, logits: BlockHandle, routes: Routes, n_tokens: usize, routing: Routing) -> Result<()>;
     /// `residual[t] += sum_j weights[t, j] * down_e(act(gate_e x[t]) * up_e x[t])` over each
     /// token's chosen experts `e = ids[t, j]` of `routes`, for `n_tokens` rows `x` of the model's
-    /// width. An id outside the set is an error.
+    /// width. An id outside the set is an error where the backend reads the ids on the host, NaN
+    /// rows of `residual` where it leaves them on the device (Metal).
     fn experts(
         &self,
         x: BlockHandle,

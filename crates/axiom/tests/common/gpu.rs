@@ -6,9 +6,9 @@ use super::{capped_window, paged_queries, random_weight_bytes, score_rules, Page
 use axiom::backend::cpu::kernels::argmax::argmax;
 use axiom::backend::cpu::CpuBackend;
 use axiom::backend::{
-    Activation, AttentionKv, AttentionShape, Backend, BlockHandle, FeedForward, FeedForwardScratch, GluRows,
-    HostTensor, Input, Kernels, KvType, NewRows, NextInput, PagedKv, Projection, Residual, Rope, RopeLayout,
-    RopeScaling, Scores, StepLayout,
+    Activation, AttentionKv, AttentionShape, Backend, BlockHandle, ExpertScratch, ExpertSet, FeedForward,
+    FeedForwardScratch, GluRows, HostTensor, Input, Kernels, KvType, NewRows, NextInput, PagedKv, Projection, Residual,
+    Rope, RopeLayout, RopeScaling, Routes, Routing, Scores, StepLayout,
 };
 use axiom::chat::Message;
 use axiom::engine::perplexity::perplexity;
@@ -940,6 +940,137 @@ pub fn smollm2_matches_transformers<B: Backend>(backend: B) {
     assert!((ppl / 15.9167 - 1.0).abs() < 0.01, "perplexity {ppl}");
 }
 
+/// Random stacks of `n_experts` `[n_out, n_in]` matrices of type `ty`, uploaded as one layer's
+/// experts to the backend under test and the CPU.
+#[allow(clippy::type_complexity, reason = "the two backends' weights, side by side")]
+fn random_experts<B: Backend>(
+    rng: &mut ChaCha8Rng,
+    gpu: &mut B,
+    cpu: &mut CpuBackend,
+    ty: GgmlType,
+    [n_in, n_out]: [usize; 2],
+    n_experts: usize,
+) -> (Vec<B::Weight>, Vec<<CpuBackend as Kernels>::Weight>) {
+    let bytes: Vec<Vec<u8>> = (0..n_experts)
+        .map(|_| random_weight_bytes(rng, ty, n_in * n_out))
+        .collect();
+    let names: Vec<String> = (0..n_experts).map(|e| format!("expert {e}")).collect();
+    let dims = [n_in, n_out];
+    let tensors: Vec<HostTensor> = bytes
+        .iter()
+        .zip(&names)
+        .map(|(bytes, name)| HostTensor {
+            name,
+            ty,
+            dims: &dims,
+            bytes,
+            region: None,
+        })
+        .collect();
+    (
+        gpu.upload_experts(&tensors).unwrap(),
+        cpu.upload_experts(&tensors).unwrap(),
+    )
+}
+
+/// The mixture-of-experts ops against the CPU reference, 6 experts of which each of 1, 7 and 33
+/// tokens runs 2, in Q8_0 at a width of 96 and in Q4_K_M's mix (gate and up Q4_K, down Q6_K):
+/// `route` over router logits with exact ties (the same ids), `experts` on each backend's own
+/// routes, and `add_gated`.
+pub fn expert_ops<B: Backend>(make: impl Fn() -> B, tolerance: f64) {
+    let mut rng = ChaCha8Rng::seed_from_u64(5);
+    let (n_experts, k) = (6, 2);
+    let routing = Routing {
+        n_experts,
+        k,
+        renormalize: true,
+    };
+    for (ty, down_ty, dim, width) in [
+        (GgmlType::Q8_0, GgmlType::Q8_0, 96, 64),
+        (GgmlType::Q4K, GgmlType::Q6K, 256, 256),
+    ] {
+        let (mut gpu, mut cpu) = pair(&make);
+        let (gate_g, gate_c) = random_experts(&mut rng, &mut gpu, &mut cpu, ty, [dim, width], n_experts);
+        let (up_g, up_c) = random_experts(&mut rng, &mut gpu, &mut cpu, ty, [dim, width], n_experts);
+        let (down_g, down_c) = random_experts(&mut rng, &mut gpu, &mut cpu, down_ty, [width, dim], n_experts);
+        let set_g = ExpertSet {
+            gate: &gate_g[..],
+            up: &up_g[..],
+            down: &down_g[..],
+            activation: Activation::Silu,
+        };
+        let set_c = ExpertSet {
+            gate: &gate_c[..],
+            up: &up_c[..],
+            down: &down_c[..],
+            activation: Activation::Silu,
+        };
+        for n_tokens in [1, 7, 33] {
+            let case = format!("{ty} and {down_ty}, {n_tokens} tokens");
+            let pairs = n_tokens * k;
+            // Halves, so that rows hold exact ties; the last row all equal.
+            let mut logits: Vec<f32> = randn(&mut rng, n_tokens * n_experts)
+                .iter()
+                .map(|v| (v * 4.0).round() / 2.0)
+                .collect();
+            let last = logits.len() - n_experts;
+            logits[last..].fill(0.5);
+            let (x, residual) = (randn(&mut rng, n_tokens * dim), randn(&mut rng, n_tokens * dim));
+            let (rows, gates) = (randn(&mut rng, n_tokens * dim), randn(&mut rng, n_tokens));
+
+            fn run<K: Backend>(
+                b: &mut K,
+                set: ExpertSet<'_, K::Weight>,
+                routing: Routing,
+                inputs: [&[f32]; 5],
+                [dim, width, n_tokens]: [usize; 3],
+            ) -> (Vec<u32>, Vec<f32>, Vec<f32>, Vec<f32>) {
+                let [logits, x, residual, rows, gates] = inputs;
+                let pairs = n_tokens * routing.k;
+                let logits = put(b, logits);
+                let routes = Routes {
+                    ids: put_u32(b, &vec![u32::MAX; pairs]),
+                    weights: poisoned(b, pairs),
+                    k: routing.k,
+                };
+                b.route(logits, routes, n_tokens, routing).unwrap();
+                let scratch = ExpertScratch {
+                    rows: poisoned(b, pairs * dim),
+                    gate: poisoned(b, pairs * width),
+                    up: poisoned(b, pairs * width),
+                    hidden: poisoned(b, pairs * width),
+                    out: poisoned(b, pairs * dim),
+                };
+                let (x, residual) = (put(b, x), put(b, residual));
+                b.experts(x, set, routes, scratch, residual, n_tokens).unwrap();
+                let (gated, rows, gates) = (put(b, &get(b, residual, n_tokens * dim)), put(b, rows), put(b, gates));
+                b.add_gated(gated, rows, gates, n_tokens, dim).unwrap();
+                let mut ids = vec![0u32; pairs];
+                b.read_u32(routes.ids, &mut ids).unwrap();
+                let n = n_tokens * dim;
+                (
+                    ids,
+                    get(b, routes.weights, pairs),
+                    get(b, residual, n),
+                    get(b, gated, n),
+                )
+            }
+            let inputs = [&logits[..], &x, &residual, &rows, &gates];
+            let shape = [dim, width, n_tokens];
+            let (ids_g, weights_g, experts_g, gated_g) = run(&mut gpu, set_g, routing, inputs, shape);
+            let (ids_c, weights_c, experts_c, gated_c) = run(&mut cpu, set_c, routing, inputs, shape);
+            assert_eq!(ids_g, ids_c, "{case}: routes");
+            assert_eq!(ids_g.len(), pairs);
+            let err = rel_l2(&weights_g, &weights_c);
+            assert!(err < 1e-6, "{case}: route weights' relative error {err}");
+            let err = rel_l2(&experts_g, &experts_c);
+            assert!(err < tolerance, "{case}: experts' relative error {err}");
+            let err = rel_l2(&gated_g, &gated_c);
+            assert!(err < tolerance, "{case}: add_gated's relative error {err}");
+        }
+    }
+}
+
 /// A backend whose kernels do not run mixtures of experts refuses the tiny MoE models at load,
 /// saying so by its name.
 pub fn mixtures_of_experts_are_refused_by_name<B: Backend>(make: impl Fn() -> B, backend: &str) {
@@ -964,7 +1095,16 @@ pub fn mixtures_of_experts_are_refused_by_name<B: Backend>(make: impl Fn() -> B,
 /// The tiny models of every architecture (tests/fixtures/hf), decoded token by token, against
 /// transformers' logits.
 pub fn every_architecture_matches_transformers<B: Backend>(make: impl Fn(KvType) -> B) {
-    for &name in super::HF_FIXTURES {
+    fixtures_match_transformers(super::HF_FIXTURES, make);
+}
+
+/// The tiny mixture-of-experts models, decoded token by token, against transformers' logits.
+pub fn mixtures_of_experts_match_transformers<B: Backend>(make: impl Fn(KvType) -> B) {
+    fixtures_match_transformers(super::MOE_FIXTURES, make);
+}
+
+fn fixtures_match_transformers<B: Backend>(fixtures: &[&str], make: impl Fn(KvType) -> B) {
+    for &name in fixtures {
         let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
             .join("tests/fixtures/hf")
             .join(name);

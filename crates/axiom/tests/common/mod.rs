@@ -194,8 +194,8 @@ pub const HF_FIXTURES: &[&str] = &[
     "phi4_mini",
 ];
 
-/// The tiny mixture-of-experts models of `scripts/make_hf_fixtures.py` (the CPU backend alone runs
-/// them): Qwen3-MoE with a dense layer, Mixtral, Qwen2-MoE with its shared expert.
+/// The tiny mixture-of-experts models of `scripts/make_hf_fixtures.py` (the CPU and Metal
+/// backends run them): Qwen3-MoE with a dense layer, Mixtral, Qwen2-MoE with its shared expert.
 pub const MOE_FIXTURES: &[&str] = &["qwen3_moe", "mixtral", "qwen2_moe"];
 
 /// A tiny Hugging Face model of `scripts/make_hf_fixtures.py`.

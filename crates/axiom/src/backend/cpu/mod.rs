@@ -693,12 +693,7 @@ impl Kernels for CpuBackend {
 
     fn route(&self, logits: BlockHandle, routes: Routes, n_tokens: usize, routing: Routing) -> Result<()> {
         disjoint(&[routes.ids, routes.weights], &[logits])?;
-        if routing.k == 0 || routing.k > routing.n_experts || routes.k != routing.k {
-            return Err(Error::Backend(format!(
-                "routing to {} of {} experts into routes of {}",
-                routing.k, routing.n_experts, routes.k
-            )));
-        }
+        routing.check(&routes)?;
         let n = n_tokens * routing.k;
         kernels::route::route(
             self.view(logits, n_tokens * routing.n_experts),

@@ -20,24 +20,43 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("attention_qk.metal", include_str!("kernels/attention_qk.metal")),
     ("elementwise.metal", include_str!("kernels/elementwise.metal")),
     ("embed.metal", include_str!("kernels/embed.metal")),
+    ("experts.metal", include_str!("kernels/experts.metal")),
     ("flash_attention.metal", include_str!("kernels/flash_attention.metal")),
     ("kv_write.metal", include_str!("kernels/kv_write.metal")),
     ("matmul.metal", include_str!("kernels/matmul.metal")),
     ("matmul_tiled.metal", include_str!("kernels/matmul_tiled.metal")),
     ("rms_norm.metal", include_str!("kernels/rms_norm.metal")),
     ("rope.metal", include_str!("kernels/rope.metal")),
+    ("route.metal", include_str!("kernels/route.metal")),
     ("rope_kv_write.metal", include_str!("kernels/rope_kv_write.metal")),
 ];
 
 /// Every kernel function in the sources.
 fn kernel_names() -> Vec<String> {
     let mut names: Vec<String> = [
-        "rms_norm", "rope", "glu", "scale", "softcap", "add", "add_bias", "argmax",
+        "rms_norm",
+        "rope",
+        "glu",
+        "scale",
+        "softcap",
+        "add",
+        "add_bias",
+        "argmax",
+        "add_gated",
+        "route",
+        "experts_sum",
     ]
     .iter()
     .map(|n| n.to_string())
     .collect();
-    for prefix in ["matmul", "matmul_glu", "matmul_tiled", "embed"] {
+    for prefix in [
+        "matmul",
+        "matmul_glu",
+        "matmul_tiled",
+        "matmul_experts",
+        "matmul_glu_experts",
+        "embed",
+    ] {
         names.extend(GPU_WEIGHT_TYPES.iter().map(|(_, s)| format!("{prefix}_{s}")));
     }
     for kv in ["f16", "f32"] {

@@ -18,8 +18,9 @@ pub mod device;
 pub mod kernels;
 
 use super::{
-    gate_up_glu_in_steps, gpu_kernel_suffix, Activation, AttentionKv, AttentionShape, Backend, BlockHandle, GluRows,
-    HostTensor, Input, Kernels, KvType, NewRows, Residual, Rope, RopeLayout, ScoreArgs, StepLayout,
+    gate_up_glu_in_steps, gpu_kernel_suffix, Activation, AttentionKv, AttentionShape, Backend, BlockHandle,
+    ExpertScratch, ExpertSet, GluRows, HostTensor, Input, Kernels, KvType, NewRows, Residual, Rope, RopeLayout, Routes,
+    Routing, ScoreArgs, StepLayout,
 };
 use crate::format::quant::GgmlType;
 use crate::{Error, Result};
@@ -357,24 +358,7 @@ impl Kernels for MetalBackend {
     }
 
     fn upload_weight(&mut self, t: &HostTensor) -> Result<MetalWeight> {
-        let (n_in, n_out) = t.matrix_shape()?;
-        let unsupported = || Error::UnsupportedTensorType {
-            name: t.name.to_string(),
-            ty: t.ty.to_string(),
-            op: "the Metal backend",
-        };
-        gpu_kernel_suffix(t.ty).ok_or_else(unsupported)?;
-        let bytes =
-            t.ty.bytes_for(n_in)
-                .and_then(|row| row.checked_mul(n_out))
-                .filter(|&b| b == t.bytes.len())
-                .ok_or_else(|| {
-                    Error::Model(format!(
-                        "tensor {}: {} bytes do not hold its shape",
-                        t.name,
-                        t.bytes.len()
-                    ))
-                })?;
+        let (n_in, n_out, bytes) = matrix_bytes(t)?;
         let block = self.alloc(bytes)?;
         self.write_bytes(block, t.bytes)?;
         Ok(MetalWeight {
@@ -383,6 +367,36 @@ impl Kernels for MetalBackend {
             n_in,
             block,
         })
+    }
+
+    /// One block for all the experts, each `bytes` after the one before: the expert kernels
+    /// find expert `e` at `e * bytes` from the first.
+    fn upload_experts(&mut self, tensors: &[HostTensor]) -> Result<Vec<MetalWeight>> {
+        let Some(first) = tensors.first() else {
+            return Err(Error::Model("a mixture of no experts".into()));
+        };
+        let (n_in, n_out, bytes) = matrix_bytes(first)?;
+        for t in tensors {
+            if t.ty != first.ty || matrix_bytes(t)? != (n_in, n_out, bytes) {
+                return Err(Error::Model(format!(
+                    "experts {} and {} differ in type or shape",
+                    first.name, t.name
+                )));
+            }
+        }
+        let stack = self.alloc(bytes * tensors.len())?;
+        let mut experts = Vec::with_capacity(tensors.len());
+        for (e, t) in tensors.iter().enumerate() {
+            let block = stack.slice(e * bytes, bytes);
+            self.write_bytes(block, t.bytes)?;
+            experts.push(MetalWeight {
+                ty: t.ty,
+                n_out,
+                n_in,
+                block,
+            });
+        }
+        Ok(experts)
     }
 
     fn write_f32(&self, dst: BlockHandle, src: &[f32]) -> Result<()> {
@@ -591,7 +605,101 @@ impl Kernels for MetalBackend {
         )
     }
 
-    super::experts_not_implemented_on!("metal");
+    fn route(&self, logits: BlockHandle, routes: Routes, n_tokens: usize, routing: Routing) -> Result<()> {
+        routing.check(&routes)?;
+        if n_tokens == 0 {
+            return Ok(()); // a grid is never empty: one group would route a token that is not there
+        }
+        self.launch(
+            "route",
+            (n_tokens, 1),
+            |k| k.simd_width.max(1),
+            &[
+                Arg::Buf(logits),
+                Arg::Buf(routes.ids),
+                Arg::Buf(routes.weights),
+                u32_arg(routing.n_experts),
+                u32_arg(routing.k),
+                Arg::U32(u32::from(routing.renormalize)),
+            ],
+        )
+    }
+
+    /// Each (token, choice) pair's gate and up products with the gated activation (one dispatch
+    /// where gate and up are of one type), the down products, then their weighted sum into the
+    /// residual; every expert product reads its expert's id where `route` left it. (An id
+    /// outside the set makes NaN rows: see matmul.metal.)
+    fn experts(
+        &self,
+        x: BlockHandle,
+        set: ExpertSet<'_, MetalWeight>,
+        routes: Routes,
+        scratch: ExpertScratch,
+        residual: BlockHandle,
+        n_tokens: usize,
+    ) -> Result<()> {
+        let (dim, width) = set.shape()?;
+        let pairs = n_tokens * routes.k;
+        if pairs == 0 {
+            return Ok(()); // as in `route`
+        }
+        let (gate, gate_bytes) = expert_stack(set.gate)?;
+        let (up, _) = expert_stack(set.up)?;
+        if gate.ty == up.ty {
+            self.launch_expert_rows(
+                &format!("matmul_glu_experts_{}", weight_suffix(gate)?),
+                gate.n_out,
+                pairs,
+                &[
+                    Arg::Buf(gate.block),
+                    Arg::Buf(up.block),
+                    Arg::Buf(routes.ids),
+                    Arg::Buf(x),
+                    Arg::Buf(scratch.hidden),
+                    u32_arg(gate.n_in),
+                    u32_arg(gate.n_out),
+                    Arg::U32(gate_bytes),
+                    u32_arg(set.n_experts()),
+                    u32_arg(routes.k),
+                    Arg::U32(set.activation.code()),
+                ],
+            )?;
+        } else {
+            self.expert_products(set.gate, routes, x, routes.k, scratch.gate, pairs)?;
+            self.expert_products(set.up, routes, x, routes.k, scratch.up, pairs)?;
+            self.glu(scratch.gate, scratch.up, scratch.hidden, pairs * width, set.activation)?;
+        }
+        self.expert_products(set.down, routes, scratch.hidden, 1, scratch.out, pairs)?;
+        let n = n_tokens * dim;
+        self.elementwise(
+            "experts_sum",
+            n,
+            &[
+                Arg::Buf(residual),
+                Arg::Buf(scratch.out),
+                Arg::Buf(routes.weights),
+                u32_arg(n),
+                u32_arg(dim),
+                u32_arg(routes.k),
+            ],
+        )
+    }
+
+    fn add_gated(
+        &self,
+        x: BlockHandle,
+        rows: BlockHandle,
+        gates: BlockHandle,
+        n_tokens: usize,
+        width: usize,
+    ) -> Result<()> {
+        let n = n_tokens * width;
+        self.elementwise(
+            "add_gated",
+            n,
+            &[Arg::Buf(x), Arg::Buf(rows), Arg::Buf(gates), u32_arg(n), u32_arg(width)],
+        )
+    }
 
     fn glu(&self, gate: BlockHandle, up: BlockHandle, out: BlockHandle, n: usize, act: Activation) -> Result<()> {
         self.elementwise(
@@ -724,6 +832,50 @@ impl Backend for MetalBackend {
     }
 }
 
+/// A 2-D tensor's `(n_in, n_out, bytes)`, checked to be a type the kernels read and to hold
+/// its shape.
+fn matrix_bytes(t: &HostTensor) -> Result<(usize, usize, usize)> {
+    let (n_in, n_out) = t.matrix_shape()?;
+    gpu_kernel_suffix(t.ty).ok_or_else(|| Error::UnsupportedTensorType {
+        name: t.name.to_string(),
+        ty: t.ty.to_string(),
+        op: "the Metal backend",
+    })?;
+    let bytes =
+        t.ty.bytes_for(n_in)
+            .and_then(|row| row.checked_mul(n_out))
+            .filter(|&b| b == t.bytes.len())
+            .ok_or_else(|| {
+                Error::Model(format!(
+                    "tensor {}: {} bytes do not hold its shape",
+                    t.name,
+                    t.bytes.len()
+                ))
+            })?;
+    Ok((n_in, n_out, bytes))
+}
+
+/// The first of a layer's experts' matrices and the bytes from one expert to the next, checked
+/// to be one stack of one type as `upload_experts` leaves them.
+fn expert_stack(matrices: &[MetalWeight]) -> Result<(&MetalWeight, u32)> {
+    let Some(first) = matrices.first() else {
+        return Err(Error::Backend("experts: a mixture of no experts".into()));
+    };
+    let stride = first.block.len;
+    let stacked = matrices
+        .iter()
+        .enumerate()
+        .all(|(e, w)| w.ty == first.ty && w.block.offset == first.block.offset + e * stride);
+    if !stacked {
+        return Err(Error::Backend(
+            "experts: the matrices are not one stack of one type (upload them with upload_experts)".into(),
+        ));
+    }
+    let bytes = u32::try_from(stride)
+        .map_err(|_| Error::Backend(format!("experts: a matrix of {stride} bytes is over 4 GiB")))?;
+    Ok((first, bytes))
+}
+
 /// The kernel suffix of a weight's type.
 fn weight_suffix(w: &MetalWeight) -> Result<&'static str> {
     gpu_kernel_suffix(w.ty).ok_or_else(|| Error::Backend(format!("no matmul kernel for {}", w.ty)))
@@ -785,6 +937,50 @@ impl MetalBackend {
         ];
         args.extend(norm);
         self.launch_rows(&format!("matmul_{}", weight_suffix(w)?), w.n_out, &args)
+    }
+
+    /// `out[p] = matrices[ids[p]] x[p / per_x]` for `pairs` (token, choice) pairs, the experts'
+    /// matrices as `upload_experts` stacked them.
+    fn expert_products(
+        &self,
+        matrices: &[MetalWeight],
+        routes: Routes,
+        x: BlockHandle,
+        per_x: usize,
+        out: BlockHandle,
+        pairs: usize,
+    ) -> Result<()> {
+        let (first, expert_bytes) = expert_stack(matrices)?;
+        self.launch_expert_rows(
+            &format!("matmul_experts_{}", weight_suffix(first)?),
+            first.n_out,
+            pairs,
+            &[
+                Arg::Buf(first.block),
+                Arg::Buf(routes.ids),
+                Arg::Buf(x),
+                Arg::Buf(out),
+                u32_arg(first.n_in),
+                u32_arg(first.n_out),
+                Arg::U32(expert_bytes),
+                u32_arg(matrices.len()),
+                u32_arg(per_x),
+            ],
+        )
+    }
+
+    /// An expert row kernel: a row kernel's simdgroup per row of `n_out`, a row of threadgroups
+    /// per pair.
+    fn launch_expert_rows(&self, name: &str, n_out: usize, pairs: usize, args: &[Arg]) -> Result<()> {
+        let kernel = self.kernels.get(name)?;
+        let width = kernel.simd_width.max(1);
+        let rows_per_group = threads(kernel, 4 * width) / width;
+        self.launch(
+            name,
+            (n_out.div_ceil(rows_per_group), pairs),
+            |_| rows_per_group * width,
+            args,
+        )
     }
 
     /// A row kernel over `n_out` rows: one simdgroup per row, four rows per threadgroup where the

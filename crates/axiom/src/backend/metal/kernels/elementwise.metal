@@ -36,3 +36,12 @@ kernel void softcap(device float* x [[buffer(0)]], constant uint& n [[buffer(1)]
     if (i >= n) return;
     x[i] = cap * precise::tanh(x[i] / cap);
 }
+
+// x[t] += sigmoid(gates[t]) * rows[t], rows of `width` (a gated shared expert)
+kernel void add_gated(device float* x [[buffer(0)]], device const float* rows [[buffer(1)]],
+                      device const float* gates [[buffer(2)]], constant uint& n [[buffer(3)]],
+                      constant uint& width [[buffer(4)]], uint i [[thread_position_in_grid]]) {
+    if (i >= n) return;
+    float s = 1.0f / (1.0f + exp(-gates[i / width]));
+    x[i] += s * rows[i];
+}

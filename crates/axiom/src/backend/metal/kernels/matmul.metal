@@ -7,7 +7,7 @@
 // reads all of x[t], so each simdgroup sums its squares on the way and scales its dot product,
 // and the norm needs no dispatch of its own. matmul_glu_* multiplies the gate and up matrices at
 // once and writes act(gate) * up (elementwise.metal's glu): the feed-forward block's first half
-// in one dispatch.
+// in one dispatch. matmul_experts_* and matmul_glu_experts_* run a mixture's experts (below).
 
 // The dot product of a lane's blocks of a row with x (x * g with NORMED), and x's squares.
 template <bool NORMED>
@@ -73,6 +73,28 @@ void matmul_glu_row(device const uchar* w_gate, device const uchar* w_up, device
     }
 }
 
+// A mixture's experts, one grid row per (token, choice) pair: pair p multiplies row p / per_x of x
+// (per_x is k for the tokens' rows, 1 for rows per pair) by expert ids[p] of the n_experts
+// stacked expert_bytes apart, into row p of out, so only the chosen experts' rows are read;
+// matmul_glu_experts_* does so for the gate and up stacks at once and writes act(gate) * up. An
+// id outside the set writes NaN: the device cannot raise an error, and a NaN output is not missed.
+struct ExpertPair {
+    ulong offset;            // the chosen expert's first byte in its stack
+    device const float* x;   // the pair's input row
+    device float* out;       // the pair's output row
+    bool valid;
+};
+
+inline ExpertPair expert_pair(uint expert_bytes, uint n_experts, device const uint* ids, uint per_x,
+                              device const float* x, device float* out, uint n_in, uint n_out, uint pair, uint row,
+                              uint lane) {
+    uint e = ids[pair];
+    ExpertPair p = {ulong(e) * expert_bytes, x + ulong(pair / per_x) * n_in, out + ulong(pair) * n_out,
+                    e < n_experts};
+    if (!p.valid && row < n_out && lane == 0) p.out[row] = NAN;
+    return p;
+}
+
 // `g` is read only where `normed` is set (bind any buffer otherwise).
 #define MATMUL(NAME, W)                                                                                   \
     kernel void matmul_##NAME(device const uchar* w [[buffer(0)]], device const float* x [[buffer(1)]],       \
@@ -107,6 +129,35 @@ void matmul_glu_row(device const uchar* w_gate, device const uchar* w_up, device
             matmul_glu_row<W, true>(w_gate, w_up, x, g, eps, out, n_in, n_out, n_tokens, act, row, lane, lanes); \
         else                                                                                                   \
             matmul_glu_row<W, false>(w_gate, w_up, x, g, eps, out, n_in, n_out, n_tokens, act, row, lane, lanes); \
+    }                                                                                                          \
+    kernel void matmul_experts_##NAME(device const uchar* w [[buffer(0)]], device const uint* ids [[buffer(1)]],  \
+                                      device const float* x [[buffer(2)]], device float* out [[buffer(3)]],     \
+                                      constant uint& n_in [[buffer(4)]], constant uint& n_out [[buffer(5)]],    \
+                                      constant uint& expert_bytes [[buffer(6)]],                                \
+                                      constant uint& n_experts [[buffer(7)]], constant uint& per_x [[buffer(8)]], \
+                                      uint2 group [[threadgroup_position_in_grid]],                             \
+                                      uint simd [[simdgroup_index_in_threadgroup]],                             \
+                                      uint simds [[simdgroups_per_threadgroup]],                                \
+                                      uint lane [[thread_index_in_simdgroup]],                                  \
+                                      uint lanes [[threads_per_simdgroup]]) {                                   \
+        uint row = group.x * simds + simd;                                                                     \
+        ExpertPair p = expert_pair(expert_bytes, n_experts, ids, per_x, x, out, n_in, n_out, group.y, row, lane);  \
+        if (p.valid) matmul_row<W, false>(w + p.offset, p.x, p.x, 0.0f, p.out, n_in, n_out, 1, 0, row, lane, lanes);  \
+    }                                                                                                          \
+    kernel void matmul_glu_experts_##NAME(                                                                     \
+        device const uchar* w_gate [[buffer(0)]], device const uchar* w_up [[buffer(1)]],                      \
+        device const uint* ids [[buffer(2)]], device const float* x [[buffer(3)]], device float* out [[buffer(4)]], \
+        constant uint& n_in [[buffer(5)]], constant uint& n_out [[buffer(6)]],                                 \
+        constant uint& expert_bytes [[buffer(7)]], constant uint& n_experts [[buffer(8)]],                     \
+        constant uint& per_x [[buffer(9)]], constant uint& act [[buffer(10)]],                                 \
+        uint2 group [[threadgroup_position_in_grid]], uint simd [[simdgroup_index_in_threadgroup]],             \
+        uint simds [[simdgroups_per_threadgroup]], uint lane [[thread_index_in_simdgroup]],                    \
+        uint lanes [[threads_per_simdgroup]]) {                                                                \
+        uint row = group.x * simds + simd;                                                                     \
+        ExpertPair p = expert_pair(expert_bytes, n_experts, ids, per_x, x, out, n_in, n_out, group.y, row, lane);  \
+        if (p.valid)                                                                                           \
+            matmul_glu_row<W, false>(w_gate + p.offset, w_up + p.offset, p.x, p.x, 0.0f, p.out, n_in, n_out, 1, act, \
+                                     row, lane, lanes);                                                        \
     }
 
 MATMUL(f32, F32)
