@@ -59,7 +59,10 @@ fn main() {
     println!("cargo:rerun-if-env-changed=AXIOM_MSL_TSAN");
     if std::env::var("AXIOM_MSL_TSAN").is_ok_and(|v| v == "1") {
         // ThreadSanitizer sees races between OS threads, so each GPU thread gets one.
-        build.flag("-fsanitize=thread").flag("-g").define("MSL_CPU_OS_THREADS", None);
+        build
+            .flag("-fsanitize=thread")
+            .flag("-g")
+            .define("MSL_CPU_OS_THREADS", None);
         println!("cargo:rustc-link-lib=tsan");
     }
     build.compile("metal_on_cpu");

@@ -1,5 +1,5 @@
 //! axiom's Metal kernels (`crates/axiom/src/backend/metal/kernels/*.metal`), compiled as C++20
-//! against a small `metal_stdlib` shim and run on the CPU, one OS thread per GPU thread (see
+//! against a small `metal_stdlib` shim and run on the CPU, one fiber per GPU thread (see
 //! `shim/launch.h`). There is no Mac here: this is how the MSL is tested against the CPU
 //! reference on Linux (`tests/kernels.rs`). Each function launches one kernel with the grid the
 //! Metal backend uses; the caller picks the threadgroup size, as `threadExecutionWidth` and

@@ -674,7 +674,7 @@ fn the_attention_tests_cover_every_score_rule() {
 }
 
 /// Every threadgroup size of `sizes` for causal attention, the middle one for the other rules
-/// (one OS thread a GPU thread makes each run slow).
+/// (each GPU thread is a fiber on the CPU: a run is slow).
 fn sizes_for(rule: Scores, head_dim: usize, sizes: [u32; 3]) -> Vec<u32> {
     if rule == Scores::causal(head_dim) {
         sizes.to_vec()
