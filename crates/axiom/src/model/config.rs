@@ -268,15 +268,7 @@ impl ModelConfig {
             return Err(Error::UnsupportedArchitecture(format!("{model_type} ({named})")));
         }
         let bad = |what: String| Error::Model(format!("config.json: {what}"));
-        let usize_of = |k: &str| -> Result<Option<usize>> {
-            match &config[k] {
-                Json::Null => Ok(None),
-                v => v
-                    .as_u64()
-                    .map(|x| Some(x as usize))
-                    .ok_or_else(|| bad(format!("{k} is not a non-negative integer"))),
-            }
-        };
+        let usize_of = |k: &str| hf_usize(config, k);
         let required = |k: &str| usize_of(k)?.ok_or_else(|| bad(format!("missing {k}")));
         let float_of = |v: &Json| v.as_f64();
 
@@ -527,6 +519,18 @@ impl ModelConfig {
 /// The sliding window of a Hugging Face config, as transformers applies it: Mistral's to every
 /// layer, Qwen's (with `use_sliding_window`) from `max_window_layers` on, Gemma's to the layers
 /// `layer_types` names (by default every other one for Gemma 2, five of six for Gemma 3).
+/// `key` of config.json as a count: `None` when absent, an error naming it when it is not a
+/// non-negative integer.
+pub(super) fn hf_usize(config: &Json, key: &str) -> Result<Option<usize>> {
+    match &config[key] {
+        Json::Null => Ok(None),
+        v => v
+            .as_u64()
+            .map(|x| Some(x as usize))
+            .ok_or_else(|| Error::Model(format!("config.json: {key} is not a non-negative integer"))),
+    }
+}
+
 fn sliding_window(config: &Json, model_type: &str, n_layers: usize) -> Result<Option<SlidingWindow>> {
     let bad = |what: String| Error::Model(format!("config.json: {what}"));
     let window = match &config["sliding_window"] {

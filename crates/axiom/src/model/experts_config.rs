@@ -2,6 +2,7 @@
 //! weights are normalized, a shared expert, and which layers are mixtures; from GGUF metadata or
 //! a Hugging Face `config.json`.
 
+use super::config::hf_usize;
 use crate::format::gguf::GgufFile;
 use crate::{Error, Result};
 use serde_json::Value as Json;
@@ -56,15 +57,7 @@ impl ExpertsConfig {
     /// Qwen MoE config of no experts, which transformers runs dense).
     pub fn from_hf(config: &Json, model_type: &str, n_layers: usize) -> Result<Option<ExpertsConfig>> {
         let bad = |what: String| Error::Model(format!("config.json: {what}"));
-        let usize_of = |k: &str| -> Result<Option<usize>> {
-            match &config[k] {
-                Json::Null => Ok(None),
-                v => v
-                    .as_u64()
-                    .map(|x| Some(x as usize))
-                    .ok_or_else(|| bad(format!("{k} is not a non-negative integer"))),
-            }
-        };
+        let usize_of = |k: &str| hf_usize(config, k);
         let required = |k: &str| usize_of(k)?.ok_or_else(|| bad(format!("missing {k}")));
         let experts = match model_type {
             "mixtral" => ExpertsConfig {
