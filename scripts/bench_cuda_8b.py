@@ -93,6 +93,15 @@ def random_bytes(dims, ty, gen):
     return blocks.cpu().numpy().tobytes()
 
 
+def vocabulary():
+    """GPT-2's 256 byte pieces, so that any text (JSON under a constraint, say) has tokens, then
+    made-up pieces up to the vocabulary's size."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    pieces = [chr(b) for b in printable]
+    pieces += [chr(256 + i) for i in range(256 - len(pieces))]
+    return pieces + [f"t{i}" for i in range(len(pieces), VOCAB)]
+
+
 def write_gguf(path, ty):
     gen = torch.Generator(device="cuda").manual_seed(0)
     meta = [kv_string("general.architecture", "llama"), kv_string("general.name", f"llama3-8b-shaped-random-{ty}"),
@@ -101,7 +110,7 @@ def write_gguf(path, ty):
             kv_u32("llama.attention.head_count", HEADS), kv_u32("llama.attention.head_count_kv", KV_HEADS),
             kv_f32("llama.rope.freq_base", 500000.0), kv_f32("llama.attention.layer_norm_rms_epsilon", 1e-5),
             kv_u32("llama.vocab_size", VOCAB), kv_string("tokenizer.ggml.model", "gpt2"),
-            kv_string("tokenizer.ggml.pre", "default"), kv_strings("tokenizer.ggml.tokens", [f"t{i}" for i in range(VOCAB)]),
+            kv_string("tokenizer.ggml.pre", "default"), kv_strings("tokenizer.ggml.tokens", vocabulary()),
             kv_strings("tokenizer.ggml.merges", []), kv_u32("tokenizer.ggml.eos_token_id", 0)]
     infos, offset = [], 0
     for name, dims, t in tensors(ty):
