@@ -152,6 +152,42 @@ fn json_schema_holds_on_every_seed() {
     }
 }
 
+/// Greedy constrained requests take their choice from the device's argmax within the mask; with
+/// log-probabilities asked for, from the logits on the host. Both must give the same tokens.
+#[test]
+fn greedy_constrained_choices_on_the_device_equal_the_hosts() {
+    let schema = json!({
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+        "additionalProperties": false,
+    });
+    let spec = ConstraintSpec::JsonSchema { schema, strict: true };
+    let s = session();
+    let prompts = [
+        chat(&s, "Describe a person as JSON with a name and an age."),
+        chat(&s, "Who wrote Hamlet? Answer in JSON."),
+    ];
+    let mut engine = engine(s);
+    let mut receivers = Vec::new();
+    for prompt in &prompts {
+        for logprobs in [None, Some(0)] {
+            let (mut request, rx) = request(prompt.clone(), SamplerConfig::greedy(), Some(spec.clone()));
+            request.logprobs = logprobs;
+            engine.handle.submit(request).unwrap();
+            receivers.push(rx);
+        }
+    }
+    let outputs = finish(&mut engine, receivers);
+    for pair in outputs.chunks(2) {
+        let (device, host) = (&pair[0], &pair[1]);
+        assert_eq!(device.0, host.0, "{:?} vs {:?}", device.1, host.1);
+        assert_eq!(device.2, FinishReason::Stop, "{:?}", device.1);
+        let value: Value = serde_json::from_str(&device.1).unwrap_or_else(|e| panic!("{:?}: {e}", device.1));
+        assert!(value["name"].is_string() && value["age"].is_i64(), "{}", device.1);
+    }
+}
+
 #[test]
 fn regex_holds_on_every_seed() {
     let outputs = constrained(

@@ -353,10 +353,19 @@ fn argmax_takes_the_first_of_equal_maxima_in_each_row() {
     let mut b = backend();
     let x = upload(&mut b, &[1.0, 3.0, 3.0, -1.0, -5.0, -2.0, -2.0, -9.0]);
     let out = upload_u32(&mut b, &[u32::MAX; 2]);
-    b.argmax(x, out, 2, 4).unwrap();
+    b.argmax(x, out, 2, 4, None).unwrap();
     let mut got = [0u32; 2];
     b.read_u32(out, &mut got).unwrap();
     assert_eq!(got, [1, 1]);
+    // Within a constraint: the largest allowed value; nothing allowed gives 0.
+    let allowed = upload_u32(&mut b, &[0b1001, 0]);
+    b.argmax(x, out, 2, 4, Some(allowed)).unwrap();
+    b.read_u32(out, &mut got).unwrap();
+    assert_eq!(got, [0, 0]);
+    let allowed = upload_u32(&mut b, &[0b1100, 0b0100]);
+    b.argmax(x, out, 2, 4, Some(allowed)).unwrap();
+    b.read_u32(out, &mut got).unwrap();
+    assert_eq!(got, [2, 2]);
 }
 
 #[test]

@@ -264,9 +264,10 @@ extern "C" void msl_add_bias(float* x, const float* bias, uint n, uint width, ui
            [&](const Thread& t) { add_bias(x, bias, n, width, t.grid.x); });
 }
 
-extern "C" void msl_argmax(const float* x, uint* out, uint width, uint rows, uint threads) {
+extern "C" void msl_argmax(const float* x, const uint* allowed, uint constrained, uint* out, uint width, uint rows,
+                           uint threads) {
     launch({rows, 1, 1}, {threads, 1, 1}, [&](const Thread& t) {
-        argmax(x, out, width, t.group.x, t.index, t.threads, t.simd, t.simds, t.lane);
+        argmax(x, out, width, allowed, constrained, t.group.x, t.index, t.threads, t.simd, t.simds, t.lane);
     });
 }
 

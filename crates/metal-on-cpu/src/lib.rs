@@ -235,7 +235,15 @@ unsafe extern "C" {
     fn msl_softcap(x: *mut f32, n: u32, cap: f32, threads: u32);
     fn msl_add(x: *mut f32, y: *const f32, n: u32, threads: u32);
     fn msl_add_bias(x: *mut f32, bias: *const f32, n: u32, width: u32, threads: u32);
-    fn msl_argmax(x: *const f32, out: *mut u32, width: u32, rows: u32, threads: u32);
+    fn msl_argmax(
+        x: *const f32,
+        allowed: *const u32,
+        constrained: u32,
+        out: *mut u32,
+        width: u32,
+        rows: u32,
+        threads: u32,
+    );
     fn msl_matmul_experts(
         ty: u32,
         w: *const u8,
@@ -756,11 +764,30 @@ pub fn add_bias(x: &mut [f32], bias: &[f32], threads: u32) {
     }
 }
 
-pub fn argmax(x: &[f32], out: &mut [u32], threads: u32) {
+/// `argmax` of each row of `x` (`out.len()` rows), within `allowed` (`width.div_ceil(32)` words a
+/// row) where given.
+pub fn argmax(x: &[f32], allowed: Option<&[u32]>, out: &mut [u32], threads: u32) {
     let width = x.len() / out.len();
     assert_eq!(x.len(), width * out.len());
-    // SAFETY: `out.len()` rows of `width`.
-    unsafe { msl_argmax(x.as_ptr(), out.as_mut_ptr(), width as u32, out.len() as u32, threads) }
+    let (bits, constrained) = match allowed {
+        Some(bits) => {
+            assert_eq!(bits.len(), width.div_ceil(32) * out.len());
+            (bits.as_ptr(), 1)
+        }
+        None => (std::ptr::null(), 0),
+    };
+    // SAFETY: `out.len()` rows of `width`, and of their words where constrained.
+    unsafe {
+        msl_argmax(
+            x.as_ptr(),
+            bits,
+            constrained,
+            out.as_mut_ptr(),
+            width as u32,
+            out.len() as u32,
+            threads,
+        )
+    }
 }
 
 /// `route`: each row of `logits` (`n_experts` wide) to its `k` experts, `ids` and `weights`

@@ -23,7 +23,7 @@ use common::gpu::{randn, rel_l2, WEIGHT_TYPES};
 use common::{capped_window, paged_queries, random_weight_bytes, score_rules, PagedCase, PAGED_LENS};
 use half::f16;
 use metal_on_cpu::{Cache, ExpertStack, Experts, Heads, Pages, Rule};
-use rand::SeedableRng;
+use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 fn rng() -> ChaCha8Rng {
@@ -363,7 +363,33 @@ fn argmax_takes_the_first_of_equal_maxima() {
         .collect();
     for threads in [32, 96, 256] {
         let mut got = vec![u32::MAX; 4];
-        metal_on_cpu::argmax(&x, &mut got, threads);
+        metal_on_cpu::argmax(&x, None, &mut got, threads);
+        assert_eq!(got, want, "{threads} threads");
+    }
+}
+
+#[test]
+fn argmax_within_a_constraint_takes_the_largest_allowed_value() {
+    let mut rng = rng();
+    let width = 1001usize;
+    let words = width.div_ceil(32);
+    let x = randn(&mut rng, 3 * width);
+    let mut allowed: Vec<u32> = (0..3 * words)
+        .map(|_| rng.random::<u32>() & rng.random::<u32>())
+        .collect();
+    allowed[words - 1] |= 1 << (width % 32 - 1); // the row's last value may win
+    allowed[words..].fill(0); // nothing allowed: index 0
+    allowed[2 * words + 7] = 1 << 3; // one value allowed
+    let want: Vec<u32> = x
+        .chunks(width)
+        .zip(allowed.chunks(words))
+        .map(|(row, bits)| reference::argmax::argmax_within(row, bits))
+        .collect();
+    assert_eq!(want[1], 0);
+    assert_eq!(want[2] as usize, 7 * 32 + 3);
+    for threads in [32, 96, 256] {
+        let mut got = vec![u32::MAX; 3];
+        metal_on_cpu::argmax(&x, Some(&allowed), &mut got, threads);
         assert_eq!(got, want, "{threads} threads");
     }
 }

@@ -24,7 +24,7 @@ macro_rules! choices_at_once {
             width: usize,
             slot: &::std::cell::Cell<u32>,
         ) -> $crate::Result<()> {
-            self.argmax(x, next.token, 1, width)?;
+            self.argmax(x, next.token, 1, width, None)?;
             let (mut position, mut chosen) = ([0], [0]);
             self.read_u32(next.chosen_at, &mut position)?;
             self.write_u32(next.position, &[position[0] + 1])?;
@@ -187,8 +187,17 @@ pub trait Kernels {
     fn softcap(&self, x: BlockHandle, cap: f32, n: usize) -> Result<()>;
     /// `out[r]` = the index of the largest value of row r of `x` (`n_rows` rows of `width`; the
     /// lowest index on ties, 0 where nothing is above -inf): greedy decoding without bringing
-    /// the logits back.
-    fn argmax(&self, x: BlockHandle, out: BlockHandle, n_rows: usize, width: usize) -> Result<()>;
+    /// the logits back. `allowed`, where given, holds each row's allowed indices as
+    /// `width.div_ceil(32)` words (index i is bit i % 32 of word i / 32); the others count as
+    /// -inf, so a constrained greedy choice needs no logits on the host either.
+    fn argmax(
+        &self,
+        x: BlockHandle,
+        out: BlockHandle,
+        n_rows: usize,
+        width: usize,
+        allowed: Option<BlockHandle>,
+    ) -> Result<()>;
 
     // --- mixture of experts: the choice stays on the device, between `route` and `experts` ---
 

@@ -138,11 +138,30 @@ pub struct TokenMask(SimpleVob);
 impl TokenMask {
     /// Sets the logit of every token not allowed (and of any id past the vocabulary) to -inf.
     pub fn apply(&self, logits: &mut [f32]) {
-        let vocab = self.0.len();
-        for (id, logit) in logits.iter_mut().enumerate() {
-            if id >= vocab || !self.0.is_allowed(id as u32) {
-                *logit = f32::NEG_INFINITY;
+        let bits = self.0.as_slice();
+        for (word, logits) in logits.chunks_mut(32).enumerate() {
+            let allowed = bits.get(word).copied().unwrap_or(0);
+            // Most words of a mask are all one way: skip the bits of a fully allowed one.
+            if allowed != u32::MAX {
+                for (bit, logit) in logits.iter_mut().enumerate() {
+                    if allowed >> bit & 1 == 0 {
+                        *logit = f32::NEG_INFINITY;
+                    }
+                }
             }
         }
+    }
+
+    pub fn allows(&self, token: u32) -> bool {
+        (token as usize) < self.0.len() && self.0.is_allowed(token)
+    }
+
+    /// The mask as `Kernels::argmax` takes it: token i is bit i % 32 of word i / 32 (ids past
+    /// the vocabulary not allowed).
+    pub fn write_bits(&self, words: &mut [u32]) {
+        let bits = self.0.as_slice();
+        let n = bits.len().min(words.len());
+        words[..n].copy_from_slice(&bits[..n]);
+        words[n..].fill(0);
     }
 }

@@ -10,13 +10,14 @@
 //! When the KV cache runs out of pages, the newest sequence is preempted: its pages are freed
 //! and it goes back to the front of the queue, to be recomputed when there is room again.
 //! A constrained sequence's mask for its next token is computed on a thread of its own while
-//! the model runs the step, and applied to its logits before sampling.
+//! the model runs the step, and applied to its logits before sampling (for greedy sequences, on
+//! the device, to its argmax).
 
 use super::constraint::{Constraint, ConstraintError, ConstraintSpec, Grammars, TokenMask};
 use super::output::{OutputLimits, OutputState, StopReason};
 use super::sampler::{Sampler, SamplerConfig};
 use crate::backend::Backend;
-use crate::model::{KvCache, Llama, PagePool, PageUsage, SeqStep, StepOutput, Want};
+use crate::model::{KvCache, Llama, PagePool, PageUsage, SeqStep, StepOutput, StepSink, Want};
 use crate::tokenizer::Tokenizer;
 use crate::Result;
 use std::collections::VecDeque;
@@ -490,12 +491,12 @@ impl<B: Backend> Scheduler<B> {
             .zip(&batch)
             .map(|((kv, tokens), &(i, _))| {
                 let seq = &self.running[i];
+                let greedy = seq.request.logprobs.is_none() && seq.request.sampling.is_plain_greedy();
                 let want = if kv.len() + tokens.len() < seq.tokens.len() {
                     Want::Nothing
-                } else if seq.request.logprobs.is_none()
-                    && seq.request.sampling.is_plain_greedy()
-                    && seq.constraint.is_none()
-                {
+                } else if greedy && seq.constraint.is_some() {
+                    Want::ConstrainedArgmax
+                } else if greedy {
                     Want::Argmax
                 } else {
                     Want::Logits
@@ -514,7 +515,7 @@ impl<B: Backend> Scheduler<B> {
             .collect();
         let (running, tokenizer, metrics, model) = (&mut self.running, &self.tokenizer, &self.metrics, &mut self.model);
         let result = std::thread::scope(|scope| {
-            let mut masking: Vec<Option<ScopedJoinHandle<MaskResult>>> = constraints
+            let masking: Vec<Option<ScopedJoinHandle<MaskResult>>> = constraints
                 .into_iter()
                 .map(|c| {
                     c.map(|mut constraint| {
@@ -525,14 +526,19 @@ impl<B: Backend> Scheduler<B> {
                     })
                 })
                 .collect();
-            let result = model.forward_batch(&mut steps, |j, output| {
-                let seq = &mut running[batch[j].0];
-                let mask = masking[j].take().map(|handle| seq.take_back(handle));
-                next_token(seq, output, mask, tokenizer, metrics.as_ref());
-            });
+            let masks = (0..batch.len()).map(|_| None).collect();
+            let mut outputs = StepOutputs {
+                running: &mut *running,
+                batch: &batch,
+                masking,
+                masks,
+                tokenizer,
+                metrics: metrics.as_ref(),
+            };
+            let result = model.forward_batch(&mut steps, &mut outputs);
             // A failed step leaves masks unused: their constraints go back all the same.
-            for (handle, &(i, _)) in masking.iter_mut().zip(&batch) {
-                if let Some(Err(e)) = handle.take().map(|handle| running[i].take_back(handle)) {
+            for j in 0..batch.len() {
+                if let Some(Err(e)) = outputs.mask(j) {
                     tracing::error!("{e}");
                 }
             }
@@ -683,6 +689,51 @@ impl<B: Backend> Scheduler<B> {
 /// A sequence's constraint back from its thread, with the mask it computed.
 type MaskResult = (Constraint, std::result::Result<TokenMask, ConstraintError>);
 
+/// A step's outputs on their way to its sequences (`batch[j]` is step index j's), with the
+/// masks being computed for the constrained ones.
+struct StepOutputs<'s, 'scope> {
+    running: &'s mut [Sequence],
+    batch: &'s [(usize, usize)],
+    masking: Vec<Option<ScopedJoinHandle<'scope, MaskResult>>>,
+    /// Masks already waited for, until their sequence's output comes.
+    masks: Vec<Option<std::result::Result<TokenMask, ConstraintError>>>,
+    tokenizer: &'s Tokenizer,
+    metrics: &'s dyn Metrics,
+}
+
+impl StepOutputs<'_, '_> {
+    /// Step index j's mask (waiting for it, and putting its constraint back), if it has one.
+    fn mask(&mut self, j: usize) -> Option<std::result::Result<TokenMask, ConstraintError>> {
+        let seq = &mut self.running[self.batch[j].0];
+        self.masks[j]
+            .take()
+            .or_else(|| self.masking[j].take().map(|handle| seq.take_back(handle)))
+    }
+}
+
+impl StepSink for StepOutputs<'_, '_> {
+    fn allowed(&mut self, j: usize, words: &mut [u32]) {
+        let mask = self.mask(j);
+        match &mask {
+            Some(Ok(mask)) => mask.write_bits(words),
+            // The sequence fails with the mask's error when its output comes.
+            _ => words.fill(u32::MAX),
+        }
+        self.masks[j] = mask;
+    }
+
+    fn output(&mut self, j: usize, output: StepOutput) {
+        let mask = self.mask(j);
+        next_token(
+            &mut self.running[self.batch[j].0],
+            output,
+            mask,
+            self.tokenizer,
+            self.metrics,
+        );
+    }
+}
+
 /// Takes a sequence's next token (sampled from its logits within its constraint's `mask`, or the
 /// device's argmax), streams it, and decides whether it is done.
 fn next_token(
@@ -697,6 +748,10 @@ fn next_token(
         Err(e) => return seq.fail(e.to_string()),
     };
     let (token, logits) = match output {
+        // The device's choice within the mask is a token it allows unless it allows none.
+        StepOutput::Argmax(id) if mask.as_ref().is_some_and(|mask| !mask.allows(id)) => {
+            return seq.fail("the constraint and the logit bias leave no token to sample".into())
+        }
         StepOutput::Argmax(id) => (id, None),
         // Every known token has run: the new one takes the next position.
         StepOutput::Logits(logits) => match seq.sampler.sample(logits, &seq.tokens, mask.as_ref(), seq.tokens.len()) {

@@ -68,6 +68,33 @@ pub enum Want {
     Logits,
     /// Only the most likely next token (greedy decoding): the logits stay on the device.
     Argmax,
+    /// The most likely of the tokens its constraint allows (constrained greedy decoding), which
+    /// the step asks its [`StepSink::allowed`] for; the logits stay on the device.
+    ConstrainedArgmax,
+}
+
+/// Where a batched step's outputs go, by the index of the sequence in the step.
+pub trait StepSink {
+    /// Writes the tokens sequence `owner` may take next into `words` (token i is bit i % 32 of
+    /// word i / 32); asked once a step, before its output, for a `Want::ConstrainedArgmax`.
+    fn allowed(&mut self, owner: usize, words: &mut [u32]);
+    /// Takes sequence `owner`'s output.
+    fn output(&mut self, owner: usize, output: StepOutput);
+}
+
+/// `Llama::forward`'s outputs: the logits of the rows asked for, every token allowed.
+struct LogitsSink<F>(F);
+
+impl<F: FnMut(usize, &[f32])> StepSink for LogitsSink<F> {
+    fn allowed(&mut self, _: usize, words: &mut [u32]) {
+        words.fill(u32::MAX);
+    }
+
+    fn output(&mut self, row: usize, output: StepOutput) {
+        if let StepOutput::Logits(logits) = output {
+            (self.0)(row, logits)
+        }
+    }
 }
 
 /// What a step gives a sequence that wanted something.
@@ -165,6 +192,8 @@ struct Scratch {
     q_normed: BlockHandle,
     k_normed: BlockHandle,
     logits: BlockHandle,
+    /// Constrained rows' allowed tokens, as bits (see `StepSink::allowed`).
+    allowed: BlockHandle,
     /// Device argmax of each row of `logits`.
     argmax: BlockHandle,
     /// The mixture-of-experts blocks' (empty without experts), `mixture_widths` order.
@@ -225,6 +254,8 @@ pub struct Llama<B: Backend> {
     max_seqs: usize,
     /// Host copies of a few rows of logits; after `forward_last`, the first row is the last token's.
     logits: B::HostF32,
+    /// The allowed tokens of a run of constrained rows, on their way to `scratch.allowed`.
+    allowed: Vec<u32>,
     /// Recorded steps (graph handles), by their number of tokens and kind.
     graphs: Vec<((usize, StepKind), usize)>,
     /// Where greedy steps leave their choices, used in turn, so that the host reads one while
@@ -302,6 +333,7 @@ impl<B: Backend> Llama<B> {
         };
         backend.prepare(steps, max_n_in)?;
         let logits = backend.host_f32(config.vocab_size * LOGIT_ROWS_PER_STEP)?;
+        let allowed = vec![0; LOGIT_ROWS_PER_STEP * config.vocab_size.div_ceil(32)];
         let choices = [backend.choice_slot()?, backend.choice_slot()?];
         let model = Llama {
             config,
@@ -313,6 +345,7 @@ impl<B: Backend> Llama<B> {
             cache,
             max_batch,
             max_seqs,
+            allowed,
             logits,
             graphs: Vec::new(),
             choices,
@@ -347,7 +380,7 @@ impl<B: Backend> Llama<B> {
         tokens: &[u32],
         kv: &mut KvCache,
         rows: LogitRows,
-        mut sink: impl FnMut(usize, &[f32]),
+        sink: impl FnMut(usize, &[f32]),
     ) -> Result<()> {
         if kv.len() + tokens.len() > kv.capacity() {
             return Err(Error::ContextOverflow {
@@ -356,6 +389,7 @@ impl<B: Backend> Llama<B> {
                 context: kv.capacity(),
             });
         }
+        let mut sink = LogitsSink(sink);
         let first_scored = match rows {
             LogitRows::None => tokens.len(),
             LogitRows::Last => tokens.len().saturating_sub(1),
@@ -378,18 +412,14 @@ impl<B: Backend> Llama<B> {
                 want: Want::Logits,
                 owner: offset + row,
             }));
-            self.outputs_for(|row, out| {
-                if let StepOutput::Logits(logits) = out {
-                    sink(row, logits)
-                }
-            })?;
+            self.outputs_for(&mut sink)?;
         }
         Ok(())
     }
 
     /// Runs one step of several sequences together (at most `max_batch` tokens and `max_seqs`
-    /// sequences in all), then calls `sink(step index, output)` for each one that wants one.
-    pub fn forward_batch(&mut self, steps: &mut [SeqStep], sink: impl FnMut(usize, StepOutput)) -> Result<()> {
+    /// sequences in all), then gives `sink` the output of each one that wants one.
+    pub fn forward_batch(&mut self, steps: &mut [SeqStep], sink: &mut impl StepSink) -> Result<()> {
         self.step(steps, StepKind::Host)?;
         self.output_rows.clear();
         let mut end = 0;
@@ -718,9 +748,10 @@ impl<B: Backend> Llama<B> {
     }
 
     /// Final norm and LM head for `output_rows` (ascending rows of the last step), each run of
-    /// consecutive rows that want the same a few at a time; calls `sink(owner, output)`.
-    fn outputs_for(&mut self, mut sink: impl FnMut(usize, StepOutput)) -> Result<()> {
+    /// consecutive rows that want the same a few at a time, into `sink`.
+    fn outputs_for(&mut self, sink: &mut impl StepSink) -> Result<()> {
         let vocab = self.config.vocab_size;
+        let words = vocab.div_ceil(32);
         let (b, s, rows) = (&self.backend, &self.scratch, &self.output_rows);
         let mut ids = [0u32; LOGIT_ROWS_PER_STEP];
         let mut i = 0;
@@ -734,16 +765,27 @@ impl<B: Backend> Llama<B> {
                 n += 1;
             }
             self.lm_head(first, n)?;
-            if want == Want::Argmax {
-                b.argmax(s.logits, s.argmax, n, vocab)?;
-                b.read_u32(s.argmax, &mut ids[..n])?;
-                for (r, &id) in rows[i..i + n].iter().zip(&ids[..n]) {
-                    sink(r.owner, StepOutput::Argmax(id));
-                }
-            } else {
+            if want == Want::Logits {
                 b.read_f32(s.logits, &mut self.logits[..n * vocab])?;
                 for (r, l) in rows[i..i + n].iter().zip(self.logits[..n * vocab].chunks_exact(vocab)) {
-                    sink(r.owner, StepOutput::Logits(l));
+                    sink.output(r.owner, StepOutput::Logits(l));
+                }
+            } else {
+                let allowed = match want {
+                    Want::ConstrainedArgmax => {
+                        let bits = &mut self.allowed[..n * words];
+                        for (r, row_bits) in rows[i..i + n].iter().zip(bits.chunks_exact_mut(words)) {
+                            sink.allowed(r.owner, row_bits);
+                        }
+                        b.write_u32(s.allowed, bits)?;
+                        Some(s.allowed)
+                    }
+                    _ => None,
+                };
+                b.argmax(s.logits, s.argmax, n, vocab, allowed)?;
+                b.read_u32(s.argmax, &mut ids[..n])?;
+                for (r, &id) in rows[i..i + n].iter().zip(&ids[..n]) {
+                    sink.output(r.owner, StepOutput::Argmax(id));
                 }
             }
             i += n;
@@ -786,7 +828,9 @@ fn scratch_bytes(c: &ModelConfig, max_batch: usize) -> usize {
         .chain(&mixture_widths(c))
         .map(|w| (w * max_batch * 4).next_multiple_of(64))
         .sum();
-    activations + (LOGIT_ROWS_PER_STEP * (c.vocab_size + 1) * 4).next_multiple_of(64) + 256
+    let outputs = (LOGIT_ROWS_PER_STEP * (c.vocab_size + 1) * 4).next_multiple_of(64);
+    let allowed = (LOGIT_ROWS_PER_STEP * c.vocab_size.div_ceil(32) * 4).next_multiple_of(64);
+    activations + outputs + allowed + 256
 }
 
 impl Scratch {
@@ -818,6 +862,7 @@ impl Scratch {
             expert_out: alloc(expert_out)?,
             shared_gates: alloc(shared_gates)?,
             logits: b.alloc(LOGIT_ROWS_PER_STEP * c.vocab_size * 4)?,
+            allowed: b.alloc(LOGIT_ROWS_PER_STEP * c.vocab_size.div_ceil(32) * 4)?,
             argmax: b.alloc(LOGIT_ROWS_PER_STEP * 4)?,
         })
     }

@@ -12,4 +12,4 @@ pub use config::ModelConfig;
 pub use experts_config::ExpertsConfig;
 pub use files::ModelFiles;
 pub use kv_cache::{KvCache, OutOfPages, PagePool, PageUsage};
-pub use llama::{GreedyDecode, Llama, LoadOptions, LogitRows, SeqStep, StepOutput, Want, PAGE_SIZE};
+pub use llama::{GreedyDecode, Llama, LoadOptions, LogitRows, SeqStep, StepOutput, StepSink, Want, PAGE_SIZE};

@@ -427,13 +427,34 @@ pub fn embed_rms_norm_rope_glu_add_scale_softcap_argmax<B: Backend>(make: impl F
     x[3 * width..].fill(f32::NAN);
     let (xg, xc) = (put(&mut gpu, &x), put(&mut cpu, &x));
     let (og, oc) = (put_u32(&mut gpu, &[u32::MAX; 4]), put_u32(&mut cpu, &[u32::MAX; 4]));
-    gpu.argmax(xg, og, rows, width).unwrap();
-    cpu.argmax(xc, oc, rows, width).unwrap();
+    gpu.argmax(xg, og, rows, width, None).unwrap();
+    cpu.argmax(xc, oc, rows, width, None).unwrap();
     let (mut got, mut want) = ([0u32; 4], [0u32; 4]);
     gpu.read_u32(og, &mut got).unwrap();
     cpu.read_u32(oc, &mut want).unwrap();
     assert_eq!(got, want, "argmax");
     assert_eq!((want[1], want[3]), (100, 0));
+
+    // Within a constraint's bits: a quarter of the values allowed (the tie's lower index not
+    // among them), nothing allowed in row 2 (index 0), one value in row 3's NaN.
+    let words = width.div_ceil(32);
+    let mut allowed: Vec<u32> = (0..rows * words)
+        .map(|_| rng.random::<u32>() & rng.random::<u32>())
+        .collect();
+    allowed[words + 100 / 32] &= !(1 << (100 % 32));
+    allowed[words + 40_000 / 32] |= 1 << (40_000 % 32);
+    allowed[2 * words..].fill(0);
+    allowed[3 * words + 5] = 1;
+    let (ag, ac) = (put_u32(&mut gpu, &allowed), put_u32(&mut cpu, &allowed));
+    gpu.argmax(xg, og, rows, width, Some(ag)).unwrap();
+    cpu.argmax(xc, oc, rows, width, Some(ac)).unwrap();
+    gpu.read_u32(og, &mut got).unwrap();
+    cpu.read_u32(oc, &mut want).unwrap();
+    assert_eq!(got, want, "argmax within a constraint");
+    assert_eq!((want[1], want[2]), (40_000, 0));
+    gpu.argmax(xg, og, rows, width, None).unwrap();
+    cpu.argmax(xc, oc, rows, width, None).unwrap();
+    cpu.read_u32(oc, &mut want).unwrap();
 
     // Queued argmaxes of rows 1 and 3 (the index and the next position written to the device
     // too, the second's position over the one it follows), waited for in either order, and
@@ -452,7 +473,7 @@ pub fn embed_rms_norm_rope_glu_add_scale_softcap_argmax<B: Backend>(make: impl F
         gpu.queue_argmax(row(r), next, width, slot).unwrap();
         gpu.mark_choice(slot).unwrap();
     }
-    gpu.argmax(xg, og.slice(8, 8), 2, width).unwrap();
+    gpu.argmax(xg, og.slice(8, 8), 2, width, None).unwrap();
     assert_eq!(gpu.wait_choice(&slots[1]).unwrap(), want[3], "queued argmax");
     assert_eq!(gpu.wait_choice(&slots[0]).unwrap(), want[1], "queued argmax");
     gpu.read_u32(og, &mut got).unwrap();

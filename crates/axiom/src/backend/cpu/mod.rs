@@ -680,11 +680,34 @@ impl Kernels for CpuBackend {
         Ok(())
     }
 
-    fn argmax(&self, x: BlockHandle, out: BlockHandle, n_rows: usize, width: usize) -> Result<()> {
+    fn argmax(
+        &self,
+        x: BlockHandle,
+        out: BlockHandle,
+        n_rows: usize,
+        width: usize,
+        allowed: Option<BlockHandle>,
+    ) -> Result<()> {
         disjoint(&[out], &[x])?;
         let x = self.view::<f32>(x, n_rows * width);
-        for (o, row) in self.view_mut::<u32>(out, n_rows).iter_mut().zip(x.chunks_exact(width)) {
-            *o = kernels::argmax::argmax(row);
+        let out = self.view_mut::<u32>(out, n_rows);
+        match allowed {
+            None => {
+                for (o, row) in out.iter_mut().zip(x.chunks_exact(width)) {
+                    *o = kernels::argmax::argmax(row);
+                }
+            }
+            Some(allowed) => {
+                let words = width.div_ceil(32);
+                let allowed = self.view::<u32>(allowed, n_rows * words);
+                for ((o, row), allowed) in out
+                    .iter_mut()
+                    .zip(x.chunks_exact(width))
+                    .zip(allowed.chunks_exact(words))
+                {
+                    *o = kernels::argmax::argmax_within(row, allowed);
+                }
+            }
         }
         Ok(())
     }

@@ -52,11 +52,17 @@ impl ChoiceSlot {
 }
 
 impl CudaBackend {
-    /// `argmax` of `rows` rows (at most ARGMAX_ROWS) at device addresses, the indices also to
-    /// `chosen` where it is not 0; a greedy choice's (`next`) writes its position too.
+    /// `argmax` of `rows` rows (at most ARGMAX_ROWS) at device addresses, within the bits at
+    /// `allowed` where it is not 0, the indices also to `chosen` where it is not 0; a greedy
+    /// choice's (`next`) writes its position too.
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "the kernel's parameters, named at the one call of each kind"
+    )]
     fn launch_argmax(
         &self,
         x: u64,
+        allowed: u64,
         out: u64,
         rows: usize,
         width: usize,
@@ -77,6 +83,7 @@ impl CudaBackend {
             &ArgmaxParams {
                 rows: x,
                 n,
+                allowed,
                 outs: out,
                 chosen,
                 chosen_at,
@@ -88,17 +95,25 @@ impl CudaBackend {
     }
 
     /// `Kernels::argmax`, in launches of at most `ARGMAX_ROWS` rows.
-    pub(super) fn argmax_rows(&self, x: BlockHandle, out: BlockHandle, n_rows: usize, width: usize) -> Result<()> {
+    pub(super) fn argmax_rows(
+        &self,
+        x: BlockHandle,
+        out: BlockHandle,
+        n_rows: usize,
+        width: usize,
+        allowed: Option<BlockHandle>,
+    ) -> Result<()> {
         for first in (0..n_rows).step_by(ARGMAX_ROWS) {
             let rows = (n_rows - first).min(ARGMAX_ROWS);
             let x = self.ptr(x) + (first * width * 4) as u64;
-            self.launch_argmax(x, self.ptr(out) + first as u64 * 4, rows, width, 0, None)?;
+            let allowed = allowed.map_or(0, |a| self.ptr(a) + (first * width.div_ceil(32) * 4) as u64);
+            self.launch_argmax(x, allowed, self.ptr(out) + first as u64 * 4, rows, width, 0, None)?;
         }
         Ok(())
     }
 
     /// `Kernels::queue_argmax`.
     pub(super) fn queue_choice(&self, x: BlockHandle, next: NextInput, width: usize, slot: &ChoiceSlot) -> Result<()> {
-        self.launch_argmax(self.ptr(x), self.ptr(next.token), 1, width, slot.device, Some(next))
+        self.launch_argmax(self.ptr(x), 0, self.ptr(next.token), 1, width, slot.device, Some(next))
     }
 }

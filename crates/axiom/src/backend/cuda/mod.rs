@@ -343,8 +343,15 @@ impl super::Kernels for CudaBackend {
         self.launch_scale("softcap", x, cap, n)
     }
 
-    fn argmax(&self, x: BlockHandle, out: BlockHandle, n_rows: usize, width: usize) -> Result<()> {
-        self.argmax_rows(x, out, n_rows, width)
+    fn argmax(
+        &self,
+        x: BlockHandle,
+        out: BlockHandle,
+        n_rows: usize,
+        width: usize,
+        allowed: Option<BlockHandle>,
+    ) -> Result<()> {
+        self.argmax_rows(x, out, n_rows, width, allowed)
     }
 
     fn choice_slot(&self) -> Result<ChoiceSlot> {

@@ -319,10 +319,12 @@ kernel_params! {
         kind: i32,
     }
 
-    /// `chosen`, `chosen_at` and `position` are 0 unless the choice is a queued greedy one.
+    /// `chosen`, `chosen_at` and `position` are 0 unless the choice is a queued greedy one;
+    /// `allowed` is 0 unless the rows are constrained (`n.div_ceil(32)` words a row).
     struct ArgmaxParams for ["argmax"] {
         rows: u64,
         n: i32,
+        allowed: u64,
         outs: u64,
         chosen: u64,
         chosen_at: u64,

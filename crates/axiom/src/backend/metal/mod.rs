@@ -727,12 +727,27 @@ impl Kernels for MetalBackend {
         self.elementwise("softcap", n, &[Arg::Buf(x), u32_arg(n), Arg::F32(cap)])
     }
 
-    fn argmax(&self, x: BlockHandle, out: BlockHandle, n_rows: usize, width: usize) -> Result<()> {
+    fn argmax(
+        &self,
+        x: BlockHandle,
+        out: BlockHandle,
+        n_rows: usize,
+        width: usize,
+        allowed: Option<BlockHandle>,
+    ) -> Result<()> {
+        // Unconstrained rows still bind a buffer there; the kernel does not read it.
+        let (bits, constrained) = allowed.map_or((x, 0), |a| (a, 1));
         self.launch(
             "argmax",
             (n_rows, 1),
             |k| threads(k, 1024),
-            &[Arg::Buf(x), Arg::Buf(out), u32_arg(width)],
+            &[
+                Arg::Buf(x),
+                Arg::Buf(out),
+                u32_arg(width),
+                Arg::Buf(bits),
+                Arg::U32(constrained),
+            ],
         )
     }
 

@@ -8,6 +8,8 @@
 // which saves a copy after it), and zeroes the key and count for the next launch.
 // Given `position`, it also writes there the position after `*chosen_at` (one row: the next
 // step's input, read before the wait like every step input, so it adds no round trip).
+// Given `allowed` (a constraint's bits, one word per 32 values of a row), values whose bit is
+// clear count as -inf.
 #define ARGMAX_THREADS 256
 #define ARGMAX_PER_THREAD 8
 #define ARGMAX_PER_BLOCK (ARGMAX_THREADS * ARGMAX_PER_THREAD)
@@ -27,13 +29,21 @@ extern "C" __global__ void argmax(ArgmaxParams p) {
     u32 next_position = position && threadIdx.x == 0 ? *chosen_at + 1 : 0;
     begin_after_inputs();
     const float* x = rows + (u64)blockIdx.y * n;
+    const u32* bits = p.allowed ? p.allowed + (u64)blockIdx.y * ((n + 31) / 32) : nullptr;
     const int first = blockIdx.x * ARGMAX_PER_BLOCK + threadIdx.x;
     // All loads before any compare: one at a time, each would wait out a memory round trip.
     float vals[ARGMAX_PER_THREAD];
+    u32 words[ARGMAX_PER_THREAD];
 #pragma unroll
     for (int u = 0; u < ARGMAX_PER_THREAD; u++) {
         int i = first + u * ARGMAX_THREADS;
         vals[u] = i < n ? x[i] : 0.0f;
+        words[u] = bits && i < n ? bits[i / 32] : 0xffffffffu;
+    }
+#pragma unroll
+    for (int u = 0; u < ARGMAX_PER_THREAD; u++) {
+        int i = first + u * ARGMAX_THREADS;
+        if (!((words[u] >> (i % 32)) & 1u)) vals[u] = __uint_as_float(0xff800000u);  // -inf
     }
     u64 best = 0;  // below every value's key
 #pragma unroll

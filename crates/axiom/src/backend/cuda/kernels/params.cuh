@@ -261,6 +261,7 @@ struct ConvertF32Params {
 struct ArgmaxParams {
     const float* rows;
     int n;
+    const u32* allowed;
     u32* outs;
     u32* chosen;
     const u32* chosen_at;
