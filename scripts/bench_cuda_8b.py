@@ -93,13 +93,13 @@ def random_bytes(dims, ty, gen):
     return blocks.cpu().numpy().tobytes()
 
 
-def vocabulary():
+def vocabulary(size=VOCAB):
     """GPT-2's 256 byte pieces, so that any text (JSON under a constraint, say) has tokens, then
-    made-up pieces up to the vocabulary's size."""
+    made-up pieces up to `size`."""
     printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
     pieces = [chr(b) for b in printable]
     pieces += [chr(256 + i) for i in range(256 - len(pieces))]
-    return pieces + [f"t{i}" for i in range(len(pieces), VOCAB)]
+    return pieces + [f"t{i}" for i in range(len(pieces), size)]
 
 
 def write_gguf(path, ty):

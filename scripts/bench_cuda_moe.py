@@ -1,0 +1,143 @@
+#!/usr/bin/env python3
+"""axiom on CUDA with a Qwen3-30B-A3B-shaped mixture of experts of random weights (48 layers,
+hidden 2048, 128 experts of FFN 768, 8 a token, 32 query heads of 128 over 4 KV heads, vocab
+151936), beside the device's copy bandwidth and, with --llama-bench, llama.cpp on the same files.
+
+Writes GGUF files (`qwen3moe`, stacked expert tensors as llama.cpp writes them) in bf16, Q8_0 and
+Q4_K (routers and norms in f32), runs `axiom bench --backend cuda` on each, and reports decode
+against the roofline of the bytes a token reads: the dense matrices, 8 of 128 experts' and one row
+of the embedding table. Needs torch on a CUDA machine (the weights are drawn there) and the disk
+for each file in turn (bf16: 61 GB, Q8_0: 32 GB, Q4_K: 17 GB).
+
+    python3 scripts/bench_cuda_moe.py --axiom target/release/axiom [--types q8_0,q4_k] [--dir /root]
+        [--llama-bench llama-bench] [--prompt 512,2048] [--keep]
+"""
+import argparse
+import json
+import os
+import struct
+import subprocess
+import time
+
+import numpy as np
+import torch
+
+import bench_cuda_8b as dense
+from bench_cuda_8b import kv_f32, kv_string, kv_strings, kv_u32
+
+HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 2048, 48, 32, 4, 128
+EXPERTS, USED, EXPERT_FFN, VOCAB = 128, 8, 768, 151936
+ARCH = "qwen3moe"
+
+
+def tensors(ty):
+    """(name, dims in GGUF order, type name) of every tensor."""
+    q, kv = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+    out = [("token_embd.weight", (HIDDEN, VOCAB), ty), ("output_norm.weight", (HIDDEN,), "f32"),
+           ("output.weight", (HIDDEN, VOCAB), ty)]
+    for i in range(LAYERS):
+        p = f"blk.{i}."
+        out += [(p + "attn_norm.weight", (HIDDEN,), "f32"), (p + "ffn_norm.weight", (HIDDEN,), "f32"),
+                (p + "attn_q_norm.weight", (HEAD_DIM,), "f32"), (p + "attn_k_norm.weight", (HEAD_DIM,), "f32"),
+                (p + "attn_q.weight", (HIDDEN, q), ty), (p + "attn_k.weight", (HIDDEN, kv), ty),
+                (p + "attn_v.weight", (HIDDEN, kv), ty), (p + "attn_output.weight", (q, HIDDEN), ty),
+                (p + "ffn_gate_inp.weight", (HIDDEN, EXPERTS), "f32"),
+                (p + "ffn_gate_exps.weight", (HIDDEN, EXPERT_FFN, EXPERTS), ty),
+                (p + "ffn_up_exps.weight", (HIDDEN, EXPERT_FFN, EXPERTS), ty),
+                (p + "ffn_down_exps.weight", (EXPERT_FFN, HIDDEN, EXPERTS), ty)]
+    return out
+
+
+def random_bytes(dims, ty, gen):
+    """As the dense script's, with router rows drawn at random so that routing varies by token."""
+    if ty == "f32" and len(dims) == 2:
+        n = int(np.prod(dims))
+        return torch.randn(n, device="cuda", generator=gen).cpu().numpy().tobytes()
+    return dense.random_bytes(dims, ty, gen)
+
+
+def write_gguf(path, ty):
+    """Writes the file; returns the bytes of weights a decoded token reads."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    a = lambda key: f"{ARCH}.{key}"
+    meta = [kv_string("general.architecture", ARCH), kv_string("general.name", f"qwen3-30b-a3b-shaped-random-{ty}"),
+            kv_u32(a("block_count"), LAYERS), kv_u32(a("context_length"), 8192),
+            kv_u32(a("embedding_length"), HIDDEN), kv_u32(a("feed_forward_length"), 6144),
+            kv_u32(a("expert_feed_forward_length"), EXPERT_FFN), kv_u32(a("expert_count"), EXPERTS),
+            kv_u32(a("expert_used_count"), USED), kv_u32(a("attention.head_count"), HEADS),
+            kv_u32(a("attention.head_count_kv"), KV_HEADS), kv_u32(a("attention.key_length"), HEAD_DIM),
+            kv_u32(a("attention.value_length"), HEAD_DIM), kv_f32(a("rope.freq_base"), 1000000.0),
+            kv_f32(a("attention.layer_norm_rms_epsilon"), 1e-6), kv_u32(a("vocab_size"), VOCAB),
+            kv_string("tokenizer.ggml.model", "gpt2"), kv_string("tokenizer.ggml.pre", "default"),
+            kv_strings("tokenizer.ggml.tokens", dense.vocabulary(VOCAB)), kv_strings("tokenizer.ggml.merges", []),
+            kv_u32("tokenizer.ggml.eos_token_id", 0)]
+    infos, offset = [], 0
+    for name, dims, t in tensors(ty):
+        tid = 0 if t == "f32" else dense.TYPES[t][0]
+        b = name.encode()
+        infos.append(struct.pack("<Q", len(b)) + b + struct.pack("<I", len(dims)) + struct.pack(f"<{len(dims)}Q", *dims)
+                     + struct.pack("<IQ", tid, offset))
+        offset += (dense.nbytes(dims, t) + 31) // 32 * 32
+    with open(path, "wb") as f:
+        f.write(b"GGUF" + struct.pack("<IQQ", 3, len(infos), len(meta)))
+        f.write(b"".join(meta) + b"".join(infos))
+        f.write(b"\0" * ((32 - f.tell() % 32) % 32))
+        for name, dims, t in tensors(ty):
+            data = random_bytes(dims, t, gen)
+            f.write(data + b"\0" * ((32 - len(data) % 32) % 32))
+    read = 0
+    for name, dims, t in tensors(ty):
+        if name == "token_embd.weight":
+            read += dense.nbytes(dims, t) // VOCAB
+        elif len(dims) == 3:
+            read += dense.nbytes(dims, t) * USED // EXPERTS
+        elif len(dims) == 2:
+            read += dense.nbytes(dims, t)
+    return read
+
+
+def bench(cmd):
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        print(out.stderr, flush=True)
+        return []
+    return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--axiom", required=True)
+    ap.add_argument("--llama-bench", help="llama.cpp's llama-bench (a CUDA build), run on the same files")
+    ap.add_argument("--types", default="bf16,q8_0,q4_k")
+    ap.add_argument("--dir", default="/tmp")
+    ap.add_argument("--prompt", default="512,2048")
+    ap.add_argument("--keep", action="store_true", help="keep the files (named qwen3moe-<type>.gguf)")
+    args = ap.parse_args()
+    bandwidth = dense.copy_bandwidth()
+    print(f"device-to-device copy: {bandwidth / 1e12:.2f} TB/s (read + write)", flush=True)
+    rows = []
+    for ty in args.types.split(","):
+        path = os.path.join(args.dir, f"qwen3moe-{ty}.gguf")
+        t = time.time()
+        read = write_gguf(path, ty)
+        print(f"{ty}: wrote {os.path.getsize(path) / 1e9:.2f} GB in {time.time() - t:.0f} s; "
+              f"{read / 1e9:.2f} GB read a token", flush=True)
+        roofline = bandwidth / read
+        runs = [("axiom", [args.axiom, "bench", "--backend", "cuda", "-m", path, "-p", args.prompt, "-n", "128",
+                           "-r", "3", "--ubatch-size", "2048", "--json"])]
+        if args.llama_bench:
+            runs.append(("llama.cpp", [args.llama_bench, "-m", path, "-p", args.prompt, "-n", "128", "-r", "3",
+                                       "-ngl", "99", "-ub", "2048", "-fa", "1", "-o", "jsonl"]))
+        for engine, cmd in runs:
+            for r in bench(cmd):
+                test = r.get("test") or (f"pp{r['n_prompt']}" if r["n_prompt"] else f"tg{r['n_gen']}")
+                extra = f"  {100 * r['avg_ts'] / roofline:.0f}% of {roofline:.0f} tok/s" if test.startswith("tg") else ""
+                rows.append(f"{ty:5} {engine:9} {test:7} {r['avg_ts']:9.1f} tok/s{extra}")
+                print(rows[-1], flush=True)
+        if not args.keep:
+            os.remove(path)
+    print("\n".join(["", "summary:"] + rows))
+
+
+if __name__ == "__main__":
+    main()
