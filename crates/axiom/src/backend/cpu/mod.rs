@@ -159,7 +159,7 @@ impl CpuBackend {
         Ok((map, n_pages * pages.page_size * kv_width))
     }
 
-    /// Fast attention over a cache of `T`, work split by (token, KV head).
+    /// Fast attention over a cache of `T`, work split by (tile of tokens, KV head).
     #[allow(clippy::too_many_arguments)]
     fn attention_fast<T: fast::attention::KvElem>(
         &self,
@@ -173,39 +173,58 @@ impl CpuBackend {
         shape: AttentionShape,
         scores: Scores,
     ) {
+        use fast::attention::{Context, TILE};
         let (hd, group) = (shape.head_dim, shape.n_heads / shape.n_kv_heads);
-        let units = positions.len() * shape.n_kv_heads;
+        // Runs of up to TILE tokens at consecutive positions of one sequence.
+        let mut tiles: Vec<std::ops::Range<usize>> = Vec::new();
+        for t in 0..positions.len() {
+            match tiles.last_mut() {
+                Some(tile)
+                    if tile.len() < TILE
+                        && positions[t] == positions[t - 1] + 1
+                        && std::ptr::eq(pages.table(t), pages.table(t - 1)) =>
+                {
+                    tile.end = t + 1
+                }
+                _ => tiles.push(t..t + 1),
+            }
+        }
+        let units = tiles.len() * shape.n_kv_heads;
         let threads = self.threads();
         let out = OutPtr(out.as_mut_ptr());
         self.pool.run(&|i| {
             ATTENTION.with_borrow_mut(|scratch| {
+                let (mut qs, mut outs, mut ctxs) = (Vec::new(), Vec::new(), Vec::new());
                 // Interleaved, not in ranges: later tokens attend to more positions.
                 for unit in (i..units).step_by(threads) {
-                    let (t, kv_head) = (unit / shape.n_kv_heads, unit % shape.n_kv_heads);
-                    let at = t * shape.q_width() + kv_head * group * hd;
-                    // SAFETY: each unit writes its own heads of its own token.
-                    let o = unsafe { std::slice::from_raw_parts_mut(out.get().add(at), group * hd) };
-                    let qg = &q[at..at + group * hd];
-                    let pos = positions[t] as usize;
-                    let ctx = fast::attention::Context {
-                        table: pages.table(t),
-                        page_size: pages.page_size(),
-                        first: scores.first_visible(pos),
-                        end: pos + 1,
-                        scores,
-                    };
+                    let (tile, kv_head) = (&tiles[unit / shape.n_kv_heads], unit % shape.n_kv_heads);
+                    (qs.clear(), outs.clear(), ctxs.clear());
+                    for t in tile.clone() {
+                        let at = t * shape.q_width() + kv_head * group * hd;
+                        qs.push(&q[at..at + group * hd]);
+                        // SAFETY: each unit writes its own heads of its own tokens.
+                        outs.push(unsafe { std::slice::from_raw_parts_mut(out.get().add(at), group * hd) });
+                        let pos = positions[t] as usize;
+                        ctxs.push(Context {
+                            table: pages.table(t),
+                            page_size: pages.page_size(),
+                            first: scores.first_visible(pos),
+                            end: pos + 1,
+                            scores,
+                        });
+                    }
                     match isa {
                         // SAFETY: chosen only when the CPU has AVX-512.
                         #[cfg(target_arch = "x86_64")]
                         Isa::Avx512Vnni => unsafe {
-                            fast::attention::attend_group_avx512(qg, k, v, kv_head, ctx, shape, o, scratch)
+                            fast::attention::attend_tile_avx512(&qs, k, v, kv_head, &ctxs, shape, &mut outs, scratch)
                         },
                         // SAFETY: chosen only when the CPU has AVX2.
                         #[cfg(target_arch = "x86_64")]
                         Isa::Avx2 => unsafe {
-                            fast::attention::attend_group_avx2(qg, k, v, kv_head, ctx, shape, o, scratch)
+                            fast::attention::attend_tile_avx2(&qs, k, v, kv_head, &ctxs, shape, &mut outs, scratch)
                         },
-                        _ => fast::attention::attend_group(qg, k, v, kv_head, ctx, shape, o, scratch),
+                        _ => fast::attention::attend_tile(&qs, k, v, kv_head, &ctxs, shape, &mut outs, scratch),
                     }
                 }
             });
