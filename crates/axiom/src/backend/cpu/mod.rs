@@ -198,7 +198,9 @@ impl CpuBackend {
                 // Interleaved, not in ranges: later tokens attend to more positions.
                 for unit in (i..units).step_by(threads) {
                     let (tile, kv_head) = (&tiles[unit / shape.n_kv_heads], unit % shape.n_kv_heads);
-                    (qs.clear(), outs.clear(), ctxs.clear());
+                    qs.clear();
+                    outs.clear();
+                    ctxs.clear();
                     for t in tile.clone() {
                         let at = t * shape.q_width() + kv_head * group * hd;
                         qs.push(&q[at..at + group * hd]);
