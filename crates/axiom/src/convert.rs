@@ -35,7 +35,7 @@ pub struct Written {
 }
 
 impl Written {
-    fn add_matrix(&mut self, ty: GgmlType) {
+    pub(crate) fn add_matrix(&mut self, ty: GgmlType) {
         match self.matrices.iter_mut().find(|(t, _)| *t == ty) {
             Some((_, n)) => *n += 1,
             None => self.matrices.push((ty, 1)),
@@ -62,7 +62,7 @@ pub fn convert_hf_dir(
     let json: Json =
         serde_json::from_str(&read("config.json")?).map_err(|e| Error::Model(format!("config.json: {e}")))?;
     let config = ModelConfig::from_hf(&json)?;
-    let checkpoint = SafetensorsModel::open_dir(dir)?;
+    let checkpoint = SafetensorsModel::open_dir(dir, config.quantization.as_ref())?;
     let arch = match config.architecture.as_str() {
         // llama.cpp writes Mixtral as `llama` with experts.
         "llama" | "mistral" | "mixtral" => "llama",

@@ -1,9 +1,13 @@
 //! Hugging Face checkpoints: one `model.safetensors` or shards listed in
 //! `model.safetensors.index.json`, each memory-mapped and parsed by the `safetensors` crate (which
 //! checks the header size, the JSON, the dtypes and that offsets tile the data exactly). Every
-//! tensor's byte range is checked again here against its shape and dtype.
+//! tensor's byte range is checked again here against its shape and dtype. FP8 E4M3 weights are
+//! packed with their scales (as the config's `quantization_config` lays them out) into
+//! [`GgmlType::Fp8`] blocks at open.
 
-use super::quant::GgmlType;
+use super::fp8::{pack, BLOCK_BYTES, CODES_PER_BLOCK, SCALE_BLOCK};
+use super::quant::{dequantize, GgmlType};
+use crate::model::quantization::{Fp8Quantization, Fp8Scales};
 use crate::{Error, Result};
 use memmap2::Mmap;
 use std::collections::{BTreeSet, HashMap};
@@ -25,8 +29,19 @@ pub struct StEntry {
 }
 
 pub struct SafetensorsModel {
+    /// The files' maps, then the one holding the FP8 weights as `Fp8` blocks, if any.
     files: Vec<Arc<Mmap>>,
     tensors: HashMap<String, StEntry>,
+    /// Bytes of the files on disk.
+    disk_bytes: usize,
+}
+
+/// An FP8 E4M3 tensor as stored, before it is packed with its scales.
+struct RawFp8 {
+    name: String,
+    dims: Vec<usize>,
+    file: usize,
+    range: std::ops::Range<usize>,
 }
 
 fn bad(path: &Path, problem: impl std::fmt::Display) -> Error {
@@ -34,8 +49,9 @@ fn bad(path: &Path, problem: impl std::fmt::Display) -> Error {
 }
 
 impl SafetensorsModel {
-    /// Opens the checkpoint in a model directory.
-    pub fn open_dir(dir: &Path) -> Result<SafetensorsModel> {
+    /// Opens the checkpoint in a model directory, its FP8 weights scaled as `quantization` says
+    /// (the config's).
+    pub fn open_dir(dir: &Path, quantization: Option<&Fp8Quantization>) -> Result<SafetensorsModel> {
         let index = dir.join("model.safetensors.index.json");
         let names: Vec<String> = if index.is_file() {
             let text = std::fs::read_to_string(&index).map_err(Error::io(format!("reading {}", index.display())))?;
@@ -57,10 +73,13 @@ impl SafetensorsModel {
         let mut model = SafetensorsModel {
             files: Vec::new(),
             tensors: HashMap::new(),
+            disk_bytes: 0,
         };
+        let mut fp8 = Vec::new();
         for name in names {
-            model.add_file(&dir.join(name))?;
+            model.add_file(&dir.join(name), &mut fp8)?;
         }
+        model.pack_fp8(fp8, quantization)?;
         Ok(model)
     }
 
@@ -72,20 +91,24 @@ impl SafetensorsModel {
         let mut model = SafetensorsModel {
             files: Vec::new(),
             tensors: HashMap::new(),
+            disk_bytes: 0,
         };
-        model.add_map(Path::new("<memory>"), Arc::new(map), bytes.len())?;
+        let mut fp8 = Vec::new();
+        model.add_map(Path::new("<memory>"), Arc::new(map), bytes.len(), &mut fp8)?;
+        model.pack_fp8(fp8, None)?;
         Ok(model)
     }
 
-    fn add_file(&mut self, path: &Path) -> Result<()> {
+    fn add_file(&mut self, path: &Path, fp8: &mut Vec<RawFp8>) -> Result<()> {
         let file = File::open(path).map_err(Error::io(format!("opening {}", path.display())))?;
         // SAFETY: read-only map; every offset is validated before use.
         let map = unsafe { Mmap::map(&file) }.map_err(Error::io(format!("mapping {}", path.display())))?;
         let len = map.len();
-        self.add_map(path, Arc::new(map), len)
+        self.add_map(path, Arc::new(map), len, fp8)
     }
 
-    fn add_map(&mut self, path: &Path, map: Arc<Mmap>, len: usize) -> Result<()> {
+    /// Adds a file's tensors; its FP8 ones go to `fp8`, to be packed with their scales.
+    fn add_map(&mut self, path: &Path, map: Arc<Mmap>, len: usize, fp8: &mut Vec<RawFp8>) -> Result<()> {
         let bytes = &map[..len];
         let Some(&header_len) = bytes.first_chunk::<8>() else {
             return Err(bad(path, "truncated: no header length"));
@@ -106,9 +129,10 @@ impl SafetensorsModel {
         let file_index = self.files.len();
         for (name, info) in metadata.tensors() {
             let ty = match info.dtype {
-                safetensors::Dtype::F32 => GgmlType::F32,
-                safetensors::Dtype::F16 => GgmlType::F16,
-                safetensors::Dtype::BF16 => GgmlType::BF16,
+                safetensors::Dtype::F32 => Some(GgmlType::F32),
+                safetensors::Dtype::F16 => Some(GgmlType::F16),
+                safetensors::Dtype::BF16 => Some(GgmlType::BF16),
+                safetensors::Dtype::F8_E4M3 => None,
                 other => {
                     return Err(Error::UnsupportedTensorType {
                         name: name.clone(),
@@ -119,7 +143,8 @@ impl SafetensorsModel {
             };
             let (start, end) = info.data_offsets;
             let elements = info.shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
-            let expected = elements.and_then(|n| n.checked_mul(ty.block_bytes()));
+            let element_bytes = ty.map_or(1, GgmlType::block_bytes);
+            let expected = elements.and_then(|n| n.checked_mul(element_bytes));
             if expected != Some(end.wrapping_sub(start)) || end < start {
                 return Err(bad(
                     path,
@@ -135,6 +160,15 @@ impl SafetensorsModel {
                 return Err(bad(path, format!("tensor {name} lies past the end of the file")));
             }
             let dims = info.shape.iter().rev().copied().collect();
+            let Some(ty) = ty else {
+                fp8.push(RawFp8 {
+                    name: name.clone(),
+                    dims,
+                    file: file_index,
+                    range,
+                });
+                continue;
+            };
             if self
                 .tensors
                 .insert(
@@ -153,6 +187,110 @@ impl SafetensorsModel {
             }
         }
         self.files.push(map);
+        self.disk_bytes += len;
+        Ok(())
+    }
+
+    /// Packs each FP8 weight with its scales into `Fp8` blocks, in one map of their own; the
+    /// scale tensors are consumed.
+    fn pack_fp8(&mut self, fp8: Vec<RawFp8>, quantization: Option<&Fp8Quantization>) -> Result<()> {
+        let Some(first) = fp8.first() else {
+            return match quantization {
+                Some(q) => Err(Error::Model(format!(
+                    "config.json names {} quantization, but no tensor is F8_E4M3",
+                    q.method
+                ))),
+                None => Ok(()),
+            };
+        };
+        let Some(quantization) = quantization else {
+            return Err(Error::Model(format!(
+                "tensor {} is F8_E4M3, but config.json has no quantization_config to scale it",
+                first.name
+            )));
+        };
+        let mut scales = Vec::with_capacity(fp8.len());
+        let mut total = 0usize;
+        for raw in &fp8 {
+            let &[n_in, n_out] = raw.dims.as_slice() else {
+                return Err(Error::Model(format!(
+                    "FP8 tensor {} has shape {:?}, expected a matrix",
+                    raw.name, raw.dims
+                )));
+            };
+            if !n_in.is_multiple_of(CODES_PER_BLOCK) {
+                return Err(Error::Model(format!(
+                    "FP8 tensor {}: rows of {n_in} are not a multiple of {CODES_PER_BLOCK}",
+                    raw.name
+                )));
+            }
+            // transformers takes a block for the matrix's share of the scale grid, vLLM and
+            // DeepSeek 128 rows or columns with the last one partial: only whole blocks agree.
+            let whole_blocks = n_in.is_multiple_of(SCALE_BLOCK) && n_out.is_multiple_of(SCALE_BLOCK);
+            if quantization.scales == Fp8Scales::Blocks && !whole_blocks {
+                return Err(Error::Model(format!(
+                    "FP8 tensor {}: {n_out} x {n_in} is not whole {SCALE_BLOCK}x{SCALE_BLOCK} blocks",
+                    raw.name
+                )));
+            }
+            let scale_name = quantization.scale_name(&raw.name);
+            let entry = self
+                .tensors
+                .remove(&scale_name)
+                .ok_or_else(|| Error::Model(format!("missing tensor {scale_name} (the scales of FP8 {})", raw.name)))?;
+            let expected = match quantization.scales {
+                Fp8Scales::Blocks => vec![n_in.div_ceil(SCALE_BLOCK), n_out.div_ceil(SCALE_BLOCK)],
+                Fp8Scales::Channel => vec![1, n_out],
+                Fp8Scales::Tensor => vec![1],
+            };
+            // A scale per channel may also be stored as a vector, one per tensor as a scalar.
+            let same = entry.dims == expected
+                || (quantization.scales == Fp8Scales::Channel && entry.dims == [n_out])
+                || (quantization.scales == Fp8Scales::Tensor && entry.dims.is_empty());
+            if !same {
+                return Err(Error::Model(format!(
+                    "tensor {scale_name} has shape {:?}, expected {:?} for FP8 {} of {:?}",
+                    entry.dims, expected, raw.name, raw.dims
+                )));
+            }
+            let mut values = vec![0f32; entry.dims.iter().product()];
+            dequantize(entry.ty, self.bytes(&entry), &mut values);
+            scales.push(values);
+            total += n_in * n_out / CODES_PER_BLOCK * BLOCK_BYTES;
+        }
+        let mut packed = memmap2::MmapMut::map_anon(total.max(1)).map_err(Error::io("mapping FP8 weights"))?;
+        let packed_file = self.files.len();
+        let mut offset = 0;
+        for (raw, scales) in fp8.into_iter().zip(scales) {
+            let (n_in, n_out) = (raw.dims[0], raw.dims[1]);
+            let len = n_in * n_out / CODES_PER_BLOCK * BLOCK_BYTES;
+            let codes = &self.files[raw.file][raw.range.clone()];
+            let out = &mut packed[offset..offset + len];
+            let columns = n_in.div_ceil(SCALE_BLOCK);
+            match quantization.scales {
+                Fp8Scales::Blocks => pack(
+                    codes,
+                    n_in,
+                    |r, c| scales[r / SCALE_BLOCK * columns + c / SCALE_BLOCK],
+                    out,
+                ),
+                Fp8Scales::Channel => pack(codes, n_in, |r, _| scales[r], out),
+                Fp8Scales::Tensor => pack(codes, n_in, |_, _| scales[0], out),
+            }
+            let entry = StEntry {
+                name: raw.name.clone(),
+                ty: GgmlType::Fp8,
+                dims: raw.dims,
+                file: packed_file,
+                range: offset..offset + len,
+            };
+            if self.tensors.insert(raw.name.clone(), entry).is_some() {
+                return Err(Error::Model(format!("tensor {} appears in two shards", raw.name)));
+            }
+            offset += len;
+        }
+        let packed = packed.make_read_only().map_err(Error::io("mapping FP8 weights"))?;
+        self.files.push(Arc::new(packed));
         Ok(())
     }
 
@@ -174,6 +312,6 @@ impl SafetensorsModel {
 
     /// Bytes of all its files together, headers included.
     pub fn file_size(&self) -> usize {
-        self.files.iter().map(|map| map.len()).sum()
+        self.disk_bytes
     }
 }
