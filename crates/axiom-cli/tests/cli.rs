@@ -127,13 +127,24 @@ fn info_describes_the_model() {
 }
 
 #[test]
-fn info_names_the_rope_scaling_and_the_experts() {
+fn info_names_the_rope_scaling_the_experts_and_the_quantization() {
     let fixture = |name: &str| {
         PathBuf::from(env!("CARGO_MANIFEST_DIR"))
             .join("../axiom/tests/fixtures/hf")
             .join(name)
     };
-    let cases: [(&str, &[&str]); 4] = [
+    let cases: [(&str, &[&str]); 6] = [
+        (
+            "qwen3_fp8",
+            &[
+                "quantization:  FP8 E4M3 weights, a scale per 128x128 block (fp8)",
+                "FP8_E4M3 x14",
+            ],
+        ),
+        (
+            "llama_fp8_channel",
+            &["quantization:  FP8 E4M3 weights, a scale per output channel (compressed-tensors)"],
+        ),
         (
             "qwen3_moe",
             &[

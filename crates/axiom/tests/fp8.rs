@@ -225,3 +225,98 @@ fn bad_fp8_files_are_refused_by_name() {
         &format!("does not use: {input_scale}"),
     );
 }
+
+/// The last token's logits of `text` from the model in `dir`, on the reference CPU backend.
+fn last_logits(dir: &Path, text: &str) -> Vec<f32> {
+    let options = LoadOptions {
+        max_batch: 64,
+        kv_tokens: 64,
+        max_seqs: 1,
+    };
+    let mut s = Session::load(dir, CpuBackend::reference(1), options).unwrap();
+    let mut kv = s.model.new_kv_cache(64);
+    let tokens = s.raw_prompt(text).unwrap();
+    s.forward_last(&tokens, &mut kv).unwrap().to_vec()
+}
+
+#[test]
+fn a_scale_per_matrix_scales_every_weight_of_it() {
+    // The channel fixture's codes with each matrix's first channel scale for the whole matrix
+    // (compressed-tensors' "tensor" strategy), against the same weights dequantized here with
+    // torch's E4M3 values and stored as F32.
+    let table: Value = serde_json::from_str(&std::fs::read_to_string(fixture("../fp8_e4m3.json")).unwrap()).unwrap();
+    let values: Vec<f32> = table["value_bits"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| f32::from_bits(b.as_i64().unwrap() as u32))
+        .collect();
+    let original = std::fs::read(fixture("llama_fp8_channel").join("model.safetensors")).unwrap();
+    let checkpoint = SafeTensors::deserialize(&original).unwrap();
+    let scale_of = |name: &str| {
+        let bytes = checkpoint.tensor(&format!("{name}_scale")).unwrap().data()[..4].to_vec();
+        (f32::from_le_bytes(bytes.clone().try_into().unwrap()), bytes)
+    };
+    let fp8_names: Vec<String> = checkpoint
+        .tensors()
+        .into_iter()
+        .filter(|(_, t)| t.dtype() == safetensors::Dtype::F8_E4M3)
+        .map(|(n, _)| n)
+        .collect();
+    let scales: Vec<(String, (f32, Vec<u8>))> = fp8_names.iter().map(|n| (n.clone(), scale_of(n))).collect();
+    let dequantized: Vec<(String, Vec<u8>)> = scales
+        .iter()
+        .map(|(n, (scale, _))| {
+            let codes = checkpoint.tensor(n).unwrap();
+            let bytes = codes
+                .data()
+                .iter()
+                .flat_map(|&c| (values[c as usize] * scale).to_le_bytes())
+                .collect();
+            (n.clone(), bytes)
+        })
+        .collect();
+
+    let per_matrix = temp_dir("per-matrix");
+    copy_with_config("llama_fp8_channel", &per_matrix, |c| {
+        c["quantization_config"]["config_groups"]["group_0"]["weights"]["strategy"] = json!("tensor");
+    });
+    let mut tensors: Tensors = checkpoint
+        .tensors()
+        .into_iter()
+        .filter(|(n, _)| !n.ends_with("_scale"))
+        .collect();
+    for (n, (_, bytes)) in &scales {
+        tensors.push((
+            format!("{n}_scale"),
+            TensorView::new(safetensors::Dtype::F32, vec![1], bytes).unwrap(),
+        ));
+    }
+    safetensors::serialize_to_file(tensors, None, &per_matrix.join("model.safetensors")).unwrap();
+
+    let float = temp_dir("per-matrix-f32");
+    copy_with_config("llama_fp8_channel", &float, |c| {
+        c.as_object_mut().unwrap().remove("quantization_config");
+    });
+    let mut tensors: Tensors = checkpoint
+        .tensors()
+        .into_iter()
+        .filter(|(n, t)| !n.ends_with("_scale") && t.dtype() != safetensors::Dtype::F8_E4M3)
+        .collect();
+    for (n, bytes) in &dequantized {
+        let shape = checkpoint.tensor(n).unwrap().shape().to_vec();
+        tensors.push((
+            n.clone(),
+            TensorView::new(safetensors::Dtype::F32, shape, bytes).unwrap(),
+        ));
+    }
+    safetensors::serialize_to_file(tensors, None, &float.join("model.safetensors")).unwrap();
+
+    for text in ["The license applies", "Copyright 2004"] {
+        let (got, want) = (last_logits(&per_matrix, text), last_logits(&float, text));
+        let worst = got.iter().zip(&want).map(|(g, w)| (g - w).abs()).fold(0f32, f32::max);
+        assert!(worst < 1e-4, "{text:?}: largest difference {worst}");
+    }
+    std::fs::remove_dir_all(per_matrix).unwrap();
+    std::fs::remove_dir_all(float).unwrap();
+}

@@ -4,7 +4,8 @@
 //! Which matrices are FP8 is read from the stored dtypes, so the lists of modules left in their
 //! float type (`modules_to_not_convert`, `ignore`) agree with any checkpoint. Dynamic activation
 //! scales are accepted: they quantize activations on the fly, and running on the exact
-//! activations computes what the weights define.
+//! activations computes what the weights define (so does fbgemm's `activation_scale_ub`, the
+//! bound on those scales).
 
 use crate::format::fp8::SCALE_BLOCK;
 use crate::{Error, Result};
@@ -85,12 +86,12 @@ fn refused(what: String) -> Error {
 }
 
 /// Refuses any key of `q` outside `known`, naming it.
-fn only_keys(q: &Json, method: &str, known: &[&str]) -> Result<()> {
+fn only_keys(q: &Json, what: &str, known: &[&str]) -> Result<()> {
     let Some(object) = q.as_object() else {
         return Err(refused("not an object".into()));
     };
     match object.keys().find(|k| !known.contains(&k.as_str())) {
-        Some(key) => Err(refused(format!("{key} is not supported for {method}"))),
+        Some(key) => Err(refused(format!("{key} is not supported for {what}"))),
         None => Ok(()),
     }
 }
@@ -198,6 +199,17 @@ fn compressed_tensors(q: &Json) -> Result<Fp8Scales> {
     let [group] = groups.as_deref().unwrap_or_default() else {
         return Err(refused("config_groups: one group is supported".into()));
     };
+    only_keys(
+        group,
+        "compressed-tensors config_groups",
+        &[
+            "targets",
+            "weights",
+            "input_activations",
+            "output_activations",
+            "format",
+        ],
+    )?;
     for (key, allowed) in [
         ("targets", Json::from(vec!["Linear"])),
         ("output_activations", Json::Null),
@@ -205,6 +217,12 @@ fn compressed_tensors(q: &Json) -> Result<Fp8Scales> {
         if group[key] != allowed {
             return Err(refused(format!("config_groups: {key} {} is not supported", group[key])));
         }
+    }
+    if !matches!(group["format"].as_str(), None | Some("float-quantized")) {
+        return Err(refused(format!(
+            "config_groups: format {} is not supported",
+            group["format"]
+        )));
     }
     let weights = &group["weights"];
     let float8 = |args: &Json| args["num_bits"].as_u64() == Some(8) && args["type"].as_str() == Some("float");
