@@ -195,14 +195,17 @@ fn bad_fp8_files_are_refused_by_name() {
         "_scale (the scales of FP8",
     );
 
-    // The checkpoint rewritten: without one scale, with a scale of the wrong shape, with a
-    // static input scale.
+    // The checkpoint rewritten: without one scale, with a scale of the wrong shape, in E5M2,
+    // with a static input scale.
     static ONE: [u8; 4] = 1f32.to_le_bytes();
     let single = TensorView::new(safetensors::Dtype::F32, vec![1], &ONE).unwrap();
-    let original = std::fs::read(fixture("qwen3_fp8").join("model.safetensors")).unwrap();
+    // 'static, as the edits' tensors must be (they are handed to an edit for any lifetime).
+    let original: &'static [u8] = std::fs::read(fixture("qwen3_fp8").join("model.safetensors"))
+        .unwrap()
+        .leak();
     let rewritten = |edit: &dyn Fn(&mut Tensors), wanted: &str| {
         copy_with_config("qwen3_fp8", &dir, |_| {});
-        let checkpoint = SafeTensors::deserialize(&original).unwrap();
+        let checkpoint = SafeTensors::deserialize(original).unwrap();
         let mut tensors = checkpoint.tensors();
         edit(&mut tensors);
         safetensors::serialize_to_file(tensors, None, &dir.join("model.safetensors")).unwrap();
@@ -218,6 +221,17 @@ fn bad_fp8_files_are_refused_by_name() {
             t.push((scale.to_string(), single.clone()));
         },
         &format!("tensor {scale} has shape [1]"),
+    );
+    // The other 8-bit float formats are named.
+    let weight = "model.layers.0.self_attn.q_proj.weight";
+    let codes = SafeTensors::deserialize(original).unwrap().tensor(weight).unwrap();
+    let e5m2 = TensorView::new(safetensors::Dtype::F8_E5M2, codes.shape().to_vec(), codes.data()).unwrap();
+    rewritten(
+        &|t| {
+            t.retain(|(n, _)| n != weight);
+            t.push((weight.to_string(), e5m2.clone()));
+        },
+        "has type F8_E5M2",
     );
     let input_scale = "model.layers.0.self_attn.q_proj.input_scale";
     rewritten(
