@@ -27,7 +27,8 @@ use std::path::Path;
 
 /// What `convert_hf_dir` wrote: how many matrices went into each type, in the order the types
 /// first appeared (the type asked for, or Q8_0 or F32 where rows do not fit its blocks), and how
-/// many vectors (norms, biases: always F32).
+/// many vectors (norms, biases: always F32). `convert_fp8` counts the same way, keeping what it
+/// does not quantize in its stored type.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Written {
     pub matrices: Vec<(GgmlType, usize)>,

@@ -38,6 +38,12 @@ fn dtype(ty: GgmlType) -> Result<Dtype> {
     }
 }
 
+/// A written tensor's bytes: the source's as stored, or the `owned` buffer of this index.
+enum Bytes<'a> {
+    Stored(&'a [u8]),
+    Owned(usize),
+}
+
 /// Converts the model directory `dir` into the FP8 directory `out` (created; it must not exist or
 /// be empty). `progress(done, total, name)` follows the tensors.
 pub fn convert_to_fp8(dir: &Path, out: &Path, mut progress: impl FnMut(usize, usize, &str)) -> Result<Written> {
@@ -69,12 +75,8 @@ pub fn convert_to_fp8(dir: &Path, out: &Path, mut progress: impl FnMut(usize, us
         vectors: 0,
     };
     let mut not_converted = Vec::new();
-    // Quantized tensors' bytes, then every tensor as (name, dtype, shape, which bytes).
+    // The quantized tensors' bytes, and every tensor as (name, dtype, shape, its bytes).
     let mut owned: Vec<Vec<u8>> = Vec::new();
-    enum Bytes<'a> {
-        Stored(&'a [u8]),
-        Owned(usize),
-    }
     let mut tensors: Vec<(String, Dtype, Vec<usize>, Bytes)> = Vec::new();
     for (i, &name) in names.iter().enumerate() {
         progress(i, names.len(), name);
