@@ -106,10 +106,11 @@ pub struct InfoArgs {
 pub struct ConvertArgs {
     /// A Hugging Face model directory (config.json, safetensors, tokenizer.json).
     model: PathBuf,
-    /// The GGUF file to write.
+    /// The GGUF file to write, or the directory for fp8.
     #[arg(short, long)]
     output: PathBuf,
-    /// Type of the weight matrices: f32, f16, bf16, q8_0, q4_0, q5_0 or q4_k.
+    /// Type of the weight matrices: f32, f16, bf16, q8_0, q4_0, q5_0 or q4_k (a GGUF file), or
+    /// fp8 (a Hugging Face FP8 directory, 128x128 block scales).
     #[arg(long = "type", default_value = "f16")]
     ty: String,
 }
@@ -395,34 +396,48 @@ pub fn bench(args: BenchArgs, out: Output) -> Result<()> {
 
 pub fn convert(args: ConvertArgs, out: Output) -> Result<()> {
     use axiom::format::quant::GgmlType;
-    let ty = GgmlType::ALL
-        .into_iter()
-        .find(|t| t.name().eq_ignore_ascii_case(&args.ty))
-        .with_context(|| format!("unknown type {:?}", args.ty))?;
+    let fp8 = args.ty.eq_ignore_ascii_case("fp8");
+    let ty = match fp8 {
+        true => GgmlType::Fp8,
+        false => GgmlType::ALL
+            .into_iter()
+            .find(|t| t.name().eq_ignore_ascii_case(&args.ty))
+            .with_context(|| format!("unknown type {:?}", args.ty))?,
+    };
     let bar = progress(1, "convert", out);
-    let written = axiom::convert::convert_hf_dir(&args.model, &args.output, ty, |done, total, name| {
+    let follow = |done: usize, total: usize, name: &str| {
         bar.set_length(total as u64);
         bar.set_position(done as u64);
         bar.set_message(name.to_string());
-    })?;
+    };
+    let written = match fp8 {
+        true => axiom::convert_fp8::convert_to_fp8(&args.model, &args.output, follow)?,
+        false => axiom::convert::convert_hf_dir(&args.model, &args.output, ty, follow)?,
+    };
     bar.finish_and_clear();
     if !out.quiet {
-        let size = std::fs::metadata(&args.output).map_or(0, |m| m.len());
+        let file = match fp8 {
+            true => args.output.join("model.safetensors"),
+            false => args.output.clone(),
+        };
+        let size = std::fs::metadata(&file).map_or(0, |m| m.len());
         let matrices: Vec<String> = written
             .matrices
             .iter()
             .map(|(t, n)| format!("{n} matrices {t}"))
             .collect();
         eprintln!(
-            "wrote {} ({:.1} MiB): {}, {} vectors F32",
+            "wrote {} ({:.1} MiB): {}, {} vectors {}",
             args.output.display(),
             size as f64 / (1 << 20) as f64,
             matrices.join(", "),
-            written.vectors
+            written.vectors,
+            if fp8 { "as stored" } else { "F32" }
         );
-        // Rows that do not fit the type's blocks fall back, which the type name alone would hide.
+        // Rows that do not fit the type's blocks fall back, which the type name alone would hide
+        // (FP8 keeps the embeddings and LM head as stored, as published FP8 checkpoints do).
         let fell_back: usize = written.matrices.iter().filter(|(t, _)| *t != ty).map(|(_, n)| n).sum();
-        if fell_back > 0 {
+        if fell_back > 0 && !fp8 {
             eprintln!(
                 "note: {fell_back} matrices have rows that are not a multiple of {ty}'s blocks of {} \
                  values; they were written as shown above, not as {ty}",
@@ -435,14 +450,21 @@ pub fn convert(args: ConvertArgs, out: Output) -> Result<()> {
 
 pub fn info(args: InfoArgs) -> Result<()> {
     use axiom::format::safetensors::SafetensorsModel;
+    use axiom::model::quantization::Fp8Quantization;
     use axiom::model::weights::TensorSource;
     let path = resolve_model(args.model.as_deref())?;
     if path.is_dir() {
         let json = std::fs::read_to_string(path.join("config.json")).context("reading config.json")?;
         let json: serde_json::Value = serde_json::from_str(&json).context("parsing config.json")?;
-        let checkpoint = SafetensorsModel::open_dir(&path)?;
+        let quantization = Fp8Quantization::from_hf(&json);
+        let checkpoint = SafetensorsModel::open_dir(&path, quantization.as_ref().ok().and_then(Option::as_ref))?;
         outln!("directory:     {} (Hugging Face, safetensors)", path.display())?;
         print_config(ModelConfig::from_hf(&json))?;
+        match quantization {
+            Ok(Some(q)) => outln!("quantization:  {q}")?,
+            Ok(None) => {}
+            Err(e) => outln!("quantization:  cannot run this model: {e}")?,
+        }
         print_tokenizer(Tokenizer::from_hf_dir(&path))?;
         print_tensors(&checkpoint.all())?;
         return Ok(());

@@ -127,13 +127,24 @@ fn info_describes_the_model() {
 }
 
 #[test]
-fn info_names_the_rope_scaling_and_the_experts() {
+fn info_names_the_rope_scaling_the_experts_and_the_quantization() {
     let fixture = |name: &str| {
         PathBuf::from(env!("CARGO_MANIFEST_DIR"))
             .join("../axiom/tests/fixtures/hf")
             .join(name)
     };
-    let cases: [(&str, &[&str]); 4] = [
+    let cases: [(&str, &[&str]); 6] = [
+        (
+            "qwen3_fp8",
+            &[
+                "quantization:  FP8 E4M3 weights, a scale per 128x128 block (fp8)",
+                "FP8_E4M3 x14",
+            ],
+        ),
+        (
+            "llama_fp8_channel",
+            &["quantization:  FP8 E4M3 weights, a scale per output channel (compressed-tensors)"],
+        ),
         (
             "qwen3_moe",
             &[
@@ -165,6 +176,40 @@ fn info_names_the_rope_scaling_and_the_experts() {
             assert!(out.contains(needle), "missing {needle:?} in\n{out}");
         }
     }
+}
+
+#[test]
+fn convert_type_fp8_writes_a_directory_that_runs() {
+    let source = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../axiom/tests/fixtures/hf/qwen3_fp8_source");
+    let out_dir = std::env::temp_dir().join(format!("axiom-cli-fp8-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&out_dir);
+    let out = axiom(&[
+        "convert",
+        source.to_str().unwrap(),
+        "-o",
+        out_dir.to_str().unwrap(),
+        "--type",
+        "fp8",
+    ]);
+    ok(&out);
+    let summary = String::from_utf8_lossy(&out.stderr);
+    // Every layer matrix of the two layers; the tied embedding as stored.
+    assert!(summary.contains("14 matrices FP8_E4M3"), "{summary}");
+    assert!(summary.contains("1 matrices BF16"), "{summary}");
+    let run = ok(&axiom(&[
+        "run",
+        "-m",
+        out_dir.to_str().unwrap(),
+        "-n",
+        "2",
+        "--temp",
+        "0",
+        "--json",
+        "The license",
+    ]));
+    let json: Value = serde_json::from_str(run.lines().last().unwrap()).unwrap();
+    assert_eq!(json["tokens"].as_array().unwrap().len(), 2, "{run}");
+    std::fs::remove_dir_all(out_dir).unwrap();
 }
 
 #[test]

@@ -27,7 +27,8 @@ use std::path::Path;
 
 /// What `convert_hf_dir` wrote: how many matrices went into each type, in the order the types
 /// first appeared (the type asked for, or Q8_0 or F32 where rows do not fit its blocks), and how
-/// many vectors (norms, biases: always F32).
+/// many vectors (norms, biases: always F32). `convert_fp8` counts the same way, keeping what it
+/// does not quantize in its stored type.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Written {
     pub matrices: Vec<(GgmlType, usize)>,
@@ -35,7 +36,7 @@ pub struct Written {
 }
 
 impl Written {
-    fn add_matrix(&mut self, ty: GgmlType) {
+    pub(crate) fn add_matrix(&mut self, ty: GgmlType) {
         match self.matrices.iter_mut().find(|(t, _)| *t == ty) {
             Some((_, n)) => *n += 1,
             None => self.matrices.push((ty, 1)),
@@ -62,7 +63,7 @@ pub fn convert_hf_dir(
     let json: Json =
         serde_json::from_str(&read("config.json")?).map_err(|e| Error::Model(format!("config.json: {e}")))?;
     let config = ModelConfig::from_hf(&json)?;
-    let checkpoint = SafetensorsModel::open_dir(dir)?;
+    let checkpoint = SafetensorsModel::open_dir(dir, config.quantization.as_ref())?;
     let arch = match config.architecture.as_str() {
         // llama.cpp writes Mixtral as `llama` with experts.
         "llama" | "mistral" | "mixtral" => "llama",

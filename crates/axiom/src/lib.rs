@@ -10,6 +10,7 @@ pub mod backend;
 pub mod cache;
 pub mod chat;
 pub mod convert;
+pub mod convert_fp8;
 pub mod engine;
 mod error;
 pub mod format;

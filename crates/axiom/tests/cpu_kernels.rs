@@ -70,7 +70,7 @@ fn assert_close(got: &[f32], want: &[f32], tol: f32, what: &str) {
 #[test]
 fn matmul_every_type_matches_dequantize_then_multiply() {
     let mut r = rng();
-    for ty in GgmlType::ALL {
+    for ty in GgmlType::ALL.into_iter().chain([GgmlType::Fp8]) {
         let n_in = if ty.block_len() == 256 { 512 } else { 96 };
         let n_out = 37;
         let bytes = random_weight_bytes(&mut r, ty, n_in * n_out);
@@ -436,7 +436,7 @@ fn quantized_activations(x: &[f32], n_in: usize) -> Vec<f32> {
 fn fast_matmul_every_type_and_instruction_set_matches_the_reference() {
     let mut r = rng();
     for isa in Isa::available() {
-        for ty in GgmlType::ALL {
+        for ty in GgmlType::ALL.into_iter().chain([GgmlType::Fp8]) {
             // Half-chunk rows for the 32-blocks; rows not a multiple of the four-row tile; token
             // counts that leave every remainder of the three-token tile.
             let n_in = if ty.block_len() == 256 { 512 } else { 96 };

@@ -73,7 +73,7 @@ fn bad_input_matrix() {
 fn sharded_checkpoints_are_read_through_their_index() {
     let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf/llama");
     assert!(dir.join("model.safetensors.index.json").is_file());
-    let m = SafetensorsModel::open_dir(&dir).unwrap();
+    let m = SafetensorsModel::open_dir(&dir, None).unwrap();
     // Tensors from the first and the last shard.
     assert!(m.get("model.embed_tokens.weight").is_some());
     assert!(m.get("model.norm.weight").is_some());

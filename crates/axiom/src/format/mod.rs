@@ -1,5 +1,6 @@
 //! Model container formats and tensor element types.
 
+pub mod fp8;
 pub mod gguf;
 pub mod gguf_writer;
 pub mod quant;

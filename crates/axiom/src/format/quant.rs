@@ -2,6 +2,7 @@
 //! dequantizer. These are the ground truth every fast kernel is tested against, so they are
 //! written for clarity, one block at a time, following the layouts of ggml's `ggml-common.h`.
 
+use super::fp8;
 use half::{bf16, f16};
 use std::fmt;
 
@@ -24,9 +25,13 @@ pub enum GgmlType {
     Q4K,
     Q5K,
     Q6K,
+    /// FP8 E4M3 codes of a Hugging Face FP8 checkpoint, not a GGUF type: blocks of an f32 scale
+    /// and 32 codes of a row (format/fp8.rs), whatever the checkpoint's scales cover.
+    Fp8,
 }
 
 impl GgmlType {
+    /// The GGUF types.
     pub const ALL: [GgmlType; 13] = [
         GgmlType::F32,
         GgmlType::F16,
@@ -78,6 +83,8 @@ impl GgmlType {
             GgmlType::Q5K => 13,
             GgmlType::Q6K => 14,
             GgmlType::BF16 => 30,
+            // No GGUF type: an id no GGUF file uses, so that no reader takes it for one.
+            GgmlType::Fp8 => u32::MAX,
         }
     }
 
@@ -87,6 +94,7 @@ impl GgmlType {
             GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => 1,
             GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q8_0 => 32,
             GgmlType::Q2K | GgmlType::Q3K | GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K => QK_K,
+            GgmlType::Fp8 => fp8::CODES_PER_BLOCK,
         }
     }
 
@@ -105,6 +113,7 @@ impl GgmlType {
             GgmlType::Q4K => 2 + 2 + 12 + 128,
             GgmlType::Q5K => 2 + 2 + 12 + 32 + 128,
             GgmlType::Q6K => 128 + 64 + 16 + 2,
+            GgmlType::Fp8 => fp8::BLOCK_BYTES,
         }
     }
 
@@ -141,6 +150,7 @@ impl GgmlType {
             GgmlType::Q4K => "Q4_K",
             GgmlType::Q5K => "Q5_K",
             GgmlType::Q6K => "Q6_K",
+            GgmlType::Fp8 => "FP8_E4M3",
         }
     }
 }
@@ -261,6 +271,12 @@ pub fn dequantize_block(ty: GgmlType, b: &[u8], y: &mut [f32]) {
         GgmlType::Q4K => dequantize_q4k(b, y),
         GgmlType::Q5K => dequantize_q5k(b, y),
         GgmlType::Q6K => dequantize_q6k(b, y),
+        GgmlType::Fp8 => {
+            let scale = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            for (y, &code) in y.iter_mut().zip(&b[4..fp8::BLOCK_BYTES]) {
+                *y = fp8::E4M3_VALUES[code as usize] * scale;
+            }
+        }
     }
 }
 

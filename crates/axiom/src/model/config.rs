@@ -3,6 +3,7 @@
 //! never a silently different model.
 
 use super::experts_config::ExpertsConfig;
+use super::quantization::Fp8Quantization;
 use super::rope_config::{rope_from_gguf, rope_from_hf, LongRopeFactors};
 use crate::backend::{Activation, AttentionShape, Rope, RopeLayout, RopeScaling, Scores};
 use crate::format::gguf::GgufFile;
@@ -52,6 +53,8 @@ pub struct ModelConfig {
     pub sliding: Option<SlidingWindow>,
     /// Mixture-of-experts feed-forward blocks, where layers have them.
     pub experts: Option<ExpertsConfig>,
+    /// How the checkpoint's FP8 weights are scaled (Hugging Face FP8 directories).
+    pub quantization: Option<Fp8Quantization>,
 }
 
 /// Layers that attend only to the last `window` positions (Mistral v0.1, Qwen2's upper layers,
@@ -246,6 +249,7 @@ impl ModelConfig {
             final_softcap: softcap("final_logit_softcapping"),
             sliding,
             experts: ExpertsConfig::from_gguf(file, &arch, n_layers, ffn_dim)?,
+            quantization: None,
             architecture: arch,
         };
         config.validate()?;
@@ -369,6 +373,7 @@ impl ModelConfig {
             final_softcap: softcap("final_logit_softcapping"),
             sliding,
             experts: ExpertsConfig::from_hf(config, &model_type, n_layers)?,
+            quantization: Fp8Quantization::from_hf(config)?,
             architecture: model_type,
         };
         config_out.validate()?;

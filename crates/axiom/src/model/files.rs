@@ -30,7 +30,8 @@ impl ModelFiles {
             let json: serde_json::Value =
                 serde_json::from_str(&text).map_err(|e| Error::Model(format!("config.json: {e}")))?;
             let config = ModelConfig::from_hf(&json)?;
-            (config, Container::HfDir(SafetensorsModel::open_dir(path)?))
+            let checkpoint = SafetensorsModel::open_dir(path, config.quantization.as_ref())?;
+            (config, Container::HfDir(checkpoint))
         } else {
             let file = GgufFile::open(path)?;
             (ModelConfig::from_gguf(&file)?, Container::Gguf(file))

@@ -5,6 +5,7 @@ pub mod experts_config;
 pub mod files;
 pub mod kv_cache;
 pub mod llama;
+pub mod quantization;
 pub mod rope_config;
 pub mod weights;
 

@@ -140,7 +140,7 @@ pub fn valid_gguf() -> Vec<u8> {
     w.buf
 }
 
-/// Random blocks of `ty` with finite f16 scales (at the byte offsets of each layout).
+/// Random blocks of `ty` with finite scales (at the byte offsets of each layout).
 pub fn random_weight_bytes(rng: &mut ChaCha8Rng, ty: GgmlType, n_elements: usize) -> Vec<u8> {
     let n_blocks = n_elements / ty.block_len();
     let mut bytes: Vec<u8> = (0..n_blocks * ty.block_bytes()).map(|_| rng.random()).collect();
@@ -159,6 +159,17 @@ pub fn random_weight_bytes(rng: &mut ChaCha8Rng, ty: GgmlType, n_elements: usize
         GgmlType::Q2K => &[80, 82],
         GgmlType::Q3K => &[108],
         GgmlType::Q6K => &[208],
+        GgmlType::Fp8 => {
+            // An f32 scale, then codes other than the two NaNs.
+            for block in bytes.chunks_exact_mut(ty.block_bytes()) {
+                block[..4].copy_from_slice(&rng.random_range(1e-4f32..1e-2).to_le_bytes());
+                block[4..]
+                    .iter_mut()
+                    .filter(|c| **c & 0x7f == 0x7f)
+                    .for_each(|c| *c &= 0xfe);
+            }
+            return bytes;
+        }
     };
     for block in bytes.chunks_exact_mut(ty.block_bytes()) {
         for &off in f16_fields {
@@ -197,6 +208,10 @@ pub const HF_FIXTURES: &[&str] = &[
 /// The tiny mixture-of-experts models of `scripts/make_hf_fixtures.py` (the CPU and Metal
 /// backends run them): Qwen3-MoE with a dense layer, Mixtral, Qwen2-MoE with its shared expert.
 pub const MOE_FIXTURES: &[&str] = &["qwen3_moe", "mixtral", "qwen2_moe"];
+
+/// The tiny FP8 checkpoints of `scripts/make_hf_fixtures.py` (the CPU runs them): Qwen3 with a
+/// scale per 128x128 block, Llama with one per channel (compressed-tensors).
+pub const FP8_FIXTURES: &[&str] = &["qwen3_fp8", "llama_fp8_channel"];
 
 /// A tiny Hugging Face model of `scripts/make_hf_fixtures.py`.
 pub fn hf_fixture(name: &str) -> PathBuf {

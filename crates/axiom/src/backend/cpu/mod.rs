@@ -901,6 +901,8 @@ fn quantize_row(isa: Isa, x: &[f32], q: &mut [i8], d: &mut [f32], s: &mut [f32])
 
 fn float_row(isa: Isa, ty: GgmlType, w: &[u8], n_in: usize, row: usize, out: &mut [f32]) {
     match isa {
+        // FP8 is decoded through a table, which the vector code does not speed up.
+        _ if ty == GgmlType::Fp8 => fast::portable::float_row(ty, w, n_in, row, out),
         // SAFETY: as above.
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512Vnni => unsafe { fast::avx512::float_row(ty, w, n_in, row, out) },

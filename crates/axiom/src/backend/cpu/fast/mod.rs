@@ -33,8 +33,10 @@ pub fn has_int8_kernel(ty: GgmlType) -> bool {
     )
 }
 
+/// Float weights, and FP8 ones: E4M3's values times f32 scales are exact in f32 and not in 8-bit
+/// integers, so their rows are converted to f32 like the float types'.
 pub fn has_float_kernel(ty: GgmlType) -> bool {
-    matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16)
+    matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 | GgmlType::Fp8)
 }
 
 /// The instruction set the kernels use, chosen once at startup.

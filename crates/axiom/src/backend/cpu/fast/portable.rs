@@ -2,7 +2,7 @@
 //! definition the SIMD versions are tested against.
 
 use super::{Q8Activations, Stage, CHUNK, GROUP, GROUPS_PER_CHUNK};
-use crate::format::quant::{GgmlType, QK_K};
+use crate::format::quant::{dequantize, GgmlType, QK_K};
 use half::{bf16, f16};
 
 fn f16_at(b: &[u8], i: usize) -> f32 {
@@ -137,10 +137,11 @@ pub fn dot_row(stage: &Stage, slot: usize, x: &Q8Activations, t0: usize, out: &m
     }
 }
 
-/// Converts one row of a float weight to f32.
+/// Converts one row of a float (or FP8) weight to f32.
 pub fn float_row(ty: GgmlType, w: &[u8], n_in: usize, row: usize, out: &mut [f32]) {
-    let bytes = &w[row * n_in * ty.block_bytes()..(row + 1) * n_in * ty.block_bytes()];
+    let bytes = &w[row * ty.row_bytes(n_in)..(row + 1) * ty.row_bytes(n_in)];
     match ty {
+        GgmlType::Fp8 => dequantize(ty, bytes, &mut out[..n_in]),
         GgmlType::F32 => {
             for (o, c) in out.iter_mut().zip(bytes.chunks_exact(4)) {
                 *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);

@@ -1,10 +1,16 @@
 //! Hugging Face checkpoints: one `model.safetensors` or shards listed in
 //! `model.safetensors.index.json`, each memory-mapped and parsed by the `safetensors` crate (which
 //! checks the header size, the JSON, the dtypes and that offsets tile the data exactly). Every
-//! tensor's byte range is checked again here against its shape and dtype.
+//! tensor's byte range is checked again here against its shape and dtype. FP8 E4M3 weights are
+//! packed with their scales (as the config's `quantization_config` lays them out) into
+//! [`GgmlType::Fp8`] blocks at open.
+
+mod fp8_weights;
 
 use super::quant::GgmlType;
+use crate::model::quantization::Fp8Quantization;
 use crate::{Error, Result};
+use fp8_weights::RawFp8;
 use memmap2::Mmap;
 use std::collections::{BTreeSet, HashMap};
 use std::fs::File;
@@ -25,8 +31,11 @@ pub struct StEntry {
 }
 
 pub struct SafetensorsModel {
+    /// The files' maps, then the one holding the FP8 weights as `Fp8` blocks, if any.
     files: Vec<Arc<Mmap>>,
     tensors: HashMap<String, StEntry>,
+    /// Bytes of the files on disk.
+    disk_bytes: usize,
 }
 
 fn bad(path: &Path, problem: impl std::fmt::Display) -> Error {
@@ -34,8 +43,9 @@ fn bad(path: &Path, problem: impl std::fmt::Display) -> Error {
 }
 
 impl SafetensorsModel {
-    /// Opens the checkpoint in a model directory.
-    pub fn open_dir(dir: &Path) -> Result<SafetensorsModel> {
+    /// Opens the checkpoint in a model directory, its FP8 weights scaled as `quantization` says
+    /// (the config's).
+    pub fn open_dir(dir: &Path, quantization: Option<&Fp8Quantization>) -> Result<SafetensorsModel> {
         let index = dir.join("model.safetensors.index.json");
         let names: Vec<String> = if index.is_file() {
             let text = std::fs::read_to_string(&index).map_err(Error::io(format!("reading {}", index.display())))?;
@@ -57,10 +67,13 @@ impl SafetensorsModel {
         let mut model = SafetensorsModel {
             files: Vec::new(),
             tensors: HashMap::new(),
+            disk_bytes: 0,
         };
+        let mut fp8 = Vec::new();
         for name in names {
-            model.add_file(&dir.join(name))?;
+            model.add_file(&dir.join(name), &mut fp8)?;
         }
+        model.pack_fp8(fp8, quantization)?;
         Ok(model)
     }
 
@@ -72,20 +85,24 @@ impl SafetensorsModel {
         let mut model = SafetensorsModel {
             files: Vec::new(),
             tensors: HashMap::new(),
+            disk_bytes: 0,
         };
-        model.add_map(Path::new("<memory>"), Arc::new(map), bytes.len())?;
+        let mut fp8 = Vec::new();
+        model.add_map(Path::new("<memory>"), Arc::new(map), bytes.len(), &mut fp8)?;
+        model.pack_fp8(fp8, None)?;
         Ok(model)
     }
 
-    fn add_file(&mut self, path: &Path) -> Result<()> {
+    fn add_file(&mut self, path: &Path, fp8: &mut Vec<RawFp8>) -> Result<()> {
         let file = File::open(path).map_err(Error::io(format!("opening {}", path.display())))?;
         // SAFETY: read-only map; every offset is validated before use.
         let map = unsafe { Mmap::map(&file) }.map_err(Error::io(format!("mapping {}", path.display())))?;
         let len = map.len();
-        self.add_map(path, Arc::new(map), len)
+        self.add_map(path, Arc::new(map), len, fp8)
     }
 
-    fn add_map(&mut self, path: &Path, map: Arc<Mmap>, len: usize) -> Result<()> {
+    /// Adds a file's tensors; its FP8 ones go to `fp8`, to be packed with their scales.
+    fn add_map(&mut self, path: &Path, map: Arc<Mmap>, len: usize, fp8: &mut Vec<RawFp8>) -> Result<()> {
         let bytes = &map[..len];
         let Some(&header_len) = bytes.first_chunk::<8>() else {
             return Err(bad(path, "truncated: no header length"));
@@ -106,9 +123,10 @@ impl SafetensorsModel {
         let file_index = self.files.len();
         for (name, info) in metadata.tensors() {
             let ty = match info.dtype {
-                safetensors::Dtype::F32 => GgmlType::F32,
-                safetensors::Dtype::F16 => GgmlType::F16,
-                safetensors::Dtype::BF16 => GgmlType::BF16,
+                safetensors::Dtype::F32 => Some(GgmlType::F32),
+                safetensors::Dtype::F16 => Some(GgmlType::F16),
+                safetensors::Dtype::BF16 => Some(GgmlType::BF16),
+                safetensors::Dtype::F8_E4M3 => None,
                 other => {
                     return Err(Error::UnsupportedTensorType {
                         name: name.clone(),
@@ -119,7 +137,8 @@ impl SafetensorsModel {
             };
             let (start, end) = info.data_offsets;
             let elements = info.shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
-            let expected = elements.and_then(|n| n.checked_mul(ty.block_bytes()));
+            let element_bytes = ty.map_or(1, GgmlType::block_bytes);
+            let expected = elements.and_then(|n| n.checked_mul(element_bytes));
             if expected != Some(end.wrapping_sub(start)) || end < start {
                 return Err(bad(
                     path,
@@ -135,6 +154,15 @@ impl SafetensorsModel {
                 return Err(bad(path, format!("tensor {name} lies past the end of the file")));
             }
             let dims = info.shape.iter().rev().copied().collect();
+            let Some(ty) = ty else {
+                fp8.push(RawFp8 {
+                    name: name.clone(),
+                    dims,
+                    file: file_index,
+                    range,
+                });
+                continue;
+            };
             if self
                 .tensors
                 .insert(
@@ -153,6 +181,7 @@ impl SafetensorsModel {
             }
         }
         self.files.push(map);
+        self.disk_bytes += len;
         Ok(())
     }
 
@@ -174,6 +203,6 @@ impl SafetensorsModel {
 
     /// Bytes of all its files together, headers included.
     pub fn file_size(&self) -> usize {
-        self.files.iter().map(|map| map.len()).sum()
+        self.disk_bytes
     }
 }
