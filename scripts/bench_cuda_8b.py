@@ -93,16 +93,17 @@ def random_bytes(dims, ty, gen):
     return blocks.cpu().numpy().tobytes()
 
 
-def vocabulary(size=VOCAB):
+def vocabulary(size=None):
     """GPT-2's 256 byte pieces, so that any text (JSON under a constraint, say) has tokens, then
     made-up pieces up to `size`."""
     printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
     pieces = [chr(b) for b in printable]
     pieces += [chr(256 + i) for i in range(256 - len(pieces))]
-    return pieces + [f"t{i}" for i in range(len(pieces), size)]
+    return pieces + [f"t{i}" for i in range(len(pieces), size or VOCAB)]
 
 
 def write_gguf(path, ty):
+    """Writes the file; returns the bytes of the matrices a token reads (all but the embedding)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     meta = [kv_string("general.architecture", "llama"), kv_string("general.name", f"llama3-8b-shaped-random-{ty}"),
             kv_u32("llama.block_count", LAYERS), kv_u32("llama.context_length", 8192),
@@ -112,8 +113,15 @@ def write_gguf(path, ty):
             kv_u32("llama.vocab_size", VOCAB), kv_string("tokenizer.ggml.model", "gpt2"),
             kv_string("tokenizer.ggml.pre", "default"), kv_strings("tokenizer.ggml.tokens", vocabulary()),
             kv_strings("tokenizer.ggml.merges", []), kv_u32("tokenizer.ggml.eos_token_id", 0)]
+    write_file(path, meta, tensors(ty), lambda dims, t: random_bytes(dims, t, gen))
+    return sum(nbytes(d, t) for n, d, t in tensors(ty) if len(d) == 2 and n != "token_embd.weight")
+
+
+def write_file(path, meta, tensor_list, draw):
+    """A GGUF of `meta` (encoded key-values) and the tensors of `tensor_list` ((name, dims in GGUF
+    order, type name)), each one's bytes from `draw(dims, type name)`."""
     infos, offset = [], 0
-    for name, dims, t in tensors(ty):
+    for name, dims, t in tensor_list:
         tid = 0 if t == "f32" else TYPES[t][0]
         b = name.encode()
         infos.append(struct.pack("<Q", len(b)) + b + struct.pack("<I", len(dims)) + struct.pack(f"<{len(dims)}Q", *dims)
@@ -123,11 +131,9 @@ def write_gguf(path, ty):
         f.write(b"GGUF" + struct.pack("<IQQ", 3, len(infos), len(meta)))
         f.write(b"".join(meta) + b"".join(infos))
         f.write(b"\0" * ((32 - f.tell() % 32) % 32))
-        for name, dims, t in tensors(ty):
-            data = random_bytes(dims, t, gen)
+        for name, dims, t in tensor_list:
+            data = draw(dims, t)
             f.write(data + b"\0" * ((32 - len(data) % 32) % 32))
-    weight_bytes = sum(nbytes(d, t) for n, d, t in tensors(ty) if len(d) == 2 and n != "token_embd.weight")
-    return weight_bytes
 
 
 def copy_bandwidth():

@@ -15,7 +15,6 @@ for each file in turn (bf16: 61 GB, Q8_0: 32 GB, Q4_K: 17 GB).
 import argparse
 import json
 import os
-import struct
 import subprocess
 import time
 
@@ -71,20 +70,7 @@ def write_gguf(path, ty):
             kv_string("tokenizer.ggml.model", "gpt2"), kv_string("tokenizer.ggml.pre", "default"),
             kv_strings("tokenizer.ggml.tokens", dense.vocabulary(VOCAB)), kv_strings("tokenizer.ggml.merges", []),
             kv_u32("tokenizer.ggml.eos_token_id", 0)]
-    infos, offset = [], 0
-    for name, dims, t in tensors(ty):
-        tid = 0 if t == "f32" else dense.TYPES[t][0]
-        b = name.encode()
-        infos.append(struct.pack("<Q", len(b)) + b + struct.pack("<I", len(dims)) + struct.pack(f"<{len(dims)}Q", *dims)
-                     + struct.pack("<IQ", tid, offset))
-        offset += (dense.nbytes(dims, t) + 31) // 32 * 32
-    with open(path, "wb") as f:
-        f.write(b"GGUF" + struct.pack("<IQQ", 3, len(infos), len(meta)))
-        f.write(b"".join(meta) + b"".join(infos))
-        f.write(b"\0" * ((32 - f.tell() % 32) % 32))
-        for name, dims, t in tensors(ty):
-            data = random_bytes(dims, t, gen)
-            f.write(data + b"\0" * ((32 - len(data) % 32) % 32))
+    dense.write_file(path, meta, tensors(ty), lambda dims, t: random_bytes(dims, t, gen))
     read = 0
     for name, dims, t in tensors(ty):
         if name == "token_embd.weight":

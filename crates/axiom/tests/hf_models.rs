@@ -17,7 +17,9 @@ use common::{hf_fixture as fixture, worst_error};
 
 #[test]
 fn every_architecture_matches_transformers_in_f32() {
-    for &name in common::HF_FIXTURES.iter().chain(common::MOE_FIXTURES) {
+    // The FP8 checkpoints' reference is transformers on their dequantized weights.
+    let fixtures = common::HF_FIXTURES.iter().chain(common::MOE_FIXTURES).chain(common::FP8_FIXTURES);
+    for &name in fixtures {
         let reference = worst_error(&fixture(name), &fixture(name), CpuBackend::reference(2));
         assert!(
             reference < 1e-4,
