@@ -18,7 +18,10 @@ use common::{hf_fixture as fixture, worst_error};
 #[test]
 fn every_architecture_matches_transformers_in_f32() {
     // The FP8 checkpoints' reference is transformers on their dequantized weights.
-    let fixtures = common::HF_FIXTURES.iter().chain(common::MOE_FIXTURES).chain(common::FP8_FIXTURES);
+    let fixtures = common::HF_FIXTURES
+        .iter()
+        .chain(common::MOE_FIXTURES)
+        .chain(common::FP8_FIXTURES);
     for &name in fixtures {
         let reference = worst_error(&fixture(name), &fixture(name), CpuBackend::reference(2));
         assert!(
