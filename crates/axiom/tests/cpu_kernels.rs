@@ -708,6 +708,7 @@ impl ExpertCase {
             up: poisoned(&mut b, n * k * w),
             hidden: poisoned(&mut b, n * k * w),
             out: poisoned(&mut b, n * k * d),
+            groups: poisoned(&mut b, axiom::backend::ExpertScratch::groups_len(EXPERTS, n * k)),
         };
         let residual = upload(&mut b, &self.residual);
         let set = axiom::backend::ExpertSet {

@@ -153,8 +153,15 @@ fn every_architecture_on_cuda_matches_transformers() {
 
 #[test]
 #[ignore = "needs an NVIDIA GPU: cargo test --release --test cuda -- --ignored"]
-fn mixtures_of_experts_are_refused_on_cuda() {
-    gpu::mixtures_of_experts_are_refused_by_name(|| cuda(KvType::F16), "cuda");
+fn mixtures_of_experts_on_cuda_match_transformers() {
+    gpu::mixtures_of_experts_match_transformers(cuda);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: cargo test --release --test cuda -- --ignored"]
+fn expert_ops_match_the_cpu_reference() {
+    // The expert products compute in f32 on the stored weights, as the CPU reference does.
+    gpu::expert_ops(|| cuda(KvType::F16), 1e-5);
 }
 
 #[test]

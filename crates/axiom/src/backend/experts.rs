@@ -86,6 +86,9 @@ impl<W: Matrix> ExpertSet<'_, W> {
 
 /// Scratch for the expert op over `n_tokens` tokens of `k` experts each: `rows` and `out` hold
 /// `n_tokens * k` rows of the model's width, `gate`, `up` and `hidden` as many of the experts'.
+/// `groups` holds `n_experts + 1 + 2 * n_tokens * k` u32, for a backend that groups the (token,
+/// expert) pairs by expert on the device (CUDA): each expert's first slot, then each pair's slot
+/// and each slot's pair.
 #[derive(Debug, Clone, Copy)]
 pub struct ExpertScratch {
     pub rows: BlockHandle,
@@ -93,55 +96,12 @@ pub struct ExpertScratch {
     pub up: BlockHandle,
     pub hidden: BlockHandle,
     pub out: BlockHandle,
+    pub groups: BlockHandle,
 }
 
-/// The error of a backend whose kernels do not run mixture-of-experts layers yet.
-pub fn experts_not_implemented(backend: &str) -> crate::Error {
-    crate::Error::Backend(format!(
-        "mixture-of-experts layers are not yet implemented on the {backend} backend (the CPU backend runs them)"
-    ))
+impl ExpertScratch {
+    /// The u32 values `groups` must hold for `n_pairs` pairs over `n_experts` experts.
+    pub fn groups_len(n_experts: usize, n_pairs: usize) -> usize {
+        n_experts + 1 + 2 * n_pairs
+    }
 }
-
-/// `Kernels`'s mixture-of-experts methods for a backend whose kernels do not run them yet: each
-/// refuses by the backend's name, `upload_experts` at load.
-macro_rules! experts_not_implemented_on {
-    ($backend:literal) => {
-        fn upload_experts(&mut self, _: &[$crate::backend::HostTensor]) -> $crate::Result<Vec<Self::Weight>> {
-            Err($crate::backend::experts_not_implemented($backend))
-        }
-
-        fn route(
-            &self,
-            _: $crate::backend::BlockHandle,
-            _: $crate::backend::Routes,
-            _: usize,
-            _: $crate::backend::Routing,
-        ) -> $crate::Result<()> {
-            Err($crate::backend::experts_not_implemented($backend))
-        }
-
-        fn experts(
-            &self,
-            _: $crate::backend::BlockHandle,
-            _: $crate::backend::ExpertSet<'_, Self::Weight>,
-            _: $crate::backend::Routes,
-            _: $crate::backend::ExpertScratch,
-            _: $crate::backend::BlockHandle,
-            _: usize,
-        ) -> $crate::Result<()> {
-            Err($crate::backend::experts_not_implemented($backend))
-        }
-
-        fn add_gated(
-            &self,
-            _: $crate::backend::BlockHandle,
-            _: $crate::backend::BlockHandle,
-            _: $crate::backend::BlockHandle,
-            _: usize,
-            _: usize,
-        ) -> $crate::Result<()> {
-            Err($crate::backend::experts_not_implemented($backend))
-        }
-    };
-}
-pub(crate) use experts_not_implemented_on;

@@ -78,8 +78,7 @@ pub trait Kernels {
     /// Makes a weight matrix (2-D, any supported type) available to `matmul` and `embed`.
     fn upload_weight(&mut self, tensor: &HostTensor) -> Result<Self::Weight>;
     /// Makes one matrix of every expert of a mixture-of-experts layer (all of one shape and
-    /// type) available to `experts`. A backend that does not run such layers refuses here, at
-    /// load, by name ([`super::experts_not_implemented`]).
+    /// type) available to `experts`.
     fn upload_experts(&mut self, tensors: &[HostTensor]) -> Result<Vec<Self::Weight>>;
 
     // --- context: host <-> device and ordering ---

@@ -21,8 +21,7 @@ mod kernels;
 pub mod metal;
 
 pub use arena::{Arena, ArenaError, BlockHandle};
-use experts::experts_not_implemented_on;
-pub use experts::{experts_not_implemented, ExpertScratch, ExpertSet, Routes, Routing};
+pub use experts::{ExpertScratch, ExpertSet, Routes, Routing};
 pub use fused::{
     attend_and_project_in_steps, feed_forward_in_steps, gate_up_glu_in_steps, mixture_in_steps,
     rope_attend_and_project_in_steps, rope_kv_write_in_steps, Backend, FeedForward, FeedForwardScratch, GluRows,

@@ -205,6 +205,7 @@ struct Scratch {
     expert_up: BlockHandle,
     expert_hidden: BlockHandle,
     expert_out: BlockHandle,
+    expert_groups: BlockHandle,
     shared_gates: BlockHandle,
 }
 
@@ -234,6 +235,7 @@ impl Scratch {
                 up: self.expert_up,
                 hidden: self.expert_hidden,
                 out: self.expert_out,
+                groups: self.expert_groups,
             },
             shared: self.feed_forward(),
             shared_gates: self.shared_gates,
@@ -810,14 +812,17 @@ fn scratch_widths(c: &ModelConfig) -> [usize; 12] {
 
 /// Widths (values per token, 4 bytes each) of the mixture blocks' scratch in `Scratch` field
 /// order from `router_logits`: the router's logits, the k routes' ids and weights, the k
-/// gathered rows of each token and the experts' rows for them, the shared expert's gate logit.
-fn mixture_widths(c: &ModelConfig) -> [usize; 9] {
+/// gathered rows of each token and the experts' rows for them, the pairs' grouping by expert
+/// (`ExpertScratch::groups`: its per-expert part counted in every token's, which covers a step
+/// of one), the shared expert's gate logit.
+fn mixture_widths(c: &ModelConfig) -> [usize; 10] {
     match &c.experts {
-        None => [0; 9],
+        None => [0; 10],
         Some(e) => {
             let (k, shared_gate) = (e.used, usize::from(e.shared_ffn_dim.is_some()));
             let (rows, hidden) = (k * c.dim, k * e.ffn_dim);
-            [e.count, k, k, rows, hidden, hidden, hidden, rows, shared_gate]
+            let groups = ExpertScratch::groups_len(e.count, k);
+            [e.count, k, k, rows, hidden, hidden, hidden, rows, groups, shared_gate]
         }
     }
 }
@@ -836,7 +841,7 @@ fn scratch_bytes(c: &ModelConfig, max_batch: usize) -> usize {
 impl Scratch {
     fn new<B: Backend>(b: &mut B, c: &ModelConfig, max_batch: usize) -> Result<Scratch> {
         let [x, normed, q, k, v, attn, proj, gate, up, hidden, q_normed, k_normed] = scratch_widths(c);
-        let [router_logits, route_ids, route_weights, expert_rows, expert_gate, expert_up, expert_hidden, expert_out, shared_gates] =
+        let [router_logits, route_ids, route_weights, expert_rows, expert_gate, expert_up, expert_hidden, expert_out, expert_groups, shared_gates] =
             mixture_widths(c);
         let mut alloc = |width: usize| b.alloc(width * max_batch * 4);
         Ok(Scratch {
@@ -860,6 +865,7 @@ impl Scratch {
             expert_up: alloc(expert_up)?,
             expert_hidden: alloc(expert_hidden)?,
             expert_out: alloc(expert_out)?,
+            expert_groups: alloc(expert_groups)?,
             shared_gates: alloc(shared_gates)?,
             logits: b.alloc(LOGIT_ROWS_PER_STEP * c.vocab_size * 4)?,
             allowed: b.alloc(LOGIT_ROWS_PER_STEP * c.vocab_size.div_ceil(32) * 4)?,

@@ -763,6 +763,7 @@ impl Kernels for CpuBackend {
             up,
             hidden,
             out,
+            groups: _,
         } = scratch;
         disjoint(
             &[residual, rows, gate, up, hidden, out],

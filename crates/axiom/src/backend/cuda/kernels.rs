@@ -28,6 +28,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("flash_attention_wg.cu", include_str!("kernels/flash_attention_wg.cu")),
     ("elementwise.cu", include_str!("kernels/elementwise.cu")),
     ("argmax.cu", include_str!("kernels/argmax.cu")),
+    ("experts.cu", include_str!("kernels/experts.cu")),
 ];
 
 /// All sources as one translation unit (NVRTC compiles them together, once).
@@ -104,6 +105,15 @@ pub fn gemv_kernel(int8: bool, glu: bool, ty: &str, tokens: usize) -> String {
     format!("{kind}{glu}_{ty}_{tokens}")
 }
 
+/// The expert-product kernel for weights with kernel suffix `ty` (kernels/experts.cu): per (token,
+/// expert) pair or (`grouped`) per expert over its grouped pairs, computing products or (`glu`)
+/// act(gate) * up.
+pub fn expert_kernel(grouped: bool, glu: bool, ty: &str) -> String {
+    let kind = if grouped { "expert_groups" } else { "expert_rows" };
+    let glu = if glu { "_glu" } else { "" };
+    format!("{kind}{glu}_{ty}")
+}
+
 /// The one-token f32-activation matrix-vector kernel that RMS-normalizes its input first.
 pub fn gemv_normed_kernel(glu: bool, ty: &str) -> String {
     let glu = if glu { "_glu" } else { "" };
@@ -161,6 +171,11 @@ pub fn kernel_names(arch: &str) -> Vec<String> {
         "convert_f32",
         "argmax",
         "quantize_q8",
+        "route",
+        "group_pairs",
+        "gather_pairs",
+        "experts_sum",
+        "add_gated",
     ]
     .iter()
     .map(|n| n.to_string())
@@ -182,6 +197,9 @@ pub fn kernel_names(arch: &str) -> Vec<String> {
         }
     }
     names.extend(quantized.iter().map(|ty| format!("dequant_f16_{ty}")));
+    for (grouped, glu) in [(false, false), (false, true), (true, false), (true, true)] {
+        names.extend(every_type.iter().map(|ty| expert_kernel(grouped, glu, ty)));
+    }
     for head_dim in [64, 128] {
         for &warpgroups in flash_attention_kinds(arch) {
             names.extend([1, 2].map(|groups| flash_attention_kernel(head_dim, groups, warpgroups)));

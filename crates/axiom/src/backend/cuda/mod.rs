@@ -18,6 +18,7 @@ mod argmax;
 mod attention;
 mod elementwise;
 mod embed;
+mod experts;
 mod flash_attention;
 mod gemm;
 mod graphs;
@@ -31,8 +32,9 @@ mod rope;
 mod weights;
 
 use super::{
-    Activation, Arena, AttentionKv, AttentionShape, Backend, BlockHandle, FeedForward, FeedForwardScratch, GluRows,
-    HostTensor, Input, KvType, NewRows, NextInput, Projection, Residual, Rope, StepLayout,
+    Activation, Arena, AttentionKv, AttentionShape, Backend, BlockHandle, ExpertScratch, ExpertSet, FeedForward,
+    FeedForwardScratch, GluRows, HostTensor, Input, KvType, NewRows, NextInput, Projection, Residual, Rope, Routes,
+    Routing, StepLayout,
 };
 use crate::format::quant::GgmlType;
 use crate::{Error, Result};
@@ -193,6 +195,10 @@ impl super::Kernels for CudaBackend {
         self.upload_split_weight(t)
     }
 
+    fn upload_experts(&mut self, tensors: &[HostTensor]) -> Result<Vec<CudaWeight>> {
+        self.upload_expert_stack(tensors)
+    }
+
     fn write_f32(&self, dst: BlockHandle, src: &[f32]) -> Result<()> {
         assert!(std::mem::size_of_val(src) <= dst.len);
         // SAFETY: bounds checked above; the copy completes before the call returns (pageable memory).
@@ -325,7 +331,32 @@ impl super::Kernels for CudaBackend {
         self.launch_add_bias(x, bias, n_tokens, width)
     }
 
-    super::experts_not_implemented_on!("cuda");
+    fn route(&self, logits: BlockHandle, routes: Routes, n_tokens: usize, routing: Routing) -> Result<()> {
+        self.launch_route(logits, routes, n_tokens, routing)
+    }
+
+    fn experts(
+        &self,
+        x: BlockHandle,
+        set: ExpertSet<'_, CudaWeight>,
+        routes: Routes,
+        scratch: ExpertScratch,
+        residual: BlockHandle,
+        n_tokens: usize,
+    ) -> Result<()> {
+        self.run_experts(x, set, routes, scratch, residual, n_tokens)
+    }
+
+    fn add_gated(
+        &self,
+        x: BlockHandle,
+        rows: BlockHandle,
+        gates: BlockHandle,
+        n_tokens: usize,
+        width: usize,
+    ) -> Result<()> {
+        self.launch_add_gated(x, rows, gates, n_tokens, width)
+    }
 
     fn glu(&self, gate: BlockHandle, up: BlockHandle, out: BlockHandle, n: usize, act: Activation) -> Result<()> {
         self.launch_glu(gate, up, out, n, act)

@@ -319,6 +319,92 @@ kernel_params! {
         kind: i32,
     }
 
+    /// route: each token's router logits (`n_experts` a row) to its `k` expert ids and weights.
+    struct RouteParams for ["route"] {
+        logits: u64,
+        ids: u64,
+        weights: u64,
+        n_tokens: i32,
+        n_experts: i32,
+        k: i32,
+        renormalize: i32,
+    }
+
+    /// One matrix of every expert of a layer (`upload_experts`): expert e's fields at `e` times
+    /// each field's stride (bytes) from expert 0's.
+    struct ExpertWeights for [] {
+        q: u64,
+        s: u64,
+        m: u64,
+        q_stride: u64,
+        s_stride: u64,
+        m_stride: u64,
+    }
+
+    /// The expert products: `w` (and with GLU `up`) of each pair's expert by its input row, into
+    /// its output row. Pairwise, the pairs' experts are `ids` and pair i reads row
+    /// `i / rows_per_token` of `x`; grouped, expert e's slots are `offsets[e]..offsets[e + 1]`
+    /// of `x` and `out`.
+    struct ExpertProductParams for ["expert_rows_", "expert_groups_"] {
+        w: ExpertWeights,
+        up: ExpertWeights,
+        ids: u64,
+        offsets: u64,
+        x: u64,
+        out: u64,
+        n_in: i32,
+        n_out: i32,
+        n_experts: i32,
+        rows_per_token: i32,
+        act: i32,
+    }
+
+    /// group_pairs: the pairs' `ids` grouped by expert into `offsets` (`n_experts + 1`), `slots`
+    /// (each pair's) and `pairs` (each slot's).
+    struct GroupPairsParams for ["group_pairs"] {
+        ids: u64,
+        offsets: u64,
+        slots: u64,
+        pairs: u64,
+        n_pairs: i32,
+        n_experts: i32,
+    }
+
+    /// gather_pairs: `rows[s]` = row `pairs[s] / k` of `x` (`dim` values) for the grouped slots.
+    struct GatherPairsParams for ["gather_pairs"] {
+        x: u64,
+        rows: u64,
+        pairs: u64,
+        offsets: u64,
+        n_pairs: i32,
+        n_experts: i32,
+        k: i32,
+        dim: i32,
+    }
+
+    /// experts_sum: each token's `k` expert rows of `out` (pair i's at row `slots[i]`, or i where
+    /// `slots` is 0) weighed and added to its residual row.
+    struct ExpertsSumParams for ["experts_sum"] {
+        residual: u64,
+        out: u64,
+        ids: u64,
+        weights: u64,
+        slots: u64,
+        n: u64,
+        dim: i32,
+        k: i32,
+        n_experts: i32,
+    }
+
+    /// add_gated: `x[t] += sigmoid(gates[t]) * rows[t]` for rows of `width`.
+    struct AddGatedParams for ["add_gated"] {
+        x: u64,
+        rows: u64,
+        gates: u64,
+        n: u64,
+        width: u64,
+    }
+
     /// `chosen`, `chosen_at` and `position` are 0 unless the choice is a queued greedy one;
     /// `allowed` is 0 unless the rows are constrained (`n.div_ceil(32)` words a row).
     struct ArgmaxParams for ["argmax"] {

@@ -16,8 +16,8 @@ pub struct CudaWeight {
     pub n_out: usize,
     pub n_in: usize,
     pub(super) q: BlockHandle,
-    s: Option<BlockHandle>,
-    m: Option<BlockHandle>,
+    pub(super) s: Option<BlockHandle>,
+    pub(super) m: Option<BlockHandle>,
 }
 
 crate::backend::impl_matrix!(CudaWeight);
@@ -96,29 +96,14 @@ fn interleave_row(row: &[u8], unit_bytes: usize, out: &mut Vec<u8>) {
 
 impl CudaBackend {
     pub(super) fn upload_split_weight(&mut self, t: &HostTensor) -> Result<CudaWeight> {
-        let (n_in, n_out) = t.matrix_shape()?;
-        Self::type_suffix(t.ty).map_err(|_| Error::UnsupportedTensorType {
-            name: t.name.to_string(),
-            ty: t.ty.to_string(),
-            op: "the CUDA backend",
-        })?;
-        if !n_in.is_multiple_of(32) {
-            return Err(Error::Model(format!(
-                "tensor {}: rows of {n_in} are not a multiple of 32",
-                t.name
-            )));
-        }
+        let (n_in, n_out) = checked_shape(t)?;
         let split = split_weight(t.ty, t.bytes, n_in);
         let mut upload = |data: &[u8]| -> Result<Option<BlockHandle>> {
             if data.is_empty() {
                 return Ok(None);
             }
             let block = self.alloc(data.len())?;
-            let dst = self.base + block.offset as u64;
-            // SAFETY: the block holds `data.len()` bytes; the copy from pageable host memory
-            // completes before the call returns.
-            unsafe { cudarc::driver::result::memcpy_htod_async(dst, data, self.stream.cu_stream()) }
-                .map_err(driver_error("weight upload"))?;
+            self.copy_in(block, data)?;
             Ok(Some(block))
         };
         let q = upload(&split.q)?.ok_or_else(|| Error::Model(format!("tensor {} is empty", t.name)))?;
@@ -135,11 +120,86 @@ impl CudaBackend {
         })
     }
 
+    /// `Kernels::upload_experts`: one matrix of every expert, repacked as `upload_weight` repacks
+    /// a matrix, each field in one block, expert after expert at a fixed stride (a multiple of
+    /// `ALIGN`), so that a kernel finds expert e's at e strides from expert 0's (`expert_stack`).
+    /// They never reach cuBLAS, so they leave its staging and the graphs' token bound alone.
+    pub(super) fn upload_expert_stack(&mut self, tensors: &[HostTensor]) -> Result<Vec<CudaWeight>> {
+        let Some(first) = tensors.first() else {
+            return Err(Error::Model("a mixture of no experts".into()));
+        };
+        let (n_in, n_out) = checked_shape(first)?;
+        let mut splits = Vec::with_capacity(tensors.len());
+        for t in tensors {
+            if t.ty != first.ty || t.matrix_shape()? != (n_in, n_out) {
+                return Err(Error::Model(format!(
+                    "experts {} and {} differ in type or shape",
+                    first.name, t.name
+                )));
+            }
+            splits.push(split_weight(t.ty, t.bytes, n_in));
+        }
+        // Each field of every expert in one block: (its block, stride, length) per expert.
+        let mut stack = |field: fn(&SplitWeight) -> &[u8]| -> Result<Option<(BlockHandle, usize, usize)>> {
+            let len = field(&splits[0]).len();
+            if len == 0 {
+                return Ok(None);
+            }
+            let stride = len.next_multiple_of(ALIGN);
+            let block = self.alloc(stride * splits.len())?;
+            for (e, split) in splits.iter().enumerate() {
+                self.copy_in(block.slice(e * stride, len), field(split))?;
+            }
+            Ok(Some((block, stride, len)))
+        };
+        let q = stack(|w| &w.q)?.ok_or_else(|| Error::Model(format!("tensor {} is empty", first.name)))?;
+        let (s, m) = (stack(|w| &w.s)?, stack(|w| &w.m)?);
+        let part = |(block, stride, len): (BlockHandle, usize, usize), e: usize| block.slice(e * stride, len);
+        Ok((0..tensors.len())
+            .map(|e| CudaWeight {
+                ty: first.ty,
+                n_out,
+                n_in,
+                q: part(q, e),
+                s: s.map(|f| part(f, e)),
+                m: m.map(|f| part(f, e)),
+            })
+            .collect())
+    }
+
+    /// Copies `data` into `block` (at least as long), from pageable host memory.
+    fn copy_in(&self, block: BlockHandle, data: &[u8]) -> Result<()> {
+        assert!(data.len() <= block.len);
+        let dst = self.base + block.offset as u64;
+        // SAFETY: the block holds `data.len()` bytes; the copy from pageable host memory completes
+        // before the call returns.
+        unsafe { cudarc::driver::result::memcpy_htod_async(dst, data, self.stream.cu_stream()) }
+            .map_err(driver_error("weight upload"))
+    }
+
     /// Device pointers of a weight's three fields (0 for a field it does not have).
     pub(super) fn weight_ptrs(&self, w: &CudaWeight) -> (u64, u64, u64) {
         let field = |b: Option<BlockHandle>| b.map_or(0, |b| self.ptr(b));
         (self.ptr(w.q), field(w.s), field(w.m))
     }
+}
+
+/// A weight's `(n_in, n_out)`, refused unless the kernels take its type and its rows are a
+/// multiple of 32 values.
+fn checked_shape(t: &HostTensor) -> Result<(usize, usize)> {
+    let (n_in, n_out) = t.matrix_shape()?;
+    CudaBackend::type_suffix(t.ty).map_err(|_| Error::UnsupportedTensorType {
+        name: t.name.to_string(),
+        ty: t.ty.to_string(),
+        op: "the CUDA backend",
+    })?;
+    if !n_in.is_multiple_of(32) {
+        return Err(Error::Model(format!(
+            "tensor {}: rows of {n_in} are not a multiple of 32",
+            t.name
+        )));
+    }
+    Ok((n_in, n_out))
 }
 
 /// `Kernels::weight_bytes`: the arena bytes the weights of `matrices` bytes take once split.

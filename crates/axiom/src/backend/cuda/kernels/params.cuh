@@ -269,3 +269,78 @@ struct ArgmaxParams {
     u64* keys;
     u32* arrivals;
 };
+
+// experts.cu
+struct RouteParams {
+    const float* logits;
+    u32* ids;
+    float* weights;
+    int n_tokens;
+    int n_experts;
+    int k;
+    int renormalize;
+};
+
+// One matrix of every expert: expert e's fields at e times each stride (bytes) from expert 0's.
+struct ExpertWeights {
+    const u8* q;
+    const u8* s;
+    const u8* m;
+    u64 q_stride;
+    u64 s_stride;
+    u64 m_stride;
+};
+
+struct ExpertProductParams {
+    ExpertWeights w;
+    ExpertWeights up;
+    const u32* ids;
+    const u32* offsets;
+    const float* x;
+    float* out;
+    int n_in;
+    int n_out;
+    int n_experts;
+    int rows_per_token;
+    int act;
+};
+
+struct GroupPairsParams {
+    const u32* ids;
+    u32* offsets;
+    u32* slots;
+    u32* pairs;
+    int n_pairs;
+    int n_experts;
+};
+
+struct GatherPairsParams {
+    const float4* x;
+    float4* rows;
+    const u32* pairs;
+    const u32* offsets;
+    int n_pairs;
+    int n_experts;
+    int k;
+    int dim;
+};
+
+struct ExpertsSumParams {
+    float* residual;
+    const float* out;
+    const u32* ids;
+    const float* weights;
+    const u32* slots;
+    u64 n;
+    int dim;
+    int k;
+    int n_experts;
+};
+
+struct AddGatedParams {
+    float* x;
+    const float* rows;
+    const float* gates;
+    u64 n;
+    u64 width;
+};

@@ -1,0 +1,268 @@
+//! Mixture-of-experts ops (kernels/experts.cu): `route` on the device, the experts' products on
+//! the matrix-vector kernels' row dot products, per (token, expert) pair for small steps and per
+//! expert over its grouped pairs for larger ones, then their weighted sum into the residual; and
+//! the shared expert's gated add. The routes stay on the device throughout.
+
+use super::launch::blocks_for;
+use super::matmul::GEMV_MAX_TOKENS;
+use super::params::{
+    AddGatedParams, ExpertProductParams, ExpertWeights, ExpertsSumParams, GatherPairsParams, GroupPairsParams,
+    RouteParams,
+};
+use super::weights::CudaWeight;
+use super::{kernels, CudaBackend};
+use crate::backend::{Activation, BlockHandle, ExpertScratch, ExpertSet, Routes, Routing};
+use crate::{Error, Result};
+
+/// Steps of up to this many tokens run each (token, expert) pair on its own, reading only the
+/// chosen experts' rows; longer ones group the pairs by expert first, so that each chosen
+/// expert's rows are read once for all of its tokens.
+const PAIRWISE_MAX_TOKENS: usize = GEMV_MAX_TOKENS;
+
+/// Threads of `group_pairs`' one block: a warp per expert at a time.
+const GROUP_THREADS: u32 = 1024;
+
+/// How the expert products of a step find their inputs and experts.
+#[derive(Clone, Copy)]
+enum Pairs {
+    /// Each pair on its own: its expert from the routes' ids, its input row from the token's.
+    Each { ids: BlockHandle },
+    /// Grouped by expert: expert e's slots from `offsets[e]`, their rows gathered.
+    Grouped { offsets: BlockHandle },
+}
+
+impl CudaBackend {
+    /// `Kernels::route`.
+    pub(super) fn launch_route(
+        &self,
+        logits: BlockHandle,
+        routes: Routes,
+        n_tokens: usize,
+        routing: Routing,
+    ) -> Result<()> {
+        routing.check(&routes)?;
+        if n_tokens == 0 {
+            return Ok(()); // a grid is never empty
+        }
+        self.launch(
+            "route",
+            (n_tokens.div_ceil(8) as u32, 1, 1),
+            256,
+            &RouteParams {
+                logits: self.ptr(logits),
+                ids: self.ptr(routes.ids),
+                weights: self.ptr(routes.weights),
+                n_tokens: n_tokens as i32,
+                n_experts: routing.n_experts as i32,
+                k: routing.k as i32,
+                renormalize: i32::from(routing.renormalize),
+            },
+        )
+    }
+
+    /// `Kernels::experts`: the gate and up products with the gated activation (one launch where
+    /// gate and up are of one type), the down products, then their weighted sum into the
+    /// residual. Up to `PAIRWISE_MAX_TOKENS` tokens, per pair; beyond, the pairs are grouped by
+    /// expert on the device first and their input rows gathered into `scratch.rows`.
+    pub(super) fn run_experts(
+        &self,
+        x: BlockHandle,
+        set: ExpertSet<'_, CudaWeight>,
+        routes: Routes,
+        scratch: ExpertScratch,
+        residual: BlockHandle,
+        n_tokens: usize,
+    ) -> Result<()> {
+        let (dim, width) = set.shape()?;
+        let (n_experts, k) = (set.n_experts(), routes.k);
+        let n_pairs = n_tokens * k;
+        if n_pairs == 0 {
+            return Ok(()); // as in `route`
+        }
+        let (gate, up, down) = (
+            self.expert_stack(set.gate)?,
+            self.expert_stack(set.up)?,
+            self.expert_stack(set.down)?,
+        );
+        let (pairs, inputs, per_token, sum_slots) = if n_tokens <= PAIRWISE_MAX_TOKENS {
+            (Pairs::Each { ids: routes.ids }, x, k, None)
+        } else {
+            let groups = ExpertScratch::groups_len(n_experts, n_pairs);
+            if scratch.groups.len < groups * 4 {
+                return Err(Error::Backend(format!(
+                    "experts: {} bytes of scratch for grouping {n_pairs} pairs over {n_experts} experts",
+                    scratch.groups.len
+                )));
+            }
+            let offsets = scratch.groups.slice(0, (n_experts + 1) * 4);
+            let slots = scratch.groups.slice((n_experts + 1) * 4, n_pairs * 4);
+            let slot_pairs = scratch.groups.slice((n_experts + 1 + n_pairs) * 4, n_pairs * 4);
+            self.launch(
+                "group_pairs",
+                (1, 1, 1),
+                GROUP_THREADS,
+                &GroupPairsParams {
+                    ids: self.ptr(routes.ids),
+                    offsets: self.ptr(offsets),
+                    slots: self.ptr(slots),
+                    pairs: self.ptr(slot_pairs),
+                    n_pairs: n_pairs as i32,
+                    n_experts: n_experts as i32,
+                },
+            )?;
+            self.launch(
+                "gather_pairs",
+                (blocks_for(n_pairs * dim / 4, 256).min(4096), 1, 1),
+                256,
+                &GatherPairsParams {
+                    x: self.ptr(x),
+                    rows: self.ptr(scratch.rows),
+                    pairs: self.ptr(slot_pairs),
+                    offsets: self.ptr(offsets),
+                    n_pairs: n_pairs as i32,
+                    n_experts: n_experts as i32,
+                    k: k as i32,
+                    dim: dim as i32,
+                },
+            )?;
+            (Pairs::Grouped { offsets }, scratch.rows, 1, Some(slots))
+        };
+        let product = |w: (&CudaWeight, ExpertWeights), up: Option<ExpertWeights>, x, per_token, out| {
+            self.expert_products(pairs, w, up, set.activation, (x, per_token), out, n_pairs, n_experts)
+        };
+        if gate.0.ty == up.0.ty {
+            product(gate, Some(up.1), inputs, per_token, scratch.hidden)?;
+        } else {
+            product(gate, None, inputs, per_token, scratch.gate)?;
+            product(up, None, inputs, per_token, scratch.up)?;
+            self.launch_glu(
+                scratch.gate,
+                scratch.up,
+                scratch.hidden,
+                n_pairs * width,
+                set.activation,
+            )?;
+        }
+        product(down, None, scratch.hidden, 1, scratch.out)?;
+        let n = n_tokens * dim;
+        self.launch(
+            "experts_sum",
+            (blocks_for(n, 256).min(4096), 1, 1),
+            256,
+            &ExpertsSumParams {
+                residual: self.ptr(residual),
+                out: self.ptr(scratch.out),
+                ids: self.ptr(routes.ids),
+                weights: self.ptr(routes.weights),
+                slots: sum_slots.map_or(0, |s| self.ptr(s)),
+                n: n as u64,
+                dim: dim as i32,
+                k: k as i32,
+                n_experts: n_experts as i32,
+            },
+        )
+    }
+
+    /// One launch of expert products: matrix `w` (with `up`, act(gate) * up) of each pair's expert
+    /// by its input row (row `pair / per_token` of `x` per pair, or the pair's slot grouped) into
+    /// its row of `out`.
+    #[allow(clippy::too_many_arguments)]
+    fn expert_products(
+        &self,
+        pairs: Pairs,
+        (w, stack): (&CudaWeight, ExpertWeights),
+        up: Option<ExpertWeights>,
+        act: Activation,
+        (x, per_token): (BlockHandle, usize),
+        out: BlockHandle,
+        n_pairs: usize,
+        n_experts: usize,
+    ) -> Result<()> {
+        let suffix = Self::type_suffix(w.ty)?;
+        let (grouped, ids, offsets, grid_y) = match pairs {
+            Pairs::Each { ids } => (false, self.ptr(ids), 0, n_pairs),
+            Pairs::Grouped { offsets } => (true, 0, self.ptr(offsets), n_experts),
+        };
+        let name = kernels::expert_kernel(grouped, up.is_some(), suffix);
+        let params = ExpertProductParams {
+            w: stack,
+            up: up.unwrap_or(stack),
+            ids,
+            offsets,
+            x: self.ptr(x),
+            out: self.ptr(out),
+            n_in: w.n_in as i32,
+            n_out: w.n_out as i32,
+            n_experts: n_experts as i32,
+            rows_per_token: per_token as i32,
+            act: act.code() as i32,
+        };
+        let grid_y = u32::try_from(grid_y)
+            .ok()
+            .filter(|&y| y <= 65535)
+            .ok_or_else(|| Error::Backend(format!("experts: a grid of {grid_y} pairs or experts")))?;
+        self.launch(&name, (w.n_out.div_ceil(8) as u32, grid_y, 1), 256, &params)
+    }
+
+    /// The first of `matrices` and the kernels' view of them all: expert 0's fields and each
+    /// field's stride, checked to be one stack of one type and shape (`upload_experts`).
+    fn expert_stack<'w>(&self, matrices: &'w [CudaWeight]) -> Result<(&'w CudaWeight, ExpertWeights)> {
+        let Some(first) = matrices.first() else {
+            return Err(Error::Backend("experts: a mixture of no experts".into()));
+        };
+        let stride = |field: fn(&CudaWeight) -> Option<BlockHandle>| -> Result<u64> {
+            let at = |w: &CudaWeight| field(w).map(|b| b.offset);
+            let (Some(start), Some(next)) = (at(first), matrices.get(1).map_or(at(first), at)) else {
+                return Ok(0);
+            };
+            let stride = next.checked_sub(start);
+            let stacked = stride.is_some_and(|stride| {
+                matrices.iter().enumerate().all(|(e, w)| {
+                    (w.ty, w.n_in, w.n_out) == (first.ty, first.n_in, first.n_out) && at(w) == Some(start + e * stride)
+                })
+            });
+            let (true, Some(stride)) = (stacked, stride) else {
+                return Err(Error::Backend(
+                    "experts: the matrices are not one stack of one type (upload them with upload_experts)".into(),
+                ));
+            };
+            Ok(stride as u64)
+        };
+        let (q, s, m) = self.weight_ptrs(first);
+        Ok((
+            first,
+            ExpertWeights {
+                q,
+                s,
+                m,
+                q_stride: stride(|w| Some(w.q))?,
+                s_stride: stride(|w| w.s)?,
+                m_stride: stride(|w| w.m)?,
+            },
+        ))
+    }
+
+    /// `Kernels::add_gated`.
+    pub(super) fn launch_add_gated(
+        &self,
+        x: BlockHandle,
+        rows: BlockHandle,
+        gates: BlockHandle,
+        n_tokens: usize,
+        width: usize,
+    ) -> Result<()> {
+        let n = n_tokens * width;
+        self.launch(
+            "add_gated",
+            (blocks_for(n, 256).min(4096), 1, 1),
+            256,
+            &AddGatedParams {
+                x: self.ptr(x),
+                rows: self.ptr(rows),
+                gates: self.ptr(gates),
+                n: n as u64,
+                width: width as u64,
+            },
+        )
+    }
+}
