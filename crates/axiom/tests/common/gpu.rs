@@ -11,6 +11,7 @@ use axiom::backend::{
     Rope, RopeLayout, RopeScaling, Routes, Routing, Scores, StepLayout,
 };
 use axiom::chat::Message;
+use axiom::convert::convert_hf_dir;
 use axiom::engine::perplexity::perplexity;
 use axiom::engine::Session;
 use axiom::format::quant::GgmlType;
@@ -995,7 +996,8 @@ fn random_experts<B: Backend>(
 }
 
 /// The mixture-of-experts ops against the CPU reference, 6 experts of which each of 1, 7 and 33
-/// tokens runs 2, in Q8_0 at a width of 96 and in Q4_K_M's mix (gate and up Q4_K, down Q6_K):
+/// tokens runs 2, in Q8_0 at a width of 96, in Q4_K_M's mix (gate and up Q4_K, down Q6_K), in
+/// 16-bit and other block types, and with gate and up of two types:
 /// `route` over router logits with exact ties (the same ids), `experts` on each backend's own
 /// routes, and `add_gated`.
 pub fn expert_ops<B: Backend>(make: impl Fn() -> B, tolerance: f64) {
@@ -1006,13 +1008,18 @@ pub fn expert_ops<B: Backend>(make: impl Fn() -> B, tolerance: f64) {
         k,
         renormalize: true,
     };
-    for (ty, down_ty, dim, width) in [
-        (GgmlType::Q8_0, GgmlType::Q8_0, 96, 64),
-        (GgmlType::Q4K, GgmlType::Q6K, 256, 256),
+    // (gate, up, down, model width, expert width); gate and up of two types take the backends'
+    // unfused path (separate products, then the gated activation).
+    for (ty, up_ty, down_ty, dim, width) in [
+        (GgmlType::Q8_0, GgmlType::Q8_0, GgmlType::Q8_0, 96, 64),
+        (GgmlType::Q4K, GgmlType::Q4K, GgmlType::Q6K, 256, 256),
+        (GgmlType::BF16, GgmlType::BF16, GgmlType::F16, 96, 48),
+        (GgmlType::Q4_1, GgmlType::Q4_1, GgmlType::F32, 96, 64),
+        (GgmlType::Q4_0, GgmlType::Q5_0, GgmlType::Q8_0, 96, 64),
     ] {
         let (mut gpu, mut cpu) = pair(&make);
         let (gate_g, gate_c) = random_experts(&mut rng, &mut gpu, &mut cpu, ty, [dim, width], n_experts);
-        let (up_g, up_c) = random_experts(&mut rng, &mut gpu, &mut cpu, ty, [dim, width], n_experts);
+        let (up_g, up_c) = random_experts(&mut rng, &mut gpu, &mut cpu, up_ty, [dim, width], n_experts);
         let (down_g, down_c) = random_experts(&mut rng, &mut gpu, &mut cpu, down_ty, [width, dim], n_experts);
         let set_g = ExpertSet {
             gate: &gate_g[..],
@@ -1027,7 +1034,7 @@ pub fn expert_ops<B: Backend>(make: impl Fn() -> B, tolerance: f64) {
             activation: Activation::Silu,
         };
         for n_tokens in [1, 7, 33] {
-            let case = format!("{ty} and {down_ty}, {n_tokens} tokens");
+            let case = format!("{ty}, {up_ty} and {down_ty}, {n_tokens} tokens");
             let pairs = n_tokens * k;
             // Halves, so that rows hold exact ties; the last row all equal.
             let mut logits: Vec<f32> = randn(&mut rng, n_tokens * n_experts)
@@ -1099,9 +1106,21 @@ pub fn every_architecture_matches_transformers<B: Backend>(make: impl Fn(KvType)
     fixtures_match_transformers(super::HF_FIXTURES, make);
 }
 
-/// The tiny mixture-of-experts models, decoded token by token, against transformers' logits.
+/// The tiny mixture-of-experts models, decoded token by token, against transformers' logits;
+/// then converted to GGUF (f32, the experts stacked) and run a whole prompt a step, so that steps
+/// of many tokens (the experts' grouped path, where a backend has one) are checked too.
 pub fn mixtures_of_experts_match_transformers<B: Backend>(make: impl Fn(KvType) -> B) {
-    fixtures_match_transformers(super::MOE_FIXTURES, make);
+    fixtures_match_transformers(super::MOE_FIXTURES, &make);
+    let dir = std::env::temp_dir().join(format!("axiom-gpu-moe-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for &name in super::MOE_FIXTURES {
+        let out = dir.join(format!("{name}-f32.gguf"));
+        convert_hf_dir(&super::hf_fixture(name), &out, GgmlType::F32, |_, _, _| {}).unwrap();
+        let err = super::worst_error(&out, &super::hf_fixture(name), make(KvType::F32));
+        println!("{name} from f32 GGUF, whole prompts: relative L2 error {err:.2e}");
+        assert!(err < 1e-4, "{name} f32 GGUF: relative L2 error {err}");
+    }
+    std::fs::remove_dir_all(dir).unwrap();
 }
 
 fn fixtures_match_transformers<B: Backend>(fixtures: &[&str], make: impl Fn(KvType) -> B) {

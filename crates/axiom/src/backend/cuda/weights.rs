@@ -96,7 +96,7 @@ fn interleave_row(row: &[u8], unit_bytes: usize, out: &mut Vec<u8>) {
 
 impl CudaBackend {
     pub(super) fn upload_split_weight(&mut self, t: &HostTensor) -> Result<CudaWeight> {
-        let (n_in, n_out) = checked_shape(t)?;
+        let (n_in, n_out) = checked_shape(t, DENSE_ROW_MULTIPLE)?;
         let split = split_weight(t.ty, t.bytes, n_in);
         let mut upload = |data: &[u8]| -> Result<Option<BlockHandle>> {
             if data.is_empty() {
@@ -128,7 +128,11 @@ impl CudaBackend {
         let Some(first) = tensors.first() else {
             return Err(Error::Model("a mixture of no experts".into()));
         };
-        let (n_in, n_out) = checked_shape(first)?;
+        // The expert kernels read float rows 16 bytes at a time (float_row), quantized ones a
+        // block at a time: a float expert's rows need only be a multiple of 8 values (the tiny
+        // mixtures' experts are 48 wide).
+        let row_multiple = if first.ty.block_len() > 1 { 32 } else { 8 };
+        let (n_in, n_out) = checked_shape(first, row_multiple)?;
         let mut splits = Vec::with_capacity(tensors.len());
         for t in tensors {
             if t.ty != first.ty || t.matrix_shape()? != (n_in, n_out) {
@@ -184,18 +188,22 @@ impl CudaBackend {
     }
 }
 
+/// The multiple of 32 values every dense weight's rows must be: the matrix-vector kernels' float4
+/// reads and cuBLAS's staging take it for granted.
+const DENSE_ROW_MULTIPLE: usize = 32;
+
 /// A weight's `(n_in, n_out)`, refused unless the kernels take its type and its rows are a
-/// multiple of 32 values.
-fn checked_shape(t: &HostTensor) -> Result<(usize, usize)> {
+/// multiple of `row_multiple` values.
+fn checked_shape(t: &HostTensor, row_multiple: usize) -> Result<(usize, usize)> {
     let (n_in, n_out) = t.matrix_shape()?;
     CudaBackend::type_suffix(t.ty).map_err(|_| Error::UnsupportedTensorType {
         name: t.name.to_string(),
         ty: t.ty.to_string(),
         op: "the CUDA backend",
     })?;
-    if !n_in.is_multiple_of(32) {
+    if !n_in.is_multiple_of(row_multiple) {
         return Err(Error::Model(format!(
-            "tensor {}: rows of {n_in} are not a multiple of 32",
+            "tensor {}: rows of {n_in} are not a multiple of {row_multiple}",
             t.name
         )));
     }
