@@ -119,7 +119,6 @@ impl CudaBackend {
                     rows: self.ptr(scratch.rows),
                     pairs: self.ptr(slot_pairs),
                     offsets: self.ptr(offsets),
-                    n_pairs: n_pairs as i32,
                     n_experts: n_experts as i32,
                     k: k as i32,
                     dim: dim as i32,

@@ -376,7 +376,6 @@ kernel_params! {
         rows: u64,
         pairs: u64,
         offsets: u64,
-        n_pairs: i32,
         n_experts: i32,
         k: i32,
         dim: i32,

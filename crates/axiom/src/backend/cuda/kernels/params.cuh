@@ -319,7 +319,6 @@ struct GatherPairsParams {
     float4* rows;
     const u32* pairs;
     const u32* offsets;
-    int n_pairs;
     int n_experts;
     int k;
     int dim;
