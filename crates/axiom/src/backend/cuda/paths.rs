@@ -13,11 +13,11 @@ use crate::format::quant::GgmlType;
 const INVARIANT_CAPTURE_MAX_TOKENS: usize = 64;
 
 /// The kernels a step may take.
-#[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub enum Paths {
     /// Chosen by the step's size: cuBLAS for longer steps, flash attention for 32 tokens or
     /// more, context splits by the step's heads, norms and RoPE fused where the step allows.
-    #[default]
+    /// The default.
     Fastest,
     /// The same for every step: the matrix-vector kernels for every token count, one RMS norm
     /// kernel, the one-pass attention without context splits, RoPE in its own launch.
