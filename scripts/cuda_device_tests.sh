@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU tests: every CUDA kernel against the CPU reference, SmolLM2 on CUDA against
 # transformers (the default model must be in $AXIOM_CACHE or the default cache), then the same
-# requests served alone and together, chunked and cached, giving the same answers
-# (scripts/reproducible.py). On a machine with an NVIDIA GPU and CUDA 12/13 libraries:
+# requests served alone and together, chunked and cached, giving the same answers under
+# `--deterministic` (scripts/reproducible.py). On a machine with an NVIDIA GPU and CUDA 12/13 libraries:
 #
 #     scripts/cuda_device_tests.sh
 #
@@ -14,4 +14,5 @@ cd "$(dirname "$0")/.."
 export LD_LIBRARY_PATH="/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 cargo test --release --test cuda -- --ignored --test-threads 1 "$@"
 cargo build --release --quiet -p axiom-cli
-python3 scripts/reproducible.py --axiom target/release/axiom --backend cuda --requests 16 --max-tokens 96
+python3 scripts/reproducible.py --axiom target/release/axiom --backend cuda --requests 16 --max-tokens 96 \
+    -- --deterministic

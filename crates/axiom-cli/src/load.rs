@@ -5,7 +5,7 @@
 use crate::{BackendKind, ModelArgs, Output};
 use anyhow::{bail, Context, Result};
 use axiom::backend::cpu::{physical_cores, CpuBackend};
-use axiom::backend::cuda::CudaBackend;
+use axiom::backend::cuda::{CudaBackend, Paths};
 use axiom::backend::{Kernels, KvType};
 use axiom::engine::Session;
 use axiom::model::llama::LoadOptions;
@@ -109,6 +109,10 @@ fn choose_backend(args: &ModelArgs) -> Result<Chosen> {
         BackendKind::Auto if axiom::backend::cuda::device::available() => Chosen::Cuda,
         BackendKind::Auto | BackendKind::Cpu => Chosen::Cpu,
         #[cfg(any(target_vendor = "apple", axiom_metal_check))]
+        BackendKind::Metal if args.deterministic => {
+            bail!("--deterministic is not implemented on Metal: its prompts take other kernels than its decode steps")
+        }
+        #[cfg(any(target_vendor = "apple", axiom_metal_check))]
         BackendKind::Metal => Chosen::Metal,
         #[cfg(not(any(target_vendor = "apple", axiom_metal_check)))]
         BackendKind::Metal => bail!("the Metal backend is only built on macOS"),
@@ -120,6 +124,15 @@ pub fn kv_type(args: &ModelArgs) -> KvType {
         KvType::F32
     } else {
         KvType::F16
+    }
+}
+
+/// The CUDA kernels `--deterministic` asks for. (The CPU backend takes one path for every
+/// step whatever it is told: tests/reproducible.rs.)
+fn paths(args: &ModelArgs) -> Paths {
+    match args.deterministic {
+        true => Paths::BatchInvariant,
+        false => Paths::Fastest,
     }
 }
 
@@ -170,7 +183,8 @@ pub fn load_session(args: &ModelArgs, model: OpenModel, options: LoadOptions, ou
         Chosen::Cuda => {
             let backend = CudaBackend::new(0)
                 .context("starting the CUDA backend")?
-                .with_kv_type(kv_type(args));
+                .with_kv_type(kv_type(args))
+                .with_paths(paths(args));
             Loaded::Cuda(Box::new(
                 Session::from_files(files, backend, options).with_context(context)?,
             ))

@@ -75,6 +75,12 @@ struct ModelArgs {
     /// Keep the KV cache in f32 instead of f16.
     #[arg(long)]
     kv_f32: bool,
+    /// Give every request the same answer whatever else runs beside it, however its prompt is
+    /// chunked and whether its prefix comes from the cache: on CUDA, every step takes the same
+    /// kernels, at a cost in throughput (docs/reproducibility.md). The CPU backend already
+    /// does and ignores it; Metal refuses it.
+    #[arg(long)]
+    deterministic: bool,
 }
 
 /// Sampling and stopping, shared by `run` and `chat`.

@@ -87,6 +87,23 @@ fn run_streams_text_to_stdout() {
 }
 
 #[test]
+fn deterministic_is_accepted_on_the_cpu_and_changes_nothing() {
+    // The CPU backend takes one path for every step already: the flag leaves its answers as
+    // they are, greedy and seeded.
+    let m = model();
+    for sampling in [&["--temp", "0"][..], &["--temp", "0.8", "--seed", "7"]] {
+        let answer = |extra: &[&str]| {
+            let mut args = vec!["run", "-m", m.to_str().unwrap(), "--backend", "cpu", "-n", "12", "-q"];
+            args.extend_from_slice(sampling);
+            args.extend_from_slice(extra);
+            args.push("The capital of France is");
+            ok(&axiom(&args))
+        };
+        assert_eq!(answer(&["--deterministic"]), answer(&[]), "{sampling:?}");
+    }
+}
+
+#[test]
 fn tokenize_prints_ids() {
     let m = model();
     let out = ok(&axiom(&["tokenize", "-m", m.to_str().unwrap(), "Hello, world!"]));

@@ -6,6 +6,10 @@
 //!     cargo test --release --test cuda -- --ignored
 //!
 //! (`scripts/cuda_device_tests.sh` does that on the device machine.) Without a GPU they fail.
+//! The kernel checks also run on `--deterministic`'s paths (`Paths::BatchInvariant`), where
+//! the `deterministic_*` tests also require a row computed alone to equal it among 64, to the
+//! bit, and SmolLM2's answers not to depend on the batch, the chunking or the prefix cache
+//! (tests/common/reproducible.rs, which tests/reproducible.rs runs on the CPU).
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
@@ -15,53 +19,81 @@
 
 mod common;
 
-use axiom::backend::cuda::CudaBackend;
+use axiom::backend::cuda::{CudaBackend, Paths};
 use axiom::backend::KvType;
 use axiom::format::quant::GgmlType;
-use common::gpu;
+use common::{gpu, reproducible};
 
 fn cuda(kv_type: KvType) -> CudaBackend {
     CudaBackend::new(0).expect("a CUDA GPU").with_kv_type(kv_type)
 }
 
+/// The backend as `--deterministic` makes it: the same kernels for every step.
+fn invariant(kv_type: KvType) -> CudaBackend {
+    cuda(kv_type).with_paths(Paths::BatchInvariant)
+}
+
+/// Each kernel test runs on the default paths and on `--deterministic`'s.
+const PATHS: [Paths; 2] = [Paths::Fastest, Paths::BatchInvariant];
+
+fn on(paths: Paths) -> impl Fn(KvType) -> CudaBackend {
+    move |kv_type| cuda(kv_type).with_paths(paths)
+}
+
+/// A CUDA backend with a KV cache of the type given.
+type MakeCuda = Box<dyn Fn(KvType) -> CudaBackend>;
+
 /// The attention tests run with each flash-attention kernel the device has, as (groups of 64
 /// query rows a block, on the warpgroup MMAs): the backend's own choice takes blocks of 128 rows
-/// only for steps of thousands of tokens, and mma.sync only where there are no warpgroup MMAs.
-fn flash_attention_kernels() -> Vec<impl Fn(KvType) -> CudaBackend> {
+/// only for steps of thousands of tokens, and mma.sync only where there are no warpgroup MMAs;
+/// then once on `--deterministic`'s paths, which take no flash attention. Each comes with
+/// whether its steps of 32 tokens or more take flash attention.
+fn attention_backends() -> Vec<(MakeCuda, bool)> {
     let kinds = cuda(KvType::F16).flash_attention_kinds();
     let kernels = kinds.iter().flat_map(|&wg| [(1, wg), (2, wg)]);
-    kernels
-        .map(|(groups, wg)| move |kv_type| cuda(kv_type).with_flash_kernel(groups, wg).unwrap())
-        .collect()
+    let mut backends: Vec<(MakeCuda, bool)> = kernels
+        .map(|(groups, wg)| {
+            let make = move |kv_type| cuda(kv_type).with_flash_kernel(groups, wg).unwrap();
+            (Box::new(make) as MakeCuda, true)
+        })
+        .collect();
+    backends.push((Box::new(invariant), false));
+    backends
 }
 
 #[test]
 #[ignore = "needs an NVIDIA GPU: cargo test --release --test cuda -- --ignored"]
 fn matmul_every_type_and_token_count_matches_the_cpu_reference() {
-    gpu::matmul_every_type_and_token_count(
-        || cuda(KvType::F16),
-        |ty, n_in, n_tokens| {
-            // Decode kernels compute in f32, except on quantized rows of 2048 or more, whose
-            // activations are quantized to int8 per 32 values (about 0.4% each). cuBLAS takes
-            // float weights from two tokens on and quantized ones (dequantized to f16) from
-            // nine, with activations in the weights' 16-bit type (f32 weights: f32).
-            let float = matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16);
-            let via_cublas = n_tokens > if float { 1 } else { 8 };
-            if via_cublas && ty != GgmlType::F32 {
-                2e-3
-            } else if !via_cublas && !float && n_in >= 2048 {
-                1e-2
-            } else {
-                1e-5
-            }
-        },
-    );
+    for paths in PATHS {
+        gpu::matmul_every_type_and_token_count(
+            || cuda(KvType::F16).with_paths(paths),
+            |ty, n_in, n_tokens| {
+                // Decode kernels compute in f32, except on quantized rows of 2048 or more, whose
+                // activations are quantized to int8 per 32 values (about 0.4% each; not Q4_K's
+                // under --deterministic). By default cuBLAS takes float weights from two tokens
+                // on and quantized ones (dequantized to f16) from nine, with activations in the
+                // weights' 16-bit type (f32 weights: f32); under --deterministic, never.
+                let float = matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16);
+                let via_cublas = paths == Paths::Fastest && n_tokens > if float { 1 } else { 8 };
+                let int8 = !float && n_in >= 2048 && !(paths == Paths::BatchInvariant && ty == GgmlType::Q4K);
+                if via_cublas && ty != GgmlType::F32 {
+                    2e-3
+                } else if !via_cublas && int8 {
+                    1e-2
+                } else {
+                    1e-5
+                }
+            },
+        );
+    }
 }
 
 #[test]
 #[ignore = "needs an NVIDIA GPU: cargo test --release --test cuda -- --ignored"]
 fn embed_rms_norm_rope_glu_add_scale_softcap_match_the_cpu_reference() {
-    gpu::embed_rms_norm_rope_glu_add_scale_softcap_argmax(|| cuda(KvType::F16));
+    for paths in PATHS {
+        gpu::embed_rms_norm_rope_glu_add_scale_softcap_argmax(|| cuda(KvType::F16).with_paths(paths));
+    }
 }
 
 #[test]
@@ -69,10 +101,11 @@ fn embed_rms_norm_rope_glu_add_scale_softcap_match_the_cpu_reference() {
 fn attention_then_output_projection_matches_the_cpu_reference() {
     // Quantized projections of rows of 2048 run on int8 activations (about 0.4% each); bf16 ones
     // of three tokens go through cuBLAS, with bf16 activations. Steps of 32 tokens or more run
-    // tensor-core attention (f16 queries and probabilities), which writes cuBLAS's 16-bit input.
-    for make in flash_attention_kernels() {
+    // tensor-core attention (f16 queries and probabilities), which writes cuBLAS's 16-bit input,
+    // except under --deterministic.
+    for (make, flash) in attention_backends() {
         gpu::attention_then_output_projection(make, |ty, n_tokens| {
-            if ty == GgmlType::BF16 && n_tokens < 32 {
+            if ty == GgmlType::BF16 && !(flash && n_tokens >= 32) {
                 2e-3
             } else {
                 1e-2
@@ -87,10 +120,11 @@ fn rope_attention_then_output_projection_matches_the_cpu_reference() {
     // Steps of one token rotate and store inside attention; the Q4_K projection of rows of 2048
     // runs on int8 activations (about 0.4% each); an f16 cache rounds the rotated keys, which the
     // reference keeps in f32. Steps of 32 tokens or more with an f16 cache and heads of 64 or 128
-    // go to the tensor-core kernel (f16 queries and probabilities), which rotates the queries.
-    for make in flash_attention_kernels() {
+    // go to the tensor-core kernel (f16 queries and probabilities), which rotates the queries,
+    // except under --deterministic.
+    for (make, flash_kernels) in attention_backends() {
         gpu::rope_attention_then_output_projection(make, |ty, kv_type, head_dim, n_tokens| {
-            let flash = kv_type == KvType::F16 && matches!(head_dim, 64 | 128) && n_tokens >= 32;
+            let flash = flash_kernels && kv_type == KvType::F16 && matches!(head_dim, 64 | 128) && n_tokens >= 32;
             match (ty, kv_type) {
                 (Some(GgmlType::Q4K), _) => 1e-2,
                 _ if flash => 5e-3,
@@ -105,10 +139,10 @@ fn rope_attention_then_output_projection_matches_the_cpu_reference() {
 #[ignore = "needs an NVIDIA GPU: cargo test --release --test cuda -- --ignored"]
 fn paged_kv_write_and_attention_match_the_cpu_reference() {
     // Steps of 32 tokens or more with an f16 cache and heads of 64 or 128 go to the tensor-core
-    // kernel: f16 queries and probabilities.
-    for make in flash_attention_kernels() {
+    // kernel (f16 queries and probabilities), except under --deterministic.
+    for (make, flash) in attention_backends() {
         gpu::paged_kv_write_and_attention(make, |kv_type, head_dim| {
-            if kv_type == KvType::F16 && matches!(head_dim, 64 | 128) {
+            if flash && kv_type == KvType::F16 && matches!(head_dim, 64 | 128) {
                 5e-3
             } else {
                 1e-5
@@ -121,10 +155,10 @@ fn paged_kv_write_and_attention_match_the_cpu_reference() {
 #[ignore = "needs an NVIDIA GPU: cargo test --release --test cuda -- --ignored"]
 fn attention_scores_match_the_cpu_reference() {
     // Steps of 32 tokens or more with an f16 cache and heads of 64 or 128 go to the tensor-core
-    // kernel: f16 queries and probabilities.
-    for make in flash_attention_kernels() {
+    // kernel (f16 queries and probabilities), except under --deterministic.
+    for (make, flash) in attention_backends() {
         gpu::attention_scores(make, |kv_type, head_dim, n_tokens| {
-            if kv_type == KvType::F16 && matches!(head_dim, 64 | 128) && n_tokens >= 32 {
+            if flash && kv_type == KvType::F16 && matches!(head_dim, 64 | 128) && n_tokens >= 32 {
                 5e-3
             } else {
                 1e-5
@@ -136,19 +170,25 @@ fn attention_scores_match_the_cpu_reference() {
 #[test]
 #[ignore = "needs an NVIDIA GPU: cargo test --release --test cuda -- --ignored"]
 fn rope_kv_write_matches_the_cpu_reference() {
-    gpu::rope_kv_write_then_attention(cuda);
+    for paths in PATHS {
+        gpu::rope_kv_write_then_attention(on(paths));
+    }
 }
 
 #[test]
 #[ignore = "needs an NVIDIA GPU and the default model in the cache: see scripts/cuda_device_tests.sh"]
 fn smollm2_on_cuda_matches_transformers() {
-    gpu::smollm2_matches_transformers(cuda(KvType::F16));
+    for paths in PATHS {
+        gpu::smollm2_matches_transformers(on(paths)(KvType::F16));
+    }
 }
 
 #[test]
 #[ignore = "needs an NVIDIA GPU: cargo test --release --test cuda -- --ignored"]
 fn every_architecture_on_cuda_matches_transformers() {
-    gpu::every_architecture_matches_transformers(cuda);
+    for paths in PATHS {
+        gpu::every_architecture_matches_transformers(on(paths));
+    }
 }
 
 #[test]
@@ -167,5 +207,37 @@ fn expert_ops_match_the_cpu_reference() {
 #[test]
 #[ignore = "needs an NVIDIA GPU: cargo test --release --test cuda -- --ignored"]
 fn greedy_decode_on_cuda_matches_host_argmax() {
-    gpu::greedy_decode_matches_host_argmax(cuda(KvType::F16));
+    for paths in PATHS {
+        gpu::greedy_decode_matches_host_argmax(on(paths)(KvType::F16));
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: cargo test --release --test cuda -- --ignored"]
+fn deterministic_matmul_rows_do_not_depend_on_the_step() {
+    gpu::matmul_rows_do_not_depend_on_the_step(|| invariant(KvType::F16));
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: cargo test --release --test cuda -- --ignored"]
+fn deterministic_attention_rows_do_not_depend_on_the_step() {
+    gpu::attention_rows_do_not_depend_on_the_step(invariant);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU and the default model in the cache: see scripts/cuda_device_tests.sh"]
+fn deterministic_requests_alone_and_together_give_the_same_answers() {
+    reproducible::eight_requests_alone_and_together_give_the_same_answers(|| invariant(KvType::F16));
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU and the default model in the cache: see scripts/cuda_device_tests.sh"]
+fn deterministic_prompt_logits_do_not_depend_on_chunking_or_the_prefix_cache() {
+    reproducible::a_prompts_logits_do_not_depend_on_chunking_or_the_prefix_cache(|| invariant(KvType::F16));
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU and the default model in the cache: see scripts/cuda_device_tests.sh"]
+fn deterministic_seeded_answer_does_not_depend_on_the_step_size_or_the_prefix_cache() {
+    reproducible::a_seeded_answer_does_not_depend_on_the_step_size_or_the_prefix_cache(|| invariant(KvType::F16));
 }

@@ -1219,3 +1219,147 @@ pub fn greedy_decode_matches_host_argmax<B: Backend>(backend: B) {
     assert_eq!(got, want);
     assert_eq!(kv.len(), prompt.len() + n - 1);
 }
+
+/// The bits of `v`, for comparisons that must hold exactly.
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+/// Steps of 1 to this many tokens are compared row by row by the batch-invariance checks below.
+const INVARIANT_STEP: usize = 64;
+
+/// For a backend whose steps claim batch invariance: a matmul's row for one token alone equals,
+/// to the bit, the same row computed among m = 2..=64 tokens, for every weight type, on short
+/// rows and long ones (where a backend may switch to integer kernels), in each way a layer
+/// multiplies: rows as they are, RMS-normalized on the way in, added to a residual, and gate
+/// and up with SwiGLU.
+pub fn matmul_rows_do_not_depend_on_the_step<B: Backend>(make: impl Fn() -> B) {
+    let mut rng = ChaCha8Rng::seed_from_u64(11);
+    let m_max = INVARIANT_STEP;
+    for ty in WEIGHT_TYPES {
+        let lengths: &[usize] = if ty.block_len() == 256 {
+            &[512, 4352]
+        } else {
+            &[96, 2048]
+        };
+        for &n_in in lengths {
+            let n_out = 37;
+            let mut b = make();
+            b.reserve(256 << 20).unwrap();
+            let bytes = random_weight_bytes(&mut rng, ty, n_in * n_out);
+            let tensor = HostTensor {
+                name: "w",
+                ty,
+                dims: &[n_in, n_out],
+                bytes: &bytes,
+                region: None,
+            };
+            let w = b.upload_weight(&tensor).unwrap();
+            b.prepare(m_max, n_in).unwrap();
+            let (x, norm) = (randn(&mut rng, m_max * n_in), randn(&mut rng, n_in));
+            let residual = randn(&mut rng, m_max * n_out);
+            let (xh, nh) = (put(&mut b, &x), put(&mut b, &norm));
+            let scratch = poisoned(&mut b, m_max * n_in);
+            let [out, stream, sum, gate, up] = [(); 5].map(|_| poisoned(&mut b, m_max * n_out));
+            // The four products of tokens first..first + m, each row's bits.
+            let run = |first: usize, m: usize| -> [Vec<u32>; 4] {
+                let xs = xh.slice(first * n_in * 4, m * n_in * 4);
+                let n = m * n_out;
+                b.matmul(xs, &w, out, m).unwrap();
+                let plain = bits(&get(&b, out, n));
+                b.matmul_many(normed(xs, nh, scratch), &[&w], &[out], m).unwrap();
+                let normed_bits = bits(&get(&b, out, n));
+                b.write_f32(stream, &residual[first * n_out..first * n_out + n])
+                    .unwrap();
+                b.matmul_add(xs, &w, residual_in(stream, sum), m).unwrap();
+                let added = bits(&get(&b, stream, n));
+                let rows = GluRows { gate, up, out };
+                b.gate_up_glu(normed(xs, nh, scratch), [&w, &w], rows, m, Activation::Silu)
+                    .unwrap();
+                [plain, normed_bits, added, bits(&get(&b, out, n))]
+            };
+            let alone: Vec<[Vec<u32>; 4]> = (0..m_max).map(|r| run(r, 1)).collect();
+            for m in 2..=m_max {
+                let together = run(0, m);
+                for (op, name) in ["matmul", "normed matmul", "matmul_add", "gate_up_glu"]
+                    .iter()
+                    .enumerate()
+                {
+                    for (r, alone) in alone.iter().enumerate().take(m) {
+                        assert!(
+                            together[op][r * n_out..(r + 1) * n_out] == alone[op][..],
+                            "{name} {ty} [{n_out}, {n_in}]: row {r} among {m} tokens differs from it alone"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// For a backend whose steps claim batch invariance: attention for one token alone equals, to
+/// the bit, its row in a step of 64 sequences' decode tokens and a 40-token prompt chunk, over
+/// contexts of 1 to 600 positions in an f16 cache, heads of 64 and 128, causal and with a
+/// scale, a soft cap and a window.
+pub fn attention_rows_do_not_depend_on_the_step<B: Backend>(make: impl Fn(KvType) -> B) {
+    let mut rng = ChaCha8Rng::seed_from_u64(12);
+    let mut lens: Vec<usize> = (0..INVARIANT_STEP).map(|s| 1 + s * 89 % 600).collect();
+    lens.push(100);
+    let chunk = (60..100).map(|p| (INVARIANT_STEP as u32, p));
+    let queries: Vec<(u32, u32)> = (0..INVARIANT_STEP)
+        .map(|s| (s as u32, lens[s] as u32 - 1))
+        .chain(chunk)
+        .collect();
+    let round = |v: Vec<f32>| -> Vec<f32> { v.iter().map(|&x| f16::from_f32(x).to_f32()).collect() };
+    for head_dim in [64, 128] {
+        let shape = AttentionShape {
+            n_heads: 9,
+            n_kv_heads: 3,
+            head_dim,
+        };
+        for rule in [Scores::causal(head_dim), capped_window()] {
+            let case = PagedCase::new(&mut rng, 16, &lens).scored(rule);
+            let k: Vec<Vec<f32>> = lens
+                .iter()
+                .map(|l| round(randn(&mut rng, l * shape.kv_width())))
+                .collect();
+            let v: Vec<Vec<f32>> = lens
+                .iter()
+                .map(|l| round(randn(&mut rng, l * shape.kv_width())))
+                .collect();
+            let q = randn(&mut rng, queries.len() * shape.q_width());
+            let mut b = make(KvType::F16);
+            b.reserve(512 << 20).unwrap();
+            b.prepare(queries.len(), 64).unwrap();
+            case.with_cache(&mut b, &k, &v, &queries, &q, shape, |b, qh, kv| {
+                let qw = shape.q_width();
+                let out = poisoned(b, queries.len() * qw);
+                b.attention(qh, kv, out, queries.len(), shape)?;
+                let together = bits(&get(b, out, queries.len() * qw));
+                for (i, &(seq, pos)) in queries.iter().enumerate() {
+                    let (token_seqs, positions) = (put_u32(b, &[seq]), put_u32(b, &[pos]));
+                    let layout = StepLayout {
+                        positions: &[pos],
+                        token_seqs: &[seq],
+                    };
+                    let plan = b.plan_step(layout, shape)?;
+                    let one = AttentionKv {
+                        positions,
+                        pages: PagedKv { token_seqs, ..kv.pages },
+                        plan: &plan,
+                        ..kv
+                    };
+                    let out = poisoned(b, qw);
+                    b.attention(qh.slice(i * qw * 4, qw * 4), one, out, 1, shape)?;
+                    assert!(
+                        bits(&get(b, out, qw)) == together[i * qw..(i + 1) * qw],
+                        "{shape:?}, {rule:?}: sequence {seq} at position {pos} alone differs from it among {} tokens",
+                        queries.len()
+                    );
+                }
+                Ok(())
+            })
+            .unwrap();
+        }
+    }
+}

@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 pub mod gpu;
+pub mod reproducible;
 
 use axiom::backend::{AttentionKv, AttentionShape, Backend, BlockHandle, PagedKv, Scores, StepLayout};
 use axiom::engine::Session;

@@ -84,11 +84,13 @@ impl CudaBackend {
             ),
             None => (0, 0, 0, 0),
         };
-        // Where the step's heads leave multiprocessors idle, several blocks share each head's
+        // Where the step's heads leave multiprocessors idle, several blocks may share each head's
         // context (heads times splits at most the multiprocessors: their states fit past the
         // arena).
         let heads = n_tokens * shape.n_heads;
-        let splits = (self.device.multiprocessors as usize / heads).clamp(1, ATTENTION_MAX_SPLITS);
+        let splits = self
+            .paths
+            .attention_splits(self.device.multiprocessors as usize, heads, ATTENTION_MAX_SPLITS);
         self.launch(
             &format!("attention_{}", self.kv_suffix()),
             (n_tokens as u32, shape.n_heads as u32, splits as u32),
@@ -167,12 +169,17 @@ impl CudaBackend {
                     interleaved: interleaves_activations(wo.ty),
                     by_quiet_kernel: n_tokens == 1,
                 };
+                // The activations are already quantized: nothing is left to normalize.
+                let plan = GemvPlan::Int8 {
+                    staging,
+                    normalizes: false,
+                };
                 self.gemv(
                     out.into(),
                     &[wo],
                     &[residual.stream],
                     n_tokens,
-                    GemvPlan::Int8 { staging },
+                    plan,
                     Epilogue::Add,
                     &mut Some(quantized),
                 )
@@ -192,7 +199,7 @@ impl CudaBackend {
         let input = gemm_input(wo.ty);
         match (self.takes_flash(shape, n_tokens), self.matmul_plan(wo, n_tokens)) {
             (true, MatmulPlan::Gemm) if input != GgmlType::F32 => ProjectionPlan::Flash16(input),
-            (false, MatmulPlan::Gemv(GemvPlan::Int8 { staging })) if shape.head_dim.is_multiple_of(32) => {
+            (false, MatmulPlan::Gemv(GemvPlan::Int8 { staging, .. })) if shape.head_dim.is_multiple_of(32) => {
                 ProjectionPlan::Folded(staging)
             }
             _ => ProjectionPlan::Separate,
@@ -201,11 +208,12 @@ impl CudaBackend {
 
     /// How `rope_attend_then_project` rotates and stores the step's new rows: before flash
     /// attention, which rotates the queries as it loads them, where it takes the step and rotates
-    /// whole heads; in the one-pass kernel, for a step of one token; else in steps.
+    /// whole heads; in the one-pass kernel, for a step of one token where the paths allow; else
+    /// in steps.
     fn rope_plan(&self, rope: Rope, n_tokens: usize, shape: AttentionShape) -> RopePlan {
         if self.takes_flash(shape, n_tokens) && rope.dims == shape.head_dim {
             RopePlan::KeysBeforeFlash
-        } else if n_tokens == 1 {
+        } else if n_tokens == 1 && self.paths.rope_in_attention() {
             RopePlan::InAttention
         } else {
             RopePlan::InSteps

@@ -166,7 +166,8 @@ impl CudaBackend {
 
     /// Whether attention over `n_tokens` runs on tensor cores (flash_attention.cu).
     pub(super) fn takes_flash(&self, shape: AttentionShape, n_tokens: usize) -> bool {
-        self.kv_type == KvType::F16
+        self.paths.flash()
+            && self.kv_type == KvType::F16
             && self.flash_head_dims.contains(&shape.head_dim)
             && n_tokens >= FLASH_MIN_TOKENS
             && self.flash_tiles.is_some()

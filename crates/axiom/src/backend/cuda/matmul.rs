@@ -12,18 +12,9 @@ use crate::format::quant::GgmlType;
 use crate::{Error, Result};
 
 /// Tokens up to which a matmul of quantized weights uses the matrix-vector kernels rather than
-/// cuBLAS (which needs the whole matrix dequantized first).
+/// cuBLAS (which needs the whole matrix dequantized first), unless every step takes them
+/// (`Paths::gemv_max_tokens`).
 pub(super) const GEMV_MAX_TOKENS: usize = 8;
-
-/// Tokens up to which a matmul of weights of type `ty` uses the matrix-vector kernels. Float
-/// weights go to cuBLAS from two tokens on: there is nothing to dequantize, and the kernels'
-/// activation reads grow with every token.
-pub(super) fn gemv_max_tokens(ty: GgmlType) -> usize {
-    match ty {
-        GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => 1,
-        _ => GEMV_MAX_TOKENS,
-    }
-}
 
 /// Quantized matrices with rows at least this long are multiplied on integers (gemv_int in
 /// matmul.cu: activations quantized to int8, dp4a), and so are matrices of at least
@@ -217,9 +208,15 @@ impl CudaBackend {
         let suffix = Self::type_suffix(w.ty)?;
         let n_in = w.n_in as i32;
         let input = match plan {
-            GemvPlan::Int8 { staging } => GemvInput::Int8(match *quantized {
+            GemvPlan::Int8 { staging, normalizes } => GemvInput::Int8(match *quantized {
                 Some(q) if q.interleaved == interleaves_activations(w.ty) => q,
-                _ => *quantized.insert(self.quantize_activations(x, staging, n_tokens, w)?),
+                _ => {
+                    let x = match normalizes {
+                        true => x,
+                        false => Input::Rows(self.input_rows(x, n_tokens, w.n_in)?),
+                    };
+                    *quantized.insert(self.quantize_activations(x, staging, n_tokens, w)?)
+                }
             }),
             GemvPlan::F32 { normalizes } => match x {
                 Input::RmsNormed { x, weight, eps, .. } if normalizes => GemvInput::Normed { x, weight, eps },
@@ -277,22 +274,30 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// How the product of `w` over `n_tokens` runs: cuBLAS above `gemv_max_tokens`; else the
-    /// matrix-vector kernels, on integers where the int8 staging is reserved and `w` is quantized
-    /// and large (see `INT_GEMV_MIN_N_IN`), else on f32 rows, which they normalize themselves for
-    /// one token of a small matrix (see `NORMED_GEMV_MAX_VALUES`; their float4 reads need rows of
-    /// a multiple of 4 values, and `upload_weight` admits only multiples of 32).
+    /// How the product of `w` over `n_tokens` runs: cuBLAS above `Paths::gemv_max_tokens`; else
+    /// the matrix-vector kernels, on integers where the int8 staging is reserved and `w` is
+    /// quantized (`Paths::int8_activations`) and large (see `INT_GEMV_MIN_N_IN`), else on f32
+    /// rows, which they normalize themselves for one token of a small matrix where the paths
+    /// fold norms (see `NORMED_GEMV_MAX_VALUES`; their float4 reads need rows of a multiple of 4
+    /// values, and `upload_weight` admits only multiples of 32).
     pub(super) fn matmul_plan(&self, w: &CudaWeight, n_tokens: usize) -> MatmulPlan {
-        if n_tokens > gemv_max_tokens(w.ty) {
+        if n_tokens > self.paths.gemv_max_tokens(w.ty) {
             return MatmulPlan::Gemm;
         }
         let large = w.n_in >= INT_GEMV_MIN_N_IN || w.n_in * w.n_out >= INT_GEMV_MIN_VALUES;
-        match self.int8_activations.filter(|_| w.ty.block_len() > 1 && large) {
-            Some(staging) => MatmulPlan::Gemv(GemvPlan::Int8 { staging }),
+        let folds = self.paths.folds_norms();
+        match self
+            .int8_activations
+            .filter(|_| self.paths.int8_activations(w.ty) && large)
+        {
+            Some(staging) => MatmulPlan::Gemv(GemvPlan::Int8 {
+                staging,
+                normalizes: folds,
+            }),
             None => {
                 let small = w.n_in * w.n_out <= NORMED_GEMV_MAX_VALUES && w.n_in <= kernels::GEMV_NORMED_MAX_IN;
                 MatmulPlan::Gemv(GemvPlan::F32 {
-                    normalizes: n_tokens == 1 && small,
+                    normalizes: folds && n_tokens == 1 && small,
                 })
             }
         }
@@ -378,13 +383,18 @@ pub(super) enum MatmulPlan {
     Gemv(GemvPlan),
 }
 
-/// The matrix-vector kernels' activations: int8, quantized (and normalized) into `staging` for
-/// them; or f32 rows, which with `normalizes` they RMS-normalize themselves from an
-/// `Input::RmsNormed`.
+/// The matrix-vector kernels' activations: int8, quantized into `staging` for them; or f32
+/// rows. With `normalizes`, an `Input::RmsNormed` is normalized on the way (by the quantization,
+/// or by the f32 kernels themselves); without, by `rms_norm` first.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub(super) enum GemvPlan {
-    Int8 { staging: (BlockHandle, BlockHandle) },
-    F32 { normalizes: bool },
+    Int8 {
+        staging: (BlockHandle, BlockHandle),
+        normalizes: bool,
+    },
+    F32 {
+        normalizes: bool,
+    },
 }
 
 impl MatmulPlan {
@@ -392,7 +402,7 @@ impl MatmulPlan {
     fn normalizes_input(self) -> bool {
         matches!(
             self,
-            MatmulPlan::Gemv(GemvPlan::Int8 { .. } | GemvPlan::F32 { normalizes: true })
+            MatmulPlan::Gemv(GemvPlan::Int8 { normalizes: true, .. } | GemvPlan::F32 { normalizes: true })
         )
     }
 }

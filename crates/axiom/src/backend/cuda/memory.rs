@@ -4,8 +4,9 @@
 use super::argmax::ARGMAX_ROWS;
 use super::attention::ATTENTION_MAX_HEAD_DIM;
 use super::device::driver_error;
-use super::flash_attention::{FLASH_MAX_PAIRS, FLASH_MIN_TOKENS};
-use super::matmul::{q8_scale_bytes, GEMV_MAX_TOKENS};
+use super::flash_attention::FLASH_MAX_PAIRS;
+use super::matmul::q8_scale_bytes;
+use super::paths::Paths;
 use super::CudaBackend;
 use crate::backend::{Arena, Kernels};
 use crate::format::quant::GgmlType;
@@ -53,18 +54,18 @@ impl CudaBackend {
 
     /// `Kernels::prepare`.
     pub(super) fn reserve_staging(&mut self, max_tokens: usize, max_n_in: usize) -> Result<()> {
-        if self.staging.is_none() && max_tokens > GEMV_MAX_TOKENS {
+        if self.staging.is_none() && self.paths.uses_cublas(max_tokens) {
             let w = self.alloc(self.largest_weight * 2)?;
             let x = self.alloc(max_tokens * max_n_in * 2)?;
             self.staging = Some((w, x));
         }
         if self.int8_activations.is_none() {
-            let values = GEMV_MAX_TOKENS.min(max_tokens) * max_n_in;
+            let values = self.paths.int8_tokens(max_tokens) * max_n_in;
             // Scales sized for the larger layout, Q4_K's (with the sums).
             let scales = q8_scale_bytes(GgmlType::Q4K, values);
             self.int8_activations = Some((self.alloc(values)?, self.alloc(scales)?));
         }
-        if self.flash_tiles.is_none() && max_tokens >= FLASH_MIN_TOKENS {
+        if self.flash_tiles.is_none() && self.paths.uses_flash(max_tokens) {
             self.flash_tiles = Some(self.alloc(max_tokens * 8)?);
             self.flash_turns = Some(self.alloc(max_tokens * FLASH_MAX_PAIRS * 8)?);
         }
@@ -72,18 +73,18 @@ impl CudaBackend {
     }
 }
 
-/// `Kernels::staging_bytes`.
-pub(super) fn staging_bytes(largest_weight: usize, max_tokens: usize, max_n_in: usize) -> usize {
-    let cublas = if max_tokens > GEMV_MAX_TOKENS {
+/// `Kernels::staging_bytes`, for steps that take `paths`.
+pub(super) fn staging_bytes(paths: Paths, largest_weight: usize, max_tokens: usize, max_n_in: usize) -> usize {
+    let cublas = if paths.uses_cublas(max_tokens) {
         largest_weight * 2 + max_tokens * max_n_in * 2 + 2 * ALIGN
     } else {
         0
     };
-    let flash = if max_tokens >= FLASH_MIN_TOKENS {
+    let flash = if paths.uses_flash(max_tokens) {
         max_tokens * 8 + max_tokens * FLASH_MAX_PAIRS * 8 + 2 * ALIGN
     } else {
         0
     };
-    let int8 = GEMV_MAX_TOKENS.min(max_tokens) * max_n_in * 2 + 2 * ALIGN;
+    let int8 = paths.int8_tokens(max_tokens) * max_n_in * 2 + 2 * ALIGN;
     cublas + flash + int8
 }

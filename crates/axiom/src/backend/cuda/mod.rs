@@ -4,7 +4,9 @@
 //! for everything, with CUDA graphs recorded from it for the decode step; the allocator is the
 //! shared [`Arena`] over one device allocation reserved at load; [`kernels`] holds every kernel,
 //! compiled once by NVRTC. Decode matmuls read the stored weight types directly; prefill matmuls
-//! go through cuBLAS (quantized weights dequantized to f16 first).
+//! go through cuBLAS (quantized weights dequantized to f16 first), unless the backend takes
+//! `Paths::BatchInvariant` (paths.rs: `--deterministic`), which keeps every step on one set of
+//! kernels.
 //!
 //! This file holds the backend's state and its `Kernels` and `Backend` impls, which hand each op
 //! to the file beside that op's kernels (`matmul.rs` beside kernels/matmul.cu, `norms.rs` beside
@@ -28,6 +30,7 @@ mod matmul;
 mod memory;
 mod norms;
 mod occupancy;
+mod paths;
 mod rope;
 mod weights;
 
@@ -46,9 +49,9 @@ use device::{driver_error, CudaDevice};
 use flash_attention::flash_head_dims;
 pub use flash_attention::FlashPlan;
 use kernels::Kernels;
-use matmul::GEMV_MAX_TOKENS;
 use memory::ALIGN;
 use occupancy::{prefer_shared_memory, quantize_padding, EvenSpread};
+pub use paths::Paths;
 use std::cell::RefCell;
 use std::sync::Arc;
 pub use weights::CudaWeight;
@@ -95,6 +98,8 @@ pub struct CudaBackend {
     /// The most tokens a step may have to be recorded: every matmul must use our own kernels.
     capture_max_tokens: usize,
     kv_type: KvType,
+    /// The kernels a step may take: the fastest for its size, or the same for every step.
+    paths: Paths,
 }
 
 impl CudaBackend {
@@ -142,9 +147,18 @@ impl CudaBackend {
             flash_head_dims,
             flash_warpgroups,
             flash_fixed: None,
-            capture_max_tokens: GEMV_MAX_TOKENS,
+            capture_max_tokens: Paths::Fastest.capture_max_tokens(),
             kv_type: KvType::F16,
+            paths: Paths::Fastest,
         })
+    }
+
+    /// Chooses the kernels a step may take (`Paths::Fastest` by default); before the weights are
+    /// uploaded, as the graphs' step sizes and the staging follow from it.
+    pub fn with_paths(mut self, paths: Paths) -> CudaBackend {
+        self.paths = paths;
+        self.capture_max_tokens = paths.capture_max_tokens();
+        self
     }
 
     /// Chooses the KV cache's element type (f16 by default).
@@ -242,7 +256,7 @@ impl super::Kernels for CudaBackend {
     }
 
     fn staging_bytes(&self, largest_weight: usize, max_tokens: usize, max_n_in: usize) -> usize {
-        memory::staging_bytes(largest_weight, max_tokens, max_n_in)
+        memory::staging_bytes(self.paths, largest_weight, max_tokens, max_n_in)
     }
 
     fn prepare(&mut self, max_tokens: usize, max_n_in: usize) -> Result<()> {

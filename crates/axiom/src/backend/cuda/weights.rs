@@ -2,7 +2,6 @@
 //! (kernels/dequant.cuh), and their fields' addresses as the kernels take them.
 
 use super::device::driver_error;
-use super::matmul::gemv_max_tokens;
 use super::memory::ALIGN;
 use super::CudaBackend;
 use crate::backend::{BlockHandle, HostTensor, Kernels};
@@ -109,7 +108,7 @@ impl CudaBackend {
         let q = upload(&split.q)?.ok_or_else(|| Error::Model(format!("tensor {} is empty", t.name)))?;
         let (s, m) = (upload(&split.s)?, upload(&split.m)?);
         self.largest_weight = self.largest_weight.max(n_in * n_out);
-        self.capture_max_tokens = self.capture_max_tokens.min(gemv_max_tokens(t.ty));
+        self.capture_max_tokens = self.capture_max_tokens.min(self.paths.gemv_max_tokens(t.ty));
         Ok(CudaWeight {
             ty: t.ty,
             n_out,
