@@ -22,9 +22,8 @@ use crate::tokenizer::Tokenizer;
 use crate::Result;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
+use std::sync::mpsc::{channel, sync_channel, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex, OnceLock};
-use std::thread::ScopedJoinHandle;
 use std::time::{Duration, Instant};
 
 /// One completion to run.
@@ -326,9 +325,9 @@ impl Sequence {
         }
     }
 
-    /// Puts its constraint back from the thread that computed its mask; returns the mask.
-    fn take_back(&mut self, handle: ScopedJoinHandle<MaskResult>) -> std::result::Result<TokenMask, ConstraintError> {
-        match handle.join() {
+    /// Puts its constraint back from the task that computed its mask; returns the mask.
+    fn take_back(&mut self, masking: Receiver<MaskResult>) -> std::result::Result<TokenMask, ConstraintError> {
+        match masking.recv() {
             Ok((constraint, mask)) => {
                 self.constraint = Some(constraint);
                 mask
@@ -513,37 +512,37 @@ impl<B: Backend> Scheduler<B> {
                 _ => self.running[i].constraint.take(),
             })
             .collect();
-        let (running, tokenizer, metrics, model) = (&mut self.running, &self.tokenizer, &self.metrics, &mut self.model);
-        let result = std::thread::scope(|scope| {
-            let masking: Vec<Option<ScopedJoinHandle<MaskResult>>> = constraints
-                .into_iter()
-                .map(|c| {
-                    c.map(|mut constraint| {
-                        scope.spawn(move || {
-                            let mask = constraint.mask();
-                            (constraint, mask)
-                        })
-                    })
+        // On rayon's pool, whose threads outlive the step: a thread spawned per constrained
+        // sequence and step cost more host time than the masks themselves at 32 streams.
+        let masking = constraints
+            .into_iter()
+            .map(|c| {
+                c.map(|mut constraint| {
+                    let (sender, receiver) = sync_channel(1);
+                    rayon::spawn(move || {
+                        let mask = constraint.mask();
+                        // The step keeps the receiver until it takes the mask.
+                        let _ = sender.send((constraint, mask));
+                    });
+                    receiver
                 })
-                .collect();
-            let masks = (0..batch.len()).map(|_| None).collect();
-            let mut outputs = StepOutputs {
-                running: &mut *running,
-                batch: &batch,
-                masking,
-                masks,
-                tokenizer,
-                metrics: metrics.as_ref(),
-            };
-            let result = model.forward_batch(&mut steps, &mut outputs);
-            // A failed step leaves masks unused: their constraints go back all the same.
-            for j in 0..batch.len() {
-                if let Some(Err(e)) = outputs.mask(j) {
-                    tracing::error!("{e}");
-                }
+            })
+            .collect();
+        let mut outputs = StepOutputs {
+            running: &mut self.running,
+            batch: &batch,
+            masking,
+            masks: (0..batch.len()).map(|_| None).collect(),
+            tokenizer: &self.tokenizer,
+            metrics: self.metrics.as_ref(),
+        };
+        let result = self.model.forward_batch(&mut steps, &mut outputs);
+        // A failed step leaves masks unused: their constraints go back all the same.
+        for j in 0..batch.len() {
+            if let Some(Err(e)) = outputs.mask(j) {
+                tracing::error!("{e}");
             }
-            result
-        });
+        }
         drop(steps);
         for (kv, &(i, _)) in kvs.into_iter().zip(&batch) {
             self.running[i].kv = kv;
@@ -691,17 +690,17 @@ type MaskResult = (Constraint, std::result::Result<TokenMask, ConstraintError>);
 
 /// A step's outputs on their way to its sequences (`batch[j]` is step index j's), with the
 /// masks being computed for the constrained ones.
-struct StepOutputs<'s, 'scope> {
+struct StepOutputs<'s> {
     running: &'s mut [Sequence],
     batch: &'s [(usize, usize)],
-    masking: Vec<Option<ScopedJoinHandle<'scope, MaskResult>>>,
+    masking: Vec<Option<Receiver<MaskResult>>>,
     /// Masks already waited for, until their sequence's output comes.
     masks: Vec<Option<std::result::Result<TokenMask, ConstraintError>>>,
     tokenizer: &'s Tokenizer,
     metrics: &'s dyn Metrics,
 }
 
-impl StepOutputs<'_, '_> {
+impl StepOutputs<'_> {
     /// Step index j's mask (waiting for it, and putting its constraint back), if it has one.
     fn mask(&mut self, j: usize) -> Option<std::result::Result<TokenMask, ConstraintError>> {
         let seq = &mut self.running[self.batch[j].0];
@@ -711,7 +710,7 @@ impl StepOutputs<'_, '_> {
     }
 }
 
-impl StepSink for StepOutputs<'_, '_> {
+impl StepSink for StepOutputs<'_> {
     fn allowed(&mut self, j: usize, words: &mut [u32]) {
         let mask = self.mask(j);
         match &mask {
