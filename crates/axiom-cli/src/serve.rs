@@ -245,6 +245,7 @@ pub fn serve(args: ServeArgs, out: Output) -> Result<()> {
     })?;
     let (handle, tokenizer, template, description) =
         ready_rx.recv().context("the engine thread stopped while loading")??;
+    handle.prepare_constraints();
 
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     runtime.block_on(async {
