@@ -25,6 +25,25 @@ pub fn randn(rng: &mut ChaCha8Rng, n: usize) -> Vec<f32> {
     (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
 }
 
+/// `v` as a KV cache of `kv_type` holds it.
+fn as_cached(v: Vec<f32>, kv_type: KvType) -> Vec<f32> {
+    match kv_type {
+        KvType::F16 => v.iter().map(|&x| f16::from_f32(x).to_f32()).collect(),
+        KvType::F32 => v,
+    }
+}
+
+/// Random key and value rows (all the keys drawn first) for sequences of `lens` tokens, as a
+/// cache of `kv_type` holds them.
+fn cached_kv(rng: &mut ChaCha8Rng, lens: &[usize], kv_width: usize, kv_type: KvType) -> [Vec<Vec<f32>>; 2] {
+    let mut rows = || -> Vec<Vec<f32>> {
+        lens.iter()
+            .map(|l| as_cached(randn(rng, l * kv_width), kv_type))
+            .collect()
+    };
+    [rows(), rows()]
+}
+
 /// The backend under test (`make()`, arena reserved) and the CPU reference.
 fn pair<B: Backend>(make: impl Fn() -> B) -> (B, CpuBackend) {
     let mut gpu = make();
@@ -548,15 +567,7 @@ fn paged_attention_error<B: Backend>(
     shape: AttentionShape,
     rng: &mut ChaCha8Rng,
 ) -> f64 {
-    let round = |v: Vec<f32>| -> Vec<f32> {
-        match kv_type {
-            KvType::F16 => v.iter().map(|&x| f16::from_f32(x).to_f32()).collect(),
-            KvType::F32 => v,
-        }
-    };
-    let kv_w = shape.kv_width();
-    let k: Vec<Vec<f32>> = lens.iter().map(|l| round(randn(rng, l * kv_w))).collect();
-    let v: Vec<Vec<f32>> = lens.iter().map(|l| round(randn(rng, l * kv_w))).collect();
+    let [k, v] = cached_kv(rng, lens, shape.kv_width(), kv_type);
     let q = randn(rng, queries.len() * shape.q_width());
     let (mut gpu, mut cpu) = pair(|| make(kv_type));
     gpu.prepare(queries.len(), 64).unwrap();
@@ -625,7 +636,6 @@ pub fn attention_then_output_projection<B: Backend>(
         vec![(0, 299), (1, 39), (0, 100)],
         (260..300).map(|p| (0, p)).chain((0..40).map(|p| (1, p))).collect(),
     ];
-    let round = |v: Vec<f32>| -> Vec<f32> { v.iter().map(|&x| f16::from_f32(x).to_f32()).collect() };
     let causal = Scores::causal(shape.head_dim);
     let runs = [
         (GgmlType::Q8_0, causal),
@@ -637,14 +647,7 @@ pub fn attention_then_output_projection<B: Backend>(
     for queries in &steps {
         for (ty, rule) in runs {
             let case = PagedCase::new(&mut rng, 16, &lens).scored(rule);
-            let k: Vec<Vec<f32>> = lens
-                .iter()
-                .map(|l| round(randn(&mut rng, l * shape.kv_width())))
-                .collect();
-            let v: Vec<Vec<f32>> = lens
-                .iter()
-                .map(|l| round(randn(&mut rng, l * shape.kv_width())))
-                .collect();
+            let [k, v] = cached_kv(&mut rng, &lens, shape.kv_width(), KvType::F16);
             let q = randn(&mut rng, queries.len() * shape.q_width());
             let residual = randn(&mut rng, queries.len() * n_out);
             let (mut gpu, mut cpu) = pair(|| make(KvType::F16));
@@ -759,21 +762,14 @@ pub fn rope_attention_then_output_projection<B: Backend>(
                     .min()
                     .unwrap_or(0)
             };
-            let round = |v: Vec<f32>| -> Vec<f32> {
-                match kv_type {
-                    KvType::F16 => v.iter().map(|&x| f16::from_f32(x).to_f32()).collect(),
-                    KvType::F32 => v,
-                }
-            };
             let kv_w = shape.kv_width();
-            let k: Vec<Vec<f32>> = (0..2).map(|s| round(randn(&mut rng, held(s) * kv_w))).collect();
-            let v: Vec<Vec<f32>> = (0..2).map(|s| round(randn(&mut rng, held(s) * kv_w))).collect();
+            let [k, v] = cached_kv(&mut rng, &[held(0), held(1)], kv_w, kv_type);
             let n = queries.len();
             let mut new: Vec<Vec<f32>> = [shape.q_width(), kv_w, kv_w, shape.q_width()]
                 .iter()
                 .map(|w| randn(&mut rng, n * w))
                 .collect();
-            new[2] = round(std::mem::take(&mut new[2]));
+            new[2] = as_cached(std::mem::take(&mut new[2]), kv_type);
             let residual = randn(&mut rng, n * n_out);
             let (mut gpu, mut cpu) = pair(|| make(kv_type));
             let (wg, wc) = random_weight(&mut rng, &mut gpu, &mut cpu, ty, shape.q_width(), n_out);
@@ -1310,7 +1306,6 @@ pub fn attention_rows_do_not_depend_on_the_step<B: Backend>(make: impl Fn(KvType
         .map(|s| (s as u32, lens[s] as u32 - 1))
         .chain(chunk)
         .collect();
-    let round = |v: Vec<f32>| -> Vec<f32> { v.iter().map(|&x| f16::from_f32(x).to_f32()).collect() };
     for head_dim in [64, 128] {
         let shape = AttentionShape {
             n_heads: 9,
@@ -1319,14 +1314,7 @@ pub fn attention_rows_do_not_depend_on_the_step<B: Backend>(make: impl Fn(KvType
         };
         for rule in [Scores::causal(head_dim), capped_window()] {
             let case = PagedCase::new(&mut rng, 16, &lens).scored(rule);
-            let k: Vec<Vec<f32>> = lens
-                .iter()
-                .map(|l| round(randn(&mut rng, l * shape.kv_width())))
-                .collect();
-            let v: Vec<Vec<f32>> = lens
-                .iter()
-                .map(|l| round(randn(&mut rng, l * shape.kv_width())))
-                .collect();
+            let [k, v] = cached_kv(&mut rng, &lens, shape.kv_width(), KvType::F16);
             let q = randn(&mut rng, queries.len() * shape.q_width());
             let mut b = make(KvType::F16);
             b.reserve(512 << 20).unwrap();
