@@ -67,6 +67,7 @@ fn matmul_every_type_and_token_count_matches_the_cpu_reference() {
     for paths in PATHS {
         gpu::matmul_every_type_and_token_count(
             || cuda(KvType::F16).with_paths(paths),
+            &gpu::WEIGHT_TYPES,
             |ty, n_in, n_tokens| {
                 // Decode kernels compute in f32, except on quantized rows of 2048 or more, whose
                 // activations are quantized to int8 per 32 values (about 0.4% each; not Q4_K's
@@ -92,7 +93,10 @@ fn matmul_every_type_and_token_count_matches_the_cpu_reference() {
 #[ignore = "needs an NVIDIA GPU: cargo test --release --test cuda -- --ignored"]
 fn embed_rms_norm_rope_glu_add_scale_softcap_match_the_cpu_reference() {
     for paths in PATHS {
-        gpu::embed_rms_norm_rope_glu_add_scale_softcap_argmax(|| cuda(KvType::F16).with_paths(paths));
+        gpu::embed_rms_norm_rope_glu_add_scale_softcap_argmax(
+            || cuda(KvType::F16).with_paths(paths),
+            &gpu::WEIGHT_TYPES,
+        );
     }
 }
 

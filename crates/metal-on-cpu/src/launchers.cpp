@@ -7,8 +7,10 @@
 using msl_cpu::launch;
 using msl_cpu::Thread;
 
-// GGUF type ids, as in format/quant.rs.
-#define WEIGHT_TYPES(X) X(0, f32) X(1, f16) X(30, bf16) X(8, q8_0) X(2, q4_0) X(3, q4_1) X(6, q5_0) X(12, q4_k) X(14, q6_k)
+// Type ids, as in format/quant.rs: GGUF's, and FP8 checkpoints' blocks at the id no GGUF type uses.
+#define WEIGHT_TYPES(X)                                                                                              \
+    X(0, f32) X(1, f16) X(30, bf16) X(8, q8_0) X(2, q4_0) X(3, q4_1) X(6, q5_0) X(12, q4_k) X(14, q6_k)              \
+    X(0xffffffffu, fp8)
 
 // `g` and `eps` are the RMS norm taken on the way in where `normed` is set.
 extern "C" int msl_matmul(uint ty, const uchar* w, const float* x, const float* g, float eps, uint normed, float* out,

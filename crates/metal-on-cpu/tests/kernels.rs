@@ -5,6 +5,8 @@
 //! runs causal and under every score rule of the engine's tests (windows, a soft cap, a scale),
 //! one test per rule and cache type; the prompt attention over contexts of 1, 7, 64 and 200. The
 //! mixture-of-experts kernels at 6 experts, top-2, router logits with exact ties, 1/7/33 tokens.
+//! Weights in every type the Metal backend runs (`metal_weight_types`), FP8 blocks among them,
+//! and every E4M3 code decoded bit for bit.
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
@@ -17,9 +19,10 @@ mod common;
 
 use axiom::backend::cpu::kernels::experts::{Expert, ExpertMatrix};
 use axiom::backend::cpu::kernels::{self as reference, paged::PageMap};
-use axiom::backend::{Activation, AttentionShape, Rope, RopeLayout, RopeScaling, Routing, Scores};
+use axiom::backend::{metal_weight_types, Activation, AttentionShape, Rope, RopeLayout, RopeScaling, Routing, Scores};
+use axiom::format::fp8::{self, E4M3_VALUES};
 use axiom::format::quant::GgmlType;
-use common::gpu::{randn, rel_l2, WEIGHT_TYPES};
+use common::gpu::{randn, rel_l2};
 use common::{capped_window, paged_queries, random_weight_bytes, score_rules, PagedCase, PAGED_LENS};
 use half::f16;
 use metal_on_cpu::{Cache, ExpertStack, Experts, Heads, Pages, Rule};
@@ -28,6 +31,11 @@ use rand_chacha::ChaCha8Rng;
 
 fn rng() -> ChaCha8Rng {
     ChaCha8Rng::seed_from_u64(7)
+}
+
+/// Every weight type the Metal backend runs.
+fn weight_types() -> Vec<GgmlType> {
+    metal_weight_types().map(|(ty, _)| ty).collect()
 }
 
 /// A row length that is not a multiple of the 32 lanes in blocks (or elements, for floats).
@@ -42,7 +50,7 @@ fn awkward_n_in(ty: GgmlType) -> usize {
 #[test]
 fn matmul_every_type_matches_the_reference() {
     let mut rng = rng();
-    for ty in WEIGHT_TYPES {
+    for ty in weight_types() {
         let (n_in, n_out, n_tokens) = (awkward_n_in(ty), 37, 3);
         let w = random_weight_bytes(&mut rng, ty, n_in * n_out);
         let x = randn(&mut rng, n_tokens * n_in);
@@ -89,7 +97,7 @@ fn matmul_every_type_matches_the_reference() {
 #[test]
 fn matmul_normalizing_its_input_matches_rms_norm_then_matmul() {
     let mut rng = rng();
-    for ty in WEIGHT_TYPES {
+    for ty in weight_types() {
         let (n_in, n_out, n_tokens) = (awkward_n_in(ty), 37, 3);
         let w = random_weight_bytes(&mut rng, ty, n_in * n_out);
         let (x, g) = (randn(&mut rng, n_tokens * n_in), randn(&mut rng, n_in));
@@ -127,7 +135,7 @@ fn normed_product(ty: GgmlType, w: &[u8], x: &[f32], g: &[f32], n_in: usize, n_o
 #[test]
 fn matmul_glu_every_type_matches_the_reference() {
     let mut rng = rng();
-    for ty in WEIGHT_TYPES {
+    for ty in weight_types() {
         let (n_in, n_out, n_tokens) = (awkward_n_in(ty), 37, 3);
         let w_gate = random_weight_bytes(&mut rng, ty, n_in * n_out);
         let w_up = random_weight_bytes(&mut rng, ty, n_in * n_out);
@@ -195,7 +203,7 @@ fn tiled_cases(ty: GgmlType) -> Vec<(usize, usize, usize)> {
 #[test]
 fn matmul_tiled_every_type_matches_the_reference() {
     let mut rng = rng();
-    for ty in WEIGHT_TYPES {
+    for ty in weight_types() {
         for (n_in, n_out, n_tokens) in tiled_cases(ty) {
             let w = random_weight_bytes(&mut rng, ty, n_in * n_out);
             let x = randn(&mut rng, n_tokens * n_in);
@@ -239,7 +247,7 @@ fn matmul_tiled_one_partial_tile_matches_the_reference() {
 #[test]
 fn embed_every_type_matches_the_reference() {
     let mut rng = rng();
-    for ty in WEIGHT_TYPES {
+    for ty in weight_types() {
         let (dim, vocab) = (awkward_n_in(ty), 11);
         let table = random_weight_bytes(&mut rng, ty, dim * vocab);
         let ids = [3u32, 0, 10, 3];
@@ -248,6 +256,30 @@ fn embed_every_type_matches_the_reference() {
         let mut got = vec![f32::NAN; ids.len() * dim];
         metal_on_cpu::embed(ty.id(), &table, ty.row_bytes(dim), &ids, &mut got, dim, 48);
         assert_eq!(got, want, "{ty}: the same dequantization, value for value");
+    }
+}
+
+/// Every E4M3 code (zeros of both signs, subnormals, 448, the two NaNs) through FP8 blocks of
+/// scale 1, then -0.375: bit for bit the CPU's table times the scale (NaN for the NaN codes).
+#[test]
+fn fp8_every_e4m3_code_decodes_exactly() {
+    let ty = GgmlType::Fp8;
+    let codes: Vec<u8> = (0..=255).collect();
+    let rows = codes.len() / fp8::CODES_PER_BLOCK;
+    let ids: Vec<u32> = (0..rows as u32).collect();
+    for scale in [1.0f32, -0.375] {
+        let mut table = vec![0u8; rows * fp8::BLOCK_BYTES];
+        fp8::pack(&codes, fp8::CODES_PER_BLOCK, |_, _| scale, &mut table);
+        // E4M3 has no infinities: an infinity left is a value never written.
+        let mut got = vec![f32::INFINITY; codes.len()];
+        metal_on_cpu::embed(ty.id(), &table, ty.block_bytes(), &ids, &mut got, fp8::CODES_PER_BLOCK, 8);
+        for (code, (got, value)) in got.iter().zip(E4M3_VALUES).enumerate() {
+            let want = value * scale;
+            assert!(
+                got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
+                "code {code:#04x}, scale {scale}: {got:e}, not {want:e}"
+            );
+        }
     }
 }
 
@@ -1030,10 +1062,11 @@ fn awkward_dim(ty: GgmlType) -> usize {
 #[test]
 fn experts_every_type_match_the_reference() {
     let mut rng = rng();
-    for (i, &ty) in WEIGHT_TYPES.iter().enumerate() {
+    let types = weight_types();
+    for (i, &ty) in types.iter().enumerate() {
         check_experts(
             &mut rng,
-            [ty, ty, WEIGHT_TYPES[(i + 1) % WEIGHT_TYPES.len()]],
+            [ty, ty, types[(i + 1) % types.len()]],
             Activation::Silu,
             1,
         );

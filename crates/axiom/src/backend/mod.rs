@@ -273,6 +273,13 @@ pub fn gpu_kernel_suffix(ty: GgmlType) -> Option<&'static str> {
     GPU_WEIGHT_TYPES.iter().find(|(t, _)| *t == ty).map(|(_, s)| *s)
 }
 
+/// The weight types the Metal backend runs, by the suffix of their kernels: the GPU backends'
+/// and FP8 checkpoints' blocks, which CUDA's kernels do not read yet. Outside the Metal module,
+/// which only macOS builds, so that the kernels' tests on the CPU (crates/metal-on-cpu) run them all.
+pub fn metal_weight_types() -> impl Iterator<Item = (GgmlType, &'static str)> {
+    GPU_WEIGHT_TYPES.into_iter().chain([(GgmlType::Fp8, "fp8")])
+}
+
 /// Head counts and sizes for the attention ops.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct AttentionShape {

@@ -117,7 +117,8 @@ fn normed(x: BlockHandle, weight: BlockHandle, scratch: BlockHandle) -> Input {
     }
 }
 
-/// The weight types every GPU backend runs.
+/// The weight types every GPU backend runs (Metal runs FP8 blocks too:
+/// `axiom::backend::metal_weight_types`).
 pub const WEIGHT_TYPES: [GgmlType; 9] = [
     GgmlType::F32,
     GgmlType::F16,
@@ -130,11 +131,12 @@ pub const WEIGHT_TYPES: [GgmlType; 9] = [
     GgmlType::Q6K,
 ];
 
-/// Every weight type, short and long rows (backends may switch kernels with the row length), and
-/// several token counts; `tolerance(type, n_in, n_tokens)` is the relative error the backend's
-/// kernels for that case allow.
+/// Every weight type of `types` (those the backend runs), short and long rows (backends may
+/// switch kernels with the row length), and several token counts; `tolerance(type, n_in,
+/// n_tokens)` is the relative error the backend's kernels for that case allow.
 pub fn matmul_every_type_and_token_count<B: Backend>(
     make: impl Fn() -> B,
+    types: &[GgmlType],
     tolerance: impl Fn(GgmlType, usize, usize) -> f64,
 ) {
     let mut rng = ChaCha8Rng::seed_from_u64(1);
@@ -148,7 +150,7 @@ pub fn matmul_every_type_and_token_count<B: Backend>(
             &[2048][..]
         }
     };
-    let cases = WEIGHT_TYPES.iter().flat_map(|&ty| {
+    let cases = types.iter().flat_map(|&ty| {
         std::iter::once(short(ty))
             .chain(long(ty).iter().copied())
             .map(move |n| (ty, n))
@@ -290,7 +292,7 @@ pub fn matmul_every_type_and_token_count<B: Backend>(
             (2048, 2048),
         ]
     };
-    for (ty, (dim, ffn_dim)) in WEIGHT_TYPES.iter().flat_map(|&ty| widths(ty).map(|w| (ty, w))) {
+    for (ty, (dim, ffn_dim)) in types.iter().flat_map(|&ty| widths(ty).map(|w| (ty, w))) {
         let (mut gpu, mut cpu) = pair(&make);
         let mut weight = |n_in, n_out| random_weight(&mut rng, &mut gpu, &mut cpu, ty, n_in, n_out);
         let (gate, up, down) = (weight(dim, ffn_dim), weight(dim, ffn_dim), weight(ffn_dim, dim));
@@ -361,11 +363,11 @@ pub fn matmul_every_type_and_token_count<B: Backend>(
     }
 }
 
-/// Embedding from every type, RMSNorm, RoPE in both layouts, both gated activations, add, scale,
-/// soft cap and argmax.
-pub fn embed_rms_norm_rope_glu_add_scale_softcap_argmax<B: Backend>(make: impl Fn() -> B) {
+/// Embedding from every type of `types` (those the backend runs), RMSNorm, RoPE in both layouts,
+/// both gated activations, add, scale, soft cap and argmax.
+pub fn embed_rms_norm_rope_glu_add_scale_softcap_argmax<B: Backend>(make: impl Fn() -> B, types: &[GgmlType]) {
     let mut rng = ChaCha8Rng::seed_from_u64(2);
-    for ty in WEIGHT_TYPES {
+    for &ty in types {
         let (dim, vocab) = (256, 11);
         let (mut gpu, mut cpu) = pair(&make);
         let (tg, tc) = random_weight(&mut rng, &mut gpu, &mut cpu, ty, dim, vocab);
@@ -1117,6 +1119,19 @@ pub fn mixtures_of_experts_match_transformers<B: Backend>(make: impl Fn(KvType) 
         assert!(err < 1e-4, "{name} f32 GGUF: relative L2 error {err}");
     }
     std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// The tiny FP8 checkpoints (block-wise and per-channel scales), decoded token by token and run
+/// a whole prompt a step (steps of 14 to 27 tokens: a backend's prompt kernels), against
+/// transformers' logits on their dequantized weights.
+pub fn fp8_checkpoints_match_transformers<B: Backend>(make: impl Fn(KvType) -> B) {
+    fixtures_match_transformers(super::FP8_FIXTURES, &make);
+    for &name in super::FP8_FIXTURES {
+        let dir = super::hf_fixture(name);
+        let err = super::worst_error(&dir, &dir, make(KvType::F32));
+        println!("{name}, whole prompts: relative L2 error {err:.2e}");
+        assert!(err < 1e-4, "{name}, whole prompts: relative L2 error {err}");
+    }
 }
 
 fn fixtures_match_transformers<B: Backend>(fixtures: &[&str], make: impl Fn(KvType) -> B) {

@@ -210,8 +210,8 @@ pub const HF_FIXTURES: &[&str] = &[
 /// backends run them): Qwen3-MoE with a dense layer, Mixtral, Qwen2-MoE with its shared expert.
 pub const MOE_FIXTURES: &[&str] = &["qwen3_moe", "mixtral", "qwen2_moe"];
 
-/// The tiny FP8 checkpoints of `scripts/make_hf_fixtures.py` (the CPU runs them): Qwen3 with a
-/// scale per 128x128 block, Llama with one per channel (compressed-tensors).
+/// The tiny FP8 checkpoints of `scripts/make_hf_fixtures.py` (the CPU and Metal backends run
+/// them): Qwen3 with a scale per 128x128 block, Llama with one per channel (compressed-tensors).
 pub const FP8_FIXTURES: &[&str] = &["qwen3_fp8", "llama_fp8_channel"];
 
 /// A tiny Hugging Face model of `scripts/make_hf_fixtures.py`.

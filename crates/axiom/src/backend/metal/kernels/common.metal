@@ -123,6 +123,25 @@ struct Q6_K {
     }
 };
 
+// The value of an E4M3 code (format/fp8.rs): sign, 4 exponent bits (bias 7), 3 mantissa bits,
+// no infinities, NaN at S.1111.111. Built from bits, so every code decodes exactly.
+inline float e4m3_value(uint code) {
+    uint exponent = (code >> 3) & 15, mantissa = code & 7;
+    uint magnitude = (code & 0x7f) == 0x7f ? 0x7fc00000u                                   // NaN
+                     : exponent == 0     ? as_type<uint>(float(mantissa) * (1.0f / 512.0f))  // m / 8 * 2^-6
+                                         : ((exponent + 127 - 7) << 23) | (mantissa << 20);
+    return as_type<float>(magnitude | ((code & 0x80) << 24));
+}
+
+// FP8 checkpoints' blocks: an f32 scale, then 32 E4M3 codes of a row; value = E4M3(code) * scale.
+struct FP8_E4M3 {
+    enum { block_len = 32, block_bytes = 36, sub_len = 32 };
+    template <typename F> static void visit_sub(device const uchar* b, uint, thread F& f) {
+        float scale = load_f32(b);
+        for (uint i = 0; i < 32; i++) f(i, e4m3_value(b[4 + i]) * scale);
+    }
+};
+
 // Every value of one block of W.
 template <typename W, typename F> void visit(device const uchar* b, thread F& f) {
     for (uint j = 0; j < W::block_len / W::sub_len; j++) W::visit_sub(b, j, f);
