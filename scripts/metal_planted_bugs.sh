@@ -10,6 +10,8 @@
 #     - the tiled matmul's edge off by one (the last row of a partial tile of rows staged as zeros)
 #     - the prompt attention's key tile edge off by one (a sequence's last position staged as zeros)
 #     - the router passing over experts tied with the one it chose last
+#     - E4M3 decoded with exponent bias 8, its subnormals at twice their value, and the negative
+#       NaN code (0xff) decoded as a number
 #   The same run under ThreadSanitizer (AXIOM_MSL_TSAN=1), on the quick kernels with threadgroup
 #   memory and one tile of the tiled matmul and of the prompt attention (under TSan every GPU
 #   thread is still an OS thread: the other attention tests and the tiled matmul's every type
@@ -104,6 +106,12 @@ plant_kernel "the prompt attention's key tile edge off by one" flash_attention.m
 plant_kernel "the router passing over experts tied with its last choice" route.metal \
     "bool after = p < last_p || (p == last_p && e > last_e);" "bool after = p < last_p;" \
     kernel_tests route_matches_the_reference_with_ties
+plant_kernel "E4M3 decoded with exponent bias 8" common.metal \
+    "((exponent + 127 - 7) << 23)" "((exponent + 127 - 8) << 23)" kernel_tests fp8_every_e4m3_code_decodes_exactly
+plant_kernel "E4M3's negative NaN code decoded as a number" common.metal \
+    "(code & 0x7f) == 0x7f ? 0x7fc00000u" "code == 0x7f ? 0x7fc00000u" kernel_tests fp8_every_e4m3_code_decodes_exactly
+plant_kernel "E4M3's subnormals at twice their value" common.metal \
+    "float(mantissa) * (1.0f / 512.0f)" "float(mantissa) * (1.0f / 256.0f)" kernel_tests fp8_every_e4m3_code_decodes_exactly
 
 if tsan_tests "" "${tsan_quick[@]}" >"$work/log" 2>&1; then
     echo "clean under ThreadSanitizer: rms_norm, argmax, one tile of matmul_tiled and of flash_attention"

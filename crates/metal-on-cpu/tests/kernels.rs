@@ -272,7 +272,15 @@ fn fp8_every_e4m3_code_decodes_exactly() {
         fp8::pack(&codes, fp8::CODES_PER_BLOCK, |_, _| scale, &mut table);
         // E4M3 has no infinities: an infinity left is a value never written.
         let mut got = vec![f32::INFINITY; codes.len()];
-        metal_on_cpu::embed(ty.id(), &table, ty.block_bytes(), &ids, &mut got, fp8::CODES_PER_BLOCK, 8);
+        metal_on_cpu::embed(
+            ty.id(),
+            &table,
+            ty.block_bytes(),
+            &ids,
+            &mut got,
+            fp8::CODES_PER_BLOCK,
+            8,
+        );
         for (code, (got, value)) in got.iter().zip(E4M3_VALUES).enumerate() {
             let want = value * scale;
             assert!(
@@ -1064,12 +1072,7 @@ fn experts_every_type_match_the_reference() {
     let mut rng = rng();
     let types = weight_types();
     for (i, &ty) in types.iter().enumerate() {
-        check_experts(
-            &mut rng,
-            [ty, ty, types[(i + 1) % types.len()]],
-            Activation::Silu,
-            1,
-        );
+        check_experts(&mut rng, [ty, ty, types[(i + 1) % types.len()]], Activation::Silu, 1);
     }
 }
 

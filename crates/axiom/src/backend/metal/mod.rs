@@ -5,8 +5,8 @@
 //! forward pass encoded into one command buffer that `synchronize` commits and waits for;
 //! [`allocator`] one shared MTLBuffer carved by the arena every backend shares (unified memory:
 //! the host writes inputs and reads results through the same memory, no copies); [`kernels`]
-//! every MSL kernel, compiled once at startup. Weights keep their GGUF blocks and every matmul
-//! reads them as stored.
+//! every MSL kernel, compiled once at startup. Weights keep their stored blocks (GGUF's, or FP8
+//! checkpoints') and every matmul reads them as stored.
 //!
 //! Built on macOS only. On Linux, CI type-checks this code against a patched objc2-metal
 //! (scripts/metal_check.sh) and runs every kernel on the CPU through a C++ shim
@@ -82,7 +82,7 @@ pub enum MetalError {
     Internal(&'static str),
 }
 
-/// A weight matrix in the shared buffer, in its GGUF blocks.
+/// A weight matrix in the shared buffer, in its stored blocks.
 pub struct MetalWeight {
     pub ty: GgmlType,
     pub n_out: usize,

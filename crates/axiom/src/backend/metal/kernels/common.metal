@@ -1,10 +1,10 @@
 // Shared by every kernel: concatenated before the other sources when the library is compiled.
 //
-// Weights keep their GGUF block layout (the arena is shared memory: uploading is a copy). Each
-// weight type is a struct naming its block shape and a `visit_sub` that hands every value of one
-// sub-block (at most 32 values, `sub_len`) to a functor, `f(index_in_block, value)`, with exactly
-// the reference dequantization. `visit` runs over a whole block; the row matmul, the tiled matmul
-// and embed are written once over them.
+// Weights keep their stored blocks, GGUF's or FP8 checkpoints' (the arena is shared memory:
+// uploading is a copy). Each weight type is a struct naming its block shape and a `visit_sub`
+// that hands every value of one sub-block (at most 32 values, `sub_len`) to a functor,
+// `f(index_in_block, value)`, with exactly the reference dequantization. `visit` runs over a
+// whole block; the row matmul, the tiled matmul and embed are written once over them.
 #include <metal_stdlib>
 using namespace metal;
 
