@@ -532,9 +532,16 @@ impl<B: Backend> Scheduler<B> {
                 c.map(|mut constraint| {
                     let (sender, receiver) = sync_channel(1);
                     rayon::spawn(move || {
-                        let mask = constraint.mask();
-                        // The step keeps the receiver until it takes the mask.
-                        let _ = sender.send((constraint, mask));
+                        // A panic on rayon's pool would abort the process: caught, it drops the
+                        // sender instead, and the step fails this sequence alone (`take_back`).
+                        let masked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
+                            let mask = constraint.mask();
+                            (constraint, mask)
+                        }));
+                        if let Ok(masked) = masked {
+                            // The step keeps the receiver until it takes the mask.
+                            let _ = sender.send(masked);
+                        }
                     });
                     receiver
                 })
