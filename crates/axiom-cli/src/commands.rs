@@ -128,6 +128,11 @@ pub struct BenchArgs {
     /// Tokens of context each test runs after (comma-separated), as llama-bench's -d.
     #[arg(short = 'd', long = "n-depth", value_delimiter = ',', default_value = "0")]
     depth: Vec<usize>,
+    /// Sequences that decode together in each generation test (comma-separated), as
+    /// llama-batched-bench's -npl: each step decodes one token of every sequence, as a server
+    /// serving that many streams does, and t/s counts them all. Prompt tests run one sequence.
+    #[arg(long = "parallel", visible_alias = "npl", value_delimiter = ',', default_value = "1")]
+    parallel: Vec<usize>,
     /// Repetitions of each test.
     #[arg(short = 'r', long, default_value_t = 3)]
     repetitions: usize,
@@ -311,6 +316,9 @@ pub fn bench(args: BenchArgs, out: Output) -> Result<()> {
     if args.ubatch == 0 {
         bail!("--ubatch-size must be at least 1");
     }
+    if args.parallel.contains(&0) {
+        bail!("--parallel must be at least 1");
+    }
     let tests: Vec<Test> = args
         .prompt
         .iter()
@@ -329,10 +337,15 @@ pub fn bench(args: BenchArgs, out: Output) -> Result<()> {
              {context_length} tokens"
         );
     }
+    // Parallel sequences each hold a test's tokens, and a step takes one token of each.
+    let widest = match tests.iter().any(|t| matches!(t, Test::Generation(_))) {
+        true => args.parallel.iter().copied().max().unwrap_or(1),
+        false => 1,
+    };
     let options = LoadOptions {
-        max_batch: needed.min(args.ubatch),
-        kv_tokens: needed,
-        max_seqs: 1,
+        max_batch: needed.min(args.ubatch).max(widest),
+        kv_tokens: needed.next_multiple_of(axiom::model::PAGE_SIZE).saturating_mul(widest),
+        max_seqs: widest,
     };
     let loaded = load_session(&args.model, model, options, out)?;
     with_session!(loaded, session => {
@@ -342,16 +355,26 @@ pub fn bench(args: BenchArgs, out: Output) -> Result<()> {
         let size = format!("{:.2} MiB", info.file_bytes as f64 / (1 << 20) as f64);
         let params = format!("{:.2} M", info.parameters as f64 / 1e6);
         let mut rows = Vec::new();
-        let bar = progress((tests.len() * args.depth.len()) as u64, "bench", out);
-        for test in tests {
-            for &depth in &args.depth {
-                bar.set_message(format!("bench {}", test.name()));
-                let r = run_test(&mut session.model, &mut session.pages, test, depth, args.repetitions)?;
-                bar.inc(1);
-                let gbps = matches!(test, Test::Generation(_))
-                    .then(|| r.mean * info.weight_bytes_per_token as f64 / 1e9);
-                rows.push((r, gbps));
+        let mut runs = Vec::new();
+        for &test in &tests {
+            let widths = match test {
+                Test::Prompt(_) => &[1][..],
+                Test::Generation(_) => &args.parallel[..],
+            };
+            for &width in widths {
+                runs.extend(args.depth.iter().map(|&depth| (test, width, depth)));
             }
+        }
+        let bar = progress(runs.len() as u64, "bench", out);
+        for (test, width, depth) in runs {
+            bar.set_message(format!("bench {}", test.name()));
+            let r = run_test(&mut session.model, &mut session.pages, test, depth, width, args.repetitions)?;
+            bar.inc(1);
+            // One sequence's tokens each read the weights once; steps of several share them (and a
+            // mixture's read more experts), so theirs go unreported.
+            let gbps = (matches!(test, Test::Generation(_)) && width == 1)
+                .then(|| r.mean * info.weight_bytes_per_token as f64 / 1e9);
+            rows.push((r, gbps));
         }
         bar.finish_and_clear();
         if args.json {
@@ -359,7 +382,7 @@ pub fn bench(args: BenchArgs, out: Output) -> Result<()> {
                 let out = json!({
                     "model": info.description, "size_bytes": info.file_bytes, "params": info.parameters,
                     "backend": backend, "threads": threads, "test": r.test, "n_tokens": r.n_tokens,
-                    "n_depth": r.depth,
+                    "n_depth": r.depth, "n_parallel": r.parallel,
                     "samples_ts": r.samples, "avg_ts": r.mean, "stddev_ts": r.stddev,
                     "weight_bandwidth_gbps": gbps,
                 });

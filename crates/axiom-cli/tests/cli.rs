@@ -356,6 +356,33 @@ fn bench_prints_a_llama_bench_style_table_and_json() {
     let names: Vec<&str> = objects.iter().map(|o| o["test"].as_str().unwrap()).collect();
     assert_eq!(names, ["pp8", "pp8 @ d24", "tg2", "tg2 @ d24"]);
     assert_eq!(objects[3]["n_depth"], 24);
+
+    // Sequences decoding together: generation tests at each width, prompts alone.
+    let out = ok(&axiom(&[
+        "bench",
+        "-m",
+        m,
+        "-p",
+        "8",
+        "-n",
+        "3",
+        "-r",
+        "1",
+        "-d",
+        "0,16",
+        "--parallel",
+        "1,3",
+        "--json",
+    ]));
+    let objects: Vec<Value> = out.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let names: Vec<&str> = objects.iter().map(|o| o["test"].as_str().unwrap()).collect();
+    assert_eq!(
+        names,
+        ["pp8", "pp8 @ d16", "tg3", "tg3 @ d16", "tg3 x3", "tg3 x3 @ d16"]
+    );
+    assert_eq!(objects[4]["n_parallel"], 3);
+    assert!(objects[5]["avg_ts"].as_f64().unwrap() > 0.0);
+    assert!(objects[4]["weight_bandwidth_gbps"].is_null());
 }
 
 #[test]
@@ -466,7 +493,7 @@ fn huge_sizes_from_flags_are_clamped_or_refused() {
     assert_eq!(out, " Paris.\n");
     // Sizes that cannot be honoured are refused with a message, never a panic or an abort.
     let text = concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml");
-    let cases: [(&[&str], &str); 5] = [
+    let cases: [(&[&str], &str); 6] = [
         (
             &["perplexity", "-m", m, "-f", text, "-c", HUGE],
             "exceeds the model's context of 8192 tokens",
@@ -480,6 +507,7 @@ fn huge_sizes_from_flags_are_clamped_or_refused() {
             "a test of 128 tokens after 8190 of context exceeds the model's context of 8192 tokens",
         ),
         (&["bench", "-m", m, "-t", HUGE], "--threads must be between 1 and 1024"),
+        (&["bench", "-m", m, "--parallel", "0"], "--parallel must be at least 1"),
         (
             &["serve", "--backend", "cpu", "-m", m, "--max-batch-tokens", HUGE],
             "more than the 4294967296 a model can be loaded with",
