@@ -1,7 +1,8 @@
 //! Mixture-of-experts ops (kernels/experts.cu): `route` on the device, the experts' products on
 //! the matrix-vector kernels' row dot products, per (token, expert) pair for small steps and per
-//! expert over its grouped pairs for larger ones, then their weighted sum into the residual; and
-//! the shared expert's gated add. The routes stay on the device throughout.
+//! expert over its grouped pairs for larger ones (on the tensor cores instead where the paths
+//! allow: expert_gemm.rs), then their weighted sum into the residual; and the shared expert's
+//! gated add. The routes stay on the device throughout.
 
 use super::launch::blocks_for;
 use super::matmul::GEMV_MAX_TOKENS;
@@ -196,6 +197,9 @@ impl CudaBackend {
             rows_per_token: per_token as i32,
             act: act.code() as i32,
         };
+        if grouped && self.paths.expert_gemm(w.ty) {
+            return self.launch_expert_gemm(&params, suffix, up.is_some(), n_pairs);
+        }
         let grid_y = u32::try_from(grid_y)
             .ok()
             .filter(|&y| y <= 65535)

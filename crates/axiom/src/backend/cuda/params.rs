@@ -345,7 +345,7 @@ kernel_params! {
     /// its output row. Pairwise, the pairs' experts are `ids` and pair i reads row
     /// `i / rows_per_token` of `x`; grouped, expert e's slots are `offsets[e]..offsets[e + 1]`
     /// of `x` and `out`.
-    struct ExpertProductParams for ["expert_rows_", "expert_groups_"] {
+    struct ExpertProductParams for ["expert_rows_", "expert_groups_", "expert_gemm_"] {
         w: ExpertWeights,
         up: ExpertWeights,
         ids: u64,
