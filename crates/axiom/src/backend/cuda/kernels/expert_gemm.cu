@@ -128,11 +128,11 @@ template <typename Tile, int TY, bool GLU> __device__ void expert_gemm(const Exp
                                                                 pack_16<BF16>(xr[i].z, xr[i].w));
         }
     };
-    // The weight row behind tile row r, or none past the matrix.
-    auto weight_row = [&](int r, const Weight** w) {
+    // The weight row behind tile row r (past the matrix where at least n_out), and its matrix.
+    auto weight_row = [&](int r, Weight* w) {
         bool is_up;
         int o = out_first + tile_output<GLU>(r, &is_up);
-        *w = is_up ? &up : &gate;
+        *w = is_up ? up : gate;
         return o;
     };
     Tile wr;
@@ -140,15 +140,15 @@ template <typename Tile, int TY, bool GLU> __device__ void expert_gemm(const Exp
         if constexpr (TY == TY_F16 || TY == TY_BF16) {
             for (int i = 0; i < Tile::PER_THREAD; i++) {
                 int at = threadIdx.x + 256 * i, r = at / Tile::PIECES, col = tile * EG_DEPTH + 8 * (at % Tile::PIECES);
-                const Weight* w;
+                Weight w;
                 int o = weight_row(r, &w);
-                wr.v[i] = o < p.n_out && col < n_in ? *(const uint4*)(w->q + ((u64)o * n_in + col) * 2)
+                wr.v[i] = o < p.n_out && col < n_in ? *(const uint4*)(w.q + ((u64)o * n_in + col) * 2)
                                                     : make_uint4(0, 0, 0, 0);
             }
         } else {
-            const Weight* w;
+            Weight w;
             int o = weight_row(threadIdx.x / (EG_DEPTH / 32), &w);
-            wr.load(*w, o, o < p.n_out, tile);
+            wr.load(w, o, o < p.n_out, tile);
         }
     };
     auto store_w = [&](int tile) {
@@ -209,10 +209,10 @@ template <typename Tile, int TY, bool GLU> __device__ void expert_gemm(const Exp
 }
 
 #define EXPERT_GEMM(NAME, TILE, TY)                                                                                   \
-    extern "C" __global__ void __launch_bounds__(256) expert_gemm_##NAME(ExpertProductParams p) {                    \
+    extern "C" __global__ void __launch_bounds__(256, 2) expert_gemm_##NAME(ExpertProductParams p) {                    \
         expert_gemm<TILE<TY>, TY, false>(p);                                                                          \
     }                                                                                                                 \
-    extern "C" __global__ void __launch_bounds__(256) expert_gemm_glu_##NAME(ExpertProductParams p) {                \
+    extern "C" __global__ void __launch_bounds__(256, 2) expert_gemm_glu_##NAME(ExpertProductParams p) {                \
         expert_gemm<TILE<TY>, TY, true>(p);                                                                           \
     }
 EXPERT_GEMM(f16, FloatTile, TY_F16)
