@@ -204,8 +204,11 @@ fn mixtures_of_experts_on_cuda_match_transformers() {
 #[test]
 #[ignore = "needs an NVIDIA GPU: cargo test --release --test cuda -- --ignored"]
 fn expert_ops_match_the_cpu_reference() {
-    // The expert products compute in f32 on the stored weights, as the CPU reference does.
-    gpu::expert_ops(|| cuda(KvType::F16), 1e-5);
+    // The row dot products compute in f32 on the stored weights, as the CPU reference does: every
+    // step under `--deterministic`. By default, grouped steps (over 8 tokens) of all but f32
+    // weights run on the tensor cores, their inputs rounded to f16 (bf16 for bf16 weights).
+    gpu::expert_ops(|| invariant(KvType::F16), 1e-5);
+    gpu::expert_ops(|| cuda(KvType::F16), 1e-2);
 }
 
 #[test]

@@ -86,9 +86,9 @@ impl<W: Matrix> ExpertSet<'_, W> {
 
 /// Scratch for the expert op over `n_tokens` tokens of `k` experts each: `rows` and `out` hold
 /// `n_tokens * k` rows of the model's width, `gate`, `up` and `hidden` as many of the experts'.
-/// `groups` holds `n_experts + 1 + 2 * n_tokens * k` u32, for a backend that groups the (token,
-/// expert) pairs by expert on the device (CUDA): each expert's first slot, then each pair's slot
-/// and each slot's pair.
+/// `groups` holds `groups_len` u32, for a backend that groups the (token, expert) pairs by expert
+/// on the device (CUDA): each expert's first slot, then each pair's slot and each slot's pair, then
+/// the experts' counts in each chunk of `GROUP_CHUNK` pairs.
 #[derive(Debug, Clone, Copy)]
 pub struct ExpertScratch {
     pub rows: BlockHandle,
@@ -100,8 +100,12 @@ pub struct ExpertScratch {
 }
 
 impl ExpertScratch {
+    /// The pairs a warp of CUDA's `group_pairs_*` kernels counts and places (GROUP_CHUNK in
+    /// cuda/kernels/experts.cu).
+    pub const GROUP_CHUNK: usize = 512;
+
     /// The u32 values `groups` must hold for `n_pairs` pairs over `n_experts` experts.
     pub fn groups_len(n_experts: usize, n_pairs: usize) -> usize {
-        n_experts + 1 + 2 * n_pairs
+        n_experts + 1 + 2 * n_pairs + n_pairs.div_ceil(Self::GROUP_CHUNK) * n_experts
     }
 }

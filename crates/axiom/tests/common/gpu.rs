@@ -1014,6 +1014,8 @@ pub fn expert_ops<B: Backend>(make: impl Fn() -> B, tolerance: f64) {
         (GgmlType::BF16, GgmlType::BF16, GgmlType::F16, 96, 48),
         (GgmlType::Q4_1, GgmlType::Q4_1, GgmlType::F32, 96, 64),
         (GgmlType::Q4_0, GgmlType::Q5_0, GgmlType::Q8_0, 96, 64),
+        (GgmlType::Q6K, GgmlType::Q6K, GgmlType::Q4K, 256, 256),
+        (GgmlType::F16, GgmlType::F16, GgmlType::BF16, 96, 40),
     ] {
         let (mut gpu, mut cpu) = pair(&make);
         let (gate_g, gate_c) = random_experts(&mut rng, &mut gpu, &mut cpu, ty, [dim, width], n_experts);
@@ -1031,7 +1033,9 @@ pub fn expert_ops<B: Backend>(make: impl Fn() -> B, tolerance: f64) {
             down: &down_c[..],
             activation: Activation::Silu,
         };
-        for n_tokens in [1, 7, 33] {
+        // Steps of up to 8 tokens take the backends' per-pair path, longer ones the grouped path
+        // where a backend has one; the longest two also group unevenly.
+        for n_tokens in [1, 7, 9, 33, 130, 300] {
             let case = format!("{ty}, {up_ty} and {down_ty}, {n_tokens} tokens");
             let pairs = n_tokens * k;
             // Halves, so that rows hold exact ties; the last row all equal.
@@ -1039,6 +1043,14 @@ pub fn expert_ops<B: Backend>(make: impl Fn() -> B, tolerance: f64) {
                 .iter()
                 .map(|v| (v * 4.0).round() / 2.0)
                 .collect();
+            if n_tokens > 100 {
+                // Expert 0 first for every token (the last row's tie chooses it too), expert 5
+                // for none: a group of every token beside an empty one.
+                for row in logits.chunks_mut(n_experts) {
+                    row[0] += 16.0;
+                    row[n_experts - 1] -= 16.0;
+                }
+            }
             let last = logits.len() - n_experts;
             logits[last..].fill(0.5);
             let (x, residual) = (randn(&mut rng, n_tokens * dim), randn(&mut rng, n_tokens * dim));
@@ -1105,8 +1117,9 @@ pub fn every_architecture_matches_transformers<B: Backend>(make: impl Fn(KvType)
 }
 
 /// The tiny mixture-of-experts models, decoded token by token, against transformers' logits;
-/// then converted to GGUF (f32, the experts stacked) and run a whole prompt a step, so that steps
-/// of many tokens (the experts' grouped path, where a backend has one) are checked too.
+/// then converted to GGUF (f32, f16 and Q8_0, the experts stacked) and run a whole prompt a step,
+/// so that steps of many tokens (the experts' grouped path, where a backend has one) are checked
+/// too.
 pub fn mixtures_of_experts_match_transformers<B: Backend>(make: impl Fn(KvType) -> B) {
     fixtures_match_transformers(super::MOE_FIXTURES, &make);
     let dir = std::env::temp_dir().join(format!("axiom-gpu-moe-{}", std::process::id()));
@@ -1117,6 +1130,22 @@ pub fn mixtures_of_experts_match_transformers<B: Backend>(make: impl Fn(KvType) 
         let err = super::worst_error(&out, &super::hf_fixture(name), make(KvType::F32));
         println!("{name} from f32 GGUF, whole prompts: relative L2 error {err:.2e}");
         assert!(err < 1e-4, "{name} f32 GGUF: relative L2 error {err}");
+        // 16-bit and 8-bit weights, which a backend may multiply in 16 bits on its grouped path
+        // (CUDA's tensor cores): the logits move a little, never wildly. Rounding can tip a token
+        // near a tie to another expert, which moves its logits by a whole expert's output, so
+        // the bounds are those of tests/convert.rs for the CPU's Q8_0.
+        let tolerance = match name {
+            "mixtral" => 0.1,
+            "qwen3_moe" => 0.2,
+            _ => 0.05,
+        };
+        for ty in [GgmlType::F16, GgmlType::Q8_0] {
+            let out = dir.join(format!("{name}-{ty}.gguf"));
+            convert_hf_dir(&super::hf_fixture(name), &out, ty, |_, _, _| {}).unwrap();
+            let err = super::worst_error(&out, &super::hf_fixture(name), make(KvType::F32));
+            println!("{name} from {ty} GGUF, whole prompts: relative L2 error {err:.2e}");
+            assert!(err < tolerance, "{name} {ty} GGUF: relative L2 error {err}");
+        }
     }
     std::fs::remove_dir_all(dir).unwrap();
 }

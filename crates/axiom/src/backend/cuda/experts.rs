@@ -1,7 +1,8 @@
 //! Mixture-of-experts ops (kernels/experts.cu): `route` on the device, the experts' products on
 //! the matrix-vector kernels' row dot products, per (token, expert) pair for small steps and per
-//! expert over its grouped pairs for larger ones, then their weighted sum into the residual; and
-//! the shared expert's gated add. The routes stay on the device throughout.
+//! expert over its grouped pairs for larger ones (on the tensor cores instead where the paths
+//! allow: expert_gemm.rs), then their weighted sum into the residual; and the shared expert's
+//! gated add. The routes stay on the device throughout.
 
 use super::launch::blocks_for;
 use super::matmul::GEMV_MAX_TOKENS;
@@ -19,8 +20,12 @@ use crate::{Error, Result};
 /// expert's rows are read once for all of its tokens.
 const PAIRWISE_MAX_TOKENS: usize = GEMV_MAX_TOKENS;
 
-/// Threads of `group_pairs`' one block: a warp per expert at a time.
-const GROUP_THREADS: u32 = 1024;
+/// Warps of a `group_pairs_count` and `group_pairs_place` block (GROUP_WARPS in
+/// kernels/experts.cu), each with its counters per expert in shared memory.
+const GROUP_WARPS: usize = 4;
+
+/// Threads of `group_pairs_scan`'s one block: one an expert at a time.
+const SCAN_THREADS: u32 = 1024;
 
 /// How the expert products of a step find their inputs and experts.
 #[derive(Clone, Copy)]
@@ -97,19 +102,36 @@ impl CudaBackend {
             let offsets = scratch.groups.slice(0, (n_experts + 1) * 4);
             let slots = scratch.groups.slice((n_experts + 1) * 4, n_pairs * 4);
             let slot_pairs = scratch.groups.slice((n_experts + 1 + n_pairs) * 4, n_pairs * 4);
-            self.launch(
-                "group_pairs",
+            let chunks = n_pairs.div_ceil(ExpertScratch::GROUP_CHUNK);
+            let counts = scratch
+                .groups
+                .slice((n_experts + 1 + 2 * n_pairs) * 4, chunks * n_experts * 4);
+            let params = GroupPairsParams {
+                ids: self.ptr(routes.ids),
+                offsets: self.ptr(offsets),
+                slots: self.ptr(slots),
+                pairs: self.ptr(slot_pairs),
+                counts: self.ptr(counts),
+                n_pairs: n_pairs as i32,
+                n_experts: n_experts as i32,
+            };
+            // The counters of a block's warps, or the scan's group sizes, in shared memory.
+            let counters = GROUP_WARPS * n_experts * 4;
+            if counters > 48 << 10 {
+                return Err(Error::Backend(format!(
+                    "experts: grouping pairs over {n_experts} experts takes {counters} bytes of shared memory, over 48 KiB"
+                )));
+            }
+            let (blocks, threads) = (chunks.div_ceil(GROUP_WARPS) as u32, (GROUP_WARPS * 32) as u32);
+            self.launch_shared("group_pairs_count", (blocks, 1, 1), threads, counters as u32, &params)?;
+            self.launch_shared(
+                "group_pairs_scan",
                 (1, 1, 1),
-                GROUP_THREADS,
-                &GroupPairsParams {
-                    ids: self.ptr(routes.ids),
-                    offsets: self.ptr(offsets),
-                    slots: self.ptr(slots),
-                    pairs: self.ptr(slot_pairs),
-                    n_pairs: n_pairs as i32,
-                    n_experts: n_experts as i32,
-                },
+                SCAN_THREADS,
+                (n_experts * 4) as u32,
+                &params,
             )?;
+            self.launch_shared("group_pairs_place", (blocks, 1, 1), threads, counters as u32, &params)?;
             self.launch(
                 "gather_pairs",
                 (blocks_for(n_pairs * dim / 4, 256).min(4096), 1, 1),
@@ -196,6 +218,9 @@ impl CudaBackend {
             rows_per_token: per_token as i32,
             act: act.code() as i32,
         };
+        if grouped && self.paths.expert_gemm(w.ty) {
+            return self.launch_expert_gemm(&params, suffix, up.is_some(), n_pairs);
+        }
         let grid_y = u32::try_from(grid_y)
             .ok()
             .filter(|&y| y <= 65535)

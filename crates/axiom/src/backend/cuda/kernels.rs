@@ -4,6 +4,7 @@
 
 use super::params::{self, KernelParams};
 use crate::backend::GPU_WEIGHT_TYPES;
+use crate::format::quant::GgmlType;
 use crate::{Error, Result};
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
 use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys, Ptx};
@@ -29,6 +30,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("elementwise.cu", include_str!("kernels/elementwise.cu")),
     ("argmax.cu", include_str!("kernels/argmax.cu")),
     ("experts.cu", include_str!("kernels/experts.cu")),
+    ("expert_gemm.cu", include_str!("kernels/expert_gemm.cu")),
 ];
 
 /// All sources as one translation unit (NVRTC compiles them together, once).
@@ -114,6 +116,13 @@ pub fn expert_kernel(grouped: bool, glu: bool, ty: &str) -> String {
     format!("{kind}{glu}_{ty}")
 }
 
+/// The grouped expert-product kernel on the tensor cores for weights with kernel suffix `ty`
+/// (kernels/expert_gemm.cu), computing products or (`glu`) act(gate) * up.
+pub fn expert_gemm_kernel(glu: bool, ty: &str) -> String {
+    let glu = if glu { "_glu" } else { "" };
+    format!("expert_gemm{glu}_{ty}")
+}
+
 /// The one-token f32-activation matrix-vector kernel that RMS-normalizes its input first.
 pub fn gemv_normed_kernel(glu: bool, ty: &str) -> String {
     let glu = if glu { "_glu" } else { "" };
@@ -172,7 +181,9 @@ pub fn kernel_names(arch: &str) -> Vec<String> {
         "argmax",
         "quantize_q8",
         "route",
-        "group_pairs",
+        "group_pairs_count",
+        "group_pairs_scan",
+        "group_pairs_place",
         "gather_pairs",
         "experts_sum",
         "add_gated",
@@ -184,6 +195,12 @@ pub fn kernel_names(arch: &str) -> Vec<String> {
     let quantized: Vec<&str> = GPU_WEIGHT_TYPES
         .iter()
         .filter(|(ty, _)| ty.block_len() > 1)
+        .map(|(_, suffix)| *suffix)
+        .collect();
+    // Every type but f32, which the tensor cores do not take.
+    let sixteen_bit: Vec<&str> = GPU_WEIGHT_TYPES
+        .iter()
+        .filter(|(ty, _)| *ty != GgmlType::F32)
         .map(|(_, suffix)| *suffix)
         .collect();
     names.extend(every_type.iter().map(|ty| format!("embed_{ty}")));
@@ -199,6 +216,9 @@ pub fn kernel_names(arch: &str) -> Vec<String> {
     names.extend(quantized.iter().map(|ty| format!("dequant_f16_{ty}")));
     for (grouped, glu) in [(false, false), (false, true), (true, false), (true, true)] {
         names.extend(every_type.iter().map(|ty| expert_kernel(grouped, glu, ty)));
+    }
+    for glu in [false, true] {
+        names.extend(sixteen_bit.iter().map(|ty| expert_gemm_kernel(glu, ty)));
     }
     for head_dim in [64, 128] {
         for &warpgroups in flash_attention_kinds(arch) {

@@ -20,6 +20,7 @@ mod argmax;
 mod attention;
 mod elementwise;
 mod embed;
+mod expert_gemm;
 mod experts;
 mod flash_attention;
 mod gemm;

@@ -345,7 +345,7 @@ kernel_params! {
     /// its output row. Pairwise, the pairs' experts are `ids` and pair i reads row
     /// `i / rows_per_token` of `x`; grouped, expert e's slots are `offsets[e]..offsets[e + 1]`
     /// of `x` and `out`.
-    struct ExpertProductParams for ["expert_rows_", "expert_groups_"] {
+    struct ExpertProductParams for ["expert_rows_", "expert_groups_", "expert_gemm_"] {
         w: ExpertWeights,
         up: ExpertWeights,
         ids: u64,
@@ -359,13 +359,14 @@ kernel_params! {
         act: i32,
     }
 
-    /// group_pairs: the pairs' `ids` grouped by expert into `offsets` (`n_experts + 1`), `slots`
-    /// (each pair's) and `pairs` (each slot's).
-    struct GroupPairsParams for ["group_pairs"] {
+    /// group_pairs_*: the pairs' `ids` grouped by expert into `offsets` (`n_experts + 1`), `slots`
+    /// (each pair's) and `pairs` (each slot's), by way of `counts` (each chunk's per expert).
+    struct GroupPairsParams for ["group_pairs_"] {
         ids: u64,
         offsets: u64,
         slots: u64,
         pairs: u64,
+        counts: u64,
         n_pairs: i32,
         n_experts: i32,
     }

@@ -53,6 +53,14 @@ impl Paths {
         self == Paths::Fastest
     }
 
+    /// Whether the expert products of a step whose pairs are grouped by expert may run on the
+    /// tensor cores (f16 or bf16 inputs, tiles of slots) for weights of type `ty`: all but f32's,
+    /// under Fastest. Invariant steps keep every expert product on the row dot products, whose
+    /// sums do not depend on how many pairs share an expert.
+    pub(super) fn expert_gemm(self, ty: GgmlType) -> bool {
+        self == Paths::Fastest && ty != GgmlType::F32
+    }
+
     /// Whether attention may run on tensor cores (flash attention, f16 queries and
     /// probabilities) for steps long enough: invariant steps take the one-pass kernel always.
     pub(super) fn flash(self) -> bool {
@@ -123,6 +131,7 @@ mod tests {
             assert_eq!(p.attention_splits(132, heads, 8), 1);
         }
         assert!(!p.uses_cublas(8192) && !p.uses_flash(8192));
+        assert!(!p.expert_gemm(GgmlType::Q4K) && !p.expert_gemm(GgmlType::BF16));
         assert_eq!((p.int8_tokens(512), p.capture_max_tokens()), (512, 64));
         // The default is unchanged: cuBLAS from two tokens for float weights, nine for quantized,
         // splits by the step's heads.
@@ -132,6 +141,7 @@ mod tests {
             (1, 8)
         );
         assert!(f.int8_activations(GgmlType::Q4K));
+        assert!(f.expert_gemm(GgmlType::Q4K) && f.expert_gemm(GgmlType::BF16) && !f.expert_gemm(GgmlType::F32));
         assert_eq!((f.attention_splits(132, 32, 8), f.attention_splits(132, 1, 8)), (4, 8));
         assert_eq!((f.int8_tokens(512), f.capture_max_tokens()), (8, 8));
     }

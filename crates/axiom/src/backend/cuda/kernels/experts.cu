@@ -138,39 +138,88 @@ EXPERT_PRODUCTS(q6_k, QuantRows<TY_Q6_K>)
 
 // The (token, expert) pairs grouped by expert, each expert's in pair order: offsets[e] is expert
 // e's first slot (offsets[n_experts] the pairs placed), slots[i] pair i's slot and pairs[s] slot
-// s's pair. One block: warp w takes experts w, w + 32, ..., counting then placing their pairs by
-// ballots over the ids, so the grouping is the same every run (no atomics). Pairs whose id is
-// outside the set are placed nowhere (experts_sum makes their rows NaN).
-extern "C" __global__ void group_pairs(GroupPairsParams p) {
-    begin_after_inputs();
-    int lane = threadIdx.x % 32, warps = blockDim.x / 32, n = p.n_pairs;
-    auto matches = [&](int first, u32 e) {
-        bool hit = first + lane < n && __ldg(p.ids + first + lane) == e;
-        return __ballot_sync(0xffffffffu, hit);
-    };
-    for (u32 e = threadIdx.x / 32; e < (u32)p.n_experts; e += warps) {
-        u32 count = 0;
-        for (int first = 0; first < n; first += 32) count += __popc(matches(first, e));
-        if (lane == 0) p.offsets[e + 1] = count;
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        p.offsets[0] = 0;
-        for (int e = 0; e < p.n_experts; e++) p.offsets[e + 1] += p.offsets[e];
-    }
-    __syncthreads();
-    for (u32 e = threadIdx.x / 32; e < (u32)p.n_experts; e += warps) {
-        u32 slot = p.offsets[e];
-        for (int first = 0; first < n; first += 32) {
-            u32 hits = matches(first, e);
-            if (hits >> lane & 1) {
-                u32 s = slot + __popc(hits & ((1u << lane) - 1));
-                p.slots[first + lane] = s;
-                p.pairs[s] = first + lane;
-            }
-            slot += __popc(hits);
+// s's pair. Three launches, no atomics, so the grouping is the same every run: each warp counts
+// its chunk of GROUP_CHUNK pairs by expert (`counts`, a row of n_experts a chunk), one block turns
+// the counts into each expert's first slot and each chunk's first slot within its experts' groups,
+// and each warp places its chunk's pairs from there. Pairs whose id is outside the set are placed
+// nowhere (experts_sum makes their rows NaN). A warp's counters per expert are in shared memory.
+#define GROUP_CHUNK 512
+#define GROUP_WARPS 4
+
+// Walks chunk `chunk` 32 pairs at a time, in order: lanes of one expert find each other by
+// __match_any_sync, take slots next[e] + (their rank among them), and the lowest moves next[e]
+// on. With PLACE the slots are written.
+template <bool PLACE> __device__ __forceinline__ void walk_chunk(const GroupPairsParams& p, u32 chunk, u32* next) {
+    int lane = threadIdx.x % 32;
+    u32 first = chunk * GROUP_CHUNK, end = min(first + GROUP_CHUNK, (u32)p.n_pairs);
+    for (u32 at = first; at < end; at += 32) {
+        u32 i = at + lane, e = i < end ? p.ids[i] : 0xffffffffu;
+        bool placed = e < (u32)p.n_experts;
+        u32 peers = __match_any_sync(0xffffffffu, e), rank = __popc(peers & ((1u << lane) - 1));
+        if (PLACE && placed) {
+            u32 s = next[e] + rank;
+            p.slots[i] = s;
+            p.pairs[s] = i;
         }
+        __syncwarp();
+        if (placed && rank == 0) next[e] += __popc(peers);
+        __syncwarp();
     }
+}
+
+extern "C" __global__ void group_pairs_count(GroupPairsParams p) {
+    extern __shared__ u32 group_next[];
+    begin_after_inputs();
+    int lane = threadIdx.x % 32, n = p.n_experts;
+    u32 chunk = blockIdx.x * GROUP_WARPS + threadIdx.x / 32, *next = group_next + (threadIdx.x / 32) * n;
+    if (chunk * GROUP_CHUNK >= (u32)p.n_pairs) return;
+    for (int e = lane; e < n; e += 32) next[e] = 0;
+    __syncwarp();
+    walk_chunk<false>(p, chunk, next);
+    for (int e = lane; e < n; e += 32) p.counts[(u64)chunk * n + e] = next[e];
+}
+
+// One block: each expert's counts become the first slot of each chunk's pairs within the expert's
+// group (a thread an expert, over the chunks in order), then warp 0 sums the groups' sizes into
+// the offsets, 32 experts at a time.
+extern "C" __global__ void group_pairs_scan(GroupPairsParams p) {
+    extern __shared__ u32 group_sizes[];
+    begin_after_inputs();
+    int n = p.n_experts, lane = threadIdx.x % 32;
+    u32 chunks = (p.n_pairs + GROUP_CHUNK - 1) / GROUP_CHUNK;
+    for (int e = threadIdx.x; e < n; e += blockDim.x) {
+        u32 size = 0;
+        for (u32 c = 0; c < chunks; c++) {
+            u32 count = p.counts[(u64)c * n + e];
+            p.counts[(u64)c * n + e] = size;
+            size += count;
+        }
+        group_sizes[e] = size;
+    }
+    __syncthreads();
+    if (threadIdx.x >= 32) return;
+    if (lane == 0) p.offsets[0] = 0;
+    u32 before = 0;
+    for (int base = 0; base < n; base += 32) {
+        u32 through = base + lane < n ? group_sizes[base + lane] : 0;
+        for (int o = 1; o < 32; o <<= 1) {
+            u32 v = __shfl_up_sync(0xffffffffu, through, o);
+            if (lane >= o) through += v;
+        }
+        if (base + lane < n) p.offsets[base + lane + 1] = before + through;
+        before += __shfl_sync(0xffffffffu, through, 31);
+    }
+}
+
+extern "C" __global__ void group_pairs_place(GroupPairsParams p) {
+    extern __shared__ u32 group_next[];
+    begin_after_inputs();
+    int lane = threadIdx.x % 32, n = p.n_experts;
+    u32 chunk = blockIdx.x * GROUP_WARPS + threadIdx.x / 32, *next = group_next + (threadIdx.x / 32) * n;
+    if (chunk * GROUP_CHUNK >= (u32)p.n_pairs) return;
+    for (int e = lane; e < n; e += 32) next[e] = p.offsets[e] + p.counts[(u64)chunk * n + e];
+    __syncwarp();
+    walk_chunk<true>(p, chunk, next);
 }
 
 // Each placed slot's input row, its pair's token's row of x: four values a thread.

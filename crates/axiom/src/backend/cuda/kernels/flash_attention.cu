@@ -25,31 +25,6 @@
 #define FA_WARPS 4
 #define FA_KEYS 32
 
-__device__ __forceinline__ void mma_f16(float* d, const u32* a, u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ u32 pack_f16(float lo, float hi) {
-    return (u32)f32_to_f16(lo) | ((u32)f32_to_f16(hi) << 16);
-}
-
-// Four 8x8 tiles of 16-bit values from shared memory, lane l giving the address of row l % 8 of
-// tile l / 8; TRANSPOSE hands each lane its values as if the tiles were transposed.
-template <bool TRANSPOSE>
-__device__ __forceinline__ void load_tiles(u32* r, u32 address) {
-    if (TRANSPOSE)
-        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                     : "r"(address));
-    else
-        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                     : "r"(address));
-}
-
 // 2^x by the hardware's approximation alone (exp2f adds a rescaling for results below f32's
 // normal range, which a probability there does not need): a few instructions less per score.
 __device__ __forceinline__ float fast_exp2(float x) {

@@ -310,6 +310,7 @@ struct GroupPairsParams {
     u32* offsets;
     u32* slots;
     u32* pairs;
+    u32* counts;
     int n_pairs;
     int n_experts;
 };
