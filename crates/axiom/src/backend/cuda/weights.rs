@@ -276,4 +276,46 @@ mod tests {
         assert_eq!(pieces, expected);
         assert!(out.chunks_exact(16).all(|p| p.windows(2).all(|w| w[1] == w[0] + 1)));
     }
+
+    #[test]
+    fn q6k_split_rows_read_as_the_kernels_read_them_give_the_reference_values() {
+        use rand::{Rng, SeedableRng};
+        // Rows of 12 groups: a full tile of eight, then a narrow one of four.
+        let (n_in, n_out) = (768, 3);
+        let ty = GgmlType::Q6K;
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(6);
+        let mut bytes = vec![0u8; n_in * n_out / 256 * ty.block_bytes()];
+        rng.fill(&mut bytes[..]);
+        for block in bytes.chunks_exact_mut(ty.block_bytes()) {
+            block[208..210].copy_from_slice(&half::f16::from_f32(rng.gen_range(-2.0..2.0)).to_le_bytes());
+        }
+        let mut reference = vec![0.0f32; n_in * n_out];
+        crate::format::quant::dequantize(ty, &bytes, &mut reference);
+        let split = split_weight(ty, &bytes, n_in);
+        let n_groups = n_in / 64;
+        // Value v of a row as int_chunk<TY_Q6_K> (kernels/dequant.cuh) finds it.
+        let read = |row: usize, v: usize| -> f32 {
+            let (group, i) = (v / 64, v % 64);
+            let first = group / INTERLEAVE_UNITS * INTERLEAVE_UNITS;
+            let width = INTERLEAVE_UNITS.min(n_groups - first);
+            let piece = |k: usize| {
+                let at = row * n_in / 4 * 3 + 16 * (first * 3 + group - first + k * width);
+                &split.q[at..at + 16]
+            };
+            let q = if i < 48 {
+                piece(i / 16)[i % 16] & 63
+            } else {
+                (0..3).map(|k| (piece(k)[i - 48] >> 6) << (2 * k)).sum()
+            };
+            let sb = row * (n_in / 256) + group / 4;
+            let scale = split.s[16 * sb + (v % 256) / 16] as i8;
+            let d = f32::from_le_bytes(split.m[4 * sb..4 * sb + 4].try_into().unwrap());
+            d * scale as f32 * (q as i32 - 32) as f32
+        };
+        for row in 0..n_out {
+            for v in 0..n_in {
+                assert_eq!(read(row, v), reference[row * n_in + v], "row {row} value {v}");
+            }
+        }
+    }
 }
