@@ -287,7 +287,7 @@ mod tests {
         let mut bytes = vec![0u8; n_in * n_out / 256 * ty.block_bytes()];
         rng.fill(&mut bytes[..]);
         for block in bytes.chunks_exact_mut(ty.block_bytes()) {
-            block[208..210].copy_from_slice(&half::f16::from_f32(rng.gen_range(-2.0..2.0)).to_le_bytes());
+            block[208..210].copy_from_slice(&half::f16::from_f32(rng.random_range(-2.0..2.0)).to_le_bytes());
         }
         let mut reference = vec![0.0f32; n_in * n_out];
         crate::format::quant::dequantize(ty, &bytes, &mut reference);
