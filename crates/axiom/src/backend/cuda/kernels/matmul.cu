@@ -487,8 +487,12 @@ __device__ __forceinline__ void kquant_rows(const Weight& w, const Weight& up, i
                 int g = first + lane + k;
                 if (g >= n_groups) break;
                 int width = width_of(g);
+                // Unrolled so that acc is indexed by constants: left a loop (Q6_K's larger group
+                // body), acc went to local memory.
+#pragma unroll
                 for (int t = 0; t < T; t++) {
                     GroupActivations a = early ? ahead : activations(g, t, width);
+#pragma unroll
                     for (int r = 0; r < R; r++) {
                         const uint4* staged = stage[warp][s % 2][r];
                         int sb = (g - first) / 4;
