@@ -36,7 +36,7 @@ pub struct ServeArgs {
     /// Most tokens one step runs (decode tokens plus prompt chunks), vLLM's
     /// --max-num-batched-tokens, llama.cpp's --ubatch-size: a prompt on an idle server is
     /// prefilled in chunks of this size. The activation buffers are sized for it (an 8B model:
-    /// about 300 KB a token). Default: 2048 on a GPU, 512 on the CPU.
+    /// about 300 KB a token). Default: 2048 on CUDA, 512 on the CPU and Metal.
     #[arg(long, visible_alias = "max-num-batched-tokens")]
     max_batch_tokens: Option<usize>,
     /// Most tokens one step runs while any stream is decoding: its next tokens, then prompt
