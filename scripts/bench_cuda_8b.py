@@ -3,14 +3,17 @@
 roofline and Hugging Face transformers, measured in the same run.
 
 Writes GGUF files (hidden 4096, 32 layers, 32 heads over 8 KV heads, FFN 14336, vocab 128256,
-untied output) of random weights in bf16, Q8_0 and Q4_K (random blocks with sane scales move
-the same bytes and do the same arithmetic as real ones), runs `axiom bench --backend cuda` on
-each, and reports decode tok/s against two rooflines, the copy bandwidth over: the bytes a token
-reads (every matrix but the embedding table, of which it reads one row), and the whole file (the
-bound the CUDA issue states). Needs torch (and transformers for --hf) and an axiom binary built
+untied output) of random weights in bf16, Q8_0, Q4_K, Q6_K, or `q4_k_m`: llama-quantize's Q4_K_M
+mix, Q6_K for the output head and for attn_v and ffn_down of the layers its rule picks, Q4_K
+elsewhere (random blocks with sane scales move the same bytes and do the same arithmetic as real
+ones), runs `axiom bench --backend cuda` on each, and reports decode tok/s against two
+rooflines, the copy bandwidth over: the bytes a token reads (every matrix but the embedding
+table, of which it reads one row, each in its own type), and the whole file (the bound the CUDA
+issue states). Needs torch (and transformers for --hf) and an axiom binary built
 with the CUDA backend.
 
-    python3 scripts/bench_cuda_8b.py --axiom target/release/axiom [--types bf16,q8_0,q4_k] [--hf] [--dir /tmp]
+    python3 scripts/bench_cuda_8b.py --axiom target/release/axiom [--types bf16,q8_0,q4_k,q6_k,q4_k_m] [--hf]
+        [--dir /tmp]
         [--ubatch 512]
 """
 import argparse
@@ -24,7 +27,23 @@ import numpy as np
 import torch
 
 HIDDEN, LAYERS, HEADS, KV_HEADS, FFN, VOCAB = 4096, 32, 32, 8, 14336, 128256
-TYPES = {"bf16": (30, 1, 2), "q8_0": (8, 32, 34), "q4_k": (12, 256, 144)}  # id, block elems, block bytes
+# id, block elems, block bytes
+TYPES = {"bf16": (30, 1, 2), "q8_0": (8, 32, 34), "q4_k": (12, 256, 144), "q6_k": (14, 256, 210)}
+MIXES = {"q4_k_m"}
+
+
+def more_bits(i, n):
+    """llama-quantize's rule for Q4_K_M's attn_v and ffn_down: layer i of n takes Q6_K."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def tensor_type(ty, name, layer):
+    """The type of tensor `name` (of layer `layer`, or None) in a file of `ty`."""
+    if ty != "q4_k_m":
+        return ty
+    if name == "output.weight" or (name in ("attn_v.weight", "ffn_down.weight") and more_bits(layer, LAYERS)):
+        return "q6_k"
+    return "q4_k"
 
 
 def kv_string(key, value):
@@ -54,15 +73,17 @@ def kv_strings(key, values):
 
 def tensors(ty):
     """(name, dims in GGUF order, type name) of every tensor."""
-    out = [("token_embd.weight", (HIDDEN, VOCAB), ty), ("output_norm.weight", (HIDDEN,), "f32"),
-           ("output.weight", (HIDDEN, VOCAB), ty)]
+    out = [("token_embd.weight", (HIDDEN, VOCAB), tensor_type(ty, "token_embd.weight", None)),
+           ("output_norm.weight", (HIDDEN,), "f32"),
+           ("output.weight", (HIDDEN, VOCAB), tensor_type(ty, "output.weight", None))]
     for i in range(LAYERS):
         p = f"blk.{i}."
-        out += [(p + "attn_norm.weight", (HIDDEN,), "f32"), (p + "ffn_norm.weight", (HIDDEN,), "f32"),
-                (p + "attn_q.weight", (HIDDEN, HIDDEN), ty), (p + "attn_k.weight", (HIDDEN, 1024), ty),
-                (p + "attn_v.weight", (HIDDEN, 1024), ty), (p + "attn_output.weight", (HIDDEN, HIDDEN), ty),
-                (p + "ffn_gate.weight", (HIDDEN, FFN), ty), (p + "ffn_up.weight", (HIDDEN, FFN), ty),
-                (p + "ffn_down.weight", (FFN, HIDDEN), ty)]
+        out += [(p + "attn_norm.weight", (HIDDEN,), "f32"), (p + "ffn_norm.weight", (HIDDEN,), "f32")]
+        for name, dims in [("attn_q.weight", (HIDDEN, HIDDEN)), ("attn_k.weight", (HIDDEN, 1024)),
+                           ("attn_v.weight", (HIDDEN, 1024)), ("attn_output.weight", (HIDDEN, HIDDEN)),
+                           ("ffn_gate.weight", (HIDDEN, FFN)), ("ffn_up.weight", (HIDDEN, FFN)),
+                           ("ffn_down.weight", (FFN, HIDDEN))]:
+            out.append((p + name, dims, tensor_type(ty, name, i)))
     return out
 
 
@@ -87,9 +108,11 @@ def random_bytes(dims, ty, gen):
     scale = (torch.rand(n // elems, device="cuda", generator=gen) * 0.002 + 0.0005).half().view(torch.uint8).view(-1, 2)
     if ty == "q8_0":
         blocks[:, 0:2] = scale
-    else:  # q4_k: d and dmin
+    elif ty == "q4_k":  # d and dmin
         blocks[:, 0:2] = scale
         blocks[:, 2:4] = scale
+    else:  # q6_k: signed 8-bit scales times d, so d is a sixteenth of the others'
+        blocks[:, 208:210] = (scale.view(torch.float16) / 16).view(torch.uint8).view(-1, 2)
     return blocks.cpu().numpy().tobytes()
 
 
@@ -194,6 +217,9 @@ def main():
     bandwidth = copy_bandwidth()
     print(f"device-to-device copy: {bandwidth / 1e12:.2f} TB/s (read + write)", flush=True)
     rows = []
+    for ty in args.types.split(","):
+        if ty not in TYPES and ty not in MIXES:
+            ap.error(f"unknown type {ty!r}; known: {', '.join([*TYPES, *MIXES])}")
     for ty in args.types.split(","):
         path = os.path.join(args.dir, f"llama3-8b-random-{ty}.gguf")
         t = time.time()

@@ -277,7 +277,7 @@ fn bad_inputs_fail_with_a_message() {
     let bogus = dir.join("bogus.gguf");
     std::fs::write(&bogus, b"not a model at all").unwrap();
     let model = model();
-    let cases: [(&[&str], &str); 7] = [
+    let cases: [(&[&str], &str); 9] = [
         (&["info", bogus.to_str().unwrap()], "not a GGUF file"),
         (&["run", "-m", "/nonexistent.gguf", "hi"], "does not exist"),
         // A name that is no file nor packaged model: the error lists what -m takes.
@@ -306,6 +306,32 @@ fn bad_inputs_fail_with_a_message() {
                 "4096GiB",
             ],
             "of memory is available",
+        ),
+        (
+            &[
+                "serve",
+                "--backend",
+                "cpu",
+                "-m",
+                model.to_str().unwrap(),
+                "--max-seqs",
+                "16",
+                "--decode-batch-tokens",
+                "16",
+            ],
+            "--decode-batch-tokens 16 leaves no room for a prompt beside 16 decoding streams",
+        ),
+        (
+            &[
+                "serve",
+                "--backend",
+                "cpu",
+                "-m",
+                model.to_str().unwrap(),
+                "--max-batch-tokens",
+                "0",
+            ],
+            "--max-batch-tokens must be at least 1",
         ),
     ];
     for (args, needle) in cases {

@@ -19,15 +19,16 @@ use axiom::model::llama::LoadOptions;
 use axiom::tokenizer::Tokenizer;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 fn scheduler(options: LoadOptions) -> (Scheduler<CpuBackend>, EngineHandle, Arc<Tokenizer>) {
-    scheduler_of(&common::smollm2(), options)
+    scheduler_of(&common::smollm2(), options, SchedulerConfig::default())
 }
 
 fn scheduler_of(
     model: &std::path::Path,
     options: LoadOptions,
+    config: SchedulerConfig,
 ) -> (Scheduler<CpuBackend>, EngineHandle, Arc<Tokenizer>) {
     let Session {
         model,
@@ -36,7 +37,7 @@ fn scheduler_of(
         ..
     } = Session::load(model, CpuBackend::new(2), options).unwrap();
     let tokenizer = Arc::new(tokenizer);
-    let (sched, handle) = Scheduler::new(model, pages, tokenizer.clone(), SchedulerConfig::default());
+    let (sched, handle) = Scheduler::new(model, pages, tokenizer.clone(), config);
     (sched, handle, tokenizer)
 }
 
@@ -152,6 +153,7 @@ fn a_mixture_of_experts_model_gives_its_solo_outputs_batched() {
             kv_tokens: 1024,
             max_seqs: 8,
         },
+        SchedulerConfig::default(),
     );
     let mut prompts = prompts(&s, 7);
     prompts.push(raw(&s, &"The license applies to every contribution. ".repeat(4)));
@@ -165,6 +167,95 @@ fn a_mixture_of_experts_model_gives_its_solo_outputs_batched() {
     }
     assert!(alone.iter().any(|t| t.len() == max_tokens), "{alone:?}");
     assert_eq!(handle.status().pages.used, 0);
+}
+
+/// Each planned step's (decode tokens, prompt tokens).
+#[derive(Default)]
+struct Plans(Mutex<Vec<(usize, usize)>>);
+impl Metrics for Plans {
+    fn step_planned(&self, decode_tokens: usize, prompt_tokens: usize) {
+        self.0.lock().unwrap().push((decode_tokens, prompt_tokens));
+    }
+}
+impl Plans {
+    fn take(&self) -> Vec<(usize, usize)> {
+        std::mem::take(&mut *self.0.lock().unwrap())
+    }
+}
+
+#[test]
+fn an_idle_step_takes_a_whole_batch_of_prompt_and_a_busy_one_stays_bounded() {
+    let (max_batch, busy) = (256, 48);
+    let options = LoadOptions {
+        max_batch,
+        kv_tokens: 4096,
+        max_seqs: 8,
+    };
+    let config = SchedulerConfig {
+        decode_batch_tokens: busy,
+        ..SchedulerConfig::default()
+    };
+    let (sched, handle, s) = scheduler_of(&common::smollm2(), options, config);
+    let plans = Arc::new(Plans::default());
+    let mut sched = sched.with_metrics(plans.clone());
+
+    // Idle: a long prompt alone is prefilled in steps of max_batch.
+    let idle_prompt = raw(&s, &"The history of the river is long and winding. ".repeat(60));
+    let n = idle_prompt.len();
+    assert!(n > 2 * max_batch, "{n} tokens");
+    let rx = submit(&handle, idle_prompt, 2);
+    run_all(&mut sched);
+    collect(&rx);
+    let prefill: Vec<_> = plans
+        .take()
+        .into_iter()
+        .take_while(|&(decode, _)| decode == 0)
+        .collect();
+    let expected: Vec<_> = (0..n.div_ceil(max_batch))
+        .map(|k| (0, max_batch.min(n - k * max_batch)))
+        .collect();
+    assert_eq!(prefill, expected);
+
+    // Busy: two streams decode while another long prompt arrives; every step holds at most `busy`
+    // tokens, and the streams get theirs in each.
+    let streams: Vec<_> = prompts(&s, 2)
+        .into_iter()
+        .map(|p| {
+            let (tx, rx) = channel();
+            let request = Request {
+                ignore_eos: true,
+                ..greedy(p, 40, tx)
+            };
+            handle.submit(request).unwrap();
+            rx
+        })
+        .collect();
+    sched.step().unwrap();
+    plans.take();
+    let busy_prompt = raw(&s, &"A mountain road climbs slowly past the old mill. ".repeat(40));
+    assert!(busy_prompt.len() > 4 * busy, "{} tokens", busy_prompt.len());
+    let rx = submit(&handle, busy_prompt.clone(), 8);
+    run_all(&mut sched);
+    let plans = plans.take();
+    let shared: Vec<_> = plans
+        .iter()
+        .filter(|&&(decode, prompt)| decode > 0 && prompt > 0)
+        .collect();
+    assert!(shared.len() >= 4, "{plans:?}");
+    for &(decode, prompt) in &plans {
+        assert!(decode == 0 || decode + prompt <= busy, "{plans:?}");
+    }
+    assert!(
+        plans.iter().take(shared.len()).all(|&(decode, _)| decode == 2),
+        "{plans:?}"
+    );
+    for stream in &streams {
+        assert_eq!(collect(stream).0.len(), 40);
+    }
+    // Its output is that of a fresh run alone, prefilled in whole steps.
+    let (batched, _) = collect(&rx);
+    let (mut fresh, fresh_handle, _) = scheduler(options);
+    assert_eq!(solo(&mut fresh, &fresh_handle, &[busy_prompt], 8)[0], batched);
 }
 
 #[test]

@@ -7,6 +7,9 @@
 //! waiting requests are admitted first come, first served while there is room (their prompt
 //! reusing any cached prefix); every running sequence contributes its next token, and prompts
 //! fill the rest of the step's token budget in chunks, so a long prompt never stalls the streams.
+//! The budget depends on the load: with no sequence decoding, a prompt takes steps as large as
+//! the model runs (`max_batch`, which prefills fastest); while sequences decode, a step holds at
+//! most `SchedulerConfig::decode_batch_tokens`, which bounds their inter-token gap.
 //! When the KV cache runs out of pages, the newest sequence is preempted: its pages are freed
 //! and it goes back to the front of the queue, to be recomputed when there is room again.
 //! A constrained sequence's mask for its next token is computed on a thread of its own while
@@ -161,6 +164,8 @@ pub trait Metrics: Send + Sync {
     fn time_to_first_token(&self, _seconds: f64) {}
     fn inter_token_latency(&self, _seconds: f64) {}
     fn preempted(&self) {}
+    /// A step was planned: `decode_tokens` sequences' next tokens and `prompt_tokens` of prompts.
+    fn step_planned(&self, _decode_tokens: usize, _prompt_tokens: usize) {}
 }
 
 struct NoMetrics;
@@ -181,6 +186,11 @@ pub struct SchedulerConfig {
     /// Most tokens (prompt and generated) per sequence; the model's context and the KV pool
     /// bound it too.
     pub max_context: usize,
+    /// Most tokens a step runs while any sequence is decoding (their next tokens, then prompt
+    /// chunks in what is left): a step's time is the running streams' inter-token gap. Every
+    /// decoding sequence gets its token regardless. With none decoding, a step runs up to the
+    /// model's `max_batch`; this never raises that.
+    pub decode_batch_tokens: usize,
 }
 
 impl Default for SchedulerConfig {
@@ -188,6 +198,7 @@ impl Default for SchedulerConfig {
         SchedulerConfig {
             max_queue: 256,
             max_context: usize::MAX,
+            decode_batch_tokens: usize::MAX,
         }
     }
 }
@@ -368,6 +379,8 @@ pub struct Scheduler<B: Backend> {
     running: Vec<Sequence>,
     /// Tokens per sequence.
     context: usize,
+    /// `SchedulerConfig::decode_batch_tokens`.
+    decode_batch_tokens: usize,
 }
 
 impl<B: Backend> Scheduler<B> {
@@ -405,6 +418,7 @@ impl<B: Backend> Scheduler<B> {
             waiting: VecDeque::new(),
             running: Vec::new(),
             context,
+            decode_batch_tokens: config.decode_batch_tokens,
         };
         (scheduler, handle)
     }
@@ -647,6 +661,10 @@ impl<B: Backend> Scheduler<B> {
                 budget -= 1;
             }
         }
+        let decoding = batch.len();
+        if decoding > 0 {
+            budget = budget.min(self.decode_batch_tokens.saturating_sub(decoding));
+        }
         for (i, seq) in self.running.iter_mut().enumerate() {
             if seq.pending() > 1 && budget > 0 {
                 let n = seq.pending().min(budget).min(self.pages.room(&seq.kv));
@@ -655,6 +673,10 @@ impl<B: Backend> Scheduler<B> {
                     budget -= n;
                 }
             }
+        }
+        if !batch.is_empty() {
+            let prompt_tokens = batch[decoding..].iter().map(|&(_, n)| n).sum();
+            self.metrics.step_planned(decoding, prompt_tokens);
         }
         batch.sort_unstable();
         batch

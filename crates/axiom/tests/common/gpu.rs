@@ -223,12 +223,14 @@ pub fn matmul_every_type_and_token_count<B: Backend>(
     }
     // Tall matrices, more rows than a GPU's warps hold at once (the blocks come in several waves,
     // or a persistent kernel walks several rows a warp), in an odd count: products, products
-    // added to a residual, and gate and up with their SwiGLU. Q4_K also in rows of 4352, which a
-    // CUDA warp stages in three parts (fewer of them: the arena also holds a 16-bit copy of the
-    // largest weight for cuBLAS).
+    // added to a residual, and gate and up with their SwiGLU. Q4_K and Q6_K also in rows of 4352,
+    // which a CUDA warp stages in three parts, the last a half tile (fewer of them: the arena
+    // also holds a 16-bit copy of the largest weight for cuBLAS).
     for (ty, n_in, n_out) in [
         (GgmlType::Q4K, 2048, 24577),
         (GgmlType::Q4K, 4352, 8195),
+        (GgmlType::Q6K, 2048, 24577),
+        (GgmlType::Q6K, 4352, 8195),
         (GgmlType::Q8_0, 2048, 24577),
     ] {
         let (mut gpu, mut cpu) = pair(&make);

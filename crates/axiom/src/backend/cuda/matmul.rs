@@ -37,10 +37,11 @@ pub(super) const MAX_MATRICES: usize = 3;
 const Q4K_ROWS: usize = 2;
 
 /// Whether the integer kernels for `ty` take their activations interleaved (`q8_slot` in
-/// kernels/common.cuh): Q4_K's, whose lanes take 64 values each. Their scales then come with each
+/// kernels/common.cuh): Q4_K's and Q6_K's, whose lanes take 64 values each (`kquant_rows`), so one
+/// quantization serves both (a Q4_K_M file's Q, K and V). Their scales then come with each
 /// block's sum (`store_q8_scale`).
 pub(super) fn interleaves_activations(ty: GgmlType) -> bool {
-    ty == GgmlType::Q4K
+    matches!(ty, GgmlType::Q4K | GgmlType::Q6K)
 }
 
 /// Bytes of block scales for `n` activations quantized for `ty`'s integer kernels: an f32 per 32
@@ -55,7 +56,7 @@ pub(super) fn q8_scale_bytes(ty: GgmlType, n: usize) -> usize {
 /// common.cuh; the types whose kernels read before their wait, `ReadsBeforeWait` in matmul.cu).
 /// The other types' kernels read nothing before their wait, so they would have nothing to overlap.
 pub(super) fn starts_next_early(ty: GgmlType) -> bool {
-    matches!(ty, GgmlType::Q8_0 | GgmlType::Q4K)
+    matches!(ty, GgmlType::Q8_0 | GgmlType::Q4K | GgmlType::Q6K)
 }
 
 /// `n_tokens` split into groups the matrix-vector kernels take (8, 4, 2 or 1 tokens):

@@ -22,9 +22,9 @@ pub struct CudaWeight {
 crate::backend::impl_matrix!(CudaWeight);
 
 /// A weight's fields in the split layout the kernels read (kernels/dequant.cuh): every row's
-/// quants contiguous, so a lane loads 16 or 32 aligned bytes at once (Q4_K's interleaved:
-/// `interleave_row`), and the small per-block fields in side arrays. Float weights stay as they
-/// are.
+/// quants contiguous, so a lane loads 16 or 32 aligned bytes at once (Q4_K's and Q6_K's
+/// interleaved: `interleave_row`), and the small per-block fields in side arrays. Float weights
+/// stay as they are.
 struct SplitWeight {
     q: Vec<u8>,
     s: Vec<u8>,
@@ -64,12 +64,21 @@ fn split_weight(ty: GgmlType, bytes: &[u8], n_in: usize) -> SplitWeight {
                 interleave_row(&row, Q4K_GROUP_BYTES, &mut q);
             }
         }
-        GgmlType::Q6K => blocks.for_each(|b| {
-            q.extend_from_slice(&b[0..128]);
-            m.extend_from_slice(&b[128..192]);
-            s.extend_from_slice(&b[192..210]);
-            s.extend_from_slice(&[0, 0]);
-        }),
+        GgmlType::Q6K => {
+            let mut row = Vec::with_capacity(n_in / 64 * Q6K_GROUP_BYTES);
+            for row_blocks in bytes.chunks_exact(n_in / 256 * ty.block_bytes()) {
+                row.clear();
+                for b in row_blocks.chunks_exact(ty.block_bytes()) {
+                    let values = q6k_values(b);
+                    for group in values.chunks_exact(64) {
+                        row.extend(q6k_group(group));
+                    }
+                    s.extend_from_slice(&b[192..208]);
+                    m.extend_from_slice(&half::f16::from_le_bytes([b[208], b[209]]).to_f32().to_le_bytes());
+                }
+                interleave_row(&row, Q6K_GROUP_BYTES, &mut q);
+            }
+        }
         _ => q.extend_from_slice(bytes),
     }
     SplitWeight { q, s, m }
@@ -80,6 +89,38 @@ const INTERLEAVE_UNITS: usize = 8;
 
 /// A Q4_K lane's unit of quants: 32 bytes, two sub-blocks.
 const Q4K_GROUP_BYTES: usize = 32;
+
+/// A Q6_K lane's unit of quants: 48 bytes, 64 values (four sub-blocks).
+const Q6K_GROUP_BYTES: usize = 48;
+
+/// The 256 unsigned 6-bit values (0..63, the quant plus 32) of a Q6_K super-block, in order:
+/// low four bits in `ql` (values l and l + 64 of a half in byte l's nibbles, l + 32 and l + 96 in
+/// byte 32 + l's), the top two in `qh` (byte l holds those of l, l + 32, l + 64, l + 96).
+fn q6k_values(block: &[u8]) -> [u8; 256] {
+    let (ql, qh) = (&block[0..128], &block[128..192]);
+    let mut values = [0u8; 256];
+    for half in 0..2 {
+        let (ql, qh, v) = (&ql[64 * half..], &qh[32 * half..], &mut values[128 * half..]);
+        for l in 0..32 {
+            v[l] = (ql[l] & 15) | (qh[l] & 3) << 4;
+            v[l + 32] = (ql[l + 32] & 15) | (qh[l] >> 2 & 3) << 4;
+            v[l + 64] = (ql[l] >> 4) | (qh[l] >> 4 & 3) << 4;
+            v[l + 96] = (ql[l + 32] >> 4) | (qh[l] >> 6) << 4;
+        }
+    }
+    values
+}
+
+/// A Q6_K group of 64 values as the kernels read it (kernels/dequant.cuh): three 16-byte pieces,
+/// byte i of piece k holding value 16k + i in its low six bits and two bits of value 48 + i in
+/// its top two (bits 2k and 2k + 1 of it). Values 0-47 are then one mask from a dp4a operand,
+/// and 48-63 three shifts and masks.
+fn q6k_group(values: &[u8]) -> impl Iterator<Item = u8> + '_ {
+    (0..Q6K_GROUP_BYTES).map(move |b| {
+        let (k, i) = (b / 16, b % 16);
+        values[16 * k + i] | (values[48 + i] >> (2 * k) & 3) << 6
+    })
+}
 
 /// Appends a row of units of `unit_bytes` (a multiple of 16) in the interleaved order of
 /// kernels/common.cuh: tiles of `INTERLEAVE_UNITS` units, each stored 16-byte piece by piece.
@@ -211,7 +252,7 @@ fn checked_shape(t: &HostTensor, row_multiple: usize) -> Result<(usize, usize)> 
 
 /// `Kernels::weight_bytes`: the arena bytes the weights of `matrices` bytes take once split.
 pub(super) fn arena_bytes(matrices: &[usize]) -> usize {
-    // Up to three fields per matrix, each aligned; Q6_K's metadata grows by 2 bytes a block.
+    // Up to three fields per matrix, each aligned; Q6_K's d grows by 2 bytes a block (f32).
     matrices.iter().map(|b| b + b / 100 + 3 * ALIGN).sum()
 }
 
@@ -234,5 +275,47 @@ mod tests {
         expected.extend((8..12).map(|u| piece(u, 1)));
         assert_eq!(pieces, expected);
         assert!(out.chunks_exact(16).all(|p| p.windows(2).all(|w| w[1] == w[0] + 1)));
+    }
+
+    #[test]
+    fn q6k_split_rows_read_as_the_kernels_read_them_give_the_reference_values() {
+        use rand::{Rng, SeedableRng};
+        // Rows of 12 groups: a full tile of eight, then a narrow one of four.
+        let (n_in, n_out) = (768, 3);
+        let ty = GgmlType::Q6K;
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(6);
+        let mut bytes = vec![0u8; n_in * n_out / 256 * ty.block_bytes()];
+        rng.fill(&mut bytes[..]);
+        for block in bytes.chunks_exact_mut(ty.block_bytes()) {
+            block[208..210].copy_from_slice(&half::f16::from_f32(rng.random_range(-2.0..2.0)).to_le_bytes());
+        }
+        let mut reference = vec![0.0f32; n_in * n_out];
+        crate::format::quant::dequantize(ty, &bytes, &mut reference);
+        let split = split_weight(ty, &bytes, n_in);
+        let n_groups = n_in / 64;
+        // Value v of a row as int_chunk<TY_Q6_K> (kernels/dequant.cuh) finds it.
+        let read = |row: usize, v: usize| -> f32 {
+            let (group, i) = (v / 64, v % 64);
+            let first = group / INTERLEAVE_UNITS * INTERLEAVE_UNITS;
+            let width = INTERLEAVE_UNITS.min(n_groups - first);
+            let piece = |k: usize| {
+                let at = row * n_in / 4 * 3 + 16 * (first * 3 + group - first + k * width);
+                &split.q[at..at + 16]
+            };
+            let q = if i < 48 {
+                piece(i / 16)[i % 16] & 63
+            } else {
+                (0..3).map(|k| (piece(k)[i - 48] >> 6) << (2 * k)).sum()
+            };
+            let sb = row * (n_in / 256) + group / 4;
+            let scale = split.s[16 * sb + (v % 256) / 16] as i8;
+            let d = f32::from_le_bytes(split.m[4 * sb..4 * sb + 4].try_into().unwrap());
+            d * scale as f32 * (q as i32 - 32) as f32
+        };
+        for row in 0..n_out {
+            for v in 0..n_in {
+                assert_eq!(read(row, v), reference[row * n_in + v], "row {row} value {v}");
+            }
+        }
     }
 }

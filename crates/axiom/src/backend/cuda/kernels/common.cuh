@@ -52,11 +52,11 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
-// Interleaved rows. Q4_K's integer kernel (q4k_rows in matmul.cu) gives each lane a 32-byte group
-// of quants, 64 values, and the 64 int8 activations they multiply: stored in order, a warp's 16-byte
-// loads would lie 32 or 64 bytes apart, and L1 would be the limit. So Q4_K quants are repacked at
-// load (`interleave_row` in cuda/weights.rs) and the activations they take are written in the same
-// order: a row's units (a group of quants, or 64 activations) in tiles of INTERLEAVE_UNITS, each
+// Interleaved rows. The Q4_K and Q6_K integer kernel (kquant_rows in matmul.cu) gives each lane a
+// group of quants, 64 values (32 bytes; Q6_K's 48), and the 64 int8 activations they multiply:
+// stored in order, a warp's 16-byte loads would lie 32 to 64 bytes apart, and L1 would be the
+// limit. So their quants are repacked at load (`interleave_row` in cuda/weights.rs) and the
+// activations they take are written in the same order: a row's units (a group of quants, or 64 activations) in tiles of INTERLEAVE_UNITS, each
 // tile stored 16-byte piece by piece: piece k of unit u at k * width + u of its tile, width the
 // tile's units (a row's last tile may be narrower). Eight lanes' loads of one piece are then 128
 // contiguous bytes.
@@ -79,10 +79,11 @@ template <auto V> struct Constant { static constexpr auto value = V; };
 // block of 32, held one per lane of a warp, becomes round(v / d) with d = max |v| / 127 over the
 // block (taken as v times 127 / max |v|, as the CPU's fast path takes v times 1 / d: one division
 // a block, beside d's, where one a value lay on the norms' and the quantization's critical path),
-// d stored once per block. The values lie in xq in order, or interleaved for Q4_K in units
-// of 64 (`q8_slot`); their scales always in order, in xd. For Q4_K (`sums`), each block's scale is
-// followed by the sum of its quantized values (an int in the next float's bits), which Q4_K's
-// minimums multiply: summed once here rather than by every warp for every pair of rows.
+// d stored once per block. The values lie in xq in order, or interleaved for Q4_K and Q6_K in
+// units of 64 (`q8_slot`); their scales always in order, in xd. For those (`sums`), each block's
+// scale is followed by the sum of its quantized values (an int in the next float's bits), which
+// Q4_K's minimums and Q6_K's offset of 32 multiply: summed once here rather than by every warp
+// for every row.
 __device__ __forceinline__ float quant_factor(float amax) { return amax == 0.0f ? 0.0f : 127.0f / amax; }
 __device__ __forceinline__ i8 quantize_by(float v, float factor) { return (i8)__float2int_rn(v * factor); }
 
@@ -254,4 +255,12 @@ __device__ __forceinline__ void load_tiles(u32* r, u32 address) {
         asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
                      : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                      : "r"(address));
+}
+
+// 4 bytes (4-aligned) copied as copy_async16_read_once copies 16: Q6_K's d, a float a super-block.
+__device__ __forceinline__ void copy_async4_read_once(u32 dst, const void* src) {
+    asm volatile(
+        "{ .reg .b64 policy; createpolicy.fractional.L2::evict_first.b64 policy, 1.0;"
+        " cp.async.ca.shared.global.L2::cache_hint [%0], [%1], 4, 4, policy; }" ::"r"(dst),
+        "l"(src));
 }

@@ -1,6 +1,6 @@
 // Quantized weights on the GPU are stored split by field, so that every load is wide, aligned and
 // coalesced (see `SplitWeight` in cuda/weights.rs): the quants of a row are contiguous (`q`; Q4_K's
-// interleaved, common.cuh), and the per-block scales, minimums or packed K-quant metadata sit in
+// and Q6_K's interleaved, common.cuh), and the per-block scales, minimums or packed K-quant metadata sit in
 // side arrays (`s`, `m`). A row of n values is decoded as n/32 chunks; chunk c yields 32 values in
 // two runs of 16, starting at `at0` and `at1` within the row. Values are exactly the reference
 // dequantization's.
@@ -8,7 +8,7 @@
 struct Weight {
     const u8* q;  // quants, row-major
     const u8* s;  // per-block scales (f16), or K-quant metadata
-    const u8* m;  // per-block minimums (f16, Q4_1) or fifth bits (u32, Q5_0), or Q6_K's high bits
+    const u8* m;  // per-block minimums (f16, Q4_1) or fifth bits (u32, Q5_0), or Q6_K's d (f32)
     int n_in;
 };
 
@@ -119,29 +119,33 @@ template <> __device__ __forceinline__ IntChunk int_chunk<TY_Q4_K>(const Weight&
     return k;
 }
 
-// Q6_K: chunk c is 16 bytes of a super-block's 128 low-bit bytes (`q`), with the 16 matching
-// bytes of its 64 high-bit bytes (`m`). In half `half` of the super-block, low-bit byte l < 32
-// holds values l (low nibble) and l+64 (high); byte 32+l holds l+32 and l+96; high-bit byte l
-// holds the top two bits of values l, l+32, l+64, l+96. Metadata: 16 signed scales, then d (f16).
+// Q6_K, interleaved in 48-byte groups of 64 values (common.cuh; `q6k_group` in cuda/weights.rs):
+// byte i of a group's piece k holds value 16k + i in its low six bits (the quant plus 32) and bits
+// 2k, 2k + 1 of value 48 + i in its top two. Per super-block, 16 signed scales (one a run of 16)
+// in `s` and d as f32 in `m`.
+__device__ __forceinline__ u32 q6k_low(u32 piece_word) { return piece_word & 0x3f3f3f3fu; }
+// Values 48 + 4i .. 51 + 4i from word i of the three pieces.
+__device__ __forceinline__ u32 q6k_top(u32 a, u32 b, u32 c) {
+    return ((a >> 6) & 0x03030303u) | ((b >> 4) & 0x0c0c0c0cu) | ((c >> 2) & 0x30303030u);
+}
+
+// Chunk c is half c % 2 of group c / 2: values 0-31 (pieces 0 and 1) or 32-63 (piece 2 and the
+// top bits).
 template <> __device__ __forceinline__ IntChunk int_chunk<TY_Q6_K>(const Weight& w, u64 row, int c) {
-    int sb = c / 8, half = (c % 8) / 4, part = c % 4;
-    const u8* meta = w.s + (row * (w.n_in / 256) + sb) * 20;
-    float d = f16_to_f32(load_u16(meta + 16));
-    int l0 = 16 * (part % 2);  // first l of this chunk
-    int second = part / 2;     // bytes 32+l: values +32
-    int base = 32 * second + l0;  // value index (within the half) of the low nibbles
-    int at0 = 256 * sb + 128 * half + base;
-    IntChunk k = {{},
-                  {d * (float)(i8)meta[8 * half + base / 16], d * (float)(i8)meta[8 * half + (base + 64) / 16]},
-                  {0.0f, 0.0f},
-                  {at0, at0 + 64}};
-    u32 lw[4], hw[4];
-    words(*(const uint4*)(w.q + row * (w.n_in / 2) + 128 * sb + 64 * half + 32 * second + l0), lw);
-    words(*(const uint4*)(w.m + row * (w.n_in / 4) + 64 * sb + 32 * half + l0), hw);
-    int shift_lo = 2 * second, shift_hi = 2 * second + 4;
+    int group = c / 2, h = c % 2, n_groups = w.n_in / 64, width = tile_width(group, n_groups);
+    u64 sb = row * (w.n_in / 256) + group / 4;
+    float d = ((const float*)w.m)[sb];
+    const i8* scales = (const i8*)w.s + 16 * sb + 4 * (group % 4) + 2 * h;
+    int at0 = 64 * group + 32 * h;
+    IntChunk k = {{}, {d * (float)scales[0], d * (float)scales[1]}, {0.0f, 0.0f}, {at0, at0 + 16}};
+    const uint4* q = (const uint4*)(w.q + row * (w.n_in / 4 * 3)) + unit_start(group, 3);
+    u32 p0[4], p1[4], p2[4];
+    words(q[0], p0);
+    words(q[width], p1);
+    words(q[2 * width], p2);
     for (int i = 0; i < 4; i++) {
-        k.q[i] = six_bits_minus_32((lw[i] & 0x0f0f0f0fu) | (((hw[i] >> shift_lo) & 0x03030303u) << 4));
-        k.q[4 + i] = six_bits_minus_32(((lw[i] >> 4) & 0x0f0f0f0fu) | (((hw[i] >> shift_hi) & 0x03030303u) << 4));
+        k.q[i] = six_bits_minus_32(q6k_low(h == 0 ? p0[i] : p2[i]));
+        k.q[4 + i] = six_bits_minus_32(h == 0 ? q6k_low(p1[i]) : q6k_top(p0[i], p1[i], p2[i]));
     }
     return k;
 }

@@ -180,26 +180,31 @@ __device__ __forceinline__ void dot_chunk(const IntChunk& k, const i8* xq, const
 // Whether a type's kernels read weights before the wait for the kernel before
 // (begin_after_inputs): weights are not written during a step, so the read overlaps that kernel
 // where it lets this one start early (start_dependents). Q8_0 reads each lane's first chunk, Q4_K
-// copies its first stage (q4k_rows). Their one-token kernels also let the kernel after them start
-// early, from their first instruction: its blocks (a norm, RoPE, a quantization, argmax; a few
-// blocks each) then wait on the multiprocessors for this one's end instead of being launched at
-// it, which hides their launch.
-template <int TY> struct ReadsBeforeWait { static const bool value = TY == TY_Q8_0 || TY == TY_Q4_K; };
+// and Q6_K copy their first stage (kquant_rows). Their one-token kernels also let the kernel after
+// them start early, from their first instruction: its blocks (a norm, RoPE, a quantization,
+// argmax; a few blocks each) then wait on the multiprocessors for this one's end instead of being
+// launched at it, which hides their launch.
+template <int TY> struct ReadsBeforeWait {
+    static const bool value = TY == TY_Q8_0 || TY == TY_Q4_K || TY == TY_Q6_K;
+};
 
-// Rows a warp of the one-token Q4_K integer kernel takes (q4k_rows; Q4K_ROWS in
-// cuda/matmul.rs). With more tokens, one: two rows would take over 96 registers.
+// Rows a warp of the one-token Q4_K integer kernel takes (kquant_rows; Q4K_ROWS in
+// cuda/matmul.rs). With more tokens, one: two rows would take over 96 registers. Q6_K's warps
+// take one row: two rows' stages of its larger groups would pass the 48 KB of static shared
+// memory a block may have.
 #define Q4K_ROWS 2
 template <int TY, int T> struct RowsPerWarp { static const int value = TY == TY_Q4_K && T == 1 ? Q4K_ROWS : 1; };
-template <int T, int R, bool GLU, typename Ready>
-__device__ __forceinline__ void q4k_rows(const Weight& w, const Weight& up, int row, int n_rows, const i8* xq,
-                                         const float* xd, float* acc, Ready inputs_ready, bool copy_whole);
+template <int TY, int T, int R, bool GLU, typename Ready>
+__device__ __forceinline__ void kquant_rows(const Weight& w, const Weight& up, int row, int n_rows, const i8* xq,
+                                            const float* xd, float* acc, Ready inputs_ready, bool copy_whole);
 
 // One chunk is decoded ahead of its use; decoding two or four ahead was slower.
 template <int TY, int T, bool GLU, typename Ready>
 __device__ __forceinline__ void int_row(const Weight& w, const Weight& up, int row, int n_rows, const i8* xq,
                                         const float* xd, float* acc, Ready inputs_ready, bool copy_whole) {
-    if constexpr (TY == TY_Q4_K)
-        return q4k_rows<T, RowsPerWarp<TY, T>::value, GLU>(w, up, row, n_rows, xq, xd, acc, inputs_ready, copy_whole);
+    if constexpr (TY == TY_Q4_K || TY == TY_Q6_K)
+        return kquant_rows<TY, T, RowsPerWarp<TY, T>::value, GLU>(w, up, row, n_rows, xq, xd, acc, inputs_ready,
+                                                                  copy_whole);
     for (int t = 0; t < T; t++) acc[t] = 0.0f;
     if (!ReadsBeforeWait<TY>::value) {
         inputs_ready();
@@ -217,10 +222,10 @@ __device__ __forceinline__ void int_row(const Weight& w, const Weight& up, int r
     }
 }
 
-// Q4_K has its own kernel: a lane takes a 32-byte group of quants, 64 values (sub-blocks 2j and
-// 2j+1 of a super-block, low and high nibbles), and applies each sub-block's scale and minimum
-// once to its integer dot product: half the instructions per weight byte of the chunk-a-lane
-// loop above. Quants and activations are interleaved (common.cuh), so every warp load is
+// Q4_K and Q6_K have their own kernel: a lane takes a group of quants, 64 values (Q4_K: 32 bytes,
+// sub-blocks 2j and 2j+1 of a super-block, low and high nibbles; Q6_K: 48 bytes, four runs of 16),
+// and applies each sub-block's scale (and minimum) once to its integer dot product: half the
+// instructions per weight byte of the chunk-a-lane loop above. Quants and activations are interleaved (common.cuh), so every warp load is
 // contiguous. For one token a warp takes Q4K_ROWS rows, so that each activation load serves them
 // all and a warp's fixed cost (its start, the round trip to memory, the reductions) is spread
 // over more bytes. Its quants and metadata pass through shared memory by cp.async, a stage of
@@ -235,6 +240,7 @@ __device__ __forceinline__ void int_row(const Weight& w, const Weight& up, int r
 // run as loops over a stage.
 #define GEMV_WARPS 8
 #define Q4K_STAGED_GROUPS 64  // a stage of all of a warp's rows
+#define Q6K_STAGED_GROUPS 32  // a stage of its one row: a group a lane
 
 // dp4a with a's bytes unsigned (Q4_K's quants, 0..15) and b's signed.
 __device__ __forceinline__ int dp4a_unsigned(u32 a, u32 b, int c) {
@@ -289,11 +295,90 @@ struct GroupActivations {
     float4 scales_sums;
 };
 
-template <int T, int R, bool GLU, typename Ready>
-__device__ __forceinline__ void q4k_rows(const Weight& w, const Weight& up, int row, int n_rows, const i8* xq,
-                                         const float* xd, float* acc, Ready inputs_ready, bool copy_whole) {
-    constexpr int stage_groups = Q4K_STAGED_GROUPS / R, quant_pieces = 2 * stage_groups;
-    constexpr int row_pieces = quant_pieces + stage_groups / 4;  // a staged row: quants, then metadata
+// A lane's Q4_K groups: `dot` is a group's product with its activations, from its staged quants
+// (q, the others `width` pieces on) and its super-block's metadata.
+struct Q4kLane {
+    Q4kPair pair;
+
+    __device__ __forceinline__ Q4kLane(int lane) : pair(lane) {}
+
+    __device__ __forceinline__ float dot(const uint4* q, int width, const uint4* meta_at, float,
+                                         const GroupActivations& a) const {
+        uint4 q0 = q[0], q1 = q[width], meta = *meta_at;
+        float2 d = make_float2(a.scales_sums.x, a.scales_sums.z);
+        int sum_lo = __float_as_int(a.scales_sums.y), sum_hi = __float_as_int(a.scales_sums.w);
+        float d_hi = d.y * 0.0625f;  // the high nibbles' dot products are 16 times theirs
+        // Each sub-block's dot product and activation sum times its 6-bit scale and minimum on
+        // integers (at most 2^26), then the super-block's d and dmin: one conversion a product,
+        // not two.
+        uint2 sm = pair.bytes(meta);
+        int2 dots = nibble_dots(q0, q1, a.x0, a.x1, a.x2, a.x3);
+        int scale_lo = sm.x & 0xff, scale_hi = sm.x >> 8, min_lo = sm.y & 0xff, min_hi = sm.y >> 8;
+        float scaled = d.x * (float)(dots.x * scale_lo) + d_hi * (float)(dots.y * scale_hi);
+        float shifted = d.x * (float)(sum_lo * min_lo) + d.y * (float)(sum_hi * min_hi);
+        float d_super = f16_to_f32((u16)meta.x), d_min = f16_to_f32((u16)(meta.x >> 16));
+        return d_super * scaled - d_min * shifted;
+    }
+};
+
+// A lane's Q6_K groups (layout in dequant.cuh): the values are unsigned (the quant plus 32), so
+// each run of 16's product less 32 times its activations' sum is the quants' product. Those sums
+// come from the quantization's block sums (store_q8_scale) less the sums of runs 0 and 2, which
+// dp4a takes here. A lane's groups are all the same quarter of their super-blocks (group % 4 =
+// lane % 4), so their four scales are the same word of each super-block's 16, `word`.
+struct Q6kLane {
+    int word;
+
+    __device__ __forceinline__ Q6kLane(int lane) : word(lane % 4) {}
+
+    __device__ __forceinline__ float dot(const uint4* q, int width, const uint4* meta_at, float d,
+                                         const GroupActivations& a) const {
+        uint4 p0 = q[0], p1 = q[width], p2 = q[2 * width];
+        u32 scales = ((const u32*)meta_at)[word];
+        // Four chains, so that they overlap.
+        int dot0 = dp4a_unsigned(q6k_low(p0.x), a.x0.x, 0), dot1 = dp4a_unsigned(q6k_low(p1.x), a.x1.x, 0);
+        int dot2 = dp4a_unsigned(q6k_low(p2.x), a.x2.x, 0), dot3 = dp4a_unsigned(q6k_top(p0.x, p1.x, p2.x), a.x3.x, 0);
+        dot0 = dp4a_unsigned(q6k_low(p0.y), a.x0.y, dot0), dot1 = dp4a_unsigned(q6k_low(p1.y), a.x1.y, dot1);
+        dot2 = dp4a_unsigned(q6k_low(p2.y), a.x2.y, dot2), dot3 = dp4a_unsigned(q6k_top(p0.y, p1.y, p2.y), a.x3.y, dot3);
+        dot0 = dp4a_unsigned(q6k_low(p0.z), a.x0.z, dot0), dot1 = dp4a_unsigned(q6k_low(p1.z), a.x1.z, dot1);
+        dot2 = dp4a_unsigned(q6k_low(p2.z), a.x2.z, dot2), dot3 = dp4a_unsigned(q6k_top(p0.z, p1.z, p2.z), a.x3.z, dot3);
+        dot0 = dp4a_unsigned(q6k_low(p0.w), a.x0.w, dot0), dot1 = dp4a_unsigned(q6k_low(p1.w), a.x1.w, dot1);
+        dot2 = dp4a_unsigned(q6k_low(p2.w), a.x2.w, dot2), dot3 = dp4a_unsigned(q6k_top(p0.w, p1.w, p2.w), a.x3.w, dot3);
+        const u32 ones = 0x01010101u;
+        int sum0 = dp4a(ones, a.x0.x, dp4a(ones, a.x0.y, dp4a(ones, a.x0.z, dp4a(ones, a.x0.w, 0))));
+        int sum2 = dp4a(ones, a.x2.x, dp4a(ones, a.x2.y, dp4a(ones, a.x2.z, dp4a(ones, a.x2.w, 0))));
+        int sum1 = __float_as_int(a.scales_sums.y) - sum0, sum3 = __float_as_int(a.scales_sums.w) - sum2;
+        // On integers (at most about 2^26), then one conversion for each block of 32 activations.
+        int lo = (int)(i8)scales * (dot0 - 32 * sum0) + (int)(i8)(scales >> 8) * (dot1 - 32 * sum1);
+        int hi = (int)(i8)(scales >> 16) * (dot2 - 32 * sum2) + ((int)scales >> 24) * (dot3 - 32 * sum3);
+        return d * (a.scales_sums.x * (float)lo + a.scales_sums.z * (float)hi);
+    }
+};
+
+// What kquant_rows takes of a type: its quant pieces a group, the groups a stage holds of each of
+// R rows, whether a super-block's d (f32, in `m`) is staged after its metadata, and its Lane.
+template <int TY> struct KQuant;
+template <> struct KQuant<TY_Q4_K> {
+    static constexpr int pieces = 2;
+    static constexpr int stage_groups(int rows) { return Q4K_STAGED_GROUPS / rows; }
+    static constexpr bool staged_d = false;
+    typedef Q4kLane Lane;
+};
+template <> struct KQuant<TY_Q6_K> {
+    static constexpr int pieces = 3;
+    static constexpr int stage_groups(int) { return Q6K_STAGED_GROUPS; }
+    static constexpr bool staged_d = true;
+    typedef Q6kLane Lane;
+};
+
+template <int TY, int T, int R, bool GLU, typename Ready>
+__device__ __forceinline__ void kquant_rows(const Weight& w, const Weight& up, int row, int n_rows, const i8* xq,
+                                            const float* xd, float* acc, Ready inputs_ready, bool copy_whole) {
+    typedef KQuant<TY> K;
+    constexpr int stage_groups = K::stage_groups(R), quant_pieces = K::pieces * stage_groups;
+    constexpr int meta_pieces = stage_groups / 4, d_pieces = K::staged_d ? stage_groups / 16 : 0;
+    // A staged row: quants, then metadata, then (Q6_K) each super-block's d.
+    constexpr int row_pieces = quant_pieces + meta_pieces + d_pieces;
     __shared__ __align__(16) uint4 stage[GEMV_WARPS][2][R][row_pieces];
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32, n_groups = (u32)w.n_in / 64;
     // Each lane's first source and destination of every row, found once: a warp short of rows
@@ -302,14 +387,16 @@ __device__ __forceinline__ void q4k_rows(const Weight& w, const Weight& up, int 
     // up's (gemv_rows).
     constexpr bool paired = GLU && R >= 2;
     const uint4 *quants[R], *metas[R];
+    const float* ds[R];
     for (int r = 0; r < R; r++) {
         bool of_up = paired && r >= R / 2;
         const Weight& m = of_up ? up : w;
         u64 from = row + min(of_up ? r - R / 2 : r, n_rows - 1);
-        quants[r] = (const uint4*)(m.q + from * (m.n_in / 2)) + lane;
+        quants[r] = (const uint4*)(m.q + from * (m.n_in / 4 * K::pieces)) + lane;
         metas[r] = (const uint4*)(m.s + from * (m.n_in / 256) * 16) + lane;
+        ds[r] = (const float*)m.m + from * (m.n_in / 256);
     }
-    u32 staged_at = shared_address(stage[warp][0][0]) + 16 * lane;
+    u32 staged_base = shared_address(stage[warp][0][0]), staged_at = staged_base + 16 * lane;
     // Each warp starts at its own stage of its rows (its place, row / R or row / (R / 2) paired,
     // modulo the stages) and wraps around.
     // Started alike, the warps of a one-wave product all read the same part of their rows at once,
@@ -328,18 +415,24 @@ __device__ __forceinline__ void q4k_rows(const Weight& w, const Weight& up, int 
     // nothing), and its metadata copy repeats the last piece (the same bytes into the same place),
     // so that no copy needs a branch. The cache policy is made in each copy's own asm
     // (copy_async16_read_once), which costs fewer instructions than one policy made once.
+    // Q6_K's d, 4 bytes a super-block, is copied 4 bytes a lane in the same way.
     auto copy_stage = [&](int s) {
         int first = stage_first(s);
-        int pieces = 2 * min(stage_groups, n_groups - first);
-        int meta_shift = min(lane, pieces / 8 - 1) - lane;
+        int groups = min(stage_groups, n_groups - first), pieces = K::pieces * groups;
+        int meta_last = min(lane, groups / 4 - 1), meta_shift = meta_last - lane;
         u32 to = staged_at + s % 2 * (R * row_pieces * 16);
 #pragma unroll
         for (int r = 0; r < R; r++) {
 #pragma unroll
             for (int k = 0; k < quant_pieces; k += 32)
-                copy_async16_read_once(to + 16 * (r * row_pieces + k), quants[r] + 2 * first + k, lane + k < pieces);
+                copy_async16_read_once(to + 16 * (r * row_pieces + k), quants[r] + K::pieces * first + k,
+                                       lane + k < pieces);
             copy_async16_read_once(to + 16 * (r * row_pieces + quant_pieces + meta_shift),
                                    metas[r] + first / 4 + meta_shift, true);
+            if (K::staged_d)
+                copy_async4_read_once(staged_base + s % 2 * (R * row_pieces * 16) +
+                                          16 * (r * row_pieces + quant_pieces + meta_pieces) + 4 * meta_last,
+                                      ds[r] + first / 4 + meta_last);
         }
         asm volatile("cp.async.commit_group;" ::: "memory");
     };
@@ -360,7 +453,7 @@ __device__ __forceinline__ void q4k_rows(const Weight& w, const Weight& up, int 
     const uint4* x_lane = (const uint4*)xq + unit_start(lane, 4);
     const float4* scales_lane = (const float4*)xd + lane;
     for (int i = 0; i < R * T; i++) acc[i] = 0.0f;
-    const Q4kPair pair(lane);
+    const typename K::Lane lane_groups(lane);
     // Where the kernel before reads little memory after its wait (one-token attention), a row pair
     // of two stages is copied whole before this one's: the second copy overlaps that kernel too.
     // Before kernels that read after their wait (the norms, and so Q, K and V), it slows them more
@@ -394,26 +487,18 @@ __device__ __forceinline__ void q4k_rows(const Weight& w, const Weight& up, int 
                 int g = first + lane + k;
                 if (g >= n_groups) break;
                 int width = width_of(g);
+                // Unrolled so that acc is indexed by constants: left a loop (Q6_K's larger group
+                // body), acc went to local memory.
+#pragma unroll
                 for (int t = 0; t < T; t++) {
-                    auto [x0, x1, x2, x3, scales_sums] = early ? ahead : activations(g, t, width);
-                    float2 d = make_float2(scales_sums.x, scales_sums.z);
-                    int sum_lo = __float_as_int(scales_sums.y), sum_hi = __float_as_int(scales_sums.w);
-                    float d_hi = d.y * 0.0625f;  // the high nibbles' dot products are 16 times theirs
+                    GroupActivations a = early ? ahead : activations(g, t, width);
+#pragma unroll
                     for (int r = 0; r < R; r++) {
                         const uint4* staged = stage[warp][s % 2][r];
-                        const uint4* q = staged + unit_start(g - first, 2);
-                        uint4 q0 = q[0], q1 = q[width];
-                        uint4 meta = staged[quant_pieces + (g - first) / 4];
-                        // Each sub-block's dot product and activation sum times its 6-bit scale and
-                        // minimum on integers (at most 2^26), then the super-block's d and dmin: one
-                        // conversion a product, not two.
-                        uint2 sm = pair.bytes(meta);
-                        int2 dots = nibble_dots(q0, q1, x0, x1, x2, x3);
-                        int scale_lo = sm.x & 0xff, scale_hi = sm.x >> 8, min_lo = sm.y & 0xff, min_hi = sm.y >> 8;
-                        float scaled = d.x * (float)(dots.x * scale_lo) + d_hi * (float)(dots.y * scale_hi);
-                        float shifted = d.x * (float)(sum_lo * min_lo) + d.y * (float)(sum_hi * min_hi);
-                        float d_super = f16_to_f32((u16)meta.x), d_min = f16_to_f32((u16)(meta.x >> 16));
-                        acc[r * T + t] += d_super * scaled - d_min * shifted;
+                        int sb = (g - first) / 4;
+                        float d = K::staged_d ? ((const float*)(staged + quant_pieces + meta_pieces))[sb] : 0.0f;
+                        acc[r * T + t] += lane_groups.dot(staged + unit_start(g - first, K::pieces), width,
+                                                          staged + quant_pieces + sb, d, a);
                     }
                 }
             }
