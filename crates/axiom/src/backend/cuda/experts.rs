@@ -1,13 +1,14 @@
 //! Mixture-of-experts ops (kernels/experts.cu): `route` on the device, the experts' products on
 //! the matrix-vector kernels' row dot products, per (token, expert) pair for small steps and per
-//! expert over its grouped pairs for larger ones, then their weighted sum into the residual; and
+//! expert over its grouped pairs for larger ones, then their weighted sum into the residual (for
+//! small steps in the down products' own launch); and
 //! the shared expert's gated add. The routes stay on the device throughout.
 
 use super::launch::blocks_for;
 use super::matmul::GEMV_MAX_TOKENS;
 use super::params::{
-    AddGatedParams, ExpertProductParams, ExpertWeights, ExpertsSumParams, GatherPairsParams, GroupPairsParams,
-    RouteParams,
+    AddGatedParams, ExpertDownSumParams, ExpertProductParams, ExpertWeights, ExpertsSumParams, GatherPairsParams,
+    GroupPairsParams, RouteParams,
 };
 use super::weights::CudaWeight;
 use super::{kernels, CudaBackend};
@@ -62,8 +63,9 @@ impl CudaBackend {
 
     /// `Kernels::experts`: the gate and up products with the gated activation (one launch where
     /// gate and up are of one type), the down products, then their weighted sum into the
-    /// residual. Up to `PAIRWISE_MAX_TOKENS` tokens, per pair; beyond, the pairs are grouped by
-    /// expert on the device first and their input rows gathered into `scratch.rows`.
+    /// residual. Up to `PAIRWISE_MAX_TOKENS` tokens, per pair, the down products and the sum in
+    /// one launch (`down_sum`); beyond, the pairs are grouped by expert on the device first and
+    /// their input rows gathered into `scratch.rows`.
     pub(super) fn run_experts(
         &self,
         x: BlockHandle,
@@ -142,6 +144,18 @@ impl CudaBackend {
                 set.activation,
             )?;
         }
+        if let Pairs::Each { ids } = pairs {
+            return self.down_sum(
+                down,
+                ids,
+                routes.weights,
+                scratch.hidden,
+                residual,
+                n_tokens,
+                k,
+                n_experts,
+            );
+        }
         product(down, None, scratch.hidden, 1, scratch.out)?;
         let n = n_tokens * dim;
         self.launch(
@@ -159,6 +173,44 @@ impl CudaBackend {
                 k: k as i32,
                 n_experts: n_experts as i32,
             },
+        )
+    }
+
+    /// The down products of a step's pairs by their `hidden` rows, weighed by `weights` and added
+    /// to `residual` in one launch (expert_down_sum in kernels/experts.cu): a block's eight warps
+    /// take one pick each, so the rows a block covers are as many as eight warps' worth over the
+    /// `k` picks (all k picks in one round up to eight).
+    #[allow(clippy::too_many_arguments)]
+    fn down_sum(
+        &self,
+        (w, stack): (&CudaWeight, ExpertWeights),
+        ids: BlockHandle,
+        weights: BlockHandle,
+        hidden: BlockHandle,
+        residual: BlockHandle,
+        n_tokens: usize,
+        k: usize,
+        n_experts: usize,
+    ) -> Result<()> {
+        let groups = 8 / k.min(8);
+        let name = format!("expert_down_sum_{}", Self::type_suffix(w.ty)?);
+        let params = ExpertDownSumParams {
+            w: stack,
+            ids: self.ptr(ids),
+            weights: self.ptr(weights),
+            x: self.ptr(hidden),
+            residual: self.ptr(residual),
+            n_in: w.n_in as i32,
+            n_out: w.n_out as i32,
+            n_experts: n_experts as i32,
+            k: k as i32,
+            groups: groups as i32,
+        };
+        self.launch(
+            &name,
+            (w.n_out.div_ceil(groups) as u32, n_tokens as u32, 1),
+            256,
+            &params,
         )
     }
 

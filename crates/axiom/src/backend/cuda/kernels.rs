@@ -200,6 +200,7 @@ pub fn kernel_names(arch: &str) -> Vec<String> {
     for (grouped, glu) in [(false, false), (false, true), (true, false), (true, true)] {
         names.extend(every_type.iter().map(|ty| expert_kernel(grouped, glu, ty)));
     }
+    names.extend(every_type.iter().map(|ty| format!("expert_down_sum_{ty}")));
     for head_dim in [64, 128] {
         for &warpgroups in flash_attention_kinds(arch) {
             names.extend([1, 2].map(|groups| flash_attention_kernel(head_dim, groups, warpgroups)));

@@ -359,6 +359,22 @@ kernel_params! {
         act: i32,
     }
 
+    /// The down products of small steps fused with their weighted sum: pair i's expert `ids[i]`
+    /// by row i of `x`, weighed by `weights[i]` and added to its token's row of `residual`, a
+    /// block taking `groups` sets of rows of one token (expert_down_sum in kernels/experts.cu).
+    struct ExpertDownSumParams for ["expert_down_sum_"] {
+        w: ExpertWeights,
+        ids: u64,
+        weights: u64,
+        x: u64,
+        residual: u64,
+        n_in: i32,
+        n_out: i32,
+        n_experts: i32,
+        k: i32,
+        groups: i32,
+    }
+
     /// group_pairs: the pairs' `ids` grouped by expert into `offsets` (`n_experts + 1`), `slots`
     /// (each pair's) and `pairs` (each slot's).
     struct GroupPairsParams for ["group_pairs"] {

@@ -121,11 +121,66 @@ __device__ __forceinline__ void expert_groups(const ExpertProductParams& p) {
     if (s < end) expert_tile<Rows, GLU, 1>(p, w, up, row, x(s), out(s));
 }
 
+// Small steps' down products fused with their weighted sum into the residual: a block takes
+// `groups * R` output rows of token blockIdx.y, and its warps one (pick, R rows) task each, the
+// picks in rounds of up to eight; after each round a thread a row adds the round's sums in pick
+// order, as experts_sum does, so the result is the same bit for bit, with no trip of the k rows
+// through memory and no launch of its own. `dot(w, row, n_rows, x, part)` leaves a warp's
+// per-lane partial sums of rows row.. of w with x. NaN where an id is outside the set.
+template <int R, typename Dot>
+__device__ __forceinline__ void expert_down_sum(const ExpertDownSumParams& p, Dot dot) {
+    __shared__ float sums[8][R];
+    begin_after_inputs();
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32, k = p.k, groups = p.groups;
+    int per_round = min(k, 8), token = blockIdx.y, first = blockIdx.x * groups * R;
+    int mine = first + threadIdx.x;  // the row this thread adds, if any
+    bool adds = threadIdx.x < groups * R && mine < p.n_out;
+    float* residual = p.residual + (u64)token * p.n_out + mine;
+    float acc = adds ? *residual : 0.0f;
+    bool bad = false;
+    for (int j0 = 0; j0 < k; j0 += per_round) {
+        int j = j0 + warp % per_round, row = first + warp / per_round * R;
+        if (warp / per_round < groups && j < k && row < p.n_out) {
+            u64 pair = (u64)token * k + j;
+            u32 e = p.ids[pair];
+            if (e < (u32)p.n_experts) {  // else the adders skip this pick
+                float part[R];
+                dot(expert_weight(p.w, e, p.n_in), row, min(R, p.n_out - row), p.x + pair * p.n_in, part);
+                for (int r = 0; r < R; r++) part[r] = warp_sum(part[r]);
+                if (lane == 0)
+                    for (int r = 0; r < R; r++) sums[warp][r] = part[r];
+            }
+        }
+        __syncthreads();
+        if (adds) {
+            int g = threadIdx.x / R, r = threadIdx.x % R;
+            for (int i = 0; i < min(per_round, k - j0); i++) {
+                u64 pair = (u64)token * k + j0 + i;
+                if (p.ids[pair] >= (u32)p.n_experts) {
+                    bad = true;
+                    continue;
+                }
+                acc += p.weights[pair] * sums[g * per_round + i][r];
+            }
+        }
+        __syncthreads();  // the sums are read before the next round writes them
+    }
+    if (adds) *residual = bad ? __int_as_float(0x7fc00000u) : acc;
+}
+
+template <typename Rows>
+__device__ __forceinline__ void expert_down_sum_f32(const ExpertDownSumParams& p) {
+    expert_down_sum<1>(p, [](const Weight& w, int row, int, const float* x, float* part) {
+        Rows::template dot<1>(w, row, x, part);
+    });
+}
+
 #define EXPERT_PRODUCTS(NAME, ROWS)                                                                                    \
     extern "C" __global__ void expert_rows_##NAME(ExpertProductParams p) { expert_rows<ROWS, false>(p); }             \
     extern "C" __global__ void expert_rows_glu_##NAME(ExpertProductParams p) { expert_rows<ROWS, true>(p); }          \
     extern "C" __global__ void expert_groups_##NAME(ExpertProductParams p) { expert_groups<ROWS, false>(p); }         \
-    extern "C" __global__ void expert_groups_glu_##NAME(ExpertProductParams p) { expert_groups<ROWS, true>(p); }
+    extern "C" __global__ void expert_groups_glu_##NAME(ExpertProductParams p) { expert_groups<ROWS, true>(p); }    \
+    extern "C" __global__ void expert_down_sum_##NAME(ExpertDownSumParams p) { expert_down_sum_f32<ROWS>(p); }
 EXPERT_PRODUCTS(f32, FloatRows<TY_F32>)
 EXPERT_PRODUCTS(f16, FloatRows<TY_F16>)
 EXPERT_PRODUCTS(bf16, FloatRows<TY_BF16>)

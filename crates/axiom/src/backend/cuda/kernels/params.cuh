@@ -305,6 +305,19 @@ struct ExpertProductParams {
     int act;
 };
 
+struct ExpertDownSumParams {
+    ExpertWeights w;
+    const u32* ids;
+    const float* weights;
+    const float* x;
+    float* residual;
+    int n_in;
+    int n_out;
+    int n_experts;
+    int k;
+    int groups;
+};
+
 struct GroupPairsParams {
     const u32* ids;
     u32* offsets;
