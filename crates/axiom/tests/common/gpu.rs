@@ -995,26 +995,28 @@ fn random_experts<B: Backend>(
 
 /// The mixture-of-experts ops against the CPU reference, 6 experts of which each of 1, 7 and 33
 /// tokens runs 2, in Q8_0 at a width of 96, in Q4_K_M's mix (gate and up Q4_K, down Q6_K), in
-/// 16-bit and other block types, and with gate and up of two types:
+/// 16-bit and other block types, and with gate and up of two types; and 12 experts of which each
+/// token runs 9, in Q4_K:
 /// `route` over router logits with exact ties (the same ids), `experts` on each backend's own
 /// routes, and `add_gated`.
 pub fn expert_ops<B: Backend>(make: impl Fn() -> B, tolerance: f64) {
     let mut rng = ChaCha8Rng::seed_from_u64(5);
-    let (n_experts, k) = (6, 2);
-    let routing = Routing {
-        n_experts,
-        k,
-        renormalize: true,
-    };
-    // (gate, up, down, model width, expert width); gate and up of two types take the backends'
-    // unfused path (separate products, then the gated activation).
-    for (ty, up_ty, down_ty, dim, width) in [
-        (GgmlType::Q8_0, GgmlType::Q8_0, GgmlType::Q8_0, 96, 64),
-        (GgmlType::Q4K, GgmlType::Q4K, GgmlType::Q6K, 256, 256),
-        (GgmlType::BF16, GgmlType::BF16, GgmlType::F16, 96, 48),
-        (GgmlType::Q4_1, GgmlType::Q4_1, GgmlType::F32, 96, 64),
-        (GgmlType::Q4_0, GgmlType::Q5_0, GgmlType::Q8_0, 96, 64),
+    // (gate, up, down, model width, expert width, experts, picks); gate and up of two types take
+    // the backends' unfused path (separate products, then the gated activation); 9 picks are more
+    // than a CUDA block's eight warps take at once.
+    for (ty, up_ty, down_ty, dim, width, n_experts, k) in [
+        (GgmlType::Q8_0, GgmlType::Q8_0, GgmlType::Q8_0, 96, 64, 6, 2),
+        (GgmlType::Q4K, GgmlType::Q4K, GgmlType::Q6K, 256, 256, 6, 2),
+        (GgmlType::BF16, GgmlType::BF16, GgmlType::F16, 96, 48, 6, 2),
+        (GgmlType::Q4_1, GgmlType::Q4_1, GgmlType::F32, 96, 64, 6, 2),
+        (GgmlType::Q4_0, GgmlType::Q5_0, GgmlType::Q8_0, 96, 64, 6, 2),
+        (GgmlType::Q4K, GgmlType::Q4K, GgmlType::Q4K, 256, 512, 12, 9),
     ] {
+        let routing = Routing {
+            n_experts,
+            k,
+            renormalize: true,
+        };
         let (mut gpu, mut cpu) = pair(&make);
         let (gate_g, gate_c) = random_experts(&mut rng, &mut gpu, &mut cpu, ty, [dim, width], n_experts);
         let (up_g, up_c) = random_experts(&mut rng, &mut gpu, &mut cpu, up_ty, [dim, width], n_experts);
