@@ -204,8 +204,13 @@ fn mixtures_of_experts_on_cuda_match_transformers() {
 #[test]
 #[ignore = "needs an NVIDIA GPU: cargo test --release --test cuda -- --ignored"]
 fn expert_ops_match_the_cpu_reference() {
-    // The expert products compute in f32 on the stored weights, as the CPU reference does.
-    gpu::expert_ops(|| cuda(KvType::F16), 1e-5);
+    // Invariant, the expert products compute in f32 on the stored weights, as the CPU reference
+    // does; by default, those of quantized experts over a few tokens run on int8 activations (as
+    // the CPU's fast kernels, at their bound).
+    for paths in PATHS {
+        let tolerance = if paths == Paths::Fastest { 2e-2 } else { 1e-5 };
+        gpu::expert_ops(|| on(paths)(KvType::F16), tolerance);
+    }
 }
 
 #[test]

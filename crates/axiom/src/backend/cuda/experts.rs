@@ -5,14 +5,15 @@
 //! the shared expert's gated add. The routes stay on the device throughout.
 
 use super::launch::blocks_for;
-use super::matmul::GEMV_MAX_TOKENS;
+use super::matmul::{q8_scale_bytes, Quantized, GEMV_MAX_TOKENS};
 use super::params::{
     AddGatedParams, ExpertDownSumParams, ExpertProductParams, ExpertWeights, ExpertsSumParams, GatherPairsParams,
     GroupPairsParams, RouteParams,
 };
 use super::weights::CudaWeight;
 use super::{kernels, CudaBackend};
-use crate::backend::{Activation, BlockHandle, ExpertScratch, ExpertSet, Routes, Routing};
+use crate::backend::{Activation, BlockHandle, ExpertScratch, ExpertSet, Input, Routes, Routing};
+use crate::format::quant::GgmlType;
 use crate::{Error, Result};
 
 /// Steps of up to this many tokens run each (token, expert) pair on its own, reading only the
@@ -30,6 +31,26 @@ enum Pairs {
     Each { ids: BlockHandle },
     /// Grouped by expert: expert e's slots from `offsets[e]`, their rows gathered.
     Grouped { offsets: BlockHandle },
+}
+
+/// The input rows of expert products: f32, or quantized for the integer kernels.
+#[derive(Clone, Copy)]
+enum Rows {
+    F32(BlockHandle),
+    Int8(Quantized),
+}
+
+/// `buffer` as int8 staging for `n` activations of experts of `ty` (`quantize_activations`):
+/// the values, then their scales at a 16-byte boundary.
+fn int8_staging(buffer: BlockHandle, n: usize, ty: GgmlType) -> Result<(BlockHandle, BlockHandle)> {
+    let (at, scales) = (n.next_multiple_of(16), q8_scale_bytes(ty, n));
+    if buffer.len < at + scales {
+        return Err(Error::Backend(format!(
+            "experts: {} bytes of scratch for {n} int8 activations",
+            buffer.len
+        )));
+    }
+    Ok((buffer.slice(0, n), buffer.slice(at, scales)))
 }
 
 impl CudaBackend {
@@ -132,10 +153,19 @@ impl CudaBackend {
             self.expert_products(pairs, w, up, set.activation, (x, per_token), out, n_pairs, n_experts)
         };
         if gate.0.ty == up.0.ty {
-            product(gate, Some(up.1), inputs, per_token, scratch.hidden)?;
+            // Pairwise, on int8 activations where the experts' type allows: the tokens' rows
+            // quantized once into `scratch.rows`, which only grouped steps use.
+            let rows = match pairs {
+                Pairs::Each { .. } if self.paths.int8_experts(gate.0.ty) => {
+                    let staging = int8_staging(scratch.rows, n_tokens * dim, gate.0.ty)?;
+                    Rows::Int8(self.quantize_activations(Input::Rows(x), staging, n_tokens, gate.0)?)
+                }
+                _ => Rows::F32(inputs),
+            };
+            product(gate, Some(up.1), rows, per_token, scratch.hidden)?;
         } else {
-            product(gate, None, inputs, per_token, scratch.gate)?;
-            product(up, None, inputs, per_token, scratch.up)?;
+            product(gate, None, Rows::F32(inputs), per_token, scratch.gate)?;
+            product(up, None, Rows::F32(inputs), per_token, scratch.up)?;
             self.launch_glu(
                 scratch.gate,
                 scratch.up,
@@ -156,7 +186,7 @@ impl CudaBackend {
                 n_experts,
             );
         }
-        product(down, None, scratch.hidden, 1, scratch.out)?;
+        product(down, None, Rows::F32(scratch.hidden), 1, scratch.out)?;
         let n = n_tokens * dim;
         self.launch(
             "experts_sum",
@@ -216,7 +246,7 @@ impl CudaBackend {
 
     /// One launch of expert products: matrix `w` (with `up`, act(gate) * up) of each pair's expert
     /// by its input row (row `pair / per_token` of `x` per pair, or the pair's slot grouped) into
-    /// its row of `out`.
+    /// its row of `out`. Int8 rows are for pairs' gate and up products only.
     #[allow(clippy::too_many_arguments)]
     fn expert_products(
         &self,
@@ -224,23 +254,43 @@ impl CudaBackend {
         (w, stack): (&CudaWeight, ExpertWeights),
         up: Option<ExpertWeights>,
         act: Activation,
-        (x, per_token): (BlockHandle, usize),
+        (x, per_token): (Rows, usize),
         out: BlockHandle,
         n_pairs: usize,
         n_experts: usize,
     ) -> Result<()> {
         let suffix = Self::type_suffix(w.ty)?;
-        let (grouped, ids, offsets, grid_y) = match pairs {
-            Pairs::Each { ids } => (false, self.ptr(ids), 0, n_pairs),
-            Pairs::Grouped { offsets } => (true, 0, self.ptr(offsets), n_experts),
+        let (ids, offsets, grid_y) = match pairs {
+            Pairs::Each { ids } => (self.ptr(ids), 0, n_pairs),
+            Pairs::Grouped { offsets } => (0, self.ptr(offsets), n_experts),
         };
-        let name = kernels::expert_kernel(grouped, up.is_some(), suffix);
+        let (name, x, xq, xd) = match (pairs, x, up) {
+            (Pairs::Each { .. }, Rows::Int8(q), Some(_)) => (
+                kernels::expert_int_glu_kernel(suffix),
+                0,
+                self.ptr(q.xq),
+                self.ptr(q.xd),
+            ),
+            (_, Rows::Int8(_), _) => {
+                return Err(Error::Backend(
+                    "experts: int8 rows are for pairs' gate and up products".into(),
+                ))
+            }
+            (_, Rows::F32(x), _) => (
+                kernels::expert_kernel(matches!(pairs, Pairs::Grouped { .. }), up.is_some(), suffix),
+                self.ptr(x),
+                0,
+                0,
+            ),
+        };
         let params = ExpertProductParams {
             w: stack,
             up: up.unwrap_or(stack),
             ids,
             offsets,
-            x: self.ptr(x),
+            x,
+            xq,
+            xd,
             out: self.ptr(out),
             n_in: w.n_in as i32,
             n_out: w.n_out as i32,

@@ -114,6 +114,12 @@ pub fn expert_kernel(grouped: bool, glu: bool, ty: &str) -> String {
     format!("{kind}{glu}_{ty}")
 }
 
+/// The gate-and-up expert kernel per (token, expert) pair on int8 activations, for quantized
+/// weights with kernel suffix `ty` (expert_rows_int_glu in kernels/experts.cu).
+pub fn expert_int_glu_kernel(ty: &str) -> String {
+    format!("expert_rows_int_glu_{ty}")
+}
+
 /// The one-token f32-activation matrix-vector kernel that RMS-normalizes its input first.
 pub fn gemv_normed_kernel(glu: bool, ty: &str) -> String {
     let glu = if glu { "_glu" } else { "" };
@@ -201,6 +207,7 @@ pub fn kernel_names(arch: &str) -> Vec<String> {
         names.extend(every_type.iter().map(|ty| expert_kernel(grouped, glu, ty)));
     }
     names.extend(every_type.iter().map(|ty| format!("expert_down_sum_{ty}")));
+    names.extend(quantized.iter().map(|ty| expert_int_glu_kernel(ty)));
     for head_dim in [64, 128] {
         for &warpgroups in flash_attention_kinds(arch) {
             names.extend([1, 2].map(|groups| flash_attention_kernel(head_dim, groups, warpgroups)));

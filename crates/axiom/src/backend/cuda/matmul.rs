@@ -305,7 +305,7 @@ impl CudaBackend {
 
     /// Quantizes `n_tokens` rows of activations for `w` into `staging` (int8 values, f32 scale
     /// per 32) in the layout `w`'s kernels read, normalizing them first if `x` says so.
-    fn quantize_activations(
+    pub(super) fn quantize_activations(
         &self,
         x: Input,
         (xq, xd): (BlockHandle, BlockHandle),

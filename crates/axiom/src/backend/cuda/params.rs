@@ -344,13 +344,16 @@ kernel_params! {
     /// The expert products: `w` (and with GLU `up`) of each pair's expert by its input row, into
     /// its output row. Pairwise, the pairs' experts are `ids` and pair i reads row
     /// `i / rows_per_token` of `x`; grouped, expert e's slots are `offsets[e]..offsets[e + 1]`
-    /// of `x` and `out`.
+    /// of `x` and `out`. The int8 kernels (`expert_rows_int_glu`) read each token's row quantized, in
+    /// `xq` and `xd`, instead of `x`.
     struct ExpertProductParams for ["expert_rows_", "expert_groups_"] {
         w: ExpertWeights,
         up: ExpertWeights,
         ids: u64,
         offsets: u64,
         x: u64,
+        xq: u64,
+        xd: u64,
         out: u64,
         n_in: i32,
         n_out: i32,

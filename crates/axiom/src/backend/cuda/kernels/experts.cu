@@ -175,6 +175,44 @@ __device__ __forceinline__ void expert_down_sum_f32(const ExpertDownSumParams& p
     });
 }
 
+// Gate and up products of one quantized type on int8 activations (quantize_q8: each token's row
+// in the layout the integer matrix-vector kernels read), by their row dot products (int_row in
+// matmul.cu), act(gate) * up written: a warp takes a row of gate and the same row of up (Q4_K's
+// in one pass, paired as in its one-token matrix-vector kernel). Token t's values start at
+// t * n_in of xq, its scales at t * n_in / 32 of xd (twice that where interleaved, each scale
+// with its block's sum).
+template <int TY>
+__device__ __forceinline__ const float* int_scales(const float* xd, u64 t, int n_in) {
+    return xd + t * (n_in / 32) * (TY == TY_Q4_K ? 2 : 1);
+}
+
+template <int TY>
+__device__ __forceinline__ void expert_rows_int_glu(const ExpertProductParams& p) {
+    begin_after_inputs();
+    int row = blockIdx.x * 8 + threadIdx.x / 32, pair = blockIdx.y;
+    if (row >= p.n_out) return;
+    u32 e = p.ids[pair];
+    float* out = p.out + (u64)pair * p.n_out + row;
+    if (e >= (u32)p.n_experts) {
+        if (threadIdx.x % 32 == 0) *out = __int_as_float(0x7fc00000u);
+        return;
+    }
+    Weight w = expert_weight(p.w, e, p.n_in), up = expert_weight(p.up, e, p.n_in);
+    u64 token = pair / p.rows_per_token;
+    const i8* xq = p.xq + token * p.n_in;
+    const float* xd = int_scales<TY>(p.xd, token, p.n_in);
+    auto none = [] {};
+    float acc[2];  // gate's sum, then up's
+    if constexpr (RowsPerWarp<TY, 1>::value == 2) {
+        int_row<TY, 1, true>(w, up, row, 1, xq, xd, acc, none, false);
+    } else {
+        int_row<TY, 1, false>(w, w, row, 1, xq, xd, acc, none, false);
+        int_row<TY, 1, false>(up, up, row, 1, xq, xd, acc + 1, none, false);
+    }
+    float g = warp_sum(acc[0]), u = warp_sum(acc[1]);
+    if (threadIdx.x % 32 == 0) *out = glu_of(g, u, p.act);
+}
+
 #define EXPERT_PRODUCTS(NAME, ROWS)                                                                                    \
     extern "C" __global__ void expert_rows_##NAME(ExpertProductParams p) { expert_rows<ROWS, false>(p); }             \
     extern "C" __global__ void expert_rows_glu_##NAME(ExpertProductParams p) { expert_rows<ROWS, true>(p); }          \
@@ -190,6 +228,15 @@ EXPERT_PRODUCTS(q4_1, QuantRows<TY_Q4_1>)
 EXPERT_PRODUCTS(q5_0, QuantRows<TY_Q5_0>)
 EXPERT_PRODUCTS(q4_k, QuantRows<TY_Q4_K>)
 EXPERT_PRODUCTS(q6_k, QuantRows<TY_Q6_K>)
+
+#define EXPERT_PRODUCTS_INT(NAME, TY) \
+    extern "C" __global__ void expert_rows_int_glu_##NAME(ExpertProductParams p) { expert_rows_int_glu<TY>(p); }
+EXPERT_PRODUCTS_INT(q8_0, TY_Q8_0)
+EXPERT_PRODUCTS_INT(q4_0, TY_Q4_0)
+EXPERT_PRODUCTS_INT(q4_1, TY_Q4_1)
+EXPERT_PRODUCTS_INT(q5_0, TY_Q5_0)
+EXPERT_PRODUCTS_INT(q4_k, TY_Q4_K)
+EXPERT_PRODUCTS_INT(q6_k, TY_Q6_K)
 
 // The (token, expert) pairs grouped by expert, each expert's in pair order: offsets[e] is expert
 // e's first slot (offsets[n_experts] the pairs placed), slots[i] pair i's slot and pairs[s] slot

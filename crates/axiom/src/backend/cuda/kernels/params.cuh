@@ -297,6 +297,8 @@ struct ExpertProductParams {
     const u32* ids;
     const u32* offsets;
     const float* x;
+    const i8* xq;
+    const float* xd;
     float* out;
     int n_in;
     int n_out;
