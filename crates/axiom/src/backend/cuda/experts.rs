@@ -5,7 +5,7 @@
 //! the shared expert's gated add. The routes stay on the device throughout.
 
 use super::launch::blocks_for;
-use super::matmul::{q8_scale_bytes, Quantized, GEMV_MAX_TOKENS};
+use super::matmul::{q8_scale_bytes, Quantized, GEMV_MAX_TOKENS, Q4K_ROWS};
 use super::params::{
     AddGatedParams, ExpertDownSumParams, ExpertProductParams, ExpertWeights, ExpertsSumParams, GatherPairsParams,
     GroupPairsParams, RouteParams,
@@ -175,16 +175,15 @@ impl CudaBackend {
             )?;
         }
         if let Pairs::Each { ids } = pairs {
-            return self.down_sum(
-                down,
-                ids,
-                routes.weights,
-                scratch.hidden,
-                residual,
-                n_tokens,
-                k,
-                n_experts,
-            );
+            // The hidden rows quantized into `scratch.gate`, free once the gated activation has
+            // read it, where the down products may run on int8 activations.
+            let hidden = if self.paths.int8_experts(down.0.ty) {
+                let staging = int8_staging(scratch.gate, n_pairs * width, down.0.ty)?;
+                Rows::Int8(self.quantize_activations(Input::Rows(scratch.hidden), staging, n_pairs, down.0)?)
+            } else {
+                Rows::F32(scratch.hidden)
+            };
+            return self.down_sum(down, ids, routes.weights, hidden, residual, n_tokens, k, n_experts);
         }
         product(down, None, Rows::F32(scratch.hidden), 1, scratch.out)?;
         let n = n_tokens * dim;
@@ -209,26 +208,35 @@ impl CudaBackend {
     /// The down products of a step's pairs by their `hidden` rows, weighed by `weights` and added
     /// to `residual` in one launch (expert_down_sum in kernels/experts.cu): a block's eight warps
     /// take one pick each, so the rows a block covers are as many as eight warps' worth over the
-    /// `k` picks (all k picks in one round up to eight).
+    /// `k` picks (all k picks in one round up to eight), a warp's rows two for Q4_K on int8
+    /// activations, else one.
     #[allow(clippy::too_many_arguments)]
     fn down_sum(
         &self,
         (w, stack): (&CudaWeight, ExpertWeights),
         ids: BlockHandle,
         weights: BlockHandle,
-        hidden: BlockHandle,
+        hidden: Rows,
         residual: BlockHandle,
         n_tokens: usize,
         k: usize,
         n_experts: usize,
     ) -> Result<()> {
         let groups = 8 / k.min(8);
-        let name = format!("expert_down_sum_{}", Self::type_suffix(w.ty)?);
+        let suffix = Self::type_suffix(w.ty)?;
+        let (int8, x, xq, xd) = match hidden {
+            Rows::F32(x) => (false, self.ptr(x), 0, 0),
+            Rows::Int8(q) => (true, 0, self.ptr(q.xq), self.ptr(q.xd)),
+        };
+        let rows_per_warp = if int8 && w.ty == GgmlType::Q4K { Q4K_ROWS } else { 1 };
+        let name = kernels::expert_down_sum_kernel(int8, suffix);
         let params = ExpertDownSumParams {
             w: stack,
             ids: self.ptr(ids),
             weights: self.ptr(weights),
-            x: self.ptr(hidden),
+            x,
+            xq,
+            xd,
             residual: self.ptr(residual),
             n_in: w.n_in as i32,
             n_out: w.n_out as i32,
@@ -238,7 +246,7 @@ impl CudaBackend {
         };
         self.launch(
             &name,
-            (w.n_out.div_ceil(groups) as u32, n_tokens as u32, 1),
+            (w.n_out.div_ceil(groups * rows_per_warp) as u32, n_tokens as u32, 1),
             256,
             &params,
         )

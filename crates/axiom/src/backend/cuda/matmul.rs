@@ -34,7 +34,7 @@ pub(super) const MAX_MATRICES: usize = 3;
 
 /// Rows a warp of the one-token Q4_K integer matrix-vector kernel takes (as Q4K_ROWS in
 /// kernels/matmul.cu).
-const Q4K_ROWS: usize = 2;
+pub(super) const Q4K_ROWS: usize = 2;
 
 /// Whether the integer kernels for `ty` take their activations interleaved (`q8_slot` in
 /// kernels/common.cuh): Q4_K's, whose lanes take 64 values each. Their scales then come with each

@@ -365,11 +365,14 @@ kernel_params! {
     /// The down products of small steps fused with their weighted sum: pair i's expert `ids[i]`
     /// by row i of `x`, weighed by `weights[i]` and added to its token's row of `residual`, a
     /// block taking `groups` sets of rows of one token (expert_down_sum in kernels/experts.cu).
+    /// The int8 kernels read the rows quantized, in `xq` and `xd`, instead of `x`.
     struct ExpertDownSumParams for ["expert_down_sum_"] {
         w: ExpertWeights,
         ids: u64,
         weights: u64,
         x: u64,
+        xq: u64,
+        xd: u64,
         residual: u64,
         n_in: i32,
         n_out: i32,

@@ -125,8 +125,9 @@ __device__ __forceinline__ void expert_groups(const ExpertProductParams& p) {
 // `groups * R` output rows of token blockIdx.y, and its warps one (pick, R rows) task each, the
 // picks in rounds of up to eight; after each round a thread a row adds the round's sums in pick
 // order, as experts_sum does, so the result is the same bit for bit, with no trip of the k rows
-// through memory and no launch of its own. `dot(w, row, n_rows, x, part)` leaves a warp's
-// per-lane partial sums of rows row.. of w with x. NaN where an id is outside the set.
+// through memory and no launch of its own. `dot(w, row, n_rows, pair, part)` leaves a warp's
+// per-lane partial sums of rows row.. of w with pair's hidden row. NaN where an id is outside the
+// set.
 template <int R, typename Dot>
 __device__ __forceinline__ void expert_down_sum(const ExpertDownSumParams& p, Dot dot) {
     __shared__ float sums[8][R];
@@ -145,7 +146,7 @@ __device__ __forceinline__ void expert_down_sum(const ExpertDownSumParams& p, Do
             u32 e = p.ids[pair];
             if (e < (u32)p.n_experts) {  // else the adders skip this pick
                 float part[R];
-                dot(expert_weight(p.w, e, p.n_in), row, min(R, p.n_out - row), p.x + pair * p.n_in, part);
+                dot(expert_weight(p.w, e, p.n_in), row, min(R, p.n_out - row), pair, part);
                 for (int r = 0; r < R; r++) part[r] = warp_sum(part[r]);
                 if (lane == 0)
                     for (int r = 0; r < R; r++) sums[warp][r] = part[r];
@@ -170,8 +171,8 @@ __device__ __forceinline__ void expert_down_sum(const ExpertDownSumParams& p, Do
 
 template <typename Rows>
 __device__ __forceinline__ void expert_down_sum_f32(const ExpertDownSumParams& p) {
-    expert_down_sum<1>(p, [](const Weight& w, int row, int, const float* x, float* part) {
-        Rows::template dot<1>(w, row, x, part);
+    expert_down_sum<1>(p, [&](const Weight& w, int row, int, u64 pair, float* part) {
+        Rows::template dot<1>(w, row, p.x + pair * p.n_in, part);
     });
 }
 
@@ -229,8 +230,19 @@ EXPERT_PRODUCTS(q5_0, QuantRows<TY_Q5_0>)
 EXPERT_PRODUCTS(q4_k, QuantRows<TY_Q4_K>)
 EXPERT_PRODUCTS(q6_k, QuantRows<TY_Q6_K>)
 
-#define EXPERT_PRODUCTS_INT(NAME, TY) \
-    extern "C" __global__ void expert_rows_int_glu_##NAME(ExpertProductParams p) { expert_rows_int_glu<TY>(p); }
+// expert_down_sum on the hidden rows quantized to int8 (pair i's at row i of xq and xd), a warp
+// taking RowsPerWarp rows of its pick's expert (Q4_K: two).
+template <int TY>
+__device__ __forceinline__ void expert_down_sum_int(const ExpertDownSumParams& p) {
+    expert_down_sum<RowsPerWarp<TY, 1>::value>(p, [&](const Weight& w, int row, int n_rows, u64 pair, float* part) {
+        int_row<TY, 1, false>(w, w, row, n_rows, p.xq + pair * p.n_in, int_scales<TY>(p.xd, pair, p.n_in), part,
+                              [] {}, false);
+    });
+}
+
+#define EXPERT_PRODUCTS_INT(NAME, TY)                                                                                 \
+    extern "C" __global__ void expert_rows_int_glu_##NAME(ExpertProductParams p) { expert_rows_int_glu<TY>(p); }     \
+    extern "C" __global__ void expert_down_sum_int_##NAME(ExpertDownSumParams p) { expert_down_sum_int<TY>(p); }
 EXPERT_PRODUCTS_INT(q8_0, TY_Q8_0)
 EXPERT_PRODUCTS_INT(q4_0, TY_Q4_0)
 EXPERT_PRODUCTS_INT(q4_1, TY_Q4_1)

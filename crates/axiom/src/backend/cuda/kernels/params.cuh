@@ -312,6 +312,8 @@ struct ExpertDownSumParams {
     const u32* ids;
     const float* weights;
     const float* x;
+    const i8* xq;
+    const float* xd;
     float* residual;
     int n_in;
     int n_out;
