@@ -229,6 +229,12 @@ fn deterministic_matmul_rows_do_not_depend_on_the_step() {
 
 #[test]
 #[ignore = "needs an NVIDIA GPU: cargo test --release --test cuda -- --ignored"]
+fn deterministic_expert_rows_do_not_depend_on_the_step() {
+    gpu::expert_rows_do_not_depend_on_the_step(|| invariant(KvType::F16));
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: cargo test --release --test cuda -- --ignored"]
 fn deterministic_attention_rows_do_not_depend_on_the_step() {
     gpu::attention_rows_do_not_depend_on_the_step(invariant);
 }

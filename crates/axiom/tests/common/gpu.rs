@@ -1233,6 +1233,75 @@ pub fn greedy_decode_matches_host_argmax<B: Backend>(backend: B) {
     assert_eq!(kv.len(), prompt.len() + n - 1);
 }
 
+/// For a backend whose steps claim batch invariance: a mixture of experts' row (route, then
+/// experts added to the residual) for one token alone equals, to the bit, the same row computed
+/// among 2 to 24 tokens (steps a backend may run per pair or grouped by expert), in Q4_K, Q8_0
+/// and bf16, 6 experts of which each token runs 2.
+pub fn expert_rows_do_not_depend_on_the_step<B: Backend>(make: impl Fn() -> B) {
+    let mut rng = ChaCha8Rng::seed_from_u64(13);
+    let (m_max, n_experts, k) = (24, 6, 2);
+    let routing = Routing {
+        n_experts,
+        k,
+        renormalize: true,
+    };
+    for (ty, dim, width) in [
+        (GgmlType::Q4K, 256, 512),
+        (GgmlType::Q8_0, 96, 64),
+        (GgmlType::BF16, 96, 48),
+    ] {
+        let (mut b, mut cpu) = pair(&make);
+        let (gate, _) = random_experts(&mut rng, &mut b, &mut cpu, ty, [dim, width], n_experts);
+        let (up, _) = random_experts(&mut rng, &mut b, &mut cpu, ty, [dim, width], n_experts);
+        let (down, _) = random_experts(&mut rng, &mut b, &mut cpu, ty, [width, dim], n_experts);
+        let set = ExpertSet {
+            gate: &gate[..],
+            up: &up[..],
+            down: &down[..],
+            activation: Activation::Silu,
+        };
+        let (logits, x, residual) = (
+            randn(&mut rng, m_max * n_experts),
+            randn(&mut rng, m_max * dim),
+            randn(&mut rng, m_max * dim),
+        );
+        let pairs = m_max * k;
+        let (logits_h, x_h, sum) = (put(&mut b, &logits), put(&mut b, &x), poisoned(&mut b, m_max * dim));
+        let routes = Routes {
+            ids: put_u32(&mut b, &vec![u32::MAX; pairs]),
+            weights: poisoned(&mut b, pairs),
+            k,
+        };
+        let scratch = ExpertScratch {
+            rows: poisoned(&mut b, pairs * dim),
+            gate: poisoned(&mut b, pairs * width),
+            up: poisoned(&mut b, pairs * width),
+            hidden: poisoned(&mut b, pairs * width),
+            out: poisoned(&mut b, pairs * dim),
+            groups: poisoned(&mut b, ExpertScratch::groups_len(n_experts, pairs)),
+        };
+        // Tokens first..first + m's rows, each one's bits.
+        let run = |first: usize, m: usize| -> Vec<u32> {
+            let logits = logits_h.slice(first * n_experts * 4, m * n_experts * 4);
+            let xs = x_h.slice(first * dim * 4, m * dim * 4);
+            b.write_f32(sum, &residual[first * dim..(first + m) * dim]).unwrap();
+            b.route(logits, routes, m, routing).unwrap();
+            b.experts(xs, set, routes, scratch, sum, m).unwrap();
+            bits(&get(&b, sum, m * dim))
+        };
+        let alone: Vec<Vec<u32>> = (0..m_max).map(|r| run(r, 1)).collect();
+        for m in [2, 5, 8, 9, 16, 24] {
+            let together = run(0, m);
+            for (r, alone) in alone.iter().enumerate().take(m) {
+                assert!(
+                    together[r * dim..(r + 1) * dim] == alone[..],
+                    "experts {ty}: row {r} among {m} tokens differs from it alone"
+                );
+            }
+        }
+    }
+}
+
 /// The bits of `v`, for comparisons that must hold exactly.
 fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
