@@ -10,7 +10,9 @@ of the embedding table. Needs torch on a CUDA machine (the weights are drawn the
 for each file in turn (bf16: 61 GB, Q8_0: 32 GB, Q4_K: 17 GB).
 
     python3 scripts/bench_cuda_moe.py --axiom target/release/axiom [--types q8_0,q4_k] [--dir /root]
-        [--llama-bench llama-bench] [--prompt 512,2048] [--keep]
+        [--llama-bench llama-bench] [--prompt 512,2048] [--keep] [--layers 48]
+
+--layers takes fewer layers (a smaller file, the same per-layer shapes) for quick A/B runs.
 """
 import argparse
 import json
@@ -91,6 +93,7 @@ def bench(cmd):
 
 
 def main():
+    global LAYERS
     ap = argparse.ArgumentParser()
     ap.add_argument("--axiom", required=True)
     ap.add_argument("--llama-bench", help="llama.cpp's llama-bench (a CUDA build), run on the same files")
@@ -98,7 +101,9 @@ def main():
     ap.add_argument("--dir", default="/tmp")
     ap.add_argument("--prompt", default="512,2048")
     ap.add_argument("--keep", action="store_true", help="keep the files (named qwen3moe-<type>.gguf)")
+    ap.add_argument("--layers", type=int, default=LAYERS, help="layers of the model (48 as Qwen3-30B-A3B)")
     args = ap.parse_args()
+    LAYERS = args.layers
     bandwidth = dense.copy_bandwidth()
     print(f"device-to-device copy: {bandwidth / 1e12:.2f} TB/s (read + write)", flush=True)
     rows = []

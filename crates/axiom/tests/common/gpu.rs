@@ -997,28 +997,30 @@ fn random_experts<B: Backend>(
 
 /// The mixture-of-experts ops against the CPU reference, 6 experts of which each of 1, 7 and 33
 /// tokens runs 2, in Q8_0 at a width of 96, in Q4_K_M's mix (gate and up Q4_K, down Q6_K), in
-/// 16-bit and other block types, and with gate and up of two types:
+/// 16-bit and other block types, and with gate and up of two types; and 12 experts of which each
+/// token runs 9, in Q4_K:
 /// `route` over router logits with exact ties (the same ids), `experts` on each backend's own
 /// routes, and `add_gated`.
 pub fn expert_ops<B: Backend>(make: impl Fn() -> B, tolerance: f64) {
     let mut rng = ChaCha8Rng::seed_from_u64(5);
-    let (n_experts, k) = (6, 2);
-    let routing = Routing {
-        n_experts,
-        k,
-        renormalize: true,
-    };
-    // (gate, up, down, model width, expert width); gate and up of two types take the backends'
-    // unfused path (separate products, then the gated activation).
-    for (ty, up_ty, down_ty, dim, width) in [
-        (GgmlType::Q8_0, GgmlType::Q8_0, GgmlType::Q8_0, 96, 64),
-        (GgmlType::Q4K, GgmlType::Q4K, GgmlType::Q6K, 256, 256),
-        (GgmlType::BF16, GgmlType::BF16, GgmlType::F16, 96, 48),
-        (GgmlType::Q4_1, GgmlType::Q4_1, GgmlType::F32, 96, 64),
-        (GgmlType::Q4_0, GgmlType::Q5_0, GgmlType::Q8_0, 96, 64),
-        (GgmlType::Q6K, GgmlType::Q6K, GgmlType::Q4K, 256, 256),
-        (GgmlType::F16, GgmlType::F16, GgmlType::BF16, 96, 40),
+    // (gate, up, down, model width, expert width, experts, picks); gate and up of two types take
+    // the backends' unfused path (separate products, then the gated activation); 9 picks are more
+    // than a CUDA block's eight warps take at once.
+    for (ty, up_ty, down_ty, dim, width, n_experts, k) in [
+        (GgmlType::Q8_0, GgmlType::Q8_0, GgmlType::Q8_0, 96, 64, 6, 2),
+        (GgmlType::Q4K, GgmlType::Q4K, GgmlType::Q6K, 256, 256, 6, 2),
+        (GgmlType::BF16, GgmlType::BF16, GgmlType::F16, 96, 48, 6, 2),
+        (GgmlType::Q4_1, GgmlType::Q4_1, GgmlType::F32, 96, 64, 6, 2),
+        (GgmlType::Q4_0, GgmlType::Q5_0, GgmlType::Q8_0, 96, 64, 6, 2),
+        (GgmlType::Q6K, GgmlType::Q6K, GgmlType::Q4K, 256, 256, 6, 2),
+        (GgmlType::F16, GgmlType::F16, GgmlType::BF16, 96, 40, 6, 2),
+        (GgmlType::Q4K, GgmlType::Q4K, GgmlType::Q4K, 256, 512, 12, 9),
     ] {
+        let routing = Routing {
+            n_experts,
+            k,
+            renormalize: true,
+        };
         let (mut gpu, mut cpu) = pair(&make);
         let (gate_g, gate_c) = random_experts(&mut rng, &mut gpu, &mut cpu, ty, [dim, width], n_experts);
         let (up_g, up_c) = random_experts(&mut rng, &mut gpu, &mut cpu, up_ty, [dim, width], n_experts);
@@ -1046,7 +1048,7 @@ pub fn expert_ops<B: Backend>(make: impl Fn() -> B, tolerance: f64) {
                 .map(|v| (v * 4.0).round() / 2.0)
                 .collect();
             if n_tokens > 100 {
-                // Expert 0 first for every token (the last row's tie chooses it too), expert 5
+                // Expert 0 first for every token (the last row's tie chooses it too), the last
                 // for none: a group of every token beside an empty one.
                 for row in logits.chunks_mut(n_experts) {
                     row[0] += 16.0;
@@ -1260,6 +1262,75 @@ pub fn greedy_decode_matches_host_argmax<B: Backend>(backend: B) {
     drop(decode);
     assert_eq!(got, want);
     assert_eq!(kv.len(), prompt.len() + n - 1);
+}
+
+/// For a backend whose steps claim batch invariance: a mixture of experts' row (route, then
+/// experts added to the residual) for one token alone equals, to the bit, the same row computed
+/// among 2 to 24 tokens (steps a backend may run per pair or grouped by expert), in Q4_K, Q8_0
+/// and bf16, 6 experts of which each token runs 2.
+pub fn expert_rows_do_not_depend_on_the_step<B: Backend>(make: impl Fn() -> B) {
+    let mut rng = ChaCha8Rng::seed_from_u64(13);
+    let (m_max, n_experts, k) = (24, 6, 2);
+    let routing = Routing {
+        n_experts,
+        k,
+        renormalize: true,
+    };
+    for (ty, dim, width) in [
+        (GgmlType::Q4K, 256, 512),
+        (GgmlType::Q8_0, 96, 64),
+        (GgmlType::BF16, 96, 48),
+    ] {
+        let (mut b, mut cpu) = pair(&make);
+        let (gate, _) = random_experts(&mut rng, &mut b, &mut cpu, ty, [dim, width], n_experts);
+        let (up, _) = random_experts(&mut rng, &mut b, &mut cpu, ty, [dim, width], n_experts);
+        let (down, _) = random_experts(&mut rng, &mut b, &mut cpu, ty, [width, dim], n_experts);
+        let set = ExpertSet {
+            gate: &gate[..],
+            up: &up[..],
+            down: &down[..],
+            activation: Activation::Silu,
+        };
+        let (logits, x, residual) = (
+            randn(&mut rng, m_max * n_experts),
+            randn(&mut rng, m_max * dim),
+            randn(&mut rng, m_max * dim),
+        );
+        let pairs = m_max * k;
+        let (logits_h, x_h, sum) = (put(&mut b, &logits), put(&mut b, &x), poisoned(&mut b, m_max * dim));
+        let routes = Routes {
+            ids: put_u32(&mut b, &vec![u32::MAX; pairs]),
+            weights: poisoned(&mut b, pairs),
+            k,
+        };
+        let scratch = ExpertScratch {
+            rows: poisoned(&mut b, pairs * dim),
+            gate: poisoned(&mut b, pairs * width),
+            up: poisoned(&mut b, pairs * width),
+            hidden: poisoned(&mut b, pairs * width),
+            out: poisoned(&mut b, pairs * dim),
+            groups: poisoned(&mut b, ExpertScratch::groups_len(n_experts, pairs)),
+        };
+        // Tokens first..first + m's rows, each one's bits.
+        let run = |first: usize, m: usize| -> Vec<u32> {
+            let logits = logits_h.slice(first * n_experts * 4, m * n_experts * 4);
+            let xs = x_h.slice(first * dim * 4, m * dim * 4);
+            b.write_f32(sum, &residual[first * dim..(first + m) * dim]).unwrap();
+            b.route(logits, routes, m, routing).unwrap();
+            b.experts(xs, set, routes, scratch, sum, m).unwrap();
+            bits(&get(&b, sum, m * dim))
+        };
+        let alone: Vec<Vec<u32>> = (0..m_max).map(|r| run(r, 1)).collect();
+        for m in [2, 5, 8, 9, 16, 24] {
+            let together = run(0, m);
+            for (r, alone) in alone.iter().enumerate().take(m) {
+                assert!(
+                    together[r * dim..(r + 1) * dim] == alone[..],
+                    "experts {ty}: row {r} among {m} tokens differs from it alone"
+                );
+            }
+        }
+    }
 }
 
 /// The bits of `v`, for comparisons that must hold exactly.

@@ -1,18 +1,20 @@
 //! Mixture-of-experts ops (kernels/experts.cu): `route` on the device, the experts' products on
 //! the matrix-vector kernels' row dot products, per (token, expert) pair for small steps and per
 //! expert over its grouped pairs for larger ones (on the tensor cores instead where the paths
-//! allow: expert_gemm.rs), then their weighted sum into the residual; and the shared expert's
-//! gated add. The routes stay on the device throughout.
+//! allow: expert_gemm.rs), then their weighted sum into the residual (for small steps in the down
+//! products' own launch); and the shared expert's gated add. The routes stay on the device
+//! throughout.
 
 use super::launch::blocks_for;
-use super::matmul::GEMV_MAX_TOKENS;
+use super::matmul::{q8_scale_bytes, Quantized, GEMV_MAX_TOKENS, Q4K_ROWS};
 use super::params::{
-    AddGatedParams, ExpertProductParams, ExpertWeights, ExpertsSumParams, GatherPairsParams, GroupPairsParams,
-    RouteParams,
+    AddGatedParams, ExpertDownSumParams, ExpertProductParams, ExpertWeights, ExpertsSumParams, GatherPairsParams,
+    GroupPairsParams, RouteParams,
 };
 use super::weights::CudaWeight;
 use super::{kernels, CudaBackend};
-use crate::backend::{Activation, BlockHandle, ExpertScratch, ExpertSet, Routes, Routing};
+use crate::backend::{Activation, BlockHandle, ExpertScratch, ExpertSet, Input, Routes, Routing};
+use crate::format::quant::GgmlType;
 use crate::{Error, Result};
 
 /// Steps of up to this many tokens run each (token, expert) pair on its own, reading only the
@@ -34,6 +36,26 @@ enum Pairs {
     Each { ids: BlockHandle },
     /// Grouped by expert: expert e's slots from `offsets[e]`, their rows gathered.
     Grouped { offsets: BlockHandle },
+}
+
+/// The input rows of expert products: f32, or quantized for the integer kernels.
+#[derive(Clone, Copy)]
+enum Rows {
+    F32(BlockHandle),
+    Int8(Quantized),
+}
+
+/// `buffer` as int8 staging for `n` activations of experts of `ty` (`quantize_activations`):
+/// the values, then their scales at a 16-byte boundary.
+fn int8_staging(buffer: BlockHandle, n: usize, ty: GgmlType) -> Result<(BlockHandle, BlockHandle)> {
+    let (at, scales) = (n.next_multiple_of(16), q8_scale_bytes(ty, n));
+    if buffer.len < at + scales {
+        return Err(Error::Backend(format!(
+            "experts: {} bytes of scratch for {n} int8 activations",
+            buffer.len
+        )));
+    }
+    Ok((buffer.slice(0, n), buffer.slice(at, scales)))
 }
 
 impl CudaBackend {
@@ -67,8 +89,9 @@ impl CudaBackend {
 
     /// `Kernels::experts`: the gate and up products with the gated activation (one launch where
     /// gate and up are of one type), the down products, then their weighted sum into the
-    /// residual. Up to `PAIRWISE_MAX_TOKENS` tokens, per pair; beyond, the pairs are grouped by
-    /// expert on the device first and their input rows gathered into `scratch.rows`.
+    /// residual. Up to `PAIRWISE_MAX_TOKENS` tokens, per pair, the down products and the sum in
+    /// one launch (`down_sum`); beyond, the pairs are grouped by expert on the device first and
+    /// their input rows gathered into `scratch.rows`.
     pub(super) fn run_experts(
         &self,
         x: BlockHandle,
@@ -152,10 +175,19 @@ impl CudaBackend {
             self.expert_products(pairs, w, up, set.activation, (x, per_token), out, n_pairs, n_experts)
         };
         if gate.0.ty == up.0.ty {
-            product(gate, Some(up.1), inputs, per_token, scratch.hidden)?;
+            // Pairwise, on int8 activations where the experts' type allows: the tokens' rows
+            // quantized once into `scratch.rows`, which only grouped steps use.
+            let rows = match pairs {
+                Pairs::Each { .. } if self.paths.int8_experts(gate.0.ty) => {
+                    let staging = int8_staging(scratch.rows, n_tokens * dim, gate.0.ty)?;
+                    Rows::Int8(self.quantize_activations(Input::Rows(x), staging, n_tokens, gate.0)?)
+                }
+                _ => Rows::F32(inputs),
+            };
+            product(gate, Some(up.1), rows, per_token, scratch.hidden)?;
         } else {
-            product(gate, None, inputs, per_token, scratch.gate)?;
-            product(up, None, inputs, per_token, scratch.up)?;
+            product(gate, None, Rows::F32(inputs), per_token, scratch.gate)?;
+            product(up, None, Rows::F32(inputs), per_token, scratch.up)?;
             self.launch_glu(
                 scratch.gate,
                 scratch.up,
@@ -164,7 +196,18 @@ impl CudaBackend {
                 set.activation,
             )?;
         }
-        product(down, None, scratch.hidden, 1, scratch.out)?;
+        if let Pairs::Each { ids } = pairs {
+            // The hidden rows quantized into `scratch.gate`, free once the gated activation has
+            // read it, where the down products may run on int8 activations.
+            let hidden = if self.paths.int8_experts(down.0.ty) {
+                let staging = int8_staging(scratch.gate, n_pairs * width, down.0.ty)?;
+                Rows::Int8(self.quantize_activations(Input::Rows(scratch.hidden), staging, n_pairs, down.0)?)
+            } else {
+                Rows::F32(scratch.hidden)
+            };
+            return self.down_sum(down, ids, routes.weights, hidden, residual, n_tokens, k, n_experts);
+        }
+        product(down, None, Rows::F32(scratch.hidden), 1, scratch.out)?;
         let n = n_tokens * dim;
         self.launch(
             "experts_sum",
@@ -184,9 +227,56 @@ impl CudaBackend {
         )
     }
 
+    /// The down products of a step's pairs by their `hidden` rows, weighed by `weights` and added
+    /// to `residual` in one launch (expert_down_sum in kernels/experts.cu): a block's eight warps
+    /// take one pick each, so the rows a block covers are as many as eight warps' worth over the
+    /// `k` picks (all k picks in one round up to eight), a warp's rows two for Q4_K on int8
+    /// activations, else one.
+    #[allow(clippy::too_many_arguments)]
+    fn down_sum(
+        &self,
+        (w, stack): (&CudaWeight, ExpertWeights),
+        ids: BlockHandle,
+        weights: BlockHandle,
+        hidden: Rows,
+        residual: BlockHandle,
+        n_tokens: usize,
+        k: usize,
+        n_experts: usize,
+    ) -> Result<()> {
+        let groups = 8 / k.min(8);
+        let suffix = Self::type_suffix(w.ty)?;
+        let (int8, x, xq, xd) = match hidden {
+            Rows::F32(x) => (false, self.ptr(x), 0, 0),
+            Rows::Int8(q) => (true, 0, self.ptr(q.xq), self.ptr(q.xd)),
+        };
+        let rows_per_warp = if int8 && w.ty == GgmlType::Q4K { Q4K_ROWS } else { 1 };
+        let name = kernels::expert_down_sum_kernel(int8, suffix);
+        let params = ExpertDownSumParams {
+            w: stack,
+            ids: self.ptr(ids),
+            weights: self.ptr(weights),
+            x,
+            xq,
+            xd,
+            residual: self.ptr(residual),
+            n_in: w.n_in as i32,
+            n_out: w.n_out as i32,
+            n_experts: n_experts as i32,
+            k: k as i32,
+            groups: groups as i32,
+        };
+        self.launch(
+            &name,
+            (w.n_out.div_ceil(groups * rows_per_warp) as u32, n_tokens as u32, 1),
+            256,
+            &params,
+        )
+    }
+
     /// One launch of expert products: matrix `w` (with `up`, act(gate) * up) of each pair's expert
     /// by its input row (row `pair / per_token` of `x` per pair, or the pair's slot grouped) into
-    /// its row of `out`.
+    /// its row of `out`. Int8 rows are for pairs' gate and up products only.
     #[allow(clippy::too_many_arguments)]
     fn expert_products(
         &self,
@@ -194,23 +284,43 @@ impl CudaBackend {
         (w, stack): (&CudaWeight, ExpertWeights),
         up: Option<ExpertWeights>,
         act: Activation,
-        (x, per_token): (BlockHandle, usize),
+        (x, per_token): (Rows, usize),
         out: BlockHandle,
         n_pairs: usize,
         n_experts: usize,
     ) -> Result<()> {
         let suffix = Self::type_suffix(w.ty)?;
-        let (grouped, ids, offsets, grid_y) = match pairs {
-            Pairs::Each { ids } => (false, self.ptr(ids), 0, n_pairs),
-            Pairs::Grouped { offsets } => (true, 0, self.ptr(offsets), n_experts),
+        let (ids, offsets, grid_y) = match pairs {
+            Pairs::Each { ids } => (self.ptr(ids), 0, n_pairs),
+            Pairs::Grouped { offsets } => (0, self.ptr(offsets), n_experts),
         };
-        let name = kernels::expert_kernel(grouped, up.is_some(), suffix);
+        let (name, x, xq, xd) = match (pairs, x, up) {
+            (Pairs::Each { .. }, Rows::Int8(q), Some(_)) => (
+                kernels::expert_int_glu_kernel(suffix),
+                0,
+                self.ptr(q.xq),
+                self.ptr(q.xd),
+            ),
+            (_, Rows::Int8(_), _) => {
+                return Err(Error::Backend(
+                    "experts: int8 rows are for pairs' gate and up products".into(),
+                ))
+            }
+            (_, Rows::F32(x), _) => (
+                kernels::expert_kernel(matches!(pairs, Pairs::Grouped { .. }), up.is_some(), suffix),
+                self.ptr(x),
+                0,
+                0,
+            ),
+        };
         let params = ExpertProductParams {
             w: stack,
             up: up.unwrap_or(stack),
             ids,
             offsets,
-            x: self.ptr(x),
+            x,
+            xq,
+            xd,
             out: self.ptr(out),
             n_in: w.n_in as i32,
             n_out: w.n_out as i32,
@@ -218,7 +328,7 @@ impl CudaBackend {
             rows_per_token: per_token as i32,
             act: act.code() as i32,
         };
-        if grouped && self.paths.expert_gemm(w.ty) {
+        if matches!(pairs, Pairs::Grouped { .. }) && self.paths.expert_gemm(w.ty) {
             return self.launch_expert_gemm(&params, suffix, up.is_some(), n_pairs);
         }
         let grid_y = u32::try_from(grid_y)

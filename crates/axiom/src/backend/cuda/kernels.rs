@@ -123,6 +123,20 @@ pub fn expert_gemm_kernel(glu: bool, ty: &str) -> String {
     format!("expert_gemm{glu}_{ty}")
 }
 
+/// The gate-and-up expert kernel per (token, expert) pair on int8 activations, for quantized
+/// weights with kernel suffix `ty` (expert_rows_int_glu in kernels/experts.cu).
+pub fn expert_int_glu_kernel(ty: &str) -> String {
+    format!("expert_rows_int_glu_{ty}")
+}
+
+/// The kernel of a few tokens' down products fused with their weighted sum, for weights with
+/// kernel suffix `ty`: on int8 activations (quantized weights only) or f32 ones
+/// (expert_down_sum in kernels/experts.cu).
+pub fn expert_down_sum_kernel(int8: bool, ty: &str) -> String {
+    let int8 = if int8 { "_int" } else { "" };
+    format!("expert_down_sum{int8}_{ty}")
+}
+
 /// The one-token f32-activation matrix-vector kernel that RMS-normalizes its input first.
 pub fn gemv_normed_kernel(glu: bool, ty: &str) -> String {
     let glu = if glu { "_glu" } else { "" };
@@ -220,6 +234,9 @@ pub fn kernel_names(arch: &str) -> Vec<String> {
     for glu in [false, true] {
         names.extend(sixteen_bit.iter().map(|ty| expert_gemm_kernel(glu, ty)));
     }
+    names.extend(quantized.iter().map(|ty| expert_int_glu_kernel(ty)));
+    names.extend(every_type.iter().map(|ty| expert_down_sum_kernel(false, ty)));
+    names.extend(quantized.iter().map(|ty| expert_down_sum_kernel(true, ty)));
     for head_dim in [64, 128] {
         for &warpgroups in flash_attention_kinds(arch) {
             names.extend([1, 2].map(|groups| flash_attention_kernel(head_dim, groups, warpgroups)));

@@ -34,7 +34,7 @@ pub(super) const MAX_MATRICES: usize = 3;
 
 /// Rows a warp of the one-token Q4_K integer matrix-vector kernel takes (as Q4K_ROWS in
 /// kernels/matmul.cu).
-const Q4K_ROWS: usize = 2;
+pub(super) const Q4K_ROWS: usize = 2;
 
 /// Whether the integer kernels for `ty` take their activations interleaved (`q8_slot` in
 /// kernels/common.cuh): Q4_K's and Q6_K's, whose lanes take 64 values each (`kquant_rows`), so one
@@ -306,7 +306,7 @@ impl CudaBackend {
 
     /// Quantizes `n_tokens` rows of activations for `w` into `staging` (int8 values, f32 scale
     /// per 32) in the layout `w`'s kernels read, normalizing them first if `x` says so.
-    fn quantize_activations(
+    pub(super) fn quantize_activations(
         &self,
         x: Input,
         (xq, xd): (BlockHandle, BlockHandle),

@@ -344,19 +344,41 @@ kernel_params! {
     /// The expert products: `w` (and with GLU `up`) of each pair's expert by its input row, into
     /// its output row. Pairwise, the pairs' experts are `ids` and pair i reads row
     /// `i / rows_per_token` of `x`; grouped, expert e's slots are `offsets[e]..offsets[e + 1]`
-    /// of `x` and `out`.
+    /// of `x` and `out`. The int8 kernels (`expert_rows_int_glu`) read each token's row quantized, in
+    /// `xq` and `xd`, instead of `x`.
     struct ExpertProductParams for ["expert_rows_", "expert_groups_", "expert_gemm_"] {
         w: ExpertWeights,
         up: ExpertWeights,
         ids: u64,
         offsets: u64,
         x: u64,
+        xq: u64,
+        xd: u64,
         out: u64,
         n_in: i32,
         n_out: i32,
         n_experts: i32,
         rows_per_token: i32,
         act: i32,
+    }
+
+    /// The down products of small steps fused with their weighted sum: pair i's expert `ids[i]`
+    /// by row i of `x`, weighed by `weights[i]` and added to its token's row of `residual`, a
+    /// block taking `groups` sets of rows of one token (expert_down_sum in kernels/experts.cu).
+    /// The int8 kernels read the rows quantized, in `xq` and `xd`, instead of `x`.
+    struct ExpertDownSumParams for ["expert_down_sum_"] {
+        w: ExpertWeights,
+        ids: u64,
+        weights: u64,
+        x: u64,
+        xq: u64,
+        xd: u64,
+        residual: u64,
+        n_in: i32,
+        n_out: i32,
+        n_experts: i32,
+        k: i32,
+        groups: i32,
     }
 
     /// group_pairs_*: the pairs' `ids` grouped by expert into `offsets` (`n_experts + 1`), `slots`

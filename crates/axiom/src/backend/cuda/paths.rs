@@ -46,6 +46,14 @@ impl Paths {
         ty.block_len() > 1 && !(self == Paths::BatchInvariant && ty == GgmlType::Q4K)
     }
 
+    /// Whether the expert products of steps of a few tokens (per (token, expert) pair) may run
+    /// on int8 activations for experts of `ty`. Not when invariant: longer steps group the pairs
+    /// by expert and take f32 activations, and a token's sums must not depend on which path its
+    /// step takes.
+    pub(super) fn int8_experts(self, ty: GgmlType) -> bool {
+        self == Paths::Fastest && ty.block_len() > 1
+    }
+
     /// Whether an RMS norm may be folded into what reads its rows (the matrix-vector kernels,
     /// the int8 quantization, the 16-bit conversion for cuBLAS). Each of those reduces the row
     /// its own way, so invariant steps normalize by `rms_norm` only, whichever path reads it.
@@ -127,6 +135,7 @@ mod tests {
         assert!(!p.int8_activations(GgmlType::Q4K) && p.int8_activations(GgmlType::Q8_0));
         assert!(!p.int8_activations(GgmlType::BF16));
         assert!(!p.folds_norms() && !p.flash() && !p.rope_in_attention());
+        assert!(!p.int8_experts(GgmlType::Q4K) && !p.int8_experts(GgmlType::Q8_0));
         for heads in [1, 9, 32, 2048] {
             assert_eq!(p.attention_splits(132, heads, 8), 1);
         }
@@ -142,6 +151,7 @@ mod tests {
         );
         assert!(f.int8_activations(GgmlType::Q4K));
         assert!(f.expert_gemm(GgmlType::Q4K) && f.expert_gemm(GgmlType::BF16) && !f.expert_gemm(GgmlType::F32));
+        assert!(f.int8_experts(GgmlType::Q4K) && !f.int8_experts(GgmlType::BF16));
         assert_eq!((f.attention_splits(132, 32, 8), f.attention_splits(132, 1, 8)), (4, 8));
         assert_eq!((f.int8_tokens(512), f.capture_max_tokens()), (8, 8));
     }

@@ -121,11 +121,105 @@ __device__ __forceinline__ void expert_groups(const ExpertProductParams& p) {
     if (s < end) expert_tile<Rows, GLU, 1>(p, w, up, row, x(s), out(s));
 }
 
+// Small steps' down products fused with their weighted sum into the residual: a block takes
+// `groups * R` output rows of token blockIdx.y, and its warps one (pick, R rows) task each, the
+// picks in rounds of up to eight; after each round a thread a row adds the round's sums in pick
+// order, as experts_sum does, so the result is the same bit for bit, with no trip of the k rows
+// through memory and no launch of its own. `dot(w, row, n_rows, pair, part)` leaves a warp's
+// per-lane partial sums of rows row.. of w with pair's hidden row. NaN where an id is outside the
+// set.
+template <int R, typename Dot>
+__device__ __forceinline__ void expert_down_sum(const ExpertDownSumParams& p, Dot dot) {
+    __shared__ float sums[8][R];
+    begin_after_inputs();
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32, k = p.k, groups = p.groups;
+    int per_round = min(k, 8), token = blockIdx.y, first = blockIdx.x * groups * R;
+    int mine = first + threadIdx.x;  // the row this thread adds, if any
+    bool adds = threadIdx.x < groups * R && mine < p.n_out;
+    float* residual = p.residual + (u64)token * p.n_out + mine;
+    float acc = adds ? *residual : 0.0f;
+    bool bad = false;
+    for (int j0 = 0; j0 < k; j0 += per_round) {
+        int j = j0 + warp % per_round, row = first + warp / per_round * R;
+        if (warp / per_round < groups && j < k && row < p.n_out) {
+            u64 pair = (u64)token * k + j;
+            u32 e = p.ids[pair];
+            if (e < (u32)p.n_experts) {  // else the adders skip this pick
+                float part[R];
+                dot(expert_weight(p.w, e, p.n_in), row, min(R, p.n_out - row), pair, part);
+                for (int r = 0; r < R; r++) part[r] = warp_sum(part[r]);
+                if (lane == 0)
+                    for (int r = 0; r < R; r++) sums[warp][r] = part[r];
+            }
+        }
+        __syncthreads();
+        if (adds) {
+            int g = threadIdx.x / R, r = threadIdx.x % R;
+            for (int i = 0; i < min(per_round, k - j0); i++) {
+                u64 pair = (u64)token * k + j0 + i;
+                if (p.ids[pair] >= (u32)p.n_experts) {
+                    bad = true;
+                    continue;
+                }
+                acc += p.weights[pair] * sums[g * per_round + i][r];
+            }
+        }
+        __syncthreads();  // the sums are read before the next round writes them
+    }
+    if (adds) *residual = bad ? __int_as_float(0x7fc00000u) : acc;
+}
+
+template <typename Rows>
+__device__ __forceinline__ void expert_down_sum_f32(const ExpertDownSumParams& p) {
+    expert_down_sum<1>(p, [&](const Weight& w, int row, int, u64 pair, float* part) {
+        Rows::template dot<1>(w, row, p.x + pair * p.n_in, part);
+    });
+}
+
+// Gate and up products of one quantized type on int8 activations (quantize_q8: each token's row
+// in the layout the integer matrix-vector kernels read), by their row dot products (int_row in
+// matmul.cu), act(gate) * up written: a warp takes a row of gate and the same row of up (Q4_K's
+// in one pass, paired as in its one-token matrix-vector kernel). Token t's values start at
+// t * n_in of xq, its scales at t * n_in / 32 of xd (twice that where interleaved, each scale
+// with its block's sum).
+template <int TY>
+__device__ __forceinline__ const float* int_scales(const float* xd, u64 t, int n_in) {
+    return xd + t * (n_in / 32) * (TY == TY_Q4_K ? 2 : 1);
+}
+
+template <int TY>
+__device__ __forceinline__ void expert_rows_int_glu(const ExpertProductParams& p) {
+    begin_after_inputs();
+    int row = blockIdx.x * 8 + threadIdx.x / 32, pair = blockIdx.y;
+    if (row >= p.n_out) return;
+    u32 e = p.ids[pair];
+    float* out = p.out + (u64)pair * p.n_out + row;
+    if (e >= (u32)p.n_experts) {
+        if (threadIdx.x % 32 == 0) *out = __int_as_float(0x7fc00000u);
+        return;
+    }
+    Weight w = expert_weight(p.w, e, p.n_in), up = expert_weight(p.up, e, p.n_in);
+    u64 token = pair / p.rows_per_token;
+    const i8* xq = p.xq + token * p.n_in;
+    const float* xd = int_scales<TY>(p.xd, token, p.n_in);
+    auto none = [] {};
+    float acc[2];  // gate's sum, then up's
+    if constexpr (RowsPerWarp<TY, 1>::value == 2) {
+        int_row<TY, 1, true>(w, up, row, 1, xq, xd, acc, none, false);
+    } else {
+        int_row<TY, 1, false>(w, w, row, 1, xq, xd, acc, none, false);
+        int_row<TY, 1, false>(up, up, row, 1, xq, xd, acc + 1, none, false);
+    }
+    float g = warp_sum(acc[0]), u = warp_sum(acc[1]);
+    if (threadIdx.x % 32 == 0) *out = glu_of(g, u, p.act);
+}
+
 #define EXPERT_PRODUCTS(NAME, ROWS)                                                                                    \
     extern "C" __global__ void expert_rows_##NAME(ExpertProductParams p) { expert_rows<ROWS, false>(p); }             \
     extern "C" __global__ void expert_rows_glu_##NAME(ExpertProductParams p) { expert_rows<ROWS, true>(p); }          \
     extern "C" __global__ void expert_groups_##NAME(ExpertProductParams p) { expert_groups<ROWS, false>(p); }         \
-    extern "C" __global__ void expert_groups_glu_##NAME(ExpertProductParams p) { expert_groups<ROWS, true>(p); }
+    extern "C" __global__ void expert_groups_glu_##NAME(ExpertProductParams p) { expert_groups<ROWS, true>(p); }    \
+    extern "C" __global__ void expert_down_sum_##NAME(ExpertDownSumParams p) { expert_down_sum_f32<ROWS>(p); }
 EXPERT_PRODUCTS(f32, FloatRows<TY_F32>)
 EXPERT_PRODUCTS(f16, FloatRows<TY_F16>)
 EXPERT_PRODUCTS(bf16, FloatRows<TY_BF16>)
@@ -135,6 +229,26 @@ EXPERT_PRODUCTS(q4_1, QuantRows<TY_Q4_1>)
 EXPERT_PRODUCTS(q5_0, QuantRows<TY_Q5_0>)
 EXPERT_PRODUCTS(q4_k, QuantRows<TY_Q4_K>)
 EXPERT_PRODUCTS(q6_k, QuantRows<TY_Q6_K>)
+
+// expert_down_sum on the hidden rows quantized to int8 (pair i's at row i of xq and xd), a warp
+// taking RowsPerWarp rows of its pick's expert (Q4_K: two).
+template <int TY>
+__device__ __forceinline__ void expert_down_sum_int(const ExpertDownSumParams& p) {
+    expert_down_sum<RowsPerWarp<TY, 1>::value>(p, [&](const Weight& w, int row, int n_rows, u64 pair, float* part) {
+        int_row<TY, 1, false>(w, w, row, n_rows, p.xq + pair * p.n_in, int_scales<TY>(p.xd, pair, p.n_in), part,
+                              [] {}, false);
+    });
+}
+
+#define EXPERT_PRODUCTS_INT(NAME, TY)                                                                                 \
+    extern "C" __global__ void expert_rows_int_glu_##NAME(ExpertProductParams p) { expert_rows_int_glu<TY>(p); }     \
+    extern "C" __global__ void expert_down_sum_int_##NAME(ExpertDownSumParams p) { expert_down_sum_int<TY>(p); }
+EXPERT_PRODUCTS_INT(q8_0, TY_Q8_0)
+EXPERT_PRODUCTS_INT(q4_0, TY_Q4_0)
+EXPERT_PRODUCTS_INT(q4_1, TY_Q4_1)
+EXPERT_PRODUCTS_INT(q5_0, TY_Q5_0)
+EXPERT_PRODUCTS_INT(q4_k, TY_Q4_K)
+EXPERT_PRODUCTS_INT(q6_k, TY_Q6_K)
 
 // The (token, expert) pairs grouped by expert, each expert's in pair order: offsets[e] is expert
 // e's first slot (offsets[n_experts] the pairs placed), slots[i] pair i's slot and pairs[s] slot

@@ -297,12 +297,29 @@ struct ExpertProductParams {
     const u32* ids;
     const u32* offsets;
     const float* x;
+    const i8* xq;
+    const float* xd;
     float* out;
     int n_in;
     int n_out;
     int n_experts;
     int rows_per_token;
     int act;
+};
+
+struct ExpertDownSumParams {
+    ExpertWeights w;
+    const u32* ids;
+    const float* weights;
+    const float* x;
+    const i8* xq;
+    const float* xd;
+    float* residual;
+    int n_in;
+    int n_out;
+    int n_experts;
+    int k;
+    int groups;
 };
 
 struct GroupPairsParams {
