@@ -256,7 +256,7 @@ impl KvType {
 
 /// The weight types the GPU backends run, by the suffix of their kernels (`matmul_q4_k`,
 /// `embed_bf16`, ...: one naming for CUDA and Metal).
-pub const GPU_WEIGHT_TYPES: [(GgmlType, &str); 9] = [
+pub const GPU_WEIGHT_TYPES: [(GgmlType, &str); 10] = [
     (GgmlType::F32, "f32"),
     (GgmlType::F16, "f16"),
     (GgmlType::BF16, "bf16"),
@@ -266,6 +266,7 @@ pub const GPU_WEIGHT_TYPES: [(GgmlType, &str); 9] = [
     (GgmlType::Q5_0, "q5_0"),
     (GgmlType::Q4K, "q4_k"),
     (GgmlType::Q6K, "q6_k"),
+    (GgmlType::Fp8, "fp8"),
 ];
 
 /// The kernel suffix of `ty` in the GPU backends, if they run it.

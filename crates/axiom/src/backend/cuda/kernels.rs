@@ -4,6 +4,7 @@
 
 use super::params::{self, KernelParams};
 use crate::backend::GPU_WEIGHT_TYPES;
+use crate::format::quant::GgmlType;
 use crate::{Error, Result};
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
 use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys, Ptx};
@@ -114,6 +115,13 @@ pub fn expert_kernel(grouped: bool, glu: bool, ty: &str) -> String {
     format!("{kind}{glu}_{ty}")
 }
 
+/// Whether weights of type `ty` have matrix-vector kernels on int8 activations: the GGUF block
+/// types'. FP8 codes have no integer form that keeps them exact, and a byte a weight streams at the
+/// memory's limit on f32 activations.
+pub fn has_int8_kernels(ty: GgmlType) -> bool {
+    ty.block_len() > 1 && ty != GgmlType::Fp8
+}
+
 /// The one-token f32-activation matrix-vector kernel that RMS-normalizes its input first.
 pub fn gemv_normed_kernel(glu: bool, ty: &str) -> String {
     let glu = if glu { "_glu" } else { "" };
@@ -181,11 +189,14 @@ pub fn kernel_names(arch: &str) -> Vec<String> {
     .map(|n| n.to_string())
     .collect();
     let every_type = GPU_WEIGHT_TYPES.map(|(_, suffix)| suffix);
-    let quantized: Vec<&str> = GPU_WEIGHT_TYPES
-        .iter()
-        .filter(|(ty, _)| ty.block_len() > 1)
-        .map(|(_, suffix)| *suffix)
-        .collect();
+    let suffixes = |keep: fn(GgmlType) -> bool| -> Vec<&str> {
+        GPU_WEIGHT_TYPES
+            .iter()
+            .filter(|(ty, _)| keep(*ty))
+            .map(|(_, suffix)| *suffix)
+            .collect()
+    };
+    let (quantized, integer) = (suffixes(|ty| ty.block_len() > 1), suffixes(has_int8_kernels));
     names.extend(every_type.iter().map(|ty| format!("embed_{ty}")));
     for glu in [false, true] {
         names.extend(every_type.iter().map(|ty| gemv_normed_kernel(glu, ty)));
@@ -193,7 +204,7 @@ pub fn kernel_names(arch: &str) -> Vec<String> {
     for tokens in [1, 2, 4, 8] {
         for glu in [false, true] {
             names.extend(every_type.iter().map(|ty| gemv_kernel(false, glu, ty, tokens)));
-            names.extend(quantized.iter().map(|ty| gemv_kernel(true, glu, ty, tokens)));
+            names.extend(integer.iter().map(|ty| gemv_kernel(true, glu, ty, tokens)));
         }
     }
     names.extend(quantized.iter().map(|ty| format!("dequant_f16_{ty}")));

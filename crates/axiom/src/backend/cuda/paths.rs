@@ -5,6 +5,7 @@
 //! here, and nowhere else is the choice made.
 
 use super::flash_attention::FLASH_MIN_TOKENS;
+use super::kernels;
 use super::matmul::GEMV_MAX_TOKENS;
 use crate::format::quant::GgmlType;
 
@@ -38,12 +39,12 @@ impl Paths {
         }
     }
 
-    /// Whether a matmul of `ty` may run on int8 activations. Not Q4_K's when invariant: its
-    /// one-token kernel takes two rows a warp and starts each pair at its own stage, so it sums
-    /// a row's stages in another order than its kernels for more tokens; its f32 kernels take
-    /// a lane's chunks in one order for any token count.
+    /// Whether a matmul of `ty` may run on int8 activations (not FP8's: `has_int8_kernels`). Not
+    /// Q4_K's when invariant: its one-token kernel takes two rows a warp and starts each pair at
+    /// its own stage, so it sums a row's stages in another order than its kernels for more
+    /// tokens; its f32 kernels take a lane's chunks in one order for any token count.
     pub(super) fn int8_activations(self, ty: GgmlType) -> bool {
-        ty.block_len() > 1 && !(self == Paths::BatchInvariant && ty == GgmlType::Q4K)
+        kernels::has_int8_kernels(ty) && !(self == Paths::BatchInvariant && ty == GgmlType::Q4K)
     }
 
     /// Whether an RMS norm may be folded into what reads its rows (the matrix-vector kernels,
@@ -132,6 +133,9 @@ mod tests {
             (1, 8)
         );
         assert!(f.int8_activations(GgmlType::Q4K));
+        // FP8 weights stay on f32 activations, on the matrix-vector kernels up to eight tokens.
+        assert!(!f.int8_activations(GgmlType::Fp8) && !p.int8_activations(GgmlType::Fp8));
+        assert_eq!(f.gemv_max_tokens(GgmlType::Fp8), 8);
         assert_eq!((f.attention_splits(132, 32, 8), f.attention_splits(132, 1, 8)), (4, 8));
         assert_eq!((f.int8_tokens(512), f.capture_max_tokens()), (8, 8));
     }

@@ -178,3 +178,61 @@ template <int TY> __device__ __forceinline__ void float_chunk(const Weight& w, u
 template <> __device__ __forceinline__ void chunk<TY_F32>(const Weight& w, u64 r, int c, float* y, int* a, int* b) { float_chunk<TY_F32>(w, r, c, y, a, b); }
 template <> __device__ __forceinline__ void chunk<TY_F16>(const Weight& w, u64 r, int c, float* y, int* a, int* b) { float_chunk<TY_F16>(w, r, c, y, a, b); }
 template <> __device__ __forceinline__ void chunk<TY_BF16>(const Weight& w, u64 r, int c, float* y, int* a, int* b) { float_chunk<TY_BF16>(w, r, c, y, a, b); }
+
+// FP8 (E4M3) weights: a row's codes contiguous, a byte each (`q`), and their scales in a compact
+// table (`s`, written by `fp8_scale_table` in cuda/weights.rs): a 16-byte header of u32s (row
+// shift, chunk shift, scales a row of the table), then f32 scales. The scale of row r's 32-value
+// chunk c is scale[(r >> row shift) * per row + (c >> chunk shift)]: one per 128 x 128 block,
+// per row, per matrix or per chunk, whichever the checkpoint's scales have.
+struct Fp8Scales {
+    const float* row;  // this row's scales in the table
+    int chunk_shift;
+};
+
+__device__ __forceinline__ Fp8Scales fp8_scales(const Weight& w, u64 row) {
+    uint4 h = __ldg((const uint4*)w.s);
+    return Fp8Scales{(const float*)w.s + 4 + (row >> h.x) * h.z, (int)h.y};
+}
+
+__device__ __forceinline__ float fp8_scale(const Fp8Scales& s, int c) { return __ldg(s.row + (c >> s.chunk_shift)); }
+
+// Four E4M3 codes (byte j of `codes` is value j) to floats, exactly. On sm_89 and later by the
+// hardware conversion to f16 (every E4M3 value is an f16, NaN included); elsewhere by moving the
+// sign, exponent and mantissa into an f16 whose exponent is 8 too small (subnormals too), then
+// scaling by 2^8, with the NaN codes (S.1111.111, which land on 480) made NaN.
+__device__ __forceinline__ void fp8x4_to_f32(u32 codes, float* y) {
+#if __CUDA_ARCH__ >= 890
+    u32 lo, hi;
+    asm("{ .reg .b16 a, b; mov.b32 {a, b}, %2; cvt.rn.f16x2.e4m3x2 %0, a; cvt.rn.f16x2.e4m3x2 %1, b; }"
+        : "=r"(lo), "=r"(hi)
+        : "r"(codes));
+    y[0] = f16_to_f32((u16)lo), y[1] = f16_to_f32((u16)(lo >> 16));
+    y[2] = f16_to_f32((u16)hi), y[3] = f16_to_f32((u16)(hi >> 16));
+#else
+    // Codes 0 and 1 (2 and 3) to the high bytes of the halves of a word: code << 8 puts the sign
+    // on the f16's sign bit, and the exponent and mantissa one bit above their f16 places.
+    u32 pairs[2] = {__byte_perm(codes, 0, 0x1404), __byte_perm(codes, 0, 0x3424)};
+    for (int k = 0; k < 2; k++) {
+        u32 h = (pairs[k] & 0x80008000u) | ((pairs[k] >> 1) & 0x3f803f80u);
+        for (int j = 0; j < 2; j++) {
+            float v = f16_to_f32((u16)(h >> (16 * j))) * 256.0f;
+            y[2 * k + j] = fabsf(v) == 480.0f ? __int_as_float(0x7fc00000) : v;
+        }
+    }
+#endif
+}
+
+// 32 values of a chunk, each its code's value times the chunk's scale: one rounding, as the
+// reference dequantization.
+template <> __device__ __forceinline__ void chunk<TY_FP8>(const Weight& w, u64 row, int c, float* y, int* at0, int* at1) {
+    const uint4* q = (const uint4*)(w.q + row * w.n_in + 32 * c);
+    float scale = fp8_scale(fp8_scales(w, row), c);
+    for (int j = 0; j < 2; j++) {
+        u32 codes[4];
+        words(q[j], codes);
+        for (int k = 0; k < 4; k++) fp8x4_to_f32(codes[k], y + 16 * j + 4 * k);
+    }
+    for (int j = 0; j < 32; j++) y[j] *= scale;
+    *at0 = 32 * c;
+    *at1 = 32 * c + 16;
+}
