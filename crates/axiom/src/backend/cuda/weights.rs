@@ -110,10 +110,11 @@ fn fp8_scale_table(bytes: &[u8], n_in: usize) -> Vec<u8> {
         }
         Some((row_shift, chunk_shift, per_row, table.into_iter().flatten().collect()))
     };
-    let (row_shift, chunk_shift, per_row, table) = FP8_SCALE_GRAINS
-        .iter()
-        .find_map(grained)
-        .unwrap_or((0, 0, chunks, scales.clone()));
+    let (row_shift, chunk_shift, per_row, table) =
+        FP8_SCALE_GRAINS
+            .iter()
+            .find_map(grained)
+            .unwrap_or((0, 0, chunks, scales.clone()));
     [row_shift, chunk_shift, per_row as u32, 0]
         .into_iter()
         .chain(table)
@@ -284,7 +285,9 @@ mod tests {
         // 130 x 160: the last 128 x 128 block is 2 rows by one chunk.
         let (n_in, n_out) = (160, 130);
         let codes = vec![0x38u8; n_in * n_out];
-        let cases: [(&str, fn(usize, usize) -> f32, (u32, u32), usize); 5] = [
+        // (what a scale covers, the scales, the shifts expected, the table's length)
+        type Case = (&'static str, fn(usize, usize) -> f32, (u32, u32), usize);
+        let cases: [Case; 5] = [
             ("a matrix", |_, _| 0.5, (31, 31), 1),
             ("128 x 128", |r, c| (1 + r / 128 * 2 + c / 128) as f32, (7, 2), 4),
             ("a row", |r, _| r as f32 + 0.25, (0, 31), 130),
@@ -298,7 +301,9 @@ mod tests {
             assert_eq!(table.len(), 16 + 4 * len, "{what}");
             let (got_shifts, scales) = looked_up(&table, n_in, n_out);
             assert_eq!(got_shifts, shifts, "{what}");
-            let want = blocks.chunks_exact(fp8::BLOCK_BYTES).map(|b| f32::from_le_bytes(b[..4].try_into().unwrap()));
+            let want = blocks
+                .chunks_exact(fp8::BLOCK_BYTES)
+                .map(|b| f32::from_le_bytes(b[..4].try_into().unwrap()));
             assert!(scales.into_iter().eq(want), "{what}");
             let split = split_weight(GgmlType::Fp8, &blocks, n_in);
             assert_eq!((split.q, split.s), (codes.clone(), table), "{what}");
