@@ -89,11 +89,17 @@ const FP8_SCALE_GRAINS: [(u32, u32); 4] = [(31, 31), (7, 2), (0, 31), (0, 2)];
 /// kernels/dequant.cuh): a header of u32s (row shift, chunk shift, scales a row of the table, 0),
 /// then the f32 table at the coarsest of `FP8_SCALE_GRAINS` where the blocks' scales agree to
 /// the bit, else one a block. A token then reads about a byte a weight, whatever the checkpoint.
+/// A block holding a NaN code has a NaN scale, so every product it enters is NaN, as the
+/// reference's is.
 fn fp8_scale_table(bytes: &[u8], n_in: usize) -> Vec<u8> {
     let chunks = n_in / 32;
+    // A block with a NaN code gets a NaN scale: the kernels decode codes without a NaN check.
     let scales: Vec<u32> = bytes
         .chunks_exact(GgmlType::Fp8.block_bytes())
-        .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .map(|b| match b[4..].iter().any(|c| c & 0x7f == 0x7f) {
+            true => f32::NAN.to_bits(),
+            false => u32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+        })
         .collect();
     if scales.is_empty() {
         return Vec::new();
@@ -308,6 +314,14 @@ mod tests {
             let split = split_weight(GgmlType::Fp8, &blocks, n_in);
             assert_eq!((split.q, split.s), (codes.clone(), table), "{what}");
         }
+        // A NaN code (0xff) in block 7: its scale alone is NaN, one a block.
+        let mut nan_codes = codes.clone();
+        nan_codes[7 * 32 + 5] = 0xff;
+        let mut blocks = vec![0u8; n_in * n_out / 32 * fp8::BLOCK_BYTES];
+        fp8::pack(&nan_codes, n_in, |_, _| 0.5, &mut blocks);
+        let (shifts, scales) = looked_up(&fp8_scale_table(&blocks, n_in), n_in, n_out);
+        assert_eq!(shifts, (0, 0));
+        assert!(scales.iter().enumerate().all(|(i, s)| (i == 7) == s.is_nan() && (i == 7 || *s == 0.5)));
     }
 
     #[test]

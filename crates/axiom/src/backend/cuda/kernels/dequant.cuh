@@ -181,7 +181,7 @@ template <> __device__ __forceinline__ void chunk<TY_BF16>(const Weight& w, u64 
 
 // FP8 (E4M3) weights: a row's codes contiguous, a byte each (`q`), and their scales in a compact
 // table (`s`, written by `fp8_scale_table` in cuda/weights.rs): a 16-byte header of u32s (row
-// shift, chunk shift, scales a row of the table), then f32 scales. The scale of row r's 32-value
+// shift, chunk shift, scales a row of the table), then f32 scales (NaN for a block with a NaN code). The scale of row r's 32-value
 // chunk c is scale[(r >> row shift) * per row + (c >> chunk shift)]: one per 128 x 128 block,
 // per row, per matrix or per chunk, whichever the checkpoint's scales have.
 struct Fp8Scales {
@@ -196,30 +196,18 @@ __device__ __forceinline__ Fp8Scales fp8_scales(const Weight& w, u64 row) {
 
 __device__ __forceinline__ float fp8_scale(const Fp8Scales& s, int c) { return __ldg(s.row + (c >> s.chunk_shift)); }
 
-// Four E4M3 codes (byte j of `codes` is value j) to floats, exactly. On sm_89 and later by the
-// hardware conversion to f16 (every E4M3 value is an f16, NaN included); elsewhere by moving the
-// sign, exponent and mantissa into an f16 whose exponent is 8 too small (subnormals too), then
-// scaling by 2^8, with the NaN codes (S.1111.111, which land on 480) made NaN.
+// Four E4M3 codes (byte j of `codes` is value j) to floats, exactly, on the integer and f32 pipes
+// rather than through f16 conversions, whose unit has a fraction of their throughput: a code's
+// sign, exponent and mantissa moved to their f32 places make an f32 2^120 times too small (a
+// subnormal code a subnormal f32; the kernels do not flush those), which one multiply corrects.
+// The NaN codes (S.1111.111) land on 480: their blocks' scales are NaN instead (fp8_scale_table in
+// cuda/weights.rs), which leaves NaN whatever the block enters.
 __device__ __forceinline__ void fp8x4_to_f32(u32 codes, float* y) {
-#if __CUDA_ARCH__ >= 890
-    u32 lo, hi;
-    asm("{ .reg .b16 a, b; mov.b32 {a, b}, %2; cvt.rn.f16x2.e4m3x2 %0, a; cvt.rn.f16x2.e4m3x2 %1, b; }"
-        : "=r"(lo), "=r"(hi)
-        : "r"(codes));
-    y[0] = f16_to_f32((u16)lo), y[1] = f16_to_f32((u16)(lo >> 16));
-    y[2] = f16_to_f32((u16)hi), y[3] = f16_to_f32((u16)(hi >> 16));
-#else
-    // Codes 0 and 1 (2 and 3) to the high bytes of the halves of a word: code << 8 puts the sign
-    // on the f16's sign bit, and the exponent and mantissa one bit above their f16 places.
-    u32 pairs[2] = {__byte_perm(codes, 0, 0x1404), __byte_perm(codes, 0, 0x3424)};
-    for (int k = 0; k < 2; k++) {
-        u32 h = (pairs[k] & 0x80008000u) | ((pairs[k] >> 1) & 0x3f803f80u);
-        for (int j = 0; j < 2; j++) {
-            float v = f16_to_f32((u16)(h >> (16 * j))) * 256.0f;
-            y[2 * k + j] = fabsf(v) == 480.0f ? __int_as_float(0x7fc00000) : v;
-        }
+    const float two_120 = __int_as_float(0x7b800000);
+    for (int j = 0; j < 4; j++) {
+        u32 c = codes << (24 - 8 * j);  // code j in the top byte
+        y[j] = __uint_as_float((c & 0x80000000u) | ((c >> 4) & 0x07f00000u)) * two_120;
     }
-#endif
 }
 
 // 32 values of a chunk, each its code's value times the chunk's scale: one rounding, as the
