@@ -509,8 +509,11 @@ __device__ __forceinline__ void float_row(const Weight& w, int row, const float*
     for (int t = 0; t < T; t++) acc[t] = 0.0f;
     int i = threadIdx.x % 32;
     for (; i + 32 * (UNROLL - 1) < n_loads; i += 32 * UNROLL) {
+        // Unrolled by hand: left to itself, FP8's eight-token kernel indexed `raw` in local memory.
         uint4 raw[UNROLL];
+#pragma unroll
         for (int u = 0; u < UNROLL; u++) raw[u] = load_stream(wrow + i + 32 * u);
+#pragma unroll
         for (int u = 0; u < UNROLL; u++) dot_load<TY, T>(raw[u], x, n_in, (i + 32 * u) * PER, scales, acc);
     }
     for (; i < n_loads; i += 32) dot_load<TY, T>(load_stream(wrow + i), x, n_in, i * PER, scales, acc);
