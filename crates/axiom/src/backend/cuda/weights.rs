@@ -321,7 +321,10 @@ mod tests {
         fp8::pack(&nan_codes, n_in, |_, _| 0.5, &mut blocks);
         let (shifts, scales) = looked_up(&fp8_scale_table(&blocks, n_in), n_in, n_out);
         assert_eq!(shifts, (0, 0));
-        assert!(scales.iter().enumerate().all(|(i, s)| (i == 7) == s.is_nan() && (i == 7 || *s == 0.5)));
+        assert!(scales
+            .iter()
+            .enumerate()
+            .all(|(i, s)| (i == 7) == s.is_nan() && (i == 7 || *s == 0.5)));
     }
 
     #[test]
