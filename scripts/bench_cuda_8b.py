@@ -6,19 +6,21 @@ Writes GGUF files (hidden 4096, 32 layers, 32 heads over 8 KV heads, FFN 14336, 
 untied output) of random weights in bf16, Q8_0, Q4_K, Q6_K, or `q4_k_m`: llama-quantize's Q4_K_M
 mix, Q6_K for the output head and for attn_v and ffn_down of the layers its rule picks, Q4_K
 elsewhere (random blocks with sane scales move the same bytes and do the same arithmetic as real
-ones), runs `axiom bench --backend cuda` on each, and reports decode tok/s against two
-rooflines, the copy bandwidth over: the bytes a token reads (every matrix but the embedding
-table, of which it reads one row, each in its own type), and the whole file (the bound the CUDA
-issue states). Needs torch (and transformers for --hf) and an axiom binary built
-with the CUDA backend.
+ones), and for `fp8` a Hugging Face FP8 directory of the same shapes (E4M3 matrices with a scale
+per 128 x 128 block, as Qwen3-FP8; the embedding and output in bf16, as published FP8
+checkpoints keep them), runs `axiom bench --backend cuda` on each, and reports decode tok/s
+against two rooflines, the copy bandwidth over: the bytes a token reads (every matrix but the
+embedding table, of which it reads one row, each in its own type), and the whole file (the bound
+the CUDA issue states). Needs torch (and transformers for --hf) and an axiom binary built with
+the CUDA backend.
 
-    python3 scripts/bench_cuda_8b.py --axiom target/release/axiom [--types bf16,q8_0,q4_k,q6_k,q4_k_m] [--hf]
-        [--dir /tmp]
-        [--ubatch 512]
+    python3 scripts/bench_cuda_8b.py --axiom target/release/axiom
+        [--types bf16,q8_0,q4_k,q6_k,q4_k_m,fp8] [--hf] [--dir /tmp] [--ubatch 512]
 """
 import argparse
 import json
 import os
+import shutil
 import struct
 import subprocess
 import time
@@ -159,6 +161,64 @@ def write_file(path, meta, tensor_list, draw):
             f.write(data + b"\0" * ((32 - len(data) % 32) % 32))
 
 
+def write_fp8_dir(path):
+    """Writes the FP8 directory (config.json, model.safetensors, a tokenizer); returns the bytes
+    of what a token reads (every tensor but the embedding table)."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    os.makedirs(path, exist_ok=True)
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": HIDDEN,
+              "intermediate_size": FFN, "num_hidden_layers": LAYERS, "num_attention_heads": HEADS,
+              "num_key_value_heads": KV_HEADS, "head_dim": HIDDEN // HEADS, "vocab_size": VOCAB,
+              "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+              "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+              "bos_token_id": 1, "eos_token_id": 2,
+              "quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                      "weight_block_size": [128, 128]}}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    # The tiny Llama 3 fixture's tokenizer: `axiom bench` feeds random ids, the text is never read.
+    fixture = os.path.join(os.path.dirname(os.path.abspath(__file__)), "../crates/axiom/tests/fixtures/hf/llama3")
+    shutil.copy(os.path.join(fixture, "tokenizer.json"), path)
+    kv = HIDDEN // HEADS * KV_HEADS
+    matrices = {"self_attn.q_proj": (HIDDEN, HIDDEN), "self_attn.k_proj": (kv, HIDDEN), "self_attn.v_proj": (kv, HIDDEN),
+                "self_attn.o_proj": (HIDDEN, HIDDEN), "mlp.gate_proj": (FFN, HIDDEN), "mlp.up_proj": (FFN, HIDDEN),
+                "mlp.down_proj": (HIDDEN, FFN)}
+    entries = [("model.embed_tokens.weight", "BF16", (VOCAB, HIDDEN)), ("model.norm.weight", "BF16", (HIDDEN,)),
+               ("lm_head.weight", "BF16", (VOCAB, HIDDEN))]
+    for i in range(LAYERS):
+        p = f"model.layers.{i}."
+        entries += [(p + "input_layernorm.weight", "BF16", (HIDDEN,)),
+                    (p + "post_attention_layernorm.weight", "BF16", (HIDDEN,))]
+        for name, (rows, cols) in matrices.items():
+            entries += [(p + name + ".weight", "F8_E4M3", (rows, cols)),
+                        (p + name + ".weight_scale_inv", "F32", (-(-rows // 128), -(-cols // 128)))]
+    size = {"BF16": 2, "F8_E4M3": 1, "F32": 4}
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, dtype, shape in entries:
+        n = int(np.prod(shape)) * size[dtype]
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header).encode()
+    raw += b" " * ((8 - len(raw) % 8) % 8)
+
+    def draw(name, dtype, shape):
+        if name.endswith("_scale_inv"):  # codes about N(0, 64^2): weights about N(0, 0.02^2)
+            return torch.full(shape, 0.02 / 64, dtype=torch.float32).numpy().tobytes()
+        if dtype == "F8_E4M3":
+            codes = (torch.randn(shape, device="cuda", generator=gen) * 64).clamp(-448, 448)
+            return codes.to(torch.float8_e4m3fn).view(torch.uint8).cpu().numpy().tobytes()
+        if name.endswith("norm.weight"):
+            return torch.ones(shape, dtype=torch.bfloat16).view(torch.int16).numpy().tobytes()
+        w = torch.randn(shape, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.02
+        return w.view(torch.int16).cpu().numpy().tobytes()
+
+    with open(os.path.join(path, "model.safetensors"), "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for name, dtype, shape in entries:
+            f.write(draw(name, dtype, shape))
+    return sum(int(np.prod(s)) * size[d] for n, d, s in entries if n != "model.embed_tokens.weight")
+
+
 def copy_bandwidth():
     x = torch.empty(4 << 30, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
@@ -218,19 +278,25 @@ def main():
     print(f"device-to-device copy: {bandwidth / 1e12:.2f} TB/s (read + write)", flush=True)
     rows = []
     for ty in args.types.split(","):
-        if ty not in TYPES and ty not in MIXES:
-            ap.error(f"unknown type {ty!r}; known: {', '.join([*TYPES, *MIXES])}")
+        if ty not in TYPES and ty not in MIXES and ty != "fp8":
+            ap.error(f"unknown type {ty!r}; known: {', '.join([*TYPES, *MIXES, 'fp8'])}")
     for ty in args.types.split(","):
-        path = os.path.join(args.dir, f"llama3-8b-random-{ty}.gguf")
         t = time.time()
-        weight_bytes = write_gguf(path, ty)
-        print(f"{ty}: wrote {os.path.getsize(path) / 1e9:.2f} GB in {time.time() - t:.0f} s", flush=True)
+        if ty == "fp8":
+            path = os.path.join(args.dir, "llama3-8b-random-fp8")
+            weight_bytes = write_fp8_dir(path)
+            file_bytes = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
+        else:
+            path = os.path.join(args.dir, f"llama3-8b-random-{ty}.gguf")
+            weight_bytes = write_gguf(path, ty)
+            file_bytes = os.path.getsize(path)
+        print(f"{ty}: wrote {file_bytes / 1e9:.2f} GB in {time.time() - t:.0f} s", flush=True)
         out = subprocess.run([args.axiom, "bench", "--backend", "cuda", "-m", path, "-p", args.prompt, "-n", "128", "-r", "3",
                               "--ubatch-size", args.ubatch, "--json"], capture_output=True, text=True)
         if out.returncode != 0:
             print(out.stderr)
             continue
-        read_roofline, file_roofline = bandwidth / weight_bytes, bandwidth / os.path.getsize(path)
+        read_roofline, file_roofline = bandwidth / weight_bytes, bandwidth / file_bytes
         for line in out.stdout.splitlines():
             r = json.loads(line)
             extra = ""
@@ -239,7 +305,10 @@ def main():
                          f" {100 * r['avg_ts'] / file_roofline:.0f}% of {file_roofline:.0f} (whole file)")
             rows.append(f"{ty:5} {r['test']:7} {r['avg_ts']:9.1f} tok/s{extra}")
             print(rows[-1], flush=True)
-        os.remove(path)
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        else:
+            os.remove(path)
     if args.hf:
         for test, rate in hf_transformers().items():
             rows.append(f"HF transformers bf16 {test}: {rate:.1f} tok/s")

@@ -67,16 +67,20 @@ fn matmul_every_type_and_token_count_matches_the_cpu_reference() {
     for paths in PATHS {
         gpu::matmul_every_type_and_token_count(
             || cuda(KvType::F16).with_paths(paths),
-            &gpu::WEIGHT_TYPES,
+            &gpu::weight_types(),
             |ty, n_in, n_tokens| {
                 // Decode kernels compute in f32, except on quantized rows of 2048 or more, whose
                 // activations are quantized to int8 per 32 values (about 0.4% each; not Q4_K's
-                // under --deterministic). By default cuBLAS takes float weights from two tokens
-                // on and quantized ones (dequantized to f16) from nine, with activations in the
-                // weights' 16-bit type (f32 weights: f32); under --deterministic, never.
+                // under --deterministic, nor FP8's ever). By default cuBLAS takes float weights
+                // from two tokens on and quantized ones (dequantized to f16) from nine, with
+                // activations in the weights' 16-bit type (f32 weights: f32); under
+                // --deterministic, never.
                 let float = matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16);
                 let via_cublas = paths == Paths::Fastest && n_tokens > if float { 1 } else { 8 };
-                let int8 = !float && n_in >= 2048 && !(paths == Paths::BatchInvariant && ty == GgmlType::Q4K);
+                let int8 = !float
+                    && ty != GgmlType::Fp8
+                    && n_in >= 2048
+                    && !(paths == Paths::BatchInvariant && ty == GgmlType::Q4K);
                 if via_cublas && ty != GgmlType::F32 {
                     2e-3
                 } else if !via_cublas && int8 {
@@ -95,7 +99,7 @@ fn embed_rms_norm_rope_glu_add_scale_softcap_match_the_cpu_reference() {
     for paths in PATHS {
         gpu::embed_rms_norm_rope_glu_add_scale_softcap_argmax(
             || cuda(KvType::F16).with_paths(paths),
-            &gpu::WEIGHT_TYPES,
+            &gpu::weight_types(),
         );
     }
 }
@@ -192,6 +196,17 @@ fn smollm2_on_cuda_matches_transformers() {
 fn every_architecture_on_cuda_matches_transformers() {
     for paths in PATHS {
         gpu::every_architecture_matches_transformers(on(paths));
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: cargo test --release --test cuda -- --ignored"]
+fn fp8_checkpoints_on_cuda_match_transformers() {
+    for paths in PATHS {
+        // Whole prompts go through cuBLAS by default, on f16 weights and activations: the bound
+        // of an f16 KV cache. Under --deterministic they stay on the f32 kernels.
+        let prompt_bound = if paths == Paths::Fastest { 2e-3 } else { 1e-4 };
+        gpu::fp8_checkpoints_match_transformers(on(paths), prompt_bound);
     }
 }
 

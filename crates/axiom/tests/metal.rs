@@ -15,28 +15,22 @@
 mod common;
 
 use axiom::backend::metal::MetalBackend;
-use axiom::backend::{metal_weight_types, KvType};
-use axiom::format::quant::GgmlType;
+use axiom::backend::KvType;
 use common::gpu;
 
 fn metal(kv_type: KvType) -> MetalBackend {
     MetalBackend::new().expect("a Metal GPU").with_kv_type(kv_type)
 }
 
-/// Every weight type the backend runs, FP8 blocks among them.
-fn weight_types() -> Vec<GgmlType> {
-    metal_weight_types().map(|(ty, _)| ty).collect()
-}
-
 #[test]
 fn matmul_every_type_and_token_count_matches_the_cpu_reference() {
     // Every matmul decodes the stored blocks and accumulates in f32.
-    gpu::matmul_every_type_and_token_count(|| metal(KvType::F16), &weight_types(), |_, _, _| 1e-5);
+    gpu::matmul_every_type_and_token_count(|| metal(KvType::F16), &gpu::weight_types(), |_, _, _| 1e-5);
 }
 
 #[test]
 fn embed_rms_norm_rope_glu_add_scale_softcap_match_the_cpu_reference() {
-    gpu::embed_rms_norm_rope_glu_add_scale_softcap_argmax(|| metal(KvType::F16), &weight_types());
+    gpu::embed_rms_norm_rope_glu_add_scale_softcap_argmax(|| metal(KvType::F16), &gpu::weight_types());
 }
 
 #[test]
@@ -79,7 +73,7 @@ fn every_architecture_on_metal_matches_transformers() {
 
 #[test]
 fn fp8_checkpoints_on_metal_match_transformers() {
-    gpu::fp8_checkpoints_match_transformers(metal);
+    gpu::fp8_checkpoints_match_transformers(metal, 1e-4);
 }
 
 #[test]

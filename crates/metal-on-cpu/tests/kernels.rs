@@ -5,7 +5,7 @@
 //! runs causal and under every score rule of the engine's tests (windows, a soft cap, a scale),
 //! one test per rule and cache type; the prompt attention over contexts of 1, 7, 64 and 200. The
 //! mixture-of-experts kernels at 6 experts, top-2, router logits with exact ties, 1/7/33 tokens.
-//! Weights in every type the Metal backend runs (`metal_weight_types`), FP8 blocks among them,
+//! Weights in every type the Metal backend runs (`GPU_WEIGHT_TYPES`), FP8 blocks among them,
 //! and every E4M3 code decoded bit for bit.
 #![allow(
     clippy::unwrap_used,
@@ -19,10 +19,10 @@ mod common;
 
 use axiom::backend::cpu::kernels::experts::{Expert, ExpertMatrix};
 use axiom::backend::cpu::kernels::{self as reference, paged::PageMap};
-use axiom::backend::{metal_weight_types, Activation, AttentionShape, Rope, RopeLayout, RopeScaling, Routing, Scores};
+use axiom::backend::{Activation, AttentionShape, Rope, RopeLayout, RopeScaling, Routing, Scores};
 use axiom::format::fp8::{self, E4M3_VALUES};
 use axiom::format::quant::GgmlType;
-use common::gpu::{randn, rel_l2};
+use common::gpu::{randn, rel_l2, weight_types};
 use common::{capped_window, paged_queries, random_weight_bytes, score_rules, PagedCase, PAGED_LENS};
 use half::f16;
 use metal_on_cpu::{Cache, ExpertStack, Experts, Heads, Pages, Rule};
@@ -31,11 +31,6 @@ use rand_chacha::ChaCha8Rng;
 
 fn rng() -> ChaCha8Rng {
     ChaCha8Rng::seed_from_u64(7)
-}
-
-/// Every weight type the Metal backend runs.
-fn weight_types() -> Vec<GgmlType> {
-    metal_weight_types().map(|(ty, _)| ty).collect()
 }
 
 /// A row length that is not a multiple of the 32 lanes in blocks (or elements, for floats).

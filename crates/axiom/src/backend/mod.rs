@@ -255,8 +255,10 @@ impl KvType {
 }
 
 /// The weight types the GPU backends run, by the suffix of their kernels (`matmul_q4_k`,
-/// `embed_bf16`, ...: one naming for CUDA and Metal).
-pub const GPU_WEIGHT_TYPES: [(GgmlType, &str); 9] = [
+/// `embed_bf16`, ...: one naming for CUDA and Metal): GGUF's float and block types, and FP8
+/// checkpoints' blocks. Outside the Metal module, which only macOS builds, so that the kernels'
+/// tests on the CPU (crates/metal-on-cpu) run them all.
+pub const GPU_WEIGHT_TYPES: [(GgmlType, &str); 10] = [
     (GgmlType::F32, "f32"),
     (GgmlType::F16, "f16"),
     (GgmlType::BF16, "bf16"),
@@ -266,18 +268,12 @@ pub const GPU_WEIGHT_TYPES: [(GgmlType, &str); 9] = [
     (GgmlType::Q5_0, "q5_0"),
     (GgmlType::Q4K, "q4_k"),
     (GgmlType::Q6K, "q6_k"),
+    (GgmlType::Fp8, "fp8"),
 ];
 
 /// The kernel suffix of `ty` in the GPU backends, if they run it.
 pub fn gpu_kernel_suffix(ty: GgmlType) -> Option<&'static str> {
     GPU_WEIGHT_TYPES.iter().find(|(t, _)| *t == ty).map(|(_, s)| *s)
-}
-
-/// The weight types the Metal backend runs, by the suffix of their kernels: the GPU backends'
-/// and FP8 checkpoints' blocks, which CUDA's kernels do not read yet. Outside the Metal module,
-/// which only macOS builds, so that the kernels' tests on the CPU (crates/metal-on-cpu) run them all.
-pub fn metal_weight_types() -> impl Iterator<Item = (GgmlType, &'static str)> {
-    GPU_WEIGHT_TYPES.into_iter().chain([(GgmlType::Fp8, "fp8")])
 }
 
 /// Head counts and sizes for the attention ops.

@@ -137,6 +137,13 @@ pub fn expert_down_sum_kernel(int8: bool, ty: &str) -> String {
     format!("expert_down_sum{int8}_{ty}")
 }
 
+/// Whether weights of type `ty` have matrix-vector kernels on int8 activations: the GGUF block
+/// types'. FP8 codes have no integer form that keeps them exact, and a byte a weight streams at the
+/// memory's limit on f32 activations.
+pub fn has_int8_kernels(ty: GgmlType) -> bool {
+    ty.block_len() > 1 && ty != GgmlType::Fp8
+}
+
 /// The one-token f32-activation matrix-vector kernel that RMS-normalizes its input first.
 pub fn gemv_normed_kernel(glu: bool, ty: &str) -> String {
     let glu = if glu { "_glu" } else { "" };
@@ -206,17 +213,17 @@ pub fn kernel_names(arch: &str) -> Vec<String> {
     .map(|n| n.to_string())
     .collect();
     let every_type = GPU_WEIGHT_TYPES.map(|(_, suffix)| suffix);
-    let quantized: Vec<&str> = GPU_WEIGHT_TYPES
-        .iter()
-        .filter(|(ty, _)| ty.block_len() > 1)
-        .map(|(_, suffix)| *suffix)
-        .collect();
-    // Every type but f32, which the tensor cores do not take.
-    let sixteen_bit: Vec<&str> = GPU_WEIGHT_TYPES
-        .iter()
-        .filter(|(ty, _)| *ty != GgmlType::F32)
-        .map(|(_, suffix)| *suffix)
-        .collect();
+    let suffixes = |keep: fn(GgmlType) -> bool| -> Vec<&str> {
+        GPU_WEIGHT_TYPES
+            .iter()
+            .filter(|(ty, _)| keep(*ty))
+            .map(|(_, suffix)| *suffix)
+            .collect()
+    };
+    let (quantized, integer) = (suffixes(|ty| ty.block_len() > 1), suffixes(has_int8_kernels));
+    // Every type but f32 (which the tensor cores do not take) and FP8 (whose chunks are not
+    // `int_chunk`'s).
+    let sixteen_bit = suffixes(|ty| !matches!(ty, GgmlType::F32 | GgmlType::Fp8));
     names.extend(every_type.iter().map(|ty| format!("embed_{ty}")));
     for glu in [false, true] {
         names.extend(every_type.iter().map(|ty| gemv_normed_kernel(glu, ty)));
@@ -224,7 +231,7 @@ pub fn kernel_names(arch: &str) -> Vec<String> {
     for tokens in [1, 2, 4, 8] {
         for glu in [false, true] {
             names.extend(every_type.iter().map(|ty| gemv_kernel(false, glu, ty, tokens)));
-            names.extend(quantized.iter().map(|ty| gemv_kernel(true, glu, ty, tokens)));
+            names.extend(integer.iter().map(|ty| gemv_kernel(true, glu, ty, tokens)));
         }
     }
     names.extend(quantized.iter().map(|ty| format!("dequant_f16_{ty}")));
@@ -234,9 +241,9 @@ pub fn kernel_names(arch: &str) -> Vec<String> {
     for glu in [false, true] {
         names.extend(sixteen_bit.iter().map(|ty| expert_gemm_kernel(glu, ty)));
     }
-    names.extend(quantized.iter().map(|ty| expert_int_glu_kernel(ty)));
+    names.extend(integer.iter().map(|ty| expert_int_glu_kernel(ty)));
     names.extend(every_type.iter().map(|ty| expert_down_sum_kernel(false, ty)));
-    names.extend(quantized.iter().map(|ty| expert_down_sum_kernel(true, ty)));
+    names.extend(integer.iter().map(|ty| expert_down_sum_kernel(true, ty)));
     for head_dim in [64, 128] {
         for &warpgroups in flash_attention_kinds(arch) {
             names.extend([1, 2].map(|groups| flash_attention_kernel(head_dim, groups, warpgroups)));

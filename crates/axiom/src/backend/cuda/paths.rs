@@ -5,6 +5,7 @@
 //! here, and nowhere else is the choice made.
 
 use super::flash_attention::FLASH_MIN_TOKENS;
+use super::kernels;
 use super::matmul::GEMV_MAX_TOKENS;
 use crate::format::quant::GgmlType;
 
@@ -38,12 +39,12 @@ impl Paths {
         }
     }
 
-    /// Whether a matmul of `ty` may run on int8 activations. Not Q4_K's when invariant: its
-    /// one-token kernel takes two rows a warp and starts each pair at its own stage, so it sums
-    /// a row's stages in another order than its kernels for more tokens; its f32 kernels take
-    /// a lane's chunks in one order for any token count.
+    /// Whether a matmul of `ty` may run on int8 activations (not FP8's: `has_int8_kernels`). Not
+    /// Q4_K's when invariant: its one-token kernel takes two rows a warp and starts each pair at
+    /// its own stage, so it sums a row's stages in another order than its kernels for more
+    /// tokens; its f32 kernels take a lane's chunks in one order for any token count.
     pub(super) fn int8_activations(self, ty: GgmlType) -> bool {
-        ty.block_len() > 1 && !(self == Paths::BatchInvariant && ty == GgmlType::Q4K)
+        kernels::has_int8_kernels(ty) && !(self == Paths::BatchInvariant && ty == GgmlType::Q4K)
     }
 
     /// Whether the expert products of steps of a few tokens (per (token, expert) pair) may run
@@ -51,7 +52,7 @@ impl Paths {
     /// by expert and take f32 activations, and a token's sums must not depend on which path its
     /// step takes.
     pub(super) fn int8_experts(self, ty: GgmlType) -> bool {
-        self == Paths::Fastest && ty.block_len() > 1
+        self == Paths::Fastest && kernels::has_int8_kernels(ty)
     }
 
     /// Whether an RMS norm may be folded into what reads its rows (the matrix-vector kernels,
@@ -62,11 +63,11 @@ impl Paths {
     }
 
     /// Whether the expert products of a step whose pairs are grouped by expert may run on the
-    /// tensor cores (f16 or bf16 inputs, tiles of slots) for weights of type `ty`: all but f32's,
-    /// under Fastest. Invariant steps keep every expert product on the row dot products, whose
+    /// tensor cores (f16 or bf16 inputs, tiles of slots) for weights of type `ty`: all but f32's
+    /// and FP8's (whose codes are not `int_chunk`'s), under Fastest. Invariant steps keep every expert product on the row dot products, whose
     /// sums do not depend on how many pairs share an expert.
     pub(super) fn expert_gemm(self, ty: GgmlType) -> bool {
-        self == Paths::Fastest && ty != GgmlType::F32
+        self == Paths::Fastest && !matches!(ty, GgmlType::F32 | GgmlType::Fp8)
     }
 
     /// Whether attention may run on tensor cores (flash attention, f16 queries and
@@ -152,6 +153,10 @@ mod tests {
         assert!(f.int8_activations(GgmlType::Q4K));
         assert!(f.expert_gemm(GgmlType::Q4K) && f.expert_gemm(GgmlType::BF16) && !f.expert_gemm(GgmlType::F32));
         assert!(f.int8_experts(GgmlType::Q4K) && !f.int8_experts(GgmlType::BF16));
+        // FP8 weights stay on f32 activations, on the matrix-vector kernels up to eight tokens.
+        assert!(!f.int8_activations(GgmlType::Fp8) && !p.int8_activations(GgmlType::Fp8));
+        assert!(!f.int8_experts(GgmlType::Fp8) && !f.expert_gemm(GgmlType::Fp8));
+        assert_eq!(f.gemv_max_tokens(GgmlType::Fp8), 8);
         assert_eq!((f.attention_splits(132, 32, 8), f.attention_splits(132, 1, 8)), (4, 8));
         assert_eq!((f.int8_tokens(512), f.capture_max_tokens()), (8, 8));
     }

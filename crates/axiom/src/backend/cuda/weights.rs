@@ -23,8 +23,8 @@ crate::backend::impl_matrix!(CudaWeight);
 
 /// A weight's fields in the split layout the kernels read (kernels/dequant.cuh): every row's
 /// quants contiguous, so a lane loads 16 or 32 aligned bytes at once (Q4_K's and Q6_K's
-/// interleaved: `interleave_row`), and the small per-block fields in side arrays. Float weights
-/// stay as they are.
+/// interleaved: `interleave_row`), and the small per-block fields in side arrays (FP8's scales in
+/// the compact table of `fp8_scale_table`). Float weights stay as they are.
 struct SplitWeight {
     q: Vec<u8>,
     s: Vec<u8>,
@@ -79,9 +79,62 @@ fn split_weight(ty: GgmlType, bytes: &[u8], n_in: usize) -> SplitWeight {
                 interleave_row(&row, Q6K_GROUP_BYTES, &mut q);
             }
         }
+        GgmlType::Fp8 => {
+            blocks.for_each(|b| q.extend_from_slice(&b[4..]));
+            s = fp8_scale_table(bytes, n_in);
+        }
         _ => q.extend_from_slice(bytes),
     }
     SplitWeight { q, s, m }
+}
+
+/// The granularities FP8 scales are looked for in, coarsest first, as (row shift, chunk shift),
+/// the scale of row r's 32-value chunk c being shared by those of equal (r >> row shift,
+/// c >> chunk shift): the whole matrix, 128 x 128 blocks (block-wise checkpoints), a row
+/// (per-channel ones), 128 values of a row. A shift of 31 spans any matrix the kernels index.
+const FP8_SCALE_GRAINS: [(u32, u32); 4] = [(31, 31), (7, 2), (0, 31), (0, 2)];
+
+/// The scales of FP8 blocks `bytes` (rows of `n_in`) as the kernels read them (`Fp8Scales` in
+/// kernels/dequant.cuh): a header of u32s (row shift, chunk shift, scales a row of the table, 0),
+/// then the f32 table at the coarsest of `FP8_SCALE_GRAINS` where the blocks' scales agree to
+/// the bit, else one a block. A token then reads about a byte a weight, whatever the checkpoint.
+/// A block holding a NaN code has a NaN scale, so every product it enters is NaN, as the
+/// reference's is.
+fn fp8_scale_table(bytes: &[u8], n_in: usize) -> Vec<u8> {
+    let chunks = n_in / 32;
+    // A block with a NaN code gets a NaN scale: the kernels decode codes without a NaN check.
+    let scales: Vec<u32> = bytes
+        .chunks_exact(GgmlType::Fp8.block_bytes())
+        .map(|b| match b[4..].iter().any(|c| c & 0x7f == 0x7f) {
+            true => f32::NAN.to_bits(),
+            false => u32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+        })
+        .collect();
+    if scales.is_empty() {
+        return Vec::new();
+    }
+    let n_out = scales.len() / chunks;
+    let grained = |&(row_shift, chunk_shift): &(u32, u32)| -> Option<(u32, u32, usize, Vec<u32>)> {
+        let per_row = ((chunks - 1) >> chunk_shift) + 1;
+        let mut table: Vec<Option<u32>> = vec![None; (((n_out - 1) >> row_shift) + 1) * per_row];
+        for (i, &scale) in scales.iter().enumerate() {
+            let slot = &mut table[((i / chunks) >> row_shift) * per_row + ((i % chunks) >> chunk_shift)];
+            if *slot.get_or_insert(scale) != scale {
+                return None;
+            }
+        }
+        Some((row_shift, chunk_shift, per_row, table.into_iter().flatten().collect()))
+    };
+    let (row_shift, chunk_shift, per_row, table) =
+        FP8_SCALE_GRAINS
+            .iter()
+            .find_map(grained)
+            .unwrap_or((0, 0, chunks, scales.clone()));
+    [row_shift, chunk_shift, per_row as u32, 0]
+        .into_iter()
+        .chain(table)
+        .flat_map(u32::to_le_bytes)
+        .collect()
 }
 
 /// Units per tile of the interleaved layout (INTERLEAVE_UNITS in kernels/common.cuh).
@@ -183,16 +236,17 @@ impl CudaBackend {
             }
             splits.push(split_weight(t.ty, t.bytes, n_in));
         }
-        // Each field of every expert in one block: (its block, stride, length) per expert.
+        // Each field of every expert in one block: (its block, stride, length) per expert. A field's
+        // length is its longest expert's: FP8 experts' scale tables may differ in granularity.
         let mut stack = |field: fn(&SplitWeight) -> &[u8]| -> Result<Option<(BlockHandle, usize, usize)>> {
-            let len = field(&splits[0]).len();
+            let len = splits.iter().map(|split| field(split).len()).max().unwrap_or(0);
             if len == 0 {
                 return Ok(None);
             }
             let stride = len.next_multiple_of(ALIGN);
             let block = self.alloc(stride * splits.len())?;
             for (e, split) in splits.iter().enumerate() {
-                self.copy_in(block.slice(e * stride, len), field(split))?;
+                self.copy_in(block.slice(e * stride, field(split).len()), field(split))?;
             }
             Ok(Some((block, stride, len)))
         };
@@ -259,6 +313,60 @@ pub(super) fn arena_bytes(matrices: &[usize]) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::format::fp8;
+
+    /// Every block's scale found in `table` as the kernels look it up (`fp8_scale` in
+    /// kernels/dequant.cuh); the header's shifts.
+    fn looked_up(table: &[u8], n_in: usize, n_out: usize) -> ((u32, u32), Vec<f32>) {
+        let word = |i: usize| u32::from_le_bytes(table[4 * i..4 * i + 4].try_into().unwrap());
+        let (row_shift, chunk_shift, per_row) = (word(0), word(1), word(2) as usize);
+        let scales = (0..n_out * n_in / 32).map(|i| {
+            let (row, chunk) = (i / (n_in / 32), i % (n_in / 32));
+            f32::from_bits(word(4 + (row >> row_shift) * per_row + (chunk >> chunk_shift)))
+        });
+        ((row_shift, chunk_shift), scales.collect())
+    }
+
+    #[test]
+    fn fp8_scales_are_kept_at_the_coarsest_granularity_they_have() {
+        // 130 x 160: the last 128 x 128 block is 2 rows by one chunk.
+        let (n_in, n_out) = (160, 130);
+        let codes = vec![0x38u8; n_in * n_out];
+        // (what a scale covers, the scales, the shifts expected, the table's length)
+        type Case = (&'static str, fn(usize, usize) -> f32, (u32, u32), usize);
+        let cases: [Case; 5] = [
+            ("a matrix", |_, _| 0.5, (31, 31), 1),
+            ("128 x 128", |r, c| (1 + r / 128 * 2 + c / 128) as f32, (7, 2), 4),
+            ("a row", |r, _| r as f32 + 0.25, (0, 31), 130),
+            ("128 of a row", |r, c| (r * 2 + c / 128) as f32, (0, 2), 260),
+            ("a block", |r, c| (r * 5 + c / 32) as f32, (0, 0), 650),
+        ];
+        for (what, scale, shifts, len) in cases {
+            let mut blocks = vec![0u8; n_in * n_out / 32 * fp8::BLOCK_BYTES];
+            fp8::pack(&codes, n_in, scale, &mut blocks);
+            let table = fp8_scale_table(&blocks, n_in);
+            assert_eq!(table.len(), 16 + 4 * len, "{what}");
+            let (got_shifts, scales) = looked_up(&table, n_in, n_out);
+            assert_eq!(got_shifts, shifts, "{what}");
+            let want = blocks
+                .chunks_exact(fp8::BLOCK_BYTES)
+                .map(|b| f32::from_le_bytes(b[..4].try_into().unwrap()));
+            assert!(scales.into_iter().eq(want), "{what}");
+            let split = split_weight(GgmlType::Fp8, &blocks, n_in);
+            assert_eq!((split.q, split.s), (codes.clone(), table), "{what}");
+        }
+        // A NaN code (0xff) in block 7: its scale alone is NaN, one a block.
+        let mut nan_codes = codes.clone();
+        nan_codes[7 * 32 + 5] = 0xff;
+        let mut blocks = vec![0u8; n_in * n_out / 32 * fp8::BLOCK_BYTES];
+        fp8::pack(&nan_codes, n_in, |_, _| 0.5, &mut blocks);
+        let (shifts, scales) = looked_up(&fp8_scale_table(&blocks, n_in), n_in, n_out);
+        assert_eq!(shifts, (0, 0));
+        assert!(scales
+            .iter()
+            .enumerate()
+            .all(|(i, s)| (i == 7) == s.is_nan() && (i == 7 || *s == 0.5)));
+    }
 
     #[test]
     fn interleaved_rows_are_tiles_stored_piece_by_piece() {

@@ -4,7 +4,7 @@
 
 use super::device::MetalDevice;
 use super::{MetalError, FLASH_HEAD_CLASSES};
-use crate::backend::metal_weight_types;
+use crate::backend::GPU_WEIGHT_TYPES;
 use objc2::rc::{autoreleasepool, Retained};
 use objc2::runtime::ProtocolObject;
 use objc2_foundation::NSString;
@@ -57,7 +57,7 @@ fn kernel_names() -> Vec<String> {
         "matmul_glu_experts",
         "embed",
     ] {
-        names.extend(metal_weight_types().map(|(_, s)| format!("{prefix}_{s}")));
+        names.extend(GPU_WEIGHT_TYPES.map(|(_, s)| format!("{prefix}_{s}")));
     }
     for kv in ["f16", "f32"] {
         for prefix in ["kv_write", "rope_kv_write", "attention", "attention_qk", "attention_pv"] {

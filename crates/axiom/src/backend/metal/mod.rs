@@ -18,7 +18,7 @@ pub mod device;
 pub mod kernels;
 
 use super::{
-    gate_up_glu_in_steps, metal_weight_types, Activation, AttentionKv, AttentionShape, Backend, BlockHandle,
+    gate_up_glu_in_steps, gpu_kernel_suffix, Activation, AttentionKv, AttentionShape, Backend, BlockHandle,
     ExpertScratch, ExpertSet, GluRows, HostTensor, Input, Kernels, KvType, NewRows, Residual, Rope, RopeLayout, Routes,
     Routing, ScoreArgs, StepLayout,
 };
@@ -441,7 +441,7 @@ impl Kernels for MetalBackend {
 
     fn embed(&self, table: &MetalWeight, ids: BlockHandle, out: BlockHandle, n_tokens: usize) -> Result<()> {
         let suffix =
-            kernel_suffix(table.ty).ok_or_else(|| Error::Backend(format!("no embed kernel for {}", table.ty)))?;
+            gpu_kernel_suffix(table.ty).ok_or_else(|| Error::Backend(format!("no embed kernel for {}", table.ty)))?;
         self.launch(
             &format!("embed_{suffix}"),
             (n_tokens, 1),
@@ -851,7 +851,7 @@ impl Backend for MetalBackend {
 /// its shape.
 fn matrix_bytes(t: &HostTensor) -> Result<(usize, usize, usize)> {
     let (n_in, n_out) = t.matrix_shape()?;
-    kernel_suffix(t.ty).ok_or_else(|| Error::UnsupportedTensorType {
+    gpu_kernel_suffix(t.ty).ok_or_else(|| Error::UnsupportedTensorType {
         name: t.name.to_string(),
         ty: t.ty.to_string(),
         op: "the Metal backend",
@@ -891,14 +891,9 @@ fn expert_stack(matrices: &[MetalWeight]) -> Result<(&MetalWeight, u32)> {
     Ok((first, bytes))
 }
 
-/// The suffix of the kernels for weights of type `ty`, if this backend runs it.
-fn kernel_suffix(ty: GgmlType) -> Option<&'static str> {
-    metal_weight_types().find(|(t, _)| *t == ty).map(|(_, s)| s)
-}
-
 /// The kernel suffix of a weight's type.
 fn weight_suffix(w: &MetalWeight) -> Result<&'static str> {
-    kernel_suffix(w.ty).ok_or_else(|| Error::Backend(format!("no matmul kernel for {}", w.ty)))
+    gpu_kernel_suffix(w.ty).ok_or_else(|| Error::Backend(format!("no matmul kernel for {}", w.ty)))
 }
 
 /// The activations a row kernel reads, and its norm arguments: the RMS norm's weight, epsilon and

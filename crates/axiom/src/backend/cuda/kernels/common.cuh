@@ -139,6 +139,8 @@ __device__ __forceinline__ void store_q8x4(float4 v, bool valid, u32* xq, float*
 #define TY_Q4_K 12
 #define TY_Q6_K 14
 #define TY_BF16 30
+// FP8 checkpoints' E4M3 weights have no GGUF id (GgmlType::Fp8): a number of their own.
+#define TY_FP8 1000
 
 // f32 to f16 (kind TY_F16) or bf16 (TY_BF16), the 16-bit inputs of cuBLAS.
 __device__ __forceinline__ u16 to_16bit(float v, int kind) { return kind == TY_BF16 ? f32_to_bf16(v) : f32_to_f16(v); }

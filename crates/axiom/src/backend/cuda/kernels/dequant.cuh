@@ -182,3 +182,49 @@ template <int TY> __device__ __forceinline__ void float_chunk(const Weight& w, u
 template <> __device__ __forceinline__ void chunk<TY_F32>(const Weight& w, u64 r, int c, float* y, int* a, int* b) { float_chunk<TY_F32>(w, r, c, y, a, b); }
 template <> __device__ __forceinline__ void chunk<TY_F16>(const Weight& w, u64 r, int c, float* y, int* a, int* b) { float_chunk<TY_F16>(w, r, c, y, a, b); }
 template <> __device__ __forceinline__ void chunk<TY_BF16>(const Weight& w, u64 r, int c, float* y, int* a, int* b) { float_chunk<TY_BF16>(w, r, c, y, a, b); }
+
+// FP8 (E4M3) weights: a row's codes contiguous, a byte each (`q`), and their scales in a compact
+// table (`s`, written by `fp8_scale_table` in cuda/weights.rs): a 16-byte header of u32s (row
+// shift, chunk shift, scales a row of the table), then f32 scales (NaN for a block with a NaN code). The scale of row r's 32-value
+// chunk c is scale[(r >> row shift) * per row + (c >> chunk shift)]: one per 128 x 128 block,
+// per row, per matrix or per chunk, whichever the checkpoint's scales have.
+struct Fp8Scales {
+    const float* row;  // this row's scales in the table
+    int chunk_shift;
+};
+
+__device__ __forceinline__ Fp8Scales fp8_scales(const Weight& w, u64 row) {
+    uint4 h = __ldg((const uint4*)w.s);
+    return Fp8Scales{(const float*)w.s + 4 + (row >> h.x) * h.z, (int)h.y};
+}
+
+__device__ __forceinline__ float fp8_scale(const Fp8Scales& s, int c) { return __ldg(s.row + (c >> s.chunk_shift)); }
+
+// Four E4M3 codes (byte j of `codes` is value j) to floats, exactly, on the integer and f32 pipes
+// rather than through f16 conversions, whose unit has a fraction of their throughput: a code's
+// sign, exponent and mantissa moved to their f32 places make an f32 2^120 times too small (a
+// subnormal code a subnormal f32; the kernels do not flush those), which one multiply corrects.
+// The NaN codes (S.1111.111) land on 480: their blocks' scales are NaN instead (fp8_scale_table in
+// cuda/weights.rs), which leaves NaN whatever the block enters.
+__device__ __forceinline__ void fp8x4_to_f32(u32 codes, float* y) {
+    const float two_120 = __int_as_float(0x7b800000);
+    for (int j = 0; j < 4; j++) {
+        u32 c = codes << (24 - 8 * j);  // code j in the top byte
+        y[j] = __uint_as_float((c & 0x80000000u) | ((c >> 4) & 0x07f00000u)) * two_120;
+    }
+}
+
+// 32 values of a chunk, each its code's value times the chunk's scale: one rounding, as the
+// reference dequantization.
+template <> __device__ __forceinline__ void chunk<TY_FP8>(const Weight& w, u64 row, int c, float* y, int* at0, int* at1) {
+    const uint4* q = (const uint4*)(w.q + row * w.n_in + 32 * c);
+    float scale = fp8_scale(fp8_scales(w, row), c);
+    for (int j = 0; j < 2; j++) {
+        u32 codes[4];
+        words(q[j], codes);
+        for (int k = 0; k < 4; k++) fp8x4_to_f32(codes[k], y + 16 * j + 4 * k);
+    }
+    for (int j = 0; j < 32; j++) y[j] *= scale;
+    *at0 = 32 * c;
+    *at1 = 32 * c + 16;
+}

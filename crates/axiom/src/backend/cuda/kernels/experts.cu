@@ -223,6 +223,7 @@ __device__ __forceinline__ void expert_rows_int_glu(const ExpertProductParams& p
 EXPERT_PRODUCTS(f32, FloatRows<TY_F32>)
 EXPERT_PRODUCTS(f16, FloatRows<TY_F16>)
 EXPERT_PRODUCTS(bf16, FloatRows<TY_BF16>)
+EXPERT_PRODUCTS(fp8, FloatRows<TY_FP8>)
 EXPERT_PRODUCTS(q8_0, QuantRows<TY_Q8_0>)
 EXPERT_PRODUCTS(q4_0, QuantRows<TY_Q4_0>)
 EXPERT_PRODUCTS(q4_1, QuantRows<TY_Q4_1>)

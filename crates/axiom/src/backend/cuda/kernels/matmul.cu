@@ -535,59 +535,73 @@ GEMV_INT_ALL(q5_0, TY_Q5_0)
 GEMV_INT_ALL(q4_k, TY_Q4_K)
 GEMV_INT_ALL(q6_k, TY_Q6_K)
 
-// Float weights: lane-interleaved 16-byte loads, so each warp load is 512 contiguous bytes, with
-// UNROLL loads in flight per lane before the first is used; activations read as float4, by plain
-// loads (not __ldg), since the normed kernels below pass a copy in shared memory. (Plain loads
-// also keep the one-token bf16 kernel under its register bound without a spill.)
+// Float and FP8 weights: lane-interleaved 16-byte loads, so each warp load is 512 contiguous
+// bytes, with UNROLL loads in flight per lane before the first is used; activations read as
+// float4, by plain loads (not __ldg), since the normed kernels below pass a copy in shared memory.
+// (Plain loads also keep the one-token bf16 kernel under its register bound without a spill.)
+// FP8's 16 codes a load lie in one 32-value chunk: their dot product is scaled once, by the
+// chunk's scale.
+template <int TY> struct ValueBytes { static const int value = TY == TY_F32 ? 4 : TY == TY_FP8 ? 1 : 2; };
+
+// Values 4k..4k+3 of a 16-byte load as floats.
 template <int TY>
-__device__ __forceinline__ void widen(uint4 raw, float* y) {
+__device__ __forceinline__ void widen4(uint4 raw, int k, float* y) {
     u32 words[4] = {raw.x, raw.y, raw.z, raw.w};
     if (TY == TY_F32) {
-        for (int k = 0; k < 4; k++) y[k] = __uint_as_float(words[k]);
+        for (int j = 0; j < 4; j++) y[j] = __uint_as_float(words[j]);
+    } else if (TY == TY_FP8) {
+        fp8x4_to_f32(words[k], y);
     } else {
-        for (int k = 0; k < 4; k++) {
-            y[2 * k] = TY == TY_BF16 ? __uint_as_float(words[k] << 16) : f16_to_f32((u16)(words[k] & 0xffff));
-            y[2 * k + 1] = TY == TY_BF16 ? __uint_as_float(words[k] & 0xffff0000u) : f16_to_f32((u16)(words[k] >> 16));
+        for (int j = 0; j < 2; j++) {
+            u32 v = words[2 * k + j];
+            y[2 * j] = TY == TY_BF16 ? __uint_as_float(v << 16) : f16_to_f32((u16)(v & 0xffff));
+            y[2 * j + 1] = TY == TY_BF16 ? __uint_as_float(v & 0xffff0000u) : f16_to_f32((u16)(v >> 16));
         }
+    }
+}
+
+// One load's values (at..at + 16 / ValueBytes of the row) dotted with T tokens' activations into acc.
+template <int TY, int T>
+__device__ __forceinline__ void dot_load(uint4 raw, const float* x, int n_in, int at, const Fp8Scales& scales, float* acc) {
+    constexpr int PER = 16 / ValueBytes<TY>::value;
+    float sums[T];
+    for (int t = 0; t < T; t++) sums[t] = TY == TY_FP8 ? 0.0f : acc[t];
+    for (int k = 0; k < PER / 4; k++) {
+        float y[4];
+        widen4<TY>(raw, k, y);
+        for (int t = 0; t < T; t++) {
+            float4 v = *(const float4*)(x + (u64)t * n_in + at + 4 * k);
+            sums[t] += y[0] * v.x + y[1] * v.y + y[2] * v.z + y[3] * v.w;
+        }
+    }
+    if (TY == TY_FP8) {
+        float scale = fp8_scale(scales, at / 32);
+        for (int t = 0; t < T; t++) acc[t] = fmaf(scale, sums[t], acc[t]);
+    } else {
+        for (int t = 0; t < T; t++) acc[t] = sums[t];
     }
 }
 
 template <int TY, int T>
 __device__ __forceinline__ void float_row(const Weight& w, int row, const float* x, float* acc) {
     int n_in = w.n_in;
-    constexpr int PER = TY == TY_F32 ? 4 : 8;  // values per 16-byte load
+    constexpr int PER = 16 / ValueBytes<TY>::value;  // values per 16-byte load
     constexpr int UNROLL = 4;
-    const uint4* wrow = (const uint4*)(w.q + (u64)row * n_in * (TY == TY_F32 ? 4 : 2));
+    const uint4* wrow = (const uint4*)(w.q + (u64)row * n_in * ValueBytes<TY>::value);
+    Fp8Scales scales{};
+    if constexpr (TY == TY_FP8) scales = fp8_scales(w, row);
     int n_loads = n_in / PER;
     for (int t = 0; t < T; t++) acc[t] = 0.0f;
     int i = threadIdx.x % 32;
     for (; i + 32 * (UNROLL - 1) < n_loads; i += 32 * UNROLL) {
+        // Unrolled by hand: left to itself, FP8's eight-token kernel indexed `raw` in local memory.
         uint4 raw[UNROLL];
+#pragma unroll
         for (int u = 0; u < UNROLL; u++) raw[u] = load_stream(wrow + i + 32 * u);
-        for (int u = 0; u < UNROLL; u++) {
-            float y[8];
-            widen<TY>(raw[u], y);
-            int at = (i + 32 * u) * PER;
-            for (int t = 0; t < T; t++) {
-                const float4* xt = (const float4*)(x + (u64)t * n_in + at);
-                for (int k = 0; k < PER / 4; k++) {
-                    float4 v = xt[k];
-                    acc[t] += y[4 * k] * v.x + y[4 * k + 1] * v.y + y[4 * k + 2] * v.z + y[4 * k + 3] * v.w;
-                }
-            }
-        }
+#pragma unroll
+        for (int u = 0; u < UNROLL; u++) dot_load<TY, T>(raw[u], x, n_in, (i + 32 * u) * PER, scales, acc);
     }
-    for (; i < n_loads; i += 32) {
-        float y[8];
-        widen<TY>(load_stream(wrow + i), y);
-        for (int t = 0; t < T; t++) {
-            const float4* xt = (const float4*)(x + (u64)t * n_in + i * PER);
-            for (int k = 0; k < PER / 4; k++) {
-                float4 v = xt[k];
-                acc[t] += y[4 * k] * v.x + y[4 * k + 1] * v.y + y[4 * k + 2] * v.z + y[4 * k + 3] * v.w;
-            }
-        }
-    }
+    for (; i < n_loads; i += 32) dot_load<TY, T>(load_stream(wrow + i), x, n_in, i * PER, scales, acc);
 }
 
 // The one-token kernels are held to 40 registers, six blocks (48 warps) per multiprocessor instead
@@ -651,6 +665,7 @@ __device__ __forceinline__ void normalize_row(float* xs, const float* x, const f
 GEMV_ALL(f32, TY_F32, float_row)
 GEMV_ALL(f16, TY_F16, float_row)
 GEMV_ALL(bf16, TY_BF16, float_row)
+GEMV_ALL(fp8, TY_FP8, float_row)
 GEMV_ALL(q8_0, TY_Q8_0, quant_row)
 GEMV_ALL(q4_0, TY_Q4_0, quant_row)
 GEMV_ALL(q4_1, TY_Q4_1, quant_row)
@@ -695,3 +710,4 @@ DEQUANT(q4_1, TY_Q4_1)
 DEQUANT(q5_0, TY_Q5_0)
 DEQUANT(q4_k, TY_Q4_K)
 DEQUANT(q6_k, TY_Q6_K)
+DEQUANT(fp8, TY_FP8)
