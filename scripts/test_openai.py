@@ -322,6 +322,10 @@ def choices(s):
           f"choices 1 and 2 reuse choice 0's prompt pages ({shared} of {r.usage.prompt_tokens} prompt tokens cached)")
     check(s.metric("axiom_prompt_tokens_cached_total") - cached_before >= 2 * shared,
           "both siblings took the prompt from the prefix cache")
+    # Every generated token came out of a step's row: the steps ran at least as many tokens.
+    check(0 < s.metric("axiom_step_tokens_count") and
+          s.metric("axiom_generated_tokens_total") <= s.metric("axiom_step_tokens_sum"),
+          "/metrics counts the steps and the tokens they ran")
     again = chat(s, prompt, n=3, max_tokens=12, temperature=1.0, seed=5)
     check([c.message.content for c in again.choices] == texts, "the same seed gives the same n choices")
     one = chat(s, prompt, max_tokens=12, temperature=1.0, seed=5)

@@ -17,6 +17,7 @@ pub struct ServerMetrics {
     pages_cached: IntGauge,
     ttft: Histogram,
     itl: Histogram,
+    step_tokens: Histogram,
 }
 
 fn counter(registry: &Registry, name: &str, help: &str) -> prometheus::Result<IntCounter> {
@@ -84,6 +85,12 @@ impl ServerMetrics {
                 "Between consecutive tokens",
                 latency,
             )?,
+            step_tokens: histogram(
+                &registry,
+                "step_tokens",
+                "Tokens a forward step runs: the decoding sequences' next tokens and prompt chunks",
+                vec![1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0],
+            )?,
             registry,
         })
     }
@@ -125,5 +132,8 @@ impl Metrics for ServerMetrics {
     }
     fn preempted(&self) {
         self.preemptions.inc();
+    }
+    fn step_planned(&self, decode_tokens: usize, prompt_tokens: usize) {
+        self.step_tokens.observe((decode_tokens + prompt_tokens) as f64);
     }
 }
