@@ -203,9 +203,10 @@ fn every_architecture_on_cuda_matches_transformers() {
 #[ignore = "needs an NVIDIA GPU: cargo test --release --test cuda -- --ignored"]
 fn fp8_checkpoints_on_cuda_match_transformers() {
     for paths in PATHS {
-        // Whole prompts go through cuBLAS by default, on f16 weights and activations: the bound
-        // of an f16 KV cache. Under --deterministic they stay on the f32 kernels.
-        let prompt_bound = if paths == Paths::Fastest { 2e-3 } else { 1e-4 };
+        // Whole prompts go through cuBLAS by default, every product's weights and activations
+        // rounded to f16 (an f16 KV cache rounds only K and V, bound 2e-3): 5e-3. Under
+        // --deterministic they stay on the f32 kernels.
+        let prompt_bound = if paths == Paths::Fastest { 5e-3 } else { 1e-4 };
         gpu::fp8_checkpoints_match_transformers(on(paths), prompt_bound);
     }
 }

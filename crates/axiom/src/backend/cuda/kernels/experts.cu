@@ -181,10 +181,10 @@ __device__ __forceinline__ void expert_down_sum_f32(const ExpertDownSumParams& p
 // matmul.cu), act(gate) * up written: a warp takes a row of gate and the same row of up (Q4_K's
 // in one pass, paired as in its one-token matrix-vector kernel). Token t's values start at
 // t * n_in of xq, its scales at t * n_in / 32 of xd (twice that where interleaved, each scale
-// with its block's sum).
+// with its block's sum: Q4_K's and Q6_K's).
 template <int TY>
 __device__ __forceinline__ const float* int_scales(const float* xd, u64 t, int n_in) {
-    return xd + t * (n_in / 32) * (TY == TY_Q4_K ? 2 : 1);
+    return xd + t * (n_in / 32) * (InterleavesActivations<TY>::value ? 2 : 1);
 }
 
 template <int TY>

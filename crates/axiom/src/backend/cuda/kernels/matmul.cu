@@ -156,6 +156,9 @@ extern "C" __global__ void quantize_q8(QuantizeQ8Params p) {
 
 // Whether a type's runs have offsets (minimums): only then is the activations' sum needed.
 template <int TY> struct HasOffset { static const bool value = TY == TY_Q4_1 || TY == TY_Q4_K; };
+// Whether a type's kernels take their activations interleaved, each block's scale beside its sum
+// (as `interleaves_activations` in cuda/matmul.rs): the K-quants', which run on kquant_rows.
+template <int TY> struct InterleavesActivations { static const bool value = TY == TY_Q4_K || TY == TY_Q6_K; };
 
 template <int TY, int T>
 __device__ __forceinline__ void dot_chunk(const IntChunk& k, const i8* xq, const float* xd, int n_in, float* acc) {
@@ -202,7 +205,7 @@ __device__ __forceinline__ void kquant_rows(const Weight& w, const Weight& up, i
 template <int TY, int T, bool GLU, typename Ready>
 __device__ __forceinline__ void int_row(const Weight& w, const Weight& up, int row, int n_rows, const i8* xq,
                                         const float* xd, float* acc, Ready inputs_ready, bool copy_whole) {
-    if constexpr (TY == TY_Q4_K || TY == TY_Q6_K)
+    if constexpr (InterleavesActivations<TY>::value)
         return kquant_rows<TY, T, RowsPerWarp<TY, T>::value, GLU>(w, up, row, n_rows, xq, xd, acc, inputs_ready,
                                                                   copy_whole);
     for (int t = 0; t < T; t++) acc[t] = 0.0f;
@@ -540,7 +543,8 @@ GEMV_INT_ALL(q6_k, TY_Q6_K)
 // float4, by plain loads (not __ldg), since the normed kernels below pass a copy in shared memory.
 // (Plain loads also keep the one-token bf16 kernel under its register bound without a spill.)
 // FP8's 16 codes a load lie in one 32-value chunk: their dot product is scaled once, by the
-// chunk's scale.
+// chunk's scale, and brought up from fp8x4_scaled_down's values there rather than each value
+// (the products' sums stay far from f32's range either way).
 template <int TY> struct ValueBytes { static const int value = TY == TY_F32 ? 4 : TY == TY_FP8 ? 1 : 2; };
 
 // Values 4k..4k+3 of a 16-byte load as floats.
@@ -550,7 +554,7 @@ __device__ __forceinline__ void widen4(uint4 raw, int k, float* y) {
     if (TY == TY_F32) {
         for (int j = 0; j < 4; j++) y[j] = __uint_as_float(words[j]);
     } else if (TY == TY_FP8) {
-        fp8x4_to_f32(words[k], y);
+        fp8x4_scaled_down(words[k], y);
     } else {
         for (int j = 0; j < 2; j++) {
             u32 v = words[2 * k + j];
@@ -576,7 +580,7 @@ __device__ __forceinline__ void dot_load(uint4 raw, const float* x, int n_in, in
     }
     if (TY == TY_FP8) {
         float scale = fp8_scale(scales, at / 32);
-        for (int t = 0; t < T; t++) acc[t] = fmaf(scale, sums[t], acc[t]);
+        for (int t = 0; t < T; t++) acc[t] = fmaf(scale, sums[t] * FP8_UNSCALE, acc[t]);
     } else {
         for (int t = 0; t < T; t++) acc[t] = sums[t];
     }
