@@ -3,7 +3,8 @@
 //! matrix as `float8_e4m3fn` with a `weight_scale_inv` per 128 x 128 block, everything else as
 //! stored, and `quantization_config` added to config.json. Routers stay in their float type (a
 //! rounded logit can change the experts chosen), and so do matrices that are not whole 128 x 128
-//! blocks (which readers split differently); both are listed in `modules_to_not_convert`.
+//! blocks (which readers split differently); both are listed in `modules_to_not_convert`. A model
+//! with no matrix to convert is refused.
 
 use crate::convert::Written;
 use crate::format::fp8::{quantize_blockwise, SCALE_BLOCK};
@@ -27,6 +28,16 @@ fn rewritten(name: &str) -> bool {
 /// `block_sparse_moe.gate`, Qwen2-MoE's `shared_expert_gate`).
 fn is_router(name: &str) -> bool {
     name.ends_with(".gate.weight") || name.ends_with(".shared_expert_gate.weight")
+}
+
+fn is_layer_matrix(name: &str, dims: &[usize]) -> bool {
+    name.starts_with("model.layers.") && name.ends_with(".weight") && dims.len() == 2
+}
+
+/// Whether a tensor (`dims` in either order) becomes FP8: a layer's matrix of whole
+/// 128 x 128 blocks, but not a router.
+fn converts(name: &str, dims: &[usize]) -> bool {
+    is_layer_matrix(name, dims) && !is_router(name) && dims.iter().all(|d| d.is_multiple_of(SCALE_BLOCK))
 }
 
 fn dtype(ty: GgmlType) -> Result<Dtype> {
@@ -60,6 +71,14 @@ pub fn convert_to_fp8(dir: &Path, out: &Path, mut progress: impl FnMut(usize, us
         )));
     }
     let checkpoint = SafetensorsModel::open_dir(dir, None)?;
+    // A directory with no matrix to convert would name FP8 quantization over float weights only,
+    // which no reader loads.
+    if !checkpoint.names().any(|(name, entry)| converts(name, &entry.dims)) {
+        return Err(Error::InvalidArgument(format!(
+            "{}: no layer matrix is whole {SCALE_BLOCK}x{SCALE_BLOCK} blocks, so none converts to FP8",
+            dir.display()
+        )));
+    }
     if out.read_dir().is_ok_and(|mut entries| entries.next().is_some()) {
         return Err(Error::InvalidArgument(format!(
             "{} exists and is not empty",
@@ -85,8 +104,7 @@ pub fn convert_to_fp8(dir: &Path, out: &Path, mut progress: impl FnMut(usize, us
             .ok_or_else(|| Error::Model(format!("missing tensor {name}")))?;
         let bytes = checkpoint.bytes(entry);
         let shape: Vec<usize> = entry.dims.iter().rev().copied().collect();
-        let layer_matrix = name.starts_with("model.layers.") && name.ends_with(".weight") && shape.len() == 2;
-        if !layer_matrix {
+        if !is_layer_matrix(name, &shape) {
             if shape.len() >= 2 {
                 written.add_matrix(entry.ty);
             } else {
@@ -96,7 +114,7 @@ pub fn convert_to_fp8(dir: &Path, out: &Path, mut progress: impl FnMut(usize, us
             continue;
         }
         let (n_out, n_in) = (shape[0], shape[1]);
-        if is_router(name) || !n_in.is_multiple_of(SCALE_BLOCK) || !n_out.is_multiple_of(SCALE_BLOCK) {
+        if !converts(name, &entry.dims) {
             not_converted.push(name.trim_end_matches(".weight").to_string());
             written.add_matrix(entry.ty);
             tensors.push((name.to_string(), dtype(entry.ty)?, shape, Bytes::Stored(bytes)));

@@ -108,6 +108,13 @@ fn convert_to_fp8_writes_what_torch_quantizes_and_runs_like_it() {
         .to_string();
     assert!(err.contains("not empty"), "{err}");
     std::fs::remove_dir_all(out).unwrap();
+    // A model none of whose matrices is whole 128 x 128 blocks has nothing to convert.
+    let none = temp_dir("convert-none");
+    let err = axiom::convert_fp8::convert_to_fp8(&fixture("llama"), &none, |_, _, _| {})
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("none converts to FP8"), "{err}");
+    assert!(!none.exists(), "{} was created", none.display());
 }
 
 #[test]
