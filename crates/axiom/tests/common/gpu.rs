@@ -283,46 +283,19 @@ pub fn matmul_every_type_and_token_count<B: Backend>(
         );
         gpu.prepare(64, n_in).unwrap();
         for n_tokens in [1, 3] {
-            let n = n_tokens * n_out;
+            let case = format!("tall {ty} [{n_out}, {n_in}] x {n_tokens}");
+            let acts = [Activation::Silu, Activation::GeluTanh];
             let tol = tolerance(ty, n_in, n_tokens);
-            let x = randn(&mut rng, n_tokens * n_in);
-            let (xg, xc) = (put(&mut gpu, &x), put(&mut cpu, &x));
-            let check = |gpu: &B, cpu: &CpuBackend, what: &str, og, oc, tol: f64| {
-                let err = rel_l2(&get(gpu, og, n), &get(cpu, oc, n));
-                assert!(
-                    err < tol,
-                    "{what} {ty} [{n_out}, {n_in}] x {n_tokens}: relative error {err}"
-                );
-            };
-            let (og, oc) = (poisoned(&mut gpu, n), poisoned(&mut cpu, n));
-            gpu.matmul(xg, &gate.0, og, n_tokens).unwrap();
-            cpu.matmul(xc, &gate.1, oc, n_tokens).unwrap();
-            check(&gpu, &cpu, "tall matmul", og, oc, tol);
-            let residual = randn(&mut rng, n);
-            let (og, oc) = (put(&mut gpu, &residual), put(&mut cpu, &residual));
-            let (sg, sc) = (poisoned(&mut gpu, n), poisoned(&mut cpu, n));
-            gpu.matmul_add(xg, &up.0, residual_in(og, sg), n_tokens).unwrap();
-            cpu.matmul_add(xc, &up.1, residual_in(oc, sc), n_tokens).unwrap();
-            check(&gpu, &cpu, "tall matmul_add", og, oc, tol);
-            for act in [Activation::Silu, Activation::GeluTanh] {
-                let rows_g = GluRows {
-                    gate: poisoned(&mut gpu, n),
-                    up: poisoned(&mut gpu, n),
-                    out: poisoned(&mut gpu, n),
-                };
-                let rows_c = GluRows {
-                    gate: poisoned(&mut cpu, n),
-                    up: poisoned(&mut cpu, n),
-                    out: poisoned(&mut cpu, n),
-                };
-                let (og, oc) = (rows_g.out, rows_c.out);
-                gpu.gate_up_glu(xg.into(), [&gate.0, &up.0], rows_g, n_tokens, act)
-                    .unwrap();
-                cpu.gate_up_glu(xc.into(), [&gate.1, &up.1], rows_c, n_tokens, act)
-                    .unwrap();
-                // Two products multiplied: their errors add.
-                check(&gpu, &cpu, &format!("tall gate_up_glu {act:?}"), og, oc, 2.0 * tol);
-            }
+            check_products(
+                &mut rng,
+                (&mut gpu, &mut cpu),
+                (&gate, &up),
+                [n_in, n_out],
+                n_tokens,
+                &acts,
+                tol,
+                &case,
+            );
         }
     }
     // FP8 weights whose scales cover the whole matrix, 128 x 128 blocks or a row (a backend may
@@ -351,42 +324,18 @@ pub fn matmul_every_type_and_token_count<B: Backend>(
         );
         gpu.prepare(64, n_in).unwrap();
         for n_tokens in [1, 2, 3, 4, 5, 7, 8, 35] {
-            let n = n_tokens * n_out;
+            let case = format!("FP8, a scale per {grain:?}, [{n_out}, {n_in}] x {n_tokens}");
             let tol = tolerance(ty, n_in, n_tokens);
-            let x = randn(&mut rng, n_tokens * n_in);
-            let (xg, xc) = (put(&mut gpu, &x), put(&mut cpu, &x));
-            let check = |gpu: &B, cpu: &CpuBackend, what: &str, og, oc, tol: f64| {
-                let err = rel_l2(&get(gpu, og, n), &get(cpu, oc, n));
-                assert!(
-                    err < tol,
-                    "{what} FP8, a scale per {grain:?}, [{n_out}, {n_in}] x {n_tokens}: relative error {err}"
-                );
-            };
-            let (og, oc) = (poisoned(&mut gpu, n), poisoned(&mut cpu, n));
-            gpu.matmul(xg, &gate.0, og, n_tokens).unwrap();
-            cpu.matmul(xc, &gate.1, oc, n_tokens).unwrap();
-            check(&gpu, &cpu, "matmul", og, oc, tol);
-            let residual = randn(&mut rng, n);
-            let (og, oc) = (put(&mut gpu, &residual), put(&mut cpu, &residual));
-            let (sg, sc) = (poisoned(&mut gpu, n), poisoned(&mut cpu, n));
-            gpu.matmul_add(xg, &up.0, residual_in(og, sg), n_tokens).unwrap();
-            cpu.matmul_add(xc, &up.1, residual_in(oc, sc), n_tokens).unwrap();
-            check(&gpu, &cpu, "matmul_add", og, oc, tol);
-            let rows = |b: &mut dyn FnMut(usize) -> BlockHandle| GluRows {
-                gate: b(n),
-                up: b(n),
-                out: b(n),
-            };
-            let (rows_g, rows_c) = (
-                rows(&mut |n| poisoned(&mut gpu, n)),
-                rows(&mut |n| poisoned(&mut cpu, n)),
+            check_products(
+                &mut rng,
+                (&mut gpu, &mut cpu),
+                (&gate, &up),
+                [n_in, n_out],
+                n_tokens,
+                &[Activation::Silu],
+                tol,
+                &case,
             );
-            gpu.gate_up_glu(xg.into(), [&gate.0, &up.0], rows_g, n_tokens, Activation::Silu)
-                .unwrap();
-            cpu.gate_up_glu(xc.into(), [&gate.1, &up.1], rows_c, n_tokens, Activation::Silu)
-                .unwrap();
-            // Two products multiplied: their errors add.
-            check(&gpu, &cpu, "gate_up_glu", rows_g.out, rows_c.out, 2.0 * tol);
         }
     }
     // The whole feed-forward block added to a residual, which a backend may fold (the SwiGLU into
@@ -778,6 +727,67 @@ pub fn attention_then_output_projection<B: Backend>(
 }
 
 /// A product added to `stream`, held first in `scratch` by a backend that adds in two steps.
+/// `gate` and `up` (each on both backends) by `n_tokens` random rows: their products, the
+/// products added to a residual, and gate and up with each of `acts`, within `tol` of the CPU
+/// (twice that where two products are multiplied); `case` names them in a failure.
+#[allow(clippy::too_many_arguments)]
+fn check_products<B: Backend>(
+    rng: &mut ChaCha8Rng,
+    (gpu, cpu): (&mut B, &mut CpuBackend),
+    (gate, up): (&WeightPair<B>, &WeightPair<B>),
+    [n_in, n_out]: [usize; 2],
+    n_tokens: usize,
+    acts: &[Activation],
+    tol: f64,
+    case: &str,
+) {
+    let n = n_tokens * n_out;
+    let x = randn(rng, n_tokens * n_in);
+    let (xg, xc) = (put(gpu, &x), put(cpu, &x));
+    let check = |gpu: &B, cpu: &CpuBackend, what: &str, og, oc, tol: f64| {
+        let err = rel_l2(&get(gpu, og, n), &get(cpu, oc, n));
+        assert!(err < tol, "{what} {case}: relative error {err}");
+    };
+    let (og, oc) = (poisoned(gpu, n), poisoned(cpu, n));
+    gpu.matmul(xg, &gate.0, og, n_tokens).unwrap();
+    cpu.matmul(xc, &gate.1, oc, n_tokens).unwrap();
+    check(gpu, cpu, "matmul", og, oc, tol);
+    let residual = randn(rng, n);
+    let (og, oc) = (put(gpu, &residual), put(cpu, &residual));
+    let (sg, sc) = (poisoned(gpu, n), poisoned(cpu, n));
+    gpu.matmul_add(xg, &up.0, residual_in(og, sg), n_tokens).unwrap();
+    cpu.matmul_add(xc, &up.1, residual_in(oc, sc), n_tokens).unwrap();
+    check(gpu, cpu, "matmul_add", og, oc, tol);
+    for &act in acts {
+        let rows_g = GluRows {
+            gate: poisoned(gpu, n),
+            up: poisoned(gpu, n),
+            out: poisoned(gpu, n),
+        };
+        let rows_c = GluRows {
+            gate: poisoned(cpu, n),
+            up: poisoned(cpu, n),
+            out: poisoned(cpu, n),
+        };
+        gpu.gate_up_glu(xg.into(), [&gate.0, &up.0], rows_g, n_tokens, act)
+            .unwrap();
+        cpu.gate_up_glu(xc.into(), [&gate.1, &up.1], rows_c, n_tokens, act)
+            .unwrap();
+        // Two products multiplied: their errors add.
+        check(
+            gpu,
+            cpu,
+            &format!("gate_up_glu {act:?}"),
+            rows_g.out,
+            rows_c.out,
+            2.0 * tol,
+        );
+    }
+}
+
+/// A weight uploaded to a backend and to the CPU reference.
+type WeightPair<B> = (<B as Kernels>::Weight, <CpuBackend as Kernels>::Weight);
+
 fn residual_in(stream: BlockHandle, scratch: BlockHandle) -> Residual {
     Residual { stream, scratch }
 }
