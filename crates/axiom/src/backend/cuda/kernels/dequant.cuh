@@ -200,24 +200,18 @@ __device__ __forceinline__ Fp8Scales fp8_scales(const Weight& w, u64 row) {
 
 __device__ __forceinline__ float fp8_scale(const Fp8Scales& s, int c) { return __ldg(s.row + (c >> s.chunk_shift)); }
 
-// Four E4M3 codes (byte j of `codes` is value j) as floats 2^120 times too small, on the integer
-// pipe rather than through conversions, whose unit has a fraction of its throughput: a code's
-// sign, exponent and mantissa moved to their f32 places (a subnormal code a subnormal f32; the
-// kernels do not flush those). The NaN codes (S.1111.111) land on 480: their blocks' scales are NaN
-// instead (fp8_scale_table in cuda/weights.rs), which leaves NaN whatever the block enters.
-__device__ __forceinline__ void fp8x4_scaled_down(u32 codes, float* y) {
+// Four E4M3 codes (byte j of `codes` is value j) to floats, exactly, on the integer and f32 pipes
+// rather than through f16 conversions, whose unit has a fraction of their throughput: a code's
+// sign, exponent and mantissa moved to their f32 places make an f32 2^120 times too small (a
+// subnormal code a subnormal f32; the kernels do not flush those), which one multiply corrects.
+// The NaN codes (S.1111.111) land on 480: their blocks' scales are NaN instead (fp8_scale_table in
+// cuda/weights.rs), which leaves NaN whatever the block enters.
+__device__ __forceinline__ void fp8x4_to_f32(u32 codes, float* y) {
+    const float two_120 = __int_as_float(0x7b800000);
     for (int j = 0; j < 4; j++) {
         u32 c = codes << (24 - 8 * j);  // code j in the top byte
-        y[j] = __uint_as_float((c & 0x80000000u) | ((c >> 4) & 0x07f00000u));
+        y[j] = __uint_as_float((c & 0x80000000u) | ((c >> 4) & 0x07f00000u)) * two_120;
     }
-}
-// 2^120, which brings fp8x4_scaled_down's values to the codes'.
-#define FP8_UNSCALE __int_as_float(0x7b800000)
-
-// The codes' values, exactly.
-__device__ __forceinline__ void fp8x4_to_f32(u32 codes, float* y) {
-    fp8x4_scaled_down(codes, y);
-    for (int j = 0; j < 4; j++) y[j] *= FP8_UNSCALE;
 }
 
 // 32 values of a chunk, each its code's value times the chunk's scale: one rounding, as the

@@ -543,8 +543,7 @@ GEMV_INT_ALL(q6_k, TY_Q6_K)
 // float4, by plain loads (not __ldg), since the normed kernels below pass a copy in shared memory.
 // (Plain loads also keep the one-token bf16 kernel under its register bound without a spill.)
 // FP8's 16 codes a load lie in one 32-value chunk: their dot product is scaled once, by the
-// chunk's scale, and brought up from fp8x4_scaled_down's values there rather than each value
-// (the products' sums stay far from f32's range either way).
+// chunk's scale.
 template <int TY> struct ValueBytes { static const int value = TY == TY_F32 ? 4 : TY == TY_FP8 ? 1 : 2; };
 
 // Values 4k..4k+3 of a 16-byte load as floats.
@@ -554,7 +553,7 @@ __device__ __forceinline__ void widen4(uint4 raw, int k, float* y) {
     if (TY == TY_F32) {
         for (int j = 0; j < 4; j++) y[j] = __uint_as_float(words[j]);
     } else if (TY == TY_FP8) {
-        fp8x4_scaled_down(words[k], y);
+        fp8x4_to_f32(words[k], y);
     } else {
         for (int j = 0; j < 2; j++) {
             u32 v = words[2 * k + j];
@@ -580,7 +579,7 @@ __device__ __forceinline__ void dot_load(uint4 raw, const float* x, int n_in, in
     }
     if (TY == TY_FP8) {
         float scale = fp8_scale(scales, at / 32);
-        for (int t = 0; t < T; t++) acc[t] = fmaf(scale, sums[t] * FP8_UNSCALE, acc[t]);
+        for (int t = 0; t < T; t++) acc[t] = fmaf(scale, sums[t], acc[t]);
     } else {
         for (int t = 0; t < T; t++) acc[t] = sums[t];
     }
