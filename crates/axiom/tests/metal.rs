@@ -73,7 +73,7 @@ fn every_architecture_on_metal_matches_transformers() {
 
 #[test]
 fn fp8_checkpoints_on_metal_match_transformers() {
-    gpu::fp8_checkpoints_match_transformers(metal, 1e-4);
+    gpu::fp8_checkpoints_match_transformers(metal, 1e-4, 0.0);
 }
 
 #[test]

@@ -144,6 +144,20 @@ pub fn has_int8_kernels(ty: GgmlType) -> bool {
     ty.block_len() > 1 && ty != GgmlType::Fp8
 }
 
+/// The matrix-vector kernel of FP8 weights on the tensor cores (fp8_mma_tile in
+/// kernels/matmul.cu) for `tokens` tokens, or (`normed`) one token that it RMS-normalizes first.
+pub fn gemv_fp8_mma_kernel(glu: bool, normed: bool, tokens: usize) -> String {
+    let kind = if glu { "gemv_glu" } else { "gemv" };
+    match normed {
+        true => format!("{kind}_normed_mma_fp8"),
+        false => format!("{kind}_mma_fp8_{tokens}"),
+    }
+}
+
+/// Output rows a block of `gemv_fp8_mma_kernel`'s takes (FP8_MMA_ROWS in kernels/matmul.cu); with
+/// SwiGLU, half as many rows of each of gate and up.
+pub const FP8_MMA_ROWS: usize = 16;
+
 /// The one-token f32-activation matrix-vector kernel that RMS-normalizes its input first.
 pub fn gemv_normed_kernel(glu: bool, ty: &str) -> String {
     let glu = if glu { "_glu" } else { "" };
@@ -233,6 +247,10 @@ pub fn kernel_names(arch: &str) -> Vec<String> {
             names.extend(every_type.iter().map(|ty| gemv_kernel(false, glu, ty, tokens)));
             names.extend(integer.iter().map(|ty| gemv_kernel(true, glu, ty, tokens)));
         }
+    }
+    for glu in [false, true] {
+        names.push(gemv_fp8_mma_kernel(glu, true, 1));
+        names.extend([1, 2, 4, 8].map(|tokens| gemv_fp8_mma_kernel(glu, false, tokens)));
     }
     names.extend(quantized.iter().map(|ty| format!("dequant_f16_{ty}")));
     for (grouped, glu) in [(false, false), (false, true), (true, false), (true, true)] {

@@ -230,6 +230,14 @@ impl CudaBackend {
             let q4k_one_token = matches!(input, GemvInput::Int8(_)) && w.ty == GgmlType::Q4K && t == 1;
             let rows_per_warp = if q4k_one_token { Q4K_ROWS } else { 1 };
             let (mut mats, blocks) = self.matrices(ws, outs, epilogue, (done, t), rows_per_warp);
+            // FP8 on the tensor cores: blocks of FP8_MMA_ROWS rows of one matrix, or with SwiGLU
+            // half as many of gate's and up's.
+            let fp8_mma = w.ty == GgmlType::Fp8 && self.paths.fp8_tensor_cores();
+            let blocks = match (fp8_mma, glu) {
+                (false, _) => blocks,
+                (true, true) => w.n_out.div_ceil(kernels::FP8_MMA_ROWS / 2) as u32,
+                (true, false) => ws.iter().map(|w| w.n_out.div_ceil(kernels::FP8_MMA_ROWS)).sum::<usize>() as u32,
+            };
             match input {
                 GemvInput::Int8(Quantized {
                     xq,
@@ -256,11 +264,17 @@ impl CudaBackend {
                 }
                 GemvInput::F32(rows) => {
                     let xs = self.ptr(rows.slice(done * w.n_in * 4, t * w.n_in * 4));
-                    let name = kernels::gemv_kernel(false, glu, suffix, t);
+                    let name = match fp8_mma {
+                        true => kernels::gemv_fp8_mma_kernel(glu, false, t),
+                        false => kernels::gemv_kernel(false, glu, suffix, t),
+                    };
                     self.launch(&name, (blocks, 1, 1), 256, &GemvParams { mats, n_in, x: xs })?
                 }
                 GemvInput::Normed { x, weight, eps } => {
-                    let name = kernels::gemv_normed_kernel(glu, suffix);
+                    let name = match fp8_mma {
+                        true => kernels::gemv_fp8_mma_kernel(glu, true, 1),
+                        false => kernels::gemv_normed_kernel(glu, suffix),
+                    };
                     let params = GemvNormedParams {
                         mats,
                         n_in,

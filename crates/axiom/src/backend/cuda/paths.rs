@@ -70,6 +70,13 @@ impl Paths {
         self == Paths::Fastest && !matches!(ty, GgmlType::F32 | GgmlType::Fp8)
     }
 
+    /// Whether the matrix-vector products of FP8 weights may run on the tensor cores, their
+    /// activations rounded to f16 (as cuBLAS's are for longer steps): invariant steps keep them
+    /// on the f32 kernels, whose sums match the reference's to f32 rounding.
+    pub(super) fn fp8_tensor_cores(self) -> bool {
+        self == Paths::Fastest
+    }
+
     /// Whether attention may run on tensor cores (flash attention, f16 queries and
     /// probabilities) for steps long enough: invariant steps take the one-pass kernel always.
     pub(super) fn flash(self) -> bool {
@@ -135,7 +142,7 @@ mod tests {
         }
         assert!(!p.int8_activations(GgmlType::Q4K) && p.int8_activations(GgmlType::Q8_0));
         assert!(!p.int8_activations(GgmlType::BF16));
-        assert!(!p.folds_norms() && !p.flash() && !p.rope_in_attention());
+        assert!(!p.folds_norms() && !p.flash() && !p.rope_in_attention() && !p.fp8_tensor_cores());
         assert!(!p.int8_experts(GgmlType::Q4K) && !p.int8_experts(GgmlType::Q8_0));
         for heads in [1, 9, 32, 2048] {
             assert_eq!(p.attention_splits(132, heads, 8), 1);
@@ -153,10 +160,11 @@ mod tests {
         assert!(f.int8_activations(GgmlType::Q4K));
         assert!(f.expert_gemm(GgmlType::Q4K) && f.expert_gemm(GgmlType::BF16) && !f.expert_gemm(GgmlType::F32));
         assert!(f.int8_experts(GgmlType::Q4K) && !f.int8_experts(GgmlType::BF16));
-        // FP8 weights stay on f32 activations, on the matrix-vector kernels up to eight tokens.
+        // FP8 weights stay off int8 activations, on the matrix-vector kernels up to eight tokens.
         assert!(!f.int8_activations(GgmlType::Fp8) && !p.int8_activations(GgmlType::Fp8));
         assert!(!f.int8_experts(GgmlType::Fp8) && !f.expert_gemm(GgmlType::Fp8));
         assert_eq!(f.gemv_max_tokens(GgmlType::Fp8), 8);
+        assert!(f.fp8_tensor_cores());
         assert_eq!((f.attention_splits(132, 32, 8), f.attention_splits(132, 1, 8)), (4, 8));
         assert_eq!((f.int8_tokens(512), f.capture_max_tokens()), (8, 8));
     }

@@ -676,6 +676,167 @@ GEMV_ALL(q5_0, TY_Q5_0, quant_row)
 GEMV_ALL(q4_k, TY_Q4_K, quant_row)
 GEMV_ALL(q6_k, TY_Q6_K, quant_row)
 
+// FP8 weights for a few tokens on the tensor cores (under Fastest: `Paths::fp8_tensor_cores`):
+// converting a code to f32 and multiplying costs about five instructions a byte on the f32 kernels
+// above, which holds a step's weights under their byte limit; here a code costs under one. A block
+// of eight warps takes 16 rows (with GLU 8 of gate and the same 8 of up) and the warps take the
+// rows' 32-value chunks in turn. Each lane holds 8 codes of a chunk for rows g and g + 8 (lane
+// 4g + t, codes 8t..8t + 7), the tokens' activations for the same codes rounded to f16 (lane 4g + t
+// those of token g), so two m16n8k16 MMAs sum a chunk for all 16 rows and 8 tokens; the chunk's
+// scales then multiply those sums in f32, as the reference does. The warps' sums meet in shared
+// memory.
+#define FP8_MMA_ROWS 16
+
+// Two E4M3 codes (the low and high bytes of `pair`) as an f16x2, exactly: on sm_89 and later by the
+// conversion instruction; before, by moving each code's bits to their f16 places, which leaves its
+// value 2^8 too small (FP8_F16_UNSCALE puts it back).
+#if __CUDA_ARCH__ >= 890
+#define FP8_F16_UNSCALE 1.0f
+__device__ __forceinline__ u32 e4m3x2_to_f16x2(u32 pair) {
+    u32 h;
+    asm("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, %1; cvt.rn.f16x2.e4m3x2 %0, lo; }" : "=r"(h) : "r"(pair));
+    return h;
+}
+#else
+#define FP8_F16_UNSCALE 256.0f
+__device__ __forceinline__ u32 e4m3x2_to_f16x2(u32 pair) {
+    u32 placed = __byte_perm(pair, 0, 0x1404);  // code 0 at bits 8-15, code 1 at bits 24-31
+    return (placed & 0x80008000u) | ((placed >> 1) & 0x3f803f80u);
+}
+#endif
+
+// Two f32 as an f16x2 (lo in the low half), round to nearest.
+__device__ __forceinline__ u32 f16x2_of(float lo, float hi) {
+    u32 h;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(h) : "f"(hi), "f"(lo));
+    return h;
+}
+
+// d = a b (m16n8k16, f16 inputs, f32 sums), from zero.
+__device__ __forceinline__ void mma_f16_fresh(float* d, const u32* a, u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%10,%10,%10};"
+                 : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(0.0f));
+}
+
+// 8 bytes of weights read once (see load_stream).
+__device__ __forceinline__ uint2 load_stream8(const uint2* p) {
+    uint2 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+    return v;
+}
+
+// The block's 16 rows times T tokens from activations x (T rows of n_in, global or shared memory):
+// written to out or added to it (mats.accumulate), or with GLU silu(gate) * up of 8 rows. `ready`
+// is the PDL wait (or the norm that waits): the first chunks' weights are read before it.
+template <int T, bool GLU, typename Ready>
+__device__ __forceinline__ void fp8_mma_tile(const Matrices& mats, int n_in, const float* x, Ready ready) {
+    __shared__ float sums[8][32][4];
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    Weight wa, wb;
+    float* out = mats.out[0];
+    int n_out = mats.n_out[0], first = 0, ra, rb;
+    if constexpr (GLU) {
+        wa = Weight{mats.q[0], mats.s[0], mats.m[0], n_in}, wb = Weight{mats.q[1], mats.s[1], mats.m[1], n_in};
+        first = blockIdx.x * 8;
+        ra = rb = min(first + g, n_out - 1);
+    } else {
+        // Tiles never straddle matrices; the loop is unrolled so that the parameters are indexed
+        // by constants (see pick_row).
+        int k = blockIdx.x, which = 0;
+#pragma unroll
+        for (int i = 0; i < MAX_MATRICES; i++) {
+            int tiles = (mats.n_out[i] + FP8_MMA_ROWS - 1) / FP8_MMA_ROWS;
+            if (i < mats.count && k >= 0 && k < tiles) which = i, first = k * FP8_MMA_ROWS;
+            if (i < mats.count && k >= 0) k -= tiles;
+        }
+#pragma unroll
+        for (int i = 0; i < MAX_MATRICES; i++)
+            if (i == which) wa = Weight{mats.q[i], mats.s[i], mats.m[i], n_in}, out = mats.out[i], n_out = mats.n_out[i];
+        wb = wa;
+        ra = min(first + g, n_out - 1), rb = min(first + g + 8, n_out - 1);
+    }
+    const uint2* qa = (const uint2*)(wa.q + (u64)ra * n_in) + t;
+    const uint2* qb = (const uint2*)(wb.q + (u64)rb * n_in) + t;
+    Fp8Scales sa = fp8_scales(wa, ra), sb = fp8_scales(wb, rb);
+    int n_chunks = n_in / 32;
+    constexpr int U = 4;  // chunks a warp has in flight
+    uint2 ca[U], cb[U];
+    auto load = [&](int c0) {
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            int c = c0 + 8 * u;
+            ca[u] = c < n_chunks ? load_stream8(qa + 4 * c) : make_uint2(0, 0);
+            cb[u] = c < n_chunks ? load_stream8(qb + 4 * c) : make_uint2(0, 0);
+        }
+    };
+    float total[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    load(warp);
+    ready();
+    for (int c0 = warp; c0 < n_chunks; c0 += 8 * U) {
+        if (c0 != warp) load(c0);
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            int c = c0 + 8 * u;
+            if (c >= n_chunks) break;
+            u32 b[4] = {0, 0, 0, 0};
+            if (g < T) {
+                const float4* xv = (const float4*)(x + (u64)g * n_in + 32 * c + 8 * t);
+                float4 lo = xv[0], hi = xv[1];
+                b[0] = f16x2_of(lo.x, lo.y), b[1] = f16x2_of(lo.z, lo.w);
+                b[2] = f16x2_of(hi.x, hi.y), b[3] = f16x2_of(hi.z, hi.w);
+            }
+            // Codes 4m..4m + 3 of each row make MMA m's depths 2t, 2t + 1, 2t + 8, 2t + 9, as the
+            // activations in b[2m], b[2m + 1] do.
+            u32 words_a[2] = {ca[u].x, ca[u].y}, words_b[2] = {cb[u].x, cb[u].y};
+            float d[4], e[4];
+            for (int m = 0; m < 2; m++) {
+                u32 a[4] = {e4m3x2_to_f16x2(words_a[m]), e4m3x2_to_f16x2(words_b[m]),
+                            e4m3x2_to_f16x2(words_a[m] >> 16), e4m3x2_to_f16x2(words_b[m] >> 16)};
+                mma_f16_fresh(m == 0 ? d : e, a, b[2 * m], b[2 * m + 1]);
+            }
+            float scale_a = fp8_scale(sa, c), scale_b = fp8_scale(sb, c);
+            total[0] = fmaf(scale_a, d[0] + e[0], total[0]);
+            total[1] = fmaf(scale_a, d[1] + e[1], total[1]);
+            total[2] = fmaf(scale_b, d[2] + e[2], total[2]);
+            total[3] = fmaf(scale_b, d[3] + e[3], total[3]);
+        }
+    }
+    // Lane 4g + t holds rows g (0, 1) and g + 8 (2, 3) for tokens 2t and 2t + 1.
+    for (int j = 0; j < 4; j++) sums[warp][lane][j] = total[j] * FP8_F16_UNSCALE;
+    __syncthreads();
+    int i = threadIdx.x, token = i % 8, r = i / 8;
+    auto summed = [&](int row, int tok) {
+        float s = 0.0f;
+        for (int w = 0; w < 8; w++) s += sums[w][4 * (row % 8) + tok / 2][2 * (row / 8) + tok % 2];
+        return s;
+    };
+    if (token >= T) return;
+    if constexpr (GLU) {
+        if (r < 8 && first + r < n_out) {
+            float gate = summed(r, token), up = summed(r + 8, token);
+            out[(u64)token * n_out + first + r] = __fdividef(gate, 1.0f + __expf(-gate)) * up;
+        }
+    } else if (r < FP8_MMA_ROWS && first + r < n_out) {
+        float* o = out + (u64)token * n_out + first + r;
+        float s = summed(r, token);
+        *o = mats.accumulate ? *o + s : s;
+    }
+}
+
+#define GEMV_FP8_MMA(T, GLU, KIND)                                                                      \
+    extern "C" __global__ void __launch_bounds__(256) KIND##_mma_fp8_##T(GemvParams p) {                \
+        fp8_mma_tile<T, GLU>(p.mats, p.n_in, p.x, [] { begin_after_inputs(); });                         \
+    }
+#define GEMV_FP8_MMA_NORMED(GLU, KIND)                                                                  \
+    extern "C" __global__ void __launch_bounds__(256) KIND##_normed_mma_fp8(GemvNormedParams p) {       \
+        __shared__ __align__(16) float xs[NORMED_MAX_IN];                                               \
+        fp8_mma_tile<1, GLU>(p.mats, p.n_in, xs, [&] { normalize_row(xs, p.x, p.norm, p.n_in, p.eps); }); \
+    }
+GEMV_FP8_MMA(1, false, gemv) GEMV_FP8_MMA(2, false, gemv) GEMV_FP8_MMA(4, false, gemv) GEMV_FP8_MMA(8, false, gemv)
+GEMV_FP8_MMA(1, true, gemv_glu) GEMV_FP8_MMA(2, true, gemv_glu) GEMV_FP8_MMA(4, true, gemv_glu) GEMV_FP8_MMA(8, true, gemv_glu)
+GEMV_FP8_MMA_NORMED(false, gemv) GEMV_FP8_MMA_NORMED(true, gemv_glu)
+
 // Sixteen values as f16 in two 16-byte stores (p is 32-byte aligned: a run starts at a multiple
 // of 16 values of a row of a multiple of 32).
 __device__ __forceinline__ void store_f16x16(u16* p, const float* y) {
