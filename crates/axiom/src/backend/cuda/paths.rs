@@ -70,6 +70,12 @@ impl Paths {
         self == Paths::Fastest && !matches!(ty, GgmlType::F32 | GgmlType::Fp8)
     }
 
+    /// Whether prompts may multiply FP8 weights on the FP8 tensor cores (through cuBLASLt, which
+    /// chooses its kernel by the step's size): not when invariant.
+    pub(super) fn fp8_tensor_cores(self) -> bool {
+        self == Paths::Fastest
+    }
+
     /// Whether attention may run on tensor cores (flash attention, f16 queries and
     /// probabilities) for steps long enough: invariant steps take the one-pass kernel always.
     pub(super) fn flash(self) -> bool {
@@ -135,7 +141,7 @@ mod tests {
         }
         assert!(!p.int8_activations(GgmlType::Q4K) && p.int8_activations(GgmlType::Q8_0));
         assert!(!p.int8_activations(GgmlType::BF16));
-        assert!(!p.folds_norms() && !p.flash() && !p.rope_in_attention());
+        assert!(!p.folds_norms() && !p.flash() && !p.rope_in_attention() && !p.fp8_tensor_cores());
         assert!(!p.int8_experts(GgmlType::Q4K) && !p.int8_experts(GgmlType::Q8_0));
         for heads in [1, 9, 32, 2048] {
             assert_eq!(p.attention_splits(132, heads, 8), 1);
@@ -150,7 +156,7 @@ mod tests {
             (f.gemv_max_tokens(GgmlType::BF16), f.gemv_max_tokens(GgmlType::Q4K)),
             (1, 8)
         );
-        assert!(f.int8_activations(GgmlType::Q4K));
+        assert!(f.int8_activations(GgmlType::Q4K) && f.fp8_tensor_cores());
         assert!(f.expert_gemm(GgmlType::Q4K) && f.expert_gemm(GgmlType::BF16) && !f.expert_gemm(GgmlType::F32));
         assert!(f.int8_experts(GgmlType::Q4K) && !f.int8_experts(GgmlType::BF16));
         // FP8 weights stay on f32 activations, on the matrix-vector kernels up to eight tokens.
