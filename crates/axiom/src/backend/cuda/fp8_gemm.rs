@@ -237,10 +237,10 @@ impl CudaBackend {
         let algo = match cached {
             Some(algo) => algo,
             None => {
-                let algo = self.choose_algo(lt, &op, workspace.len)?;
-                if algo.is_none() {
-                    tracing::warn!("cuBLASLt has no FP8 GEMM for {shape:?}: dequantizing to f16");
-                }
+                let algo = self
+                    .choose_algo(lt, &op, workspace.len)
+                    .inspect_err(|e| tracing::warn!("{e}, for {shape:?}: dequantizing to f16 instead"))
+                    .ok();
                 lt.algos.borrow_mut().insert(shape, algo);
                 algo
             }
@@ -254,8 +254,9 @@ impl CudaBackend {
         }))
     }
 
-    /// cuBLASLt's first choice of kernel for `op`, none if it has none.
-    fn choose_algo(&self, lt: &Fp8Lt, op: &LtOp, workspace: usize) -> Result<Option<lt_sys::cublasLtMatmulAlgo_t>> {
+    /// cuBLASLt's first choice of kernel for `op`; an error if it has none (or refuses the
+    /// descriptors), which leaves the shape to the f16 path.
+    fn choose_algo(&self, lt: &Fp8Lt, op: &LtOp, workspace: usize) -> Result<lt_sys::cublasLtMatmulAlgo_t> {
         let pref = lt::create_matmul_pref().map_err(lt_error("preference"))?;
         let [a, b, d] = op.layouts;
         // SAFETY: every descriptor is live; the preference is destroyed before returning.
@@ -270,11 +271,9 @@ impl CudaBackend {
             let _ = lt::destroy_matmul_pref(pref);
             chosen
         };
-        match chosen {
-            Ok(heuristic) => Ok(Some(heuristic.algo)),
-            Err(lt::CublasError(lt_sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED)) => Ok(None),
-            Err(e) => Err(lt_error("heuristic")(e)),
-        }
+        chosen
+            .map(|heuristic| heuristic.algo)
+            .map_err(lt_error("has no FP8 GEMM"))
     }
 
     /// `out = x w^T` (stored, added or stored in f16, as `output` says) on the FP8 tensor cores,
