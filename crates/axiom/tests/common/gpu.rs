@@ -355,18 +355,7 @@ pub fn matmul_every_type_and_token_count<B: Backend>(
         let mut weight = |n_in, n_out| random_weight(&mut rng, &mut gpu, &mut cpu, ty, n_in, n_out);
         let (gate, up, down) = (weight(dim, ffn_dim), weight(dim, ffn_dim), weight(ffn_dim, dim));
         gpu.prepare(64, dim.max(ffn_dim)).unwrap();
-        // The norm is scaled so that the gate products are about 1, as in a real model: a backend
-        // may hold the hidden values in f16, and the random weights' scales range from 0.1 (f16) to
-        // 400 (Q6_K), whose products would leave f16's range or sink below its normal numbers.
-        let norm = randn(&mut rng, dim);
-        let (probe, probe_out) = (put(&mut cpu, &randn(&mut rng, dim)), poisoned(&mut cpu, ffn_dim));
-        let nc = put(&mut cpu, &norm);
-        let sc = poisoned(&mut cpu, dim);
-        cpu.matmul_many(normed(probe, nc, sc), &[&gate.1], &[probe_out], 1)
-            .unwrap();
-        let products = get(&cpu, probe_out, ffn_dim);
-        let gate_rms = (products.iter().map(|v| v * v).sum::<f32>() / ffn_dim as f32).sqrt();
-        let norm: Vec<f32> = norm.iter().map(|v| v / gate_rms).collect();
+        let norm = unit_gate_norm(&mut rng, &mut cpu, &gate.1, [dim, ffn_dim]);
         let (ng, nc) = (put(&mut gpu, &norm), put(&mut cpu, &norm));
         let runs = [1, 3, 8, 9, 35]
             .into_iter()
@@ -419,6 +408,123 @@ pub fn matmul_every_type_and_token_count<B: Backend>(
             );
         }
     }
+}
+
+/// An RMS norm weight for the input of `gate` (`[dim, ffn_dim]`) under which its products are
+/// about 1, as in a real model: a backend may hold the hidden values in f16, and the random
+/// weights' scales range from 0.1 (f16) to 400 (Q6_K), whose products would leave f16's range or
+/// sink below its normal numbers.
+fn unit_gate_norm(
+    rng: &mut ChaCha8Rng,
+    cpu: &mut CpuBackend,
+    gate: &<CpuBackend as Kernels>::Weight,
+    [dim, ffn_dim]: [usize; 2],
+) -> Vec<f32> {
+    let norm = randn(rng, dim);
+    let (probe, probe_out) = (put(cpu, &randn(rng, dim)), poisoned(cpu, ffn_dim));
+    let nc = put(cpu, &norm);
+    let sc = poisoned(cpu, dim);
+    cpu.matmul_many(normed(probe, nc, sc), &[gate], &[probe_out], 1)
+        .unwrap();
+    let products = get(cpu, probe_out, ffn_dim);
+    let gate_rms = (products.iter().map(|v| v * v).sum::<f32>() / ffn_dim as f32).sqrt();
+    norm.iter().map(|v| v / gate_rms).collect()
+}
+
+/// FP8 weights as checkpoints have them (rows of whole 128-value groups; a scale over the whole
+/// matrix, each 128 x 128 block or each row) by prompts of awkward lengths: the product, the
+/// product of normalized rows, the product added to a residual, and the feed-forward block
+/// (gate and up of `[n_in, n_out]`, down back), against the CPU. Outputs have room for the step
+/// padded to a multiple of 4 tokens, as a model's scratch (sized for its longest step) has: a
+/// backend may write the padding. Returns each case with its relative error for the backend's
+/// test to bound (the feed-forward cases' names start with "feed_forward"); `check_weight` sees
+/// each weight as uploaded.
+pub fn fp8_prompt_products<B: Backend>(
+    make: impl Fn() -> B,
+    check_weight: impl Fn(&B, &B::Weight),
+) -> Vec<(String, f64)> {
+    let mut rng = ChaCha8Rng::seed_from_u64(9);
+    let mut errors = Vec::new();
+    let shapes = [[384, 640], [1280, 384]]
+        .into_iter()
+        .flat_map(|dims| Fp8Grain::ALL.map(|grain| (dims, grain)));
+    for ([n_in, n_out], grain) in shapes {
+        let (mut gpu, mut cpu) = pair(&make);
+        let mut weight = |dims: [usize; 2]| {
+            let bytes = fp8_weight_bytes(&mut rng, dims, grain);
+            upload_pair(&mut gpu, &mut cpu, GgmlType::Fp8, dims, &bytes)
+        };
+        let (gate, up, down) = (weight([n_in, n_out]), weight([n_in, n_out]), weight([n_out, n_in]));
+        for w in [&gate, &up, &down] {
+            check_weight(&gpu, &w.0);
+        }
+        gpu.prepare(2048, n_in.max(n_out)).unwrap();
+        let norm = unit_gate_norm(&mut rng, &mut cpu, &gate.1, [n_in, n_out]);
+        let (ng, nc) = (put(&mut gpu, &norm), put(&mut cpu, &norm));
+        for n_tokens in [17usize, 300, 2048] {
+            let case = format!("FP8, a scale per {grain:?}, [{n_out}, {n_in}] x {n_tokens}");
+            let padded = n_tokens.next_multiple_of(4);
+            let (n, n_x) = (n_tokens * n_out, n_tokens * n_in);
+            let x = randn(&mut rng, n_x);
+            let (xg, xc) = (put(&mut gpu, &x), put(&mut cpu, &x));
+            let (sg, sc) = (poisoned(&mut gpu, padded * n_in), poisoned(&mut cpu, n_x));
+            let (og, oc) = (poisoned(&mut gpu, padded * n_out), poisoned(&mut cpu, n));
+            gpu.matmul(xg, &gate.0, og, n_tokens).unwrap();
+            cpu.matmul(xc, &gate.1, oc, n_tokens).unwrap();
+            errors.push((format!("matmul {case}"), rel_l2(&get(&gpu, og, n), &get(&cpu, oc, n))));
+            let (og, oc) = (poisoned(&mut gpu, padded * n_out), poisoned(&mut cpu, n));
+            gpu.matmul_many(normed(xg, ng, sg), &[&gate.0], &[og], n_tokens)
+                .unwrap();
+            cpu.matmul_many(normed(xc, nc, sc), &[&gate.1], &[oc], n_tokens)
+                .unwrap();
+            let err = rel_l2(&get(&gpu, og, n), &get(&cpu, oc, n));
+            errors.push((format!("normed matmul {case}"), err));
+            // What a block added, without the residual it was added to.
+            let added = |out: Vec<f32>, residual: &[f32]| -> Vec<f32> {
+                out.iter().zip(residual).map(|(o, r)| o - r).collect()
+            };
+            let residual = randn(&mut rng, padded * n_out);
+            let (og, oc) = (put(&mut gpu, &residual), put(&mut cpu, &residual[..n]));
+            let (rg, rc) = (poisoned(&mut gpu, padded * n_out), poisoned(&mut cpu, n));
+            gpu.matmul_add(xg, &up.0, residual_in(og, rg), n_tokens).unwrap();
+            cpu.matmul_add(xc, &up.1, residual_in(oc, rc), n_tokens).unwrap();
+            let (got, want) = (added(get(&gpu, og, n), &residual), added(get(&cpu, oc, n), &residual));
+            errors.push((format!("matmul_add {case}"), rel_l2(&got, &want)));
+            let residual = randn(&mut rng, padded * n_in);
+            let (og, oc) = (put(&mut gpu, &residual), put(&mut cpu, &residual[..n_x]));
+            let scratch = |b: &mut dyn FnMut(usize) -> BlockHandle, tokens: usize| FeedForwardScratch {
+                gate: b(tokens * n_out),
+                up: b(tokens * n_out),
+                hidden: b(tokens * n_out),
+                proj: b(tokens * n_in),
+            };
+            let scratch_gpu = scratch(&mut |len| poisoned(&mut gpu, len), padded);
+            let scratch_cpu = scratch(&mut |len| poisoned(&mut cpu, len), n_tokens);
+            let activation = Activation::Silu;
+            let ffn_gpu = FeedForward {
+                gate: &gate.0,
+                up: &up.0,
+                down: &down.0,
+                activation,
+            };
+            let ffn_cpu = FeedForward {
+                gate: &gate.1,
+                up: &up.1,
+                down: &down.1,
+                activation,
+            };
+            gpu.feed_forward(normed(xg, ng, sg), ffn_gpu, scratch_gpu, og, n_tokens)
+                .unwrap();
+            cpu.feed_forward(normed(xc, nc, sc), ffn_cpu, scratch_cpu, oc, n_tokens)
+                .unwrap();
+            let (got, want) = (
+                added(get(&gpu, og, n_x), &residual),
+                added(get(&cpu, oc, n_x), &residual),
+            );
+            errors.push((format!("feed_forward {case}"), rel_l2(&got, &want)));
+        }
+    }
+    errors
 }
 
 /// Embedding from every type of `types` (those the backend runs), RMSNorm, RoPE in both layouts,

@@ -1,7 +1,7 @@
 //! Attention over the paged KV cache: the one-pass kernel (kernels/attention.cu) for steps of
 //! few tokens, the choice between it and flash attention, and the output projection after it.
 
-use super::gemm::{gemm_input, GemmOutput};
+use super::gemm::{gemm_input, GemmOutput, Staged};
 use super::launch::page_size_arg;
 use super::matmul::{interleaves_activations, starts_next_early, Epilogue, GemvPlan, MatmulPlan, Quantized};
 use super::params::AttentionParams;
@@ -158,7 +158,14 @@ impl CudaBackend {
                 }
                 let rotate = new.map(|new| new.rope);
                 self.flash_attention(q, rotate, kv, self.ptr(x_stage), input, n_tokens, shape)?;
-                self.gemm(out, wo, residual.stream, n_tokens, GemmOutput::Add, &mut Some(input))
+                self.gemm(
+                    out,
+                    wo,
+                    residual.stream,
+                    n_tokens,
+                    GemmOutput::Add,
+                    &mut Staged::sixteen(input),
+                )
             }
             ProjectionPlan::Folded(staging) => {
                 self.attend(q, new, kv, out, Some((staging, wo)), n_tokens, shape)?;

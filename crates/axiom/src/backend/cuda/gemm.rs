@@ -1,5 +1,6 @@
 //! Products through cuBLAS, for steps of more tokens than the matrix-vector kernels take:
-//! quantized weights dequantized to f16 first, activations staged in 16 bits.
+//! quantized weights dequantized to f16 first, activations staged in 16 bits; FP8 weights on
+//! Hopper's FP8 tensor cores where cuBLASLt takes them (fp8_gemm.rs).
 
 use super::launch::blocks_for;
 use super::matmul::MatmulPlan;
@@ -13,11 +14,30 @@ use cudarc::cublas::{result as cublas, sys as cublas_sys};
 
 /// What a cuBLAS GEMM does with its product: stores it in f32, adds it to f32 rows (the residual
 /// stream), or stores it in its inputs' 16-bit type.
-#[derive(Clone, Copy, PartialEq, Eq)]
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
 pub(super) enum GemmOutput {
     Store,
     Add,
     Store16,
+}
+
+/// What the cuBLAS staging holds of a step's input, so that the weights sharing it convert it once.
+#[derive(Clone, Copy, Default)]
+pub(super) struct Staged {
+    /// The input in this 16-bit type, in the activations' staging.
+    pub(super) sixteen: Option<GgmlType>,
+    /// The input quantized for the FP8 tensor cores, in the weights' staging (`gemm_fp8`).
+    pub(super) fp8: bool,
+}
+
+impl Staged {
+    /// The activations' staging holds the input in `ty`.
+    pub(super) fn sixteen(ty: GgmlType) -> Staged {
+        Staged {
+            sixteen: Some(ty),
+            fp8: false,
+        }
+    }
 }
 
 /// The type cuBLAS reads a weight of type `ty` and its activations in: float weights as they are
@@ -32,7 +52,8 @@ pub(super) fn gemm_input(ty: GgmlType) -> GgmlType {
 impl CudaBackend {
     /// `out = x w^T` through cuBLAS, stored or added as `output` says. Its 16-bit input is
     /// staged: `staged` says which type the staging already holds `x` in, so the weights that
-    /// share an input convert it once.
+    /// share an input convert it once. FP8 weights run on the FP8 tensor cores where
+    /// `fp8_product` finds they can.
     pub(super) fn gemm(
         &self,
         x: BlockHandle,
@@ -40,8 +61,11 @@ impl CudaBackend {
         out: BlockHandle,
         n_tokens: usize,
         output: GemmOutput,
-        staged: &mut Option<GgmlType>,
+        staged: &mut Staged,
     ) -> Result<()> {
+        if let Some(product) = self.fp8_product(w, n_tokens, out, output)? {
+            return self.gemm_fp8(x, w, out, n_tokens, output, staged, product);
+        }
         let (n_in, n_out) = (w.n_in, w.n_out);
         let (w_stage, x_stage) = self.cublas_staging()?;
         // Float weights are read as they are; quantized ones are dequantized to f16 first.
@@ -65,12 +89,14 @@ impl CudaBackend {
                     n_out: n_out as i32,
                 },
             )?;
+            // The weights' staging no longer holds FP8 activations.
+            staged.fp8 = false;
             self.ptr(w_stage)
         };
         let b = if input == GgmlType::F32 {
             self.ptr(x)
         } else {
-            if *staged != Some(input) {
+            if staged.sixteen != Some(input) {
                 let (n, kind) = ((n_tokens * n_in) as u64, input.id() as i32);
                 self.launch(
                     "convert_f32",
@@ -83,7 +109,7 @@ impl CudaBackend {
                         kind,
                     },
                 )?;
-                *staged = Some(input);
+                staged.sixteen = Some(input);
             }
             self.ptr(x_stage)
         };
@@ -142,7 +168,7 @@ impl CudaBackend {
         n_tokens: usize,
         dim: usize,
         ty: GgmlType,
-        staged: &mut Option<GgmlType>,
+        staged: &mut Staged,
     ) -> Result<BlockHandle> {
         match x {
             Input::Rows(rows) => Ok(rows),
@@ -153,7 +179,7 @@ impl CudaBackend {
                 scratch,
             } => {
                 self.rms_norm_16bit(x, weight, eps, n_tokens, dim, ty)?;
-                *staged = Some(ty);
+                *staged = Staged::sixteen(ty);
                 Ok(scratch)
             }
         }
@@ -177,7 +203,7 @@ impl CudaBackend {
         if input == GgmlType::F32 || !same_shape || ![ffn.gate, ffn.up, ffn.down].into_iter().all(by_cublas) {
             return feed_forward_in_steps(self, x, ffn, scratch, residual, n_tokens);
         }
-        let mut staged = None;
+        let mut staged = Staged::default();
         let rows = self.stage_16bit(x, n_tokens, ffn.gate.n_in, input, &mut staged)?;
         self.gemm(rows, ffn.gate, scratch.gate, n_tokens, GemmOutput::Store16, &mut staged)?;
         self.gemm(rows, ffn.up, scratch.up, n_tokens, GemmOutput::Store16, &mut staged)?;
@@ -203,7 +229,7 @@ impl CudaBackend {
             },
         )?;
         // The down projection reads the staged rows; `scratch.hidden` stands in for their f32 form.
-        let mut staged = Some(input);
+        let mut staged = Staged::sixteen(input);
         self.gemm(
             scratch.hidden,
             ffn.down,

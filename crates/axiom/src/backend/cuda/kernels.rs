@@ -31,6 +31,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("argmax.cu", include_str!("kernels/argmax.cu")),
     ("experts.cu", include_str!("kernels/experts.cu")),
     ("expert_gemm.cu", include_str!("kernels/expert_gemm.cu")),
+    ("fp8_gemm.cu", include_str!("kernels/fp8_gemm.cu")),
 ];
 
 /// All sources as one translation unit (NVRTC compiles them together, once).
@@ -183,6 +184,13 @@ pub fn has_warpgroup_mma(arch: &str) -> bool {
     arch == "sm_90a"
 }
 
+/// Whether the kernels compiled for `arch` include the activations' quantization for cuBLASLt's
+/// FP8 GEMM (kernels/fp8_gemm.cu): Hopper's, the architecture whose cuBLASLt takes 128-value and
+/// 128 x 128 block scales.
+pub fn has_fp8_gemm(arch: &str) -> bool {
+    arch == "sm_90a"
+}
+
 /// The flash-attention kernels compiled for `arch`, by whether they run on the warpgroup MMAs.
 pub fn flash_attention_kinds(arch: &str) -> &'static [bool] {
     if has_warpgroup_mma(arch) {
@@ -262,6 +270,9 @@ pub fn kernel_names(arch: &str) -> Vec<String> {
     names.extend(integer.iter().map(|ty| expert_int_glu_kernel(ty)));
     names.extend(every_type.iter().map(|ty| expert_down_sum_kernel(false, ty)));
     names.extend(integer.iter().map(|ty| expert_down_sum_kernel(true, ty)));
+    if has_fp8_gemm(arch) {
+        names.push("quantize_fp8".into());
+    }
     for head_dim in [64, 128] {
         for &warpgroups in flash_attention_kinds(arch) {
             names.extend([1, 2].map(|groups| flash_attention_kernel(head_dim, groups, warpgroups)));

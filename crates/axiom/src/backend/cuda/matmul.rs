@@ -1,7 +1,7 @@
 //! Matrix products: the matrix-vector kernels of kernels/matmul.cu for steps of a few tokens (on
 //! int8 activations where the weights take them), and the choice between them and cuBLAS.
 
-use super::gemm::{gemm_input, GemmOutput};
+use super::gemm::{gemm_input, GemmOutput, Staged};
 use super::launch::blocks_for;
 use super::norms::norm_q8_kernel;
 use super::params::{GemvIntParams, GemvNormedParams, GemvParams, Matrices, QuantizeQ8Params, RmsNormQ8Params};
@@ -78,7 +78,7 @@ impl CudaBackend {
         // One quantization (or 16-bit conversion, for cuBLAS) of the activations serves every
         // weight that takes it, and weights of one type go to the matrix-vector kernels together,
         // in one launch.
-        let (mut quantized, mut staged) = (None, None);
+        let (mut quantized, mut staged) = (None, Staged::default());
         // The norm goes into the matrix-vector kernels where they take it (`normalizes_input`), or,
         // where only cuBLAS reads the rows and in one 16-bit type, into their conversion. Every
         // other path reads normalized f32 rows, written once here.
@@ -124,7 +124,7 @@ impl CudaBackend {
     /// `Backend::matmul_add`.
     pub(super) fn multiply_add(&self, x: BlockHandle, w: &CudaWeight, out: BlockHandle, n_tokens: usize) -> Result<()> {
         match self.matmul_plan(w, n_tokens) {
-            MatmulPlan::Gemm => self.gemm(x, w, out, n_tokens, GemmOutput::Add, &mut None),
+            MatmulPlan::Gemm => self.gemm(x, w, out, n_tokens, GemmOutput::Add, &mut Staged::default()),
             MatmulPlan::Gemv(plan) => self.gemv(x.into(), &[w], &[out], n_tokens, plan, Epilogue::Add, &mut None),
         }
     }

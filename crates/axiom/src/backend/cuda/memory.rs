@@ -5,6 +5,7 @@ use super::argmax::ARGMAX_ROWS;
 use super::attention::ATTENTION_MAX_HEAD_DIM;
 use super::device::driver_error;
 use super::flash_attention::FLASH_MAX_PAIRS;
+use super::fp8_gemm::{fp8_activation_bytes, LT_WORKSPACE_BYTES};
 use super::matmul::q8_scale_bytes;
 use super::paths::Paths;
 use super::CudaBackend;
@@ -55,9 +56,17 @@ impl CudaBackend {
     /// `Kernels::prepare`.
     pub(super) fn reserve_staging(&mut self, max_tokens: usize, max_n_in: usize) -> Result<()> {
         if self.staging.is_none() && self.paths.uses_cublas(max_tokens) {
-            let w = self.alloc(self.largest_weight * 2)?;
+            let fp8 = self.fp8_tensor_cores();
+            let w = self.alloc(weight_stage_bytes(self.largest_weight, max_tokens, max_n_in, fp8))?;
             let x = self.alloc(max_tokens * max_n_in * 2)?;
             self.staging = Some((w, x));
+        }
+        let lt_unreserved = self.fp8_lt.as_ref().is_some_and(|lt| lt.workspace.is_none());
+        if lt_unreserved && self.fp8_tensor_cores() && self.paths.uses_cublas(max_tokens) {
+            let workspace = self.alloc(LT_WORKSPACE_BYTES)?;
+            if let Some(lt) = self.fp8_lt.as_mut() {
+                lt.workspace = Some(workspace);
+            }
         }
         if self.int8_activations.is_none() {
             let values = self.paths.int8_tokens(max_tokens) * max_n_in;
@@ -73,10 +82,32 @@ impl CudaBackend {
     }
 }
 
-/// `Kernels::staging_bytes`, for steps that take `paths`.
-pub(super) fn staging_bytes(paths: Paths, largest_weight: usize, max_tokens: usize, max_n_in: usize) -> usize {
+/// The staging of a dequantized weight for cuBLAS, which also takes a step's activations
+/// quantized for the FP8 tensor cores (`fp8`: where prompts' FP8 products may run there).
+fn weight_stage_bytes(largest_weight: usize, max_tokens: usize, max_n_in: usize, fp8: bool) -> usize {
+    let fp8_activations = if fp8 {
+        fp8_activation_bytes(max_tokens, max_n_in)
+    } else {
+        0
+    };
+    (largest_weight * 2).max(fp8_activations)
+}
+
+/// `Kernels::staging_bytes`, for steps that take `paths`; `fp8` where prompts' FP8 products may
+/// run on the FP8 tensor cores (cuBLASLt's workspace too).
+pub(super) fn staging_bytes(
+    paths: Paths,
+    largest_weight: usize,
+    max_tokens: usize,
+    max_n_in: usize,
+    fp8: bool,
+) -> usize {
     let cublas = if paths.uses_cublas(max_tokens) {
-        largest_weight * 2 + max_tokens * max_n_in * 2 + 2 * ALIGN
+        let workspace = if fp8 { LT_WORKSPACE_BYTES } else { 0 };
+        weight_stage_bytes(largest_weight, max_tokens, max_n_in, fp8)
+            + max_tokens * max_n_in * 2
+            + workspace
+            + 3 * ALIGN
     } else {
         0
     };

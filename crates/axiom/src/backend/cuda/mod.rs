@@ -23,6 +23,7 @@ mod embed;
 mod expert_gemm;
 mod experts;
 mod flash_attention;
+mod fp8_gemm;
 mod gemm;
 mod graphs;
 mod kv_write;
@@ -101,6 +102,8 @@ pub struct CudaBackend {
     kv_type: KvType,
     /// The kernels a step may take: the fastest for its size, or the same for every step.
     paths: Paths,
+    /// cuBLASLt's FP8 GEMM, for prompts' products of FP8 weights, where the device has it.
+    fp8_lt: Option<fp8_gemm::Fp8Lt>,
 }
 
 impl CudaBackend {
@@ -124,6 +127,7 @@ impl CudaBackend {
             return Err(Error::Backend("cuBLAS (libcublas.so) is not installed".into()));
         }
         let blas = cublas::create_handle().map_err(|e| Error::Backend(format!("cuBLAS: {e:?}")))?;
+        let fp8_lt = fp8_gemm::Fp8Lt::new(device.arch)?;
         // SAFETY: both handles are live; all work goes to this one stream.
         unsafe { cublas::set_stream(blas, stream.cu_stream() as _) }
             .map_err(|e| Error::Backend(format!("cuBLAS: {e:?}")))?;
@@ -151,6 +155,7 @@ impl CudaBackend {
             capture_max_tokens: Paths::Fastest.capture_max_tokens(),
             kv_type: KvType::F16,
             paths: Paths::Fastest,
+            fp8_lt,
         })
     }
 
@@ -159,6 +164,14 @@ impl CudaBackend {
     pub fn with_paths(mut self, paths: Paths) -> CudaBackend {
         self.paths = paths;
         self.capture_max_tokens = paths.capture_max_tokens();
+        self
+    }
+
+    /// Multiplies prompts' FP8 weights as other quantized ones, dequantized to f16 for cuBLAS,
+    /// rather than on the FP8 tensor cores (as `AXIOM_CUDA_FP8_GEMM=dequant` does); before the
+    /// weights are uploaded.
+    pub fn without_fp8_tensor_cores(mut self) -> CudaBackend {
+        self.fp8_lt = None;
         self
     }
 
@@ -257,7 +270,8 @@ impl super::Kernels for CudaBackend {
     }
 
     fn staging_bytes(&self, largest_weight: usize, max_tokens: usize, max_n_in: usize) -> usize {
-        memory::staging_bytes(self.paths, largest_weight, max_tokens, max_n_in)
+        let fp8 = self.fp8_tensor_cores();
+        memory::staging_bytes(self.paths, largest_weight, max_tokens, max_n_in, fp8)
     }
 
     fn prepare(&mut self, max_tokens: usize, max_n_in: usize) -> Result<()> {

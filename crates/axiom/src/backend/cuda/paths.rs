@@ -70,9 +70,10 @@ impl Paths {
         self == Paths::Fastest && !matches!(ty, GgmlType::F32 | GgmlType::Fp8)
     }
 
-    /// Whether the matrix-vector products of FP8 weights may run on the tensor cores, their
-    /// activations rounded to f16 (as cuBLAS's are for longer steps): invariant steps keep them
-    /// on the f32 kernels, whose sums match the reference's to f32 rounding.
+    /// Whether FP8 weights' products may run on the tensor cores: a few tokens' on mma.sync, their
+    /// activations rounded to f16; prompts' on the FP8 tensor cores through cuBLASLt (which
+    /// chooses its kernel by the step's size). Not when invariant: the f32 kernels' sums match the
+    /// reference's to f32 rounding.
     pub(super) fn fp8_tensor_cores(self) -> bool {
         self == Paths::Fastest
     }
@@ -157,7 +158,7 @@ mod tests {
             (f.gemv_max_tokens(GgmlType::BF16), f.gemv_max_tokens(GgmlType::Q4K)),
             (1, 8)
         );
-        assert!(f.int8_activations(GgmlType::Q4K));
+        assert!(f.int8_activations(GgmlType::Q4K) && f.fp8_tensor_cores());
         assert!(f.expert_gemm(GgmlType::Q4K) && f.expert_gemm(GgmlType::BF16) && !f.expert_gemm(GgmlType::F32));
         assert!(f.int8_experts(GgmlType::Q4K) && !f.int8_experts(GgmlType::BF16));
         // FP8 weights stay off int8 activations, on the matrix-vector kernels up to eight tokens.

@@ -17,22 +17,35 @@ pub struct CudaWeight {
     pub(super) q: BlockHandle,
     pub(super) s: Option<BlockHandle>,
     pub(super) m: Option<BlockHandle>,
+    /// FP8 weights' scales as cuBLASLt's FP8 GEMM reads them, where the backend multiplies on FP8
+    /// tensor cores and a layout it has holds them (`Fp8ScaleGrid::lt_table`).
+    pub(super) lt_scales: Option<(BlockHandle, LtScales)>,
 }
 
 crate::backend::impl_matrix!(CudaWeight);
 
+impl CudaWeight {
+    /// Whether prompts multiply this weight on the FP8 tensor cores (`CudaBackend::fp8_product`):
+    /// an FP8 weight whose scales cuBLASLt takes, on a backend that multiplies there.
+    pub fn takes_fp8_tensor_cores(&self) -> bool {
+        self.lt_scales.is_some()
+    }
+}
+
 /// A weight's fields in the split layout the kernels read (kernels/dequant.cuh): every row's
 /// quants contiguous, so a lane loads 16 or 32 aligned bytes at once (Q4_K's and Q6_K's
 /// interleaved: `interleave_row`), and the small per-block fields in side arrays (FP8's scales in
-/// the compact table of `fp8_scale_table`). Float weights stay as they are.
+/// the compact table of `Fp8ScaleGrid::kernel_table`, the grid kept in `fp8`). Float weights stay
+/// as they are.
 struct SplitWeight {
     q: Vec<u8>,
     s: Vec<u8>,
     m: Vec<u8>,
+    fp8: Option<Fp8ScaleGrid>,
 }
 
 fn split_weight(ty: GgmlType, bytes: &[u8], n_in: usize) -> SplitWeight {
-    let (mut q, mut s, mut m) = (Vec::with_capacity(bytes.len()), Vec::new(), Vec::new());
+    let (mut q, mut s, mut m, mut fp8) = (Vec::with_capacity(bytes.len()), Vec::new(), Vec::new(), None);
     let blocks = bytes.chunks_exact(ty.block_bytes());
     match ty {
         GgmlType::Q8_0 => blocks.for_each(|b| {
@@ -81,11 +94,12 @@ fn split_weight(ty: GgmlType, bytes: &[u8], n_in: usize) -> SplitWeight {
         }
         GgmlType::Fp8 => {
             blocks.for_each(|b| q.extend_from_slice(&b[4..]));
-            s = fp8_scale_table(bytes, n_in);
+            fp8 = Fp8ScaleGrid::new(bytes, n_in);
+            s = fp8.as_ref().map_or_else(Vec::new, Fp8ScaleGrid::kernel_table);
         }
         _ => q.extend_from_slice(bytes),
     }
-    SplitWeight { q, s, m }
+    SplitWeight { q, s, m, fp8 }
 }
 
 /// The granularities FP8 scales are looked for in, coarsest first, as (row shift, chunk shift),
@@ -94,47 +108,107 @@ fn split_weight(ty: GgmlType, bytes: &[u8], n_in: usize) -> SplitWeight {
 /// (per-channel ones), 128 values of a row. A shift of 31 spans any matrix the kernels index.
 const FP8_SCALE_GRAINS: [(u32, u32); 4] = [(31, 31), (7, 2), (0, 31), (0, 2)];
 
-/// The scales of FP8 blocks `bytes` (rows of `n_in`) as the kernels read them (`Fp8Scales` in
-/// kernels/dequant.cuh): a header of u32s (row shift, chunk shift, scales a row of the table, 0),
-/// then the f32 table at the coarsest of `FP8_SCALE_GRAINS` where the blocks' scales agree to
-/// the bit, else one a block. A token then reads about a byte a weight, whatever the checkpoint.
-/// A block holding a NaN code has a NaN scale, so every product it enters is NaN, as the
-/// reference's is.
-fn fp8_scale_table(bytes: &[u8], n_in: usize) -> Vec<u8> {
-    let chunks = n_in / 32;
-    // A block with a NaN code gets a NaN scale: the kernels decode codes without a NaN check.
-    let scales: Vec<u32> = bytes
-        .chunks_exact(GgmlType::Fp8.block_bytes())
-        .map(|b| match b[4..].iter().any(|c| c & 0x7f == 0x7f) {
-            true => f32::NAN.to_bits(),
-            false => u32::from_le_bytes([b[0], b[1], b[2], b[3]]),
-        })
-        .collect();
-    if scales.is_empty() {
-        return Vec::new();
-    }
-    let n_out = scales.len() / chunks;
-    let grained = |&(row_shift, chunk_shift): &(u32, u32)| -> Option<(u32, u32, usize, Vec<u32>)> {
-        let per_row = ((chunks - 1) >> chunk_shift) + 1;
-        let mut table: Vec<Option<u32>> = vec![None; (((n_out - 1) >> row_shift) + 1) * per_row];
-        for (i, &scale) in scales.iter().enumerate() {
-            let slot = &mut table[((i / chunks) >> row_shift) * per_row + ((i % chunks) >> chunk_shift)];
-            if *slot.get_or_insert(scale) != scale {
-                return None;
-            }
+/// The scales of FP8 blocks at the coarsest of `FP8_SCALE_GRAINS` where they agree to the bit,
+/// else one a block: the scale of row r's chunk c is `table[(r >> row_shift) * per_row + (c >>
+/// chunk_shift)]`. A block holding a NaN code has a NaN scale, so every product it enters is NaN,
+/// as the reference's is.
+struct Fp8ScaleGrid {
+    row_shift: u32,
+    chunk_shift: u32,
+    per_row: usize,
+    table: Vec<u32>,
+}
+
+impl Fp8ScaleGrid {
+    fn new(bytes: &[u8], n_in: usize) -> Option<Fp8ScaleGrid> {
+        let chunks = n_in / 32;
+        // A block with a NaN code gets a NaN scale: the kernels decode codes without a NaN check.
+        let scales: Vec<u32> = bytes
+            .chunks_exact(GgmlType::Fp8.block_bytes())
+            .map(|b| match b[4..].iter().any(|c| c & 0x7f == 0x7f) {
+                true => f32::NAN.to_bits(),
+                false => u32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+            })
+            .collect();
+        if scales.is_empty() {
+            return None;
         }
-        Some((row_shift, chunk_shift, per_row, table.into_iter().flatten().collect()))
-    };
-    let (row_shift, chunk_shift, per_row, table) =
-        FP8_SCALE_GRAINS
-            .iter()
-            .find_map(grained)
-            .unwrap_or((0, 0, chunks, scales.clone()));
-    [row_shift, chunk_shift, per_row as u32, 0]
-        .into_iter()
-        .chain(table)
-        .flat_map(u32::to_le_bytes)
-        .collect()
+        let n_out = scales.len() / chunks;
+        let grained = |&(row_shift, chunk_shift): &(u32, u32)| -> Option<Fp8ScaleGrid> {
+            let per_row = ((chunks - 1) >> chunk_shift) + 1;
+            let mut table: Vec<Option<u32>> = vec![None; (((n_out - 1) >> row_shift) + 1) * per_row];
+            for (i, &scale) in scales.iter().enumerate() {
+                let slot = &mut table[((i / chunks) >> row_shift) * per_row + ((i % chunks) >> chunk_shift)];
+                if *slot.get_or_insert(scale) != scale {
+                    return None;
+                }
+            }
+            let table = table.into_iter().flatten().collect();
+            Some(Fp8ScaleGrid {
+                row_shift,
+                chunk_shift,
+                per_row,
+                table,
+            })
+        };
+        let finest = || Fp8ScaleGrid {
+            row_shift: 0,
+            chunk_shift: 0,
+            per_row: chunks,
+            table: scales.clone(),
+        };
+        Some(FP8_SCALE_GRAINS.iter().find_map(grained).unwrap_or_else(finest))
+    }
+
+    /// The scale of row `row`'s 32-value chunk `chunk`.
+    fn at(&self, row: usize, chunk: usize) -> u32 {
+        self.table[(row >> self.row_shift) * self.per_row + (chunk >> self.chunk_shift)]
+    }
+
+    /// The table as the kernels read it (`Fp8Scales` in kernels/dequant.cuh): a header of u32s
+    /// (row shift, chunk shift, scales a row of the table, 0), then the f32 table. A token then
+    /// reads about a byte a weight, whatever the checkpoint.
+    fn kernel_table(&self) -> Vec<u8> {
+        [self.row_shift, self.chunk_shift, self.per_row as u32, 0]
+            .into_iter()
+            .chain(self.table.iter().copied())
+            .flat_map(u32::to_le_bytes)
+            .collect()
+    }
+
+    /// The scales as cuBLASLt's FP8 GEMM reads those of its A operand (the weight, `n_out` rows
+    /// of `n_in`), where a layout it has holds them: 128 x 128 blocks (a whole-matrix scale is
+    /// one in every block), their table K-major with each block row padded to a multiple of 4;
+    /// or a scale per 128 values of a row (a row's scale repeated), M-major. Not for a scale per
+    /// 32 values, nor rows that are not whole 128-value groups.
+    fn lt_table(&self, n_in: usize, n_out: usize) -> Option<(LtScales, Vec<u8>)> {
+        if !n_in.is_multiple_of(128) {
+            return None;
+        }
+        let groups = n_in / 128;
+        let (mode, scales): (LtScales, Vec<u32>) = match (self.row_shift, self.chunk_shift) {
+            (31, 31) | (7, 2) => {
+                let stride = groups.next_multiple_of(4);
+                let blocks = (0..n_out.div_ceil(128))
+                    .flat_map(|rb| (0..stride).map(move |g| if g < groups { self.at(rb * 128, g * 4) } else { 0 }));
+                (LtScales::Blocks, blocks.collect())
+            }
+            (0, 31) | (0, 2) => {
+                let rows = (0..groups).flat_map(|g| (0..n_out).map(move |row| self.at(row, g * 4)));
+                (LtScales::Rows, rows.collect())
+            }
+            _ => return None,
+        };
+        Some((mode, scales.into_iter().flat_map(u32::to_le_bytes).collect()))
+    }
+}
+
+/// How an FP8 weight's scales are laid out for cuBLASLt (`Fp8ScaleGrid::lt_table`): a scale per
+/// 128 x 128 block, or per 128 values of a row.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub enum LtScales {
+    Blocks,
+    Rows,
 }
 
 /// Units per tile of the interleaved layout (INTERLEAVE_UNITS in kernels/common.cuh).
@@ -191,6 +265,7 @@ impl CudaBackend {
     pub(super) fn upload_split_weight(&mut self, t: &HostTensor) -> Result<CudaWeight> {
         let (n_in, n_out) = checked_shape(t, DENSE_ROW_MULTIPLE)?;
         let split = split_weight(t.ty, t.bytes, n_in);
+        let fp8_lt = self.fp8_tensor_cores();
         let mut upload = |data: &[u8]| -> Result<Option<BlockHandle>> {
             if data.is_empty() {
                 return Ok(None);
@@ -201,6 +276,14 @@ impl CudaBackend {
         };
         let q = upload(&split.q)?.ok_or_else(|| Error::Model(format!("tensor {} is empty", t.name)))?;
         let (s, m) = (upload(&split.s)?, upload(&split.m)?);
+        let lt_table = match (&split.fp8, fp8_lt) {
+            (Some(grid), true) => grid.lt_table(n_in, n_out),
+            _ => None,
+        };
+        let lt_scales = match lt_table {
+            Some((layout, table)) => upload(&table)?.map(|block| (block, layout)),
+            None => None,
+        };
         self.largest_weight = self.largest_weight.max(n_in * n_out);
         self.capture_max_tokens = self.capture_max_tokens.min(self.paths.gemv_max_tokens(t.ty));
         Ok(CudaWeight {
@@ -210,6 +293,7 @@ impl CudaBackend {
             q,
             s,
             m,
+            lt_scales,
         })
     }
 
@@ -261,6 +345,7 @@ impl CudaBackend {
                 q: part(q, e),
                 s: s.map(|f| part(f, e)),
                 m: m.map(|f| part(f, e)),
+                lt_scales: None,
             })
             .collect())
     }
@@ -344,7 +429,7 @@ mod tests {
         for (what, scale, shifts, len) in cases {
             let mut blocks = vec![0u8; n_in * n_out / 32 * fp8::BLOCK_BYTES];
             fp8::pack(&codes, n_in, scale, &mut blocks);
-            let table = fp8_scale_table(&blocks, n_in);
+            let table = Fp8ScaleGrid::new(&blocks, n_in).unwrap().kernel_table();
             assert_eq!(table.len(), 16 + 4 * len, "{what}");
             let (got_shifts, scales) = looked_up(&table, n_in, n_out);
             assert_eq!(got_shifts, shifts, "{what}");
@@ -360,12 +445,58 @@ mod tests {
         nan_codes[7 * 32 + 5] = 0xff;
         let mut blocks = vec![0u8; n_in * n_out / 32 * fp8::BLOCK_BYTES];
         fp8::pack(&nan_codes, n_in, |_, _| 0.5, &mut blocks);
-        let (shifts, scales) = looked_up(&fp8_scale_table(&blocks, n_in), n_in, n_out);
+        let (shifts, scales) = looked_up(&Fp8ScaleGrid::new(&blocks, n_in).unwrap().kernel_table(), n_in, n_out);
         assert_eq!(shifts, (0, 0));
         assert!(scales
             .iter()
             .enumerate()
             .all(|(i, s)| (i == 7) == s.is_nan() && (i == 7 || *s == 0.5)));
+    }
+
+    #[test]
+    fn fp8_scales_for_cublaslt_are_in_its_block_or_row_layouts() {
+        // 130 rows of 256: two 128-value groups a row, the last 128 x 128 block two rows tall.
+        let (n_in, n_out) = (256, 130);
+        let codes = vec![0x38u8; n_in * n_out];
+        // (what a scale covers, the scale of (row, column), the layout expected)
+        type Case = (&'static str, fn(usize, usize) -> f32, Option<LtScales>);
+        let cases: [Case; 5] = [
+            ("a matrix", |_, _| 0.5, Some(LtScales::Blocks)),
+            (
+                "128 x 128",
+                |r, c| (1 + r / 128 * 2 + c / 128) as f32,
+                Some(LtScales::Blocks),
+            ),
+            ("a row", |r, _| r as f32 + 0.25, Some(LtScales::Rows)),
+            ("128 of a row", |r, c| (r * 2 + c / 128) as f32, Some(LtScales::Rows)),
+            ("a block", |r, c| (r * 8 + c / 32) as f32, None),
+        ];
+        for (what, scale, layout) in cases {
+            let mut blocks = vec![0u8; n_in * n_out / 32 * fp8::BLOCK_BYTES];
+            fp8::pack(&codes, n_in, scale, &mut blocks);
+            let lt = Fp8ScaleGrid::new(&blocks, n_in).unwrap().lt_table(n_in, n_out);
+            assert_eq!(lt.as_ref().map(|(l, _)| *l), layout, "{what}");
+            let Some((layout, table)) = lt else { continue };
+            let table: Vec<f32> = table
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                .collect();
+            let want: Vec<f32> = match layout {
+                // K-major, each block row padded to 4 scales with zeros.
+                LtScales::Blocks => (0..2)
+                    .flat_map(|rb| (0..4).map(move |g| if g < 2 { scale(rb * 128, g * 128) } else { 0.0 }))
+                    .collect(),
+                // M-major: every row's scale of group 0, then of group 1.
+                LtScales::Rows => (0..2)
+                    .flat_map(|g| (0..n_out).map(move |row| scale(row, g * 128)))
+                    .collect(),
+            };
+            assert_eq!(table, want, "{what}");
+        }
+        // Rows that are not whole 128-value groups have no cuBLASLt layout.
+        let mut blocks = vec![0u8; 160 * n_out / 32 * fp8::BLOCK_BYTES];
+        fp8::pack(&vec![0x38u8; 160 * n_out], 160, |_, _| 0.5, &mut blocks);
+        assert!(Fp8ScaleGrid::new(&blocks, 160).unwrap().lt_table(160, n_out).is_none());
     }
 
     #[test]

@@ -184,7 +184,7 @@ template <> __device__ __forceinline__ void chunk<TY_F16>(const Weight& w, u64 r
 template <> __device__ __forceinline__ void chunk<TY_BF16>(const Weight& w, u64 r, int c, float* y, int* a, int* b) { float_chunk<TY_BF16>(w, r, c, y, a, b); }
 
 // FP8 (E4M3) weights: a row's codes contiguous, a byte each (`q`), and their scales in a compact
-// table (`s`, written by `fp8_scale_table` in cuda/weights.rs): a 16-byte header of u32s (row
+// table (`s`, written by `Fp8ScaleGrid::kernel_table` in cuda/weights.rs): a 16-byte header of u32s (row
 // shift, chunk shift, scales a row of the table), then f32 scales (NaN for a block with a NaN code). The scale of row r's 32-value
 // chunk c is scale[(r >> row shift) * per row + (c >> chunk shift)]: one per 128 x 128 block,
 // per row, per matrix or per chunk, whichever the checkpoint's scales have.
@@ -204,7 +204,7 @@ __device__ __forceinline__ float fp8_scale(const Fp8Scales& s, int c) { return _
 // rather than through f16 conversions, whose unit has a fraction of their throughput: a code's
 // sign, exponent and mantissa moved to their f32 places make an f32 2^120 times too small (a
 // subnormal code a subnormal f32; the kernels do not flush those), which one multiply corrects.
-// The NaN codes (S.1111.111) land on 480: their blocks' scales are NaN instead (fp8_scale_table in
+// The NaN codes (S.1111.111) land on 480: their blocks' scales are NaN instead (Fp8ScaleGrid in
 // cuda/weights.rs), which leaves NaN whatever the block enters.
 __device__ __forceinline__ void fp8x4_to_f32(u32 codes, float* y) {
     const float two_120 = __int_as_float(0x7b800000);

@@ -110,6 +110,18 @@ struct QuantizeQ8Params {
     int start_next;
 };
 
+// fp8_gemm.cu: `n_tokens` rows of `n_in` (f32, or 16-bit of `kind`) quantized to E4M3 `codes` and
+// `scales` for `cols` tokens.
+struct QuantizeFp8Params {
+    const void* x;
+    u32* codes;
+    float* scales;
+    int n_tokens;
+    int cols;
+    int n_in;
+    int kind;
+};
+
 // dequant_f16_*: a Weight's fields, and its rows out in f16.
 struct DequantParams {
     const u8* q;
