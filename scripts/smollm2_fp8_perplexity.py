@@ -7,15 +7,16 @@ this script first writes it out as a Hugging Face Llama directory: every tensor 
 stored in bf16 under transformers' names, with the Q and K rows put back from GGUF's adjacent
 rotary pairs into Hugging Face's halves, config.json from the GGUF metadata, and tokenizer.json
 built as the model's true tokenizer (Digits then ByteLevel over the GGUF's BPE vocabulary and
-merges, ids 0..16 special). From that it writes the FP8 directory: each layer matrix in E4M3 with
-a scale per output row, as fbgemm_fp8 checkpoints are (`axiom convert --type fp8` writes 128 x 128
-blocks, and SmolLM2's width of 576 is not whole blocks). `axiom perplexity -c 512` then runs on
-the GGUF and both directories over the Apache 2.0 licence. The bf16 directory must score as the
-GGUF does (it is the same model); the FP8 one must stay within 1% of the bf16 one, else the script
-exits 1. Needs numpy, gguf and tokenizers (installed from PyPI if missing), not torch.
+merges, ids 0..16 special). `axiom convert --type fp8 --fp8-block B` makes the FP8 directory from
+it, as a user would: B is 32 by default, the largest block that keeps the model within 1% (576,
+SmolLM2's width, is not whole blocks of the default 128; in blocks of 64 it is 1.7% above).
+`axiom perplexity -c 512` then runs on the GGUF and both directories over the Apache 2.0 licence.
+The bf16 directory must score as the GGUF does (it is the same model); the FP8 one must stay
+within 1% of the bf16 one, else the script exits 1. Needs numpy, gguf and tokenizers (installed
+from PyPI if missing), not torch.
 
     python3 scripts/smollm2_fp8_perplexity.py --axiom target/release/axiom
-        [--backend cpu|cuda] [--dir DIR] [--gguf FILE] [--text FILE]
+        [--backend cpu|cuda] [--fp8-block 32] [--dir DIR] [--gguf FILE] [--text FILE]
 """
 import argparse
 import json
@@ -90,29 +91,11 @@ def to_bf16(w):
     return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype("<u2")
 
 
-def from_bf16(bits):
-    return (bits.astype(np.uint32) << 16).view(np.float32)
-
-
-# The E4M3 values of codes 0..0x7e, ascending (exponent bias 7, subnormals below 2^-6, at most 448).
-E4M3 = np.array([(c & 7) / 512 if c < 8 else (1 + (c & 7) / 8) * 2.0 ** ((c >> 3) - 7) for c in range(0x7F)])
-
-
-def to_e4m3(x):
-    """The E4M3 codes nearest `x` (ties to the even code), magnitudes beyond 448 saturating."""
-    a = np.minimum(np.abs(x).astype(np.float64), E4M3[-1])
-    hi = np.clip(np.searchsorted(E4M3, a), 1, len(E4M3) - 1)
-    lo = hi - 1
-    below, above = a - E4M3[lo], E4M3[hi] - a
-    code = np.where((below < above) | ((below == above) & (lo % 2 == 0)), lo, hi).astype(np.uint8)
-    return code | np.where(np.signbit(x), 0x80, 0).astype(np.uint8)
-
-
-SAFETENSORS_DTYPES = {np.dtype("<u2"): "BF16", np.dtype(np.uint8): "F8_E4M3", np.dtype("<f4"): "F32"}
+SAFETENSORS_DTYPES = {np.dtype("<u2"): "BF16"}
 
 
 def write_safetensors(path, tensors):
-    """A safetensors file of `tensors` (name -> array; uint16 arrays hold bf16, uint8 E4M3)."""
+    """A safetensors file of `tensors` (name -> array; uint16 arrays hold bf16)."""
     header, offset = {"__metadata__": {"format": "pt"}}, 0
     for name, t in tensors.items():
         header[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
@@ -152,7 +135,7 @@ def write_tokenizer(reader, out):
 
 
 def export_hf(gguf_path, out):
-    """Writes the GGUF at `gguf_path` as the bf16 Hugging Face directory `out`; returns its tensors."""
+    """Writes the GGUF at `gguf_path` as the bf16 Hugging Face directory `out`."""
     reader = gguf.GGUFReader(gguf_path)
     if field(reader, "general.architecture") != "llama":
         sys.exit("the GGUF is not a Llama model")
@@ -197,33 +180,14 @@ def export_hf(gguf_path, out):
     with open(os.path.join(out, "generation_config.json"), "w") as f:
         json.dump({"bos_token_id": bos, "eos_token_id": eos}, f, indent=2)
     write_tokenizer(reader, out)
-    return tensors
 
 
-def export_fp8(bf16, bf16_dir, out):
-    """Writes the bf16 tensors `bf16` of the directory `bf16_dir` as the FP8 directory `out`: each layer matrix in E4M3
-    with a scale per output row (the row's largest magnitude over 448), as fbgemm_fp8 checkpoints
-    lay it out; the tied embedding and the norms stay bf16. SmolLM2's width, 576, is 4.5 blocks of
-    128, so `axiom convert --type fp8` (128 x 128 blocks, whole ones only) refuses this model."""
-    tensors = {}
-    for name, bits in bf16.items():
-        if not (name.startswith("model.layers.") and bits.ndim == 2):
-            tensors[name] = bits
-            continue
-        w = from_bf16(bits)
-        largest = np.abs(w).max(axis=1, keepdims=True)
-        scale = np.where(largest > 0, largest / np.float32(448), np.float32(1)).astype("<f4")
-        tensors[name] = to_e4m3(w / scale)
-        tensors[f"{name}_scale"] = scale
-    os.makedirs(out)
-    write_safetensors(os.path.join(out, "model.safetensors"), tensors)
-    with open(os.path.join(bf16_dir, "config.json")) as f:
-        config = json.load(f)
-    config["quantization_config"] = {"quant_method": "fbgemm_fp8", "modules_to_not_convert": ["lm_head"]}
-    with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
-    for name in ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(os.path.join(bf16_dir, name), out)
+def convert_fp8(axiom, bf16_dir, out, block):
+    """`axiom convert --type fp8 --fp8-block block` of the directory `bf16_dir` into `out`."""
+    cmd = [axiom, "convert", bf16_dir, "-o", out, "--type", "fp8", "--fp8-block", str(block), "--quiet"]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        sys.exit(f"{' '.join(cmd)} failed:\n{r.stderr}")
 
 
 def perplexity(axiom, backend, model, text):
@@ -242,6 +206,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--axiom", required=True, help="the axiom binary")
     ap.add_argument("--backend", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--fp8-block", type=int, default=32, help="the FP8 scales' block (axiom convert --fp8-block)")
     ap.add_argument("--dir", default="/tmp/smollm2_fp8", help="where the bf16 and FP8 directories go (replaced)")
     ap.add_argument("--gguf", default=GGUF_DEFAULT, help="the Q4_1 GGUF (axiom's packaged smollm2-135m)")
     ap.add_argument("--text", default=TEXT_DEFAULT, help="the text scored (the Apache 2.0 licence)")
@@ -252,14 +217,15 @@ def main():
 
     bf16_dir, fp8_dir = os.path.join(args.dir, "bf16"), os.path.join(args.dir, "fp8")
     shutil.rmtree(args.dir, ignore_errors=True)
-    export_fp8(export_hf(args.gguf, bf16_dir), bf16_dir, fp8_dir)
+    export_hf(args.gguf, bf16_dir)
+    convert_fp8(args.axiom, bf16_dir, fp8_dir, args.fp8_block)
 
     results = {name: perplexity(args.axiom, args.backend, model, args.text)
                for name, model in (("gguf", args.gguf), ("bf16", bf16_dir), ("fp8", fp8_dir))}
     for name, ppl in results.items():
         print(f"{name:5} PPL {ppl:.4f}")
     ratio = results["fp8"] / results["bf16"]
-    print(f"FP8/bf16 {ratio:.4f}; bf16/GGUF {results['bf16'] / results['gguf']:.4f}")
+    print(f"FP8 ({args.fp8_block}x{args.fp8_block} blocks)/bf16 {ratio:.4f}; bf16/GGUF {results['bf16'] / results['gguf']:.4f}")
     if ratio > MAX_RATIO:
         sys.exit(f"FP8 perplexity {(ratio - 1) * 100:.2f}% above bf16 (limit {(MAX_RATIO - 1) * 100:.0f}%)")
 

@@ -110,9 +110,13 @@ pub struct ConvertArgs {
     #[arg(short, long)]
     output: PathBuf,
     /// Type of the weight matrices: f32, f16, bf16, q8_0, q4_0, q5_0 or q4_k (a GGUF file), or
-    /// fp8 (a Hugging Face FP8 directory, 128x128 block scales).
+    /// fp8 (a Hugging Face FP8 directory, a scale per block of weights).
     #[arg(long = "type", default_value = "f16")]
     ty: String,
+    /// With --type fp8: the rows and columns of a scale's block, a power of two from 32 [default:
+    /// 128]. Smaller blocks fit narrower models and round more finely, at 4 bytes a block.
+    #[arg(long, value_name = "N")]
+    fp8_block: Option<usize>,
 }
 
 #[derive(Args)]
@@ -420,6 +424,9 @@ pub fn bench(args: BenchArgs, out: Output) -> Result<()> {
 pub fn convert(args: ConvertArgs, out: Output) -> Result<()> {
     use axiom::format::quant::GgmlType;
     let fp8 = args.ty.eq_ignore_ascii_case("fp8");
+    if args.fp8_block.is_some() && !fp8 {
+        bail!("--fp8-block applies to --type fp8 only, not {}", args.ty);
+    }
     let ty = match fp8 {
         true => GgmlType::Fp8,
         false => GgmlType::ALL
@@ -434,7 +441,10 @@ pub fn convert(args: ConvertArgs, out: Output) -> Result<()> {
         bar.set_message(name.to_string());
     };
     let written = match fp8 {
-        true => axiom::convert_fp8::convert_to_fp8(&args.model, &args.output, follow)?,
+        true => {
+            let block = args.fp8_block.unwrap_or(axiom::convert_fp8::DEFAULT_BLOCK);
+            axiom::convert_fp8::convert_to_fp8(&args.model, &args.output, block, follow)?
+        }
         false => axiom::convert::convert_hf_dir(&args.model, &args.output, ty, follow)?,
     };
     bar.finish_and_clear();

@@ -226,6 +226,49 @@ fn convert_type_fp8_writes_a_directory_that_runs() {
     ]));
     let json: Value = serde_json::from_str(run.lines().last().unwrap()).unwrap();
     assert_eq!(json["tokens"].as_array().unwrap().len(), 2, "{run}");
+    std::fs::remove_dir_all(&out_dir).unwrap();
+
+    // The Llama fixture (width 64) is no whole 128x128 block; the refusal names the block sizes
+    // that fit, and the smaller one converts every matrix.
+    let llama = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../axiom/tests/fixtures/hf/llama");
+    let convert = |extra: &[&str]| {
+        let args = [
+            &["convert", llama.to_str().unwrap(), "-o", out_dir.to_str().unwrap()][..],
+            extra,
+        ]
+        .concat();
+        axiom(&args)
+    };
+    let refusals: [(&[&str], &str); 3] = [
+        (
+            &["--type", "fp8"],
+            "no layer matrix is whole 128x128 blocks, so none converts to FP8; --fp8-block 64 or 32 fits",
+        ),
+        (
+            &["--type", "fp8", "--fp8-block", "96"],
+            "FP8 block size 96 is not supported (a power of two, 32 or more)",
+        ),
+        (
+            &["--type", "q8_0", "--fp8-block", "32"],
+            "--fp8-block applies to --type fp8 only",
+        ),
+    ];
+    for (args, needle) in refusals {
+        let out = convert(args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains(needle), "{args:?}: {err}");
+        assert!(!out_dir.exists(), "{args:?} wrote {}", out_dir.display());
+    }
+    let out = convert(&["--type", "fp8", "--fp8-block", "32"]);
+    ok(&out);
+    let summary = String::from_utf8_lossy(&out.stderr);
+    // Every layer matrix of the two layers; the embedding and the LM head as stored.
+    assert!(
+        summary.contains("14 matrices FP8_E4M3") && summary.contains("2 matrices F32"),
+        "{summary}"
+    );
+    let info = ok(&axiom(&["info", out_dir.to_str().unwrap()]));
+    assert!(info.contains("a scale per 32x32 block (fp8)"), "{info}");
     std::fs::remove_dir_all(out_dir).unwrap();
 }
 

@@ -1,13 +1,14 @@
-//! `axiom convert --type fp8`: a Hugging Face model directory written as an FP8 one, laid out as
-//! transformers' FineGrainedFP8 (Qwen3-FP8, DeepSeek-V3) publishes them: each layer's weight
-//! matrix as `float8_e4m3fn` with a `weight_scale_inv` per 128 x 128 block, everything else as
-//! stored, and `quantization_config` added to config.json. Routers stay in their float type (a
-//! rounded logit can change the experts chosen), and so do matrices that are not whole 128 x 128
-//! blocks (which readers split differently); both are listed in `modules_to_not_convert`. A model
-//! with no matrix to convert is refused.
+//! `axiom convert --type fp8 [--fp8-block N]`: a Hugging Face model directory written as an FP8
+//! one, laid out as transformers' FineGrainedFP8 (Qwen3-FP8, DeepSeek-V3) publishes them: each
+//! layer's weight matrix as `float8_e4m3fn` with a `weight_scale_inv` per N x N block (128 by
+//! default, as those use), everything else as stored, and `quantization_config` added to
+//! config.json. Routers stay in their float type (a rounded logit can change the experts chosen),
+//! and so do matrices that are not whole blocks (which readers split differently); both are
+//! listed in `modules_to_not_convert`. A model with no matrix to convert is refused, naming the
+//! block sizes that would convert it.
 
 use crate::convert::Written;
-use crate::format::fp8::{quantize_blockwise, SCALE_BLOCK};
+use crate::format::fp8::{quantize_blockwise, ScaleBlock, CODES_PER_BLOCK};
 use crate::format::quant::{dequantize, GgmlType};
 use crate::format::safetensors::SafetensorsModel;
 use crate::model::ModelConfig;
@@ -17,6 +18,9 @@ use safetensors::Dtype;
 use serde_json::{json, Value as Json};
 use std::collections::HashMap;
 use std::path::Path;
+
+/// The rows and columns of a scale's block unless asked otherwise: Qwen3-FP8's and DeepSeek-V3's.
+pub const DEFAULT_BLOCK: usize = 128;
 
 /// Files of the source directory not copied: the checkpoint, which is rewritten, and the config,
 /// which gains the quantization.
@@ -34,10 +38,21 @@ fn is_layer_matrix(name: &str, dims: &[usize]) -> bool {
     name.starts_with("model.layers.") && name.ends_with(".weight") && dims.len() == 2
 }
 
-/// Whether a tensor (`dims` in either order) becomes FP8: a layer's matrix of whole
-/// 128 x 128 blocks, but not a router.
-fn converts(name: &str, dims: &[usize]) -> bool {
-    is_layer_matrix(name, dims) && !is_router(name) && dims.iter().all(|d| d.is_multiple_of(SCALE_BLOCK))
+/// Whether a tensor (`dims` in either order) becomes FP8 in square blocks of `block`: a layer's
+/// matrix of whole blocks, but not a router.
+fn converts(name: &str, dims: &[usize], block: usize) -> bool {
+    is_layer_matrix(name, dims) && !is_router(name) && dims.iter().all(|d| d.is_multiple_of(block))
+}
+
+/// Refuses a block size transformers could not run: its Triton FP8 kernels tile a block's rows
+/// and columns in powers of two, and axiom's own FP8 blocks hold 32 weights of a row.
+fn check_block(block: usize) -> Result<()> {
+    match block.is_power_of_two() && block >= CODES_PER_BLOCK {
+        true => Ok(()),
+        false => Err(Error::InvalidArgument(format!(
+            "FP8 block size {block} is not supported (a power of two, {CODES_PER_BLOCK} or more)"
+        ))),
+    }
 }
 
 fn dtype(ty: GgmlType) -> Result<Dtype> {
@@ -56,8 +71,16 @@ enum Bytes<'a> {
 }
 
 /// Converts the model directory `dir` into the FP8 directory `out` (created; it must not exist or
-/// be empty). `progress(done, total, name)` follows the tensors.
-pub fn convert_to_fp8(dir: &Path, out: &Path, mut progress: impl FnMut(usize, usize, &str)) -> Result<Written> {
+/// be empty), a scale per `block` x `block` weights. `progress(done, total, name)` follows the
+/// tensors.
+pub fn convert_to_fp8(
+    dir: &Path,
+    out: &Path,
+    block: usize,
+    mut progress: impl FnMut(usize, usize, &str),
+) -> Result<Written> {
+    check_block(block)?;
+    let scale_block = ScaleBlock::square(block);
     let config_path = dir.join("config.json");
     let text =
         std::fs::read_to_string(&config_path).map_err(Error::io(format!("reading {}", config_path.display())))?;
@@ -73,9 +96,25 @@ pub fn convert_to_fp8(dir: &Path, out: &Path, mut progress: impl FnMut(usize, us
     let checkpoint = SafetensorsModel::open_dir(dir, None)?;
     // A directory with no matrix to convert would name FP8 quantization over float weights only,
     // which no reader loads.
-    if !checkpoint.names().any(|(name, entry)| converts(name, &entry.dims)) {
+    let any_converts = |block| {
+        checkpoint
+            .names()
+            .any(|(name, entry)| converts(name, &entry.dims, block))
+    };
+    if !any_converts(block) {
+        // Halving the block keeps every whole matrix whole, so only smaller ones can fit.
+        let smaller: Vec<String> = std::iter::successors(Some(block / 2), |b| Some(b / 2))
+            .take_while(|&b| b >= CODES_PER_BLOCK)
+            .filter(|&b| any_converts(b))
+            .map(|b| b.to_string())
+            .collect();
+        let fits = match smaller.as_slice() {
+            [] => "and no smaller block size fits".to_string(),
+            [one] => format!("--fp8-block {one} fits"),
+            [many @ .., last] => format!("--fp8-block {} or {last} fits", many.join(", ")),
+        };
         return Err(Error::InvalidArgument(format!(
-            "{}: no layer matrix is whole {SCALE_BLOCK}x{SCALE_BLOCK} blocks, so none converts to FP8",
+            "{}: no layer matrix is whole {scale_block} blocks, so none converts to FP8; {fits}",
             dir.display()
         )));
     }
@@ -114,7 +153,7 @@ pub fn convert_to_fp8(dir: &Path, out: &Path, mut progress: impl FnMut(usize, us
             continue;
         }
         let (n_out, n_in) = (shape[0], shape[1]);
-        if !converts(name, &entry.dims) {
+        if !converts(name, &entry.dims, block) {
             not_converted.push(name.trim_end_matches(".weight").to_string());
             written.add_matrix(entry.ty);
             tensors.push((name.to_string(), dtype(entry.ty)?, shape, Bytes::Stored(bytes)));
@@ -122,10 +161,10 @@ pub fn convert_to_fp8(dir: &Path, out: &Path, mut progress: impl FnMut(usize, us
         }
         let mut values = vec![0f32; n_in * n_out];
         dequantize(entry.ty, bytes, &mut values);
-        let (codes, scales) = quantize_blockwise(&values, n_in, n_out);
+        let (codes, scales) = quantize_blockwise(&values, n_in, n_out, scale_block);
         tensors.push((name.to_string(), Dtype::F8_E4M3, shape, Bytes::Owned(owned.len())));
         owned.push(codes);
-        let scale_shape = vec![n_out.div_ceil(SCALE_BLOCK), n_in.div_ceil(SCALE_BLOCK)];
+        let scale_shape = scale_block.grid(n_out, n_in).to_vec();
         let scale_name = format!("{name}_scale_inv");
         tensors.push((scale_name, Dtype::F32, scale_shape, Bytes::Owned(owned.len())));
         owned.push(scales.iter().flat_map(|s| s.to_le_bytes()).collect());
@@ -156,7 +195,7 @@ pub fn convert_to_fp8(dir: &Path, out: &Path, mut progress: impl FnMut(usize, us
     json["quantization_config"] = json!({
         "quant_method": "fp8",
         "activation_scheme": "dynamic",
-        "weight_block_size": [SCALE_BLOCK, SCALE_BLOCK],
+        "weight_block_size": [block, block],
         "modules_to_not_convert": not_converted,
     });
     let config_text = serde_json::to_string_pretty(&json).map_err(|e| Error::Model(format!("config.json: {e}")))?;

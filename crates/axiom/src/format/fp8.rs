@@ -1,21 +1,54 @@
 //! FP8 E4M3 (the `float8_e4m3fn` of PyTorch and safetensors' `F8_E4M3`): one sign bit, four
 //! exponent bits (bias 7), three mantissa bits, no infinities, a NaN at `S.1111.111`, at most 448.
 //! Checkpoints store such codes with f32 scales; axiom keeps them as [`GgmlType::Fp8`] blocks
-//! (a scale, then 32 codes of a row) and writes them block-wise, one scale per 128 x 128.
+//! (a scale, then 32 codes of a row) and writes them block-wise, one scale per [`ScaleBlock`].
 //!
 //! [`GgmlType::Fp8`]: super::quant::GgmlType::Fp8
 
 /// The largest finite E4M3 value; larger magnitudes saturate to it when encoding.
 pub const E4M3_MAX: f32 = 448.0;
 
-/// Rows and columns of the weight blocks that share one scale in a block-wise checkpoint.
-pub const SCALE_BLOCK: usize = 128;
-
 /// Codes per [`GgmlType::Fp8`](super::quant::GgmlType::Fp8) block, after its f32 scale.
 pub const CODES_PER_BLOCK: usize = 32;
 
 /// Bytes of one such block: the scale and the codes.
 pub const BLOCK_BYTES: usize = 4 + CODES_PER_BLOCK;
+
+/// The rows and columns of the weights that share one scale in a block-wise checkpoint
+/// (`weight_block_size`), its scales a row-major grid over the matrix.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ScaleBlock {
+    pub rows: usize,
+    pub cols: usize,
+}
+
+impl ScaleBlock {
+    pub const fn square(n: usize) -> ScaleBlock {
+        ScaleBlock { rows: n, cols: n }
+    }
+
+    /// The scale grid of an `[n_out, n_in]` matrix: `[ceil(n_out / rows), ceil(n_in / cols)]`.
+    pub fn grid(self, n_out: usize, n_in: usize) -> [usize; 2] {
+        [n_out.div_ceil(self.rows), n_in.div_ceil(self.cols)]
+    }
+
+    /// Whether an `[n_out, n_in]` matrix is whole blocks; readers split a partial edge block
+    /// differently (transformers a share of the grid, vLLM the remainder), so only whole ones agree.
+    pub fn whole(self, n_out: usize, n_in: usize) -> bool {
+        n_out.is_multiple_of(self.rows) && n_in.is_multiple_of(self.cols)
+    }
+
+    /// The index in the grid of the scale of weight `(r, c)` of a matrix of `n_in` columns.
+    pub fn index(self, r: usize, c: usize, n_in: usize) -> usize {
+        r / self.rows * n_in.div_ceil(self.cols) + c / self.cols
+    }
+}
+
+impl std::fmt::Display for ScaleBlock {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}x{}", self.rows, self.cols)
+    }
+}
 
 /// The value of every E4M3 code.
 pub static E4M3_VALUES: [f32; 256] = decode_table();
@@ -74,16 +107,16 @@ pub fn encode(x: f32) -> u8 {
     sign | code.min(0x7e) as u8
 }
 
-/// Block-wise FP8 of a row-major `[n_out, n_in]` matrix: the codes, and one scale per
-/// 128 x 128 block (`[ceil(n_out / 128), ceil(n_in / 128)]`, row-major) such that a weight is its
-/// code's value times its block's scale. Each scale is the block's largest magnitude over 448
-/// (1 for a block of zeros), so that the largest lands on 448.
-pub fn quantize_blockwise(w: &[f32], n_in: usize, n_out: usize) -> (Vec<u8>, Vec<f32>) {
-    let (block_rows, block_cols) = (n_out.div_ceil(SCALE_BLOCK), n_in.div_ceil(SCALE_BLOCK));
+/// Block-wise FP8 of a row-major `[n_out, n_in]` matrix: the codes, and one scale per `block`
+/// (its grid, row-major) such that a weight is its code's value times its block's scale. Each
+/// scale is the block's largest magnitude over 448 (1 for a block of zeros), so that the largest
+/// lands on 448.
+pub fn quantize_blockwise(w: &[f32], n_in: usize, n_out: usize, block: ScaleBlock) -> (Vec<u8>, Vec<f32>) {
+    let [block_rows, block_cols] = block.grid(n_out, n_in);
     let mut largest = vec![0f32; block_rows * block_cols];
     for (r, row) in w.chunks_exact(n_in).enumerate() {
         for (c, v) in row.iter().enumerate() {
-            let m = &mut largest[r / SCALE_BLOCK * block_cols + c / SCALE_BLOCK];
+            let m = &mut largest[block.index(r, c, n_in)];
             *m = m.max(v.abs());
         }
     }
@@ -92,14 +125,9 @@ pub fn quantize_blockwise(w: &[f32], n_in: usize, n_out: usize) -> (Vec<u8>, Vec
         .map(|&m| if m > 0.0 { m / E4M3_MAX } else { 1.0 })
         .collect();
     let codes = w
-        .chunks_exact(n_in)
+        .iter()
         .enumerate()
-        .flat_map(|(r, row)| {
-            let scales = &scales[r / SCALE_BLOCK * block_cols..];
-            row.iter()
-                .enumerate()
-                .map(move |(c, v)| encode(v / scales[c / SCALE_BLOCK]))
-        })
+        .map(|(i, v)| encode(v / scales[block.index(i / n_in, i % n_in, n_in)]))
         .collect();
     (codes, scales)
 }
@@ -141,15 +169,32 @@ mod tests {
     fn blockwise_scales_put_each_blocks_largest_on_448() {
         let (n_in, n_out) = (160, 130);
         let w: Vec<f32> = (0..n_in * n_out)
-            .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.01)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.01 * (1 + i / n_in % 7) as f32)
             .collect();
-        let (codes, scales) = quantize_blockwise(&w, n_in, n_out);
-        assert_eq!(scales.len(), 2 * 2);
-        for (i, (&code, &v)) in codes.iter().zip(&w).enumerate() {
-            let scale = scales[i / n_in / SCALE_BLOCK * 2 + i % n_in / SCALE_BLOCK];
-            let got = decode(code) * scale;
-            // Three mantissa bits: within half a step, 1/16 of the value, or of the subnormal step.
-            assert!((got - v).abs() <= v.abs() / 16.0 + scale / 1024.0, "{i}: {got} vs {v}");
+        // (the block, its grid)
+        for (block, grid) in [
+            (ScaleBlock::square(128), [2, 2]),
+            (ScaleBlock::square(32), [5, 5]),
+            (ScaleBlock { rows: 1, cols: 64 }, [130, 3]),
+        ] {
+            let (codes, scales) = quantize_blockwise(&w, n_in, n_out, block);
+            assert_eq!(block.grid(n_out, n_in), grid);
+            assert_eq!(scales.len(), grid[0] * grid[1], "{block}");
+            let mut largest = vec![0f32; scales.len()];
+            for (i, (&code, &v)) in codes.iter().zip(&w).enumerate() {
+                let at = block.index(i / n_in, i % n_in, n_in);
+                assert_eq!(at, i / n_in / block.rows * grid[1] + i % n_in / block.cols);
+                let got = decode(code) * scales[at];
+                largest[at] = largest[at].max(decode(code).abs());
+                // Three mantissa bits: within half a step, 1/16 of the value, or of the subnormal step.
+                assert!(
+                    (got - v).abs() <= v.abs() / 16.0 + scales[at] / 1024.0,
+                    "{block} {i}: {got} vs {v}"
+                );
+            }
+            assert!(largest.iter().all(|&m| m == E4M3_MAX), "{block}: {largest:?}");
         }
+        assert!(ScaleBlock::square(64).whole(192, 576) && !ScaleBlock::square(128).whole(192, 576));
+        assert!(!ScaleBlock { rows: 3, cols: 32 }.whole(130, 160) && ScaleBlock { rows: 2, cols: 32 }.whole(130, 160));
     }
 }

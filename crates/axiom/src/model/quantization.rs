@@ -7,7 +7,7 @@
 //! activations computes what the weights define (so does fbgemm's `activation_scale_ub`, the
 //! bound on those scales).
 
-use crate::format::fp8::SCALE_BLOCK;
+use crate::format::fp8::{ScaleBlock, CODES_PER_BLOCK};
 use crate::{Error, Result};
 use serde_json::Value as Json;
 use std::fmt;
@@ -15,8 +15,8 @@ use std::fmt;
 /// What one scale of an FP8 weight covers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Fp8Scales {
-    /// A 128 x 128 block: `weight_scale_inv` of `[ceil(n_out / 128), ceil(n_in / 128)]`.
-    Blocks,
+    /// A block of rows and columns: `weight_scale_inv` of the block's grid over the matrix.
+    Blocks(ScaleBlock),
     /// A row (output channel): `weight_scale` of `[n_out, 1]`.
     Channel,
     /// The whole matrix: `weight_scale` of one value.
@@ -34,7 +34,7 @@ impl Fp8Quantization {
     /// The name of the scale tensor of the FP8 weight `weight` ("....q_proj.weight").
     pub fn scale_name(&self, weight: &str) -> String {
         match self.scales {
-            Fp8Scales::Blocks => format!("{weight}_scale_inv"),
+            Fp8Scales::Blocks(_) => format!("{weight}_scale_inv"),
             Fp8Scales::Channel | Fp8Scales::Tensor => format!("{weight}_scale"),
         }
     }
@@ -73,9 +73,9 @@ impl Fp8Quantization {
 impl fmt::Display for Fp8Quantization {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let scales = match self.scales {
-            Fp8Scales::Blocks => "a scale per 128x128 block",
-            Fp8Scales::Channel => "a scale per output channel",
-            Fp8Scales::Tensor => "a scale per matrix",
+            Fp8Scales::Blocks(block) => format!("a scale per {block} block"),
+            Fp8Scales::Channel => "a scale per output channel".into(),
+            Fp8Scales::Tensor => "a scale per matrix".into(),
         };
         write!(f, "FP8 E4M3 weights, {scales} ({})", self.method)
     }
@@ -105,7 +105,8 @@ fn module_list(q: &Json, key: &str) -> Result<()> {
     }
 }
 
-/// transformers' FineGrainedFP8 (Qwen3-FP8, DeepSeek-V3): 128 x 128 blocks.
+/// transformers' FineGrainedFP8 (Qwen3-FP8 and DeepSeek-V3 with 128 x 128 blocks): blocks whose
+/// columns are whole `Fp8` blocks of a row, so that each keeps its scale exactly.
 fn fine_grained(q: &Json) -> Result<Fp8Scales> {
     only_keys(
         q,
@@ -130,15 +131,7 @@ fn fine_grained(q: &Json) -> Result<Fp8Scales> {
             )))
         }
     }
-    let block = q["weight_block_size"]
-        .as_array()
-        .map(|b| b.iter().map(Json::as_u64).collect::<Vec<_>>());
-    if block != Some(vec![Some(SCALE_BLOCK as u64); 2]) {
-        return Err(refused(format!(
-            "weight_block_size {} is not supported ([{SCALE_BLOCK}, {SCALE_BLOCK}])",
-            q["weight_block_size"]
-        )));
-    }
+    let block = block_size(&q["weight_block_size"])?;
     for (key, allowed) in [("fmt", "e4m3"), ("scale_fmt", "float"), ("expert_dtype", "fp8")] {
         if let Some(v) = q.get(key).filter(|v| v.as_str() != Some(allowed)) {
             return Err(refused(format!("{key} {v} is not supported ({allowed:?})")));
@@ -152,7 +145,31 @@ fn fine_grained(q: &Json) -> Result<Fp8Scales> {
     }
     module_list(q, "modules_to_not_convert")?;
     module_list(q, "modules_to_convert")?;
-    Ok(Fp8Scales::Blocks)
+    Ok(Fp8Scales::Blocks(block))
+}
+
+/// `weight_block_size`: `[rows, columns]` of positive integers, the columns a multiple of 32.
+fn block_size(size: &Json) -> Result<ScaleBlock> {
+    let dims = size.as_array().map(|b| b.iter().map(Json::as_u64).collect::<Vec<_>>());
+    let block = match dims.as_deref() {
+        Some(&[Some(rows), Some(cols)]) if rows > 0 && cols > 0 => ScaleBlock {
+            rows: rows as usize,
+            cols: cols as usize,
+        },
+        _ => {
+            return Err(refused(format!(
+                "weight_block_size {size} is not supported (two positive integers, [rows, columns])"
+            )))
+        }
+    };
+    if !block.cols.is_multiple_of(CODES_PER_BLOCK) {
+        return Err(refused(format!(
+            "weight_block_size {size} is not supported: its columns, {}, are not a multiple of \
+             {CODES_PER_BLOCK} (axiom keeps a scale per {CODES_PER_BLOCK} weights of a row)",
+            block.cols
+        )));
+    }
+    Ok(block)
 }
 
 /// compressed-tensors' `float-quantized` format (llm-compressor's FP8 and FP8_DYNAMIC schemes):
@@ -262,7 +279,43 @@ mod tests {
             json!({"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                              "weight_block_size": [128, 128], "modules_to_not_convert": ["lm_head"]}),
         );
-        assert_eq!(q.unwrap().unwrap().scales, Fp8Scales::Blocks);
+        let q = q.unwrap().unwrap();
+        assert_eq!(q.scales, Fp8Scales::Blocks(ScaleBlock::square(128)));
+        assert_eq!(q.to_string(), "FP8 E4M3 weights, a scale per 128x128 block (fp8)");
+    }
+
+    #[test]
+    fn blocks_of_whole_32_value_columns_are_read() {
+        for [rows, cols] in [[64, 64], [32, 32], [1, 96], [48, 128], [128, 32]] {
+            let q = parse(json!({"quant_method": "fp8", "weight_block_size": [rows, cols]}));
+            assert_eq!(q.unwrap().unwrap().scales, Fp8Scales::Blocks(ScaleBlock { rows, cols }));
+        }
+        let refused = |size: Json| {
+            parse(json!({"quant_method": "fp8", "weight_block_size": size}))
+                .unwrap_err()
+                .to_string()
+        };
+        for size in [json!([64, 48]), json!([128, 16]), json!([32, 1])] {
+            let err = refused(size.clone());
+            assert!(
+                err.contains(&format!("weight_block_size {size}")) && err.contains("multiple of 32"),
+                "{err}"
+            );
+        }
+        for size in [
+            json!([0, 32]),
+            json!([32, -32]),
+            json!([128]),
+            json!([128, 128, 1]),
+            json!("128"),
+            Json::Null,
+        ] {
+            let err = refused(size.clone());
+            assert!(
+                err.contains(&format!("weight_block_size {size}")) && err.contains("two positive"),
+                "{err}"
+            );
+        }
     }
 
     #[test]
@@ -273,7 +326,7 @@ mod tests {
             q[key] = v;
             parse(q).unwrap_err().to_string()
         };
-        assert!(with("weight_block_size", json!([64, 64])).contains("weight_block_size"));
+        assert!(with("weight_block_size", json!([64, 40])).contains("weight_block_size"));
         assert!(with("activation_scheme", json!("static")).contains("static"));
         assert!(with("fmt", json!("e5m2")).contains("fmt"));
         assert!(with("scale_fmt", json!("ue8m0")).contains("scale_fmt"));

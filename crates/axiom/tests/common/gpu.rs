@@ -119,18 +119,25 @@ fn upload_pair<B: Backend>(
     (gpu.upload_weight(&tensor).unwrap(), cpu.upload_weight(&tensor).unwrap())
 }
 
-/// What each scale of a random FP8 weight covers. Checkpoints' scales cover 128 x 128 blocks, a
-/// row or the whole matrix, and a backend may keep each once (`random_weight_bytes` gives every
-/// 32-value block a scale of its own).
+/// What each scale of a random FP8 weight covers. Checkpoints' scales cover square blocks (128
+/// wide as published, 64 or 32 for models narrower than whole 128s), a row or the whole matrix,
+/// and a backend may keep each once (`random_weight_bytes` gives every 32-value block a scale of
+/// its own).
 #[derive(Clone, Copy, Debug)]
 enum Fp8Grain {
     Matrix,
-    Blocks,
+    Blocks(usize),
     Row,
 }
 
 impl Fp8Grain {
-    const ALL: [Fp8Grain; 3] = [Fp8Grain::Matrix, Fp8Grain::Blocks, Fp8Grain::Row];
+    const ALL: [Fp8Grain; 5] = [
+        Fp8Grain::Matrix,
+        Fp8Grain::Blocks(128),
+        Fp8Grain::Blocks(64),
+        Fp8Grain::Blocks(32),
+        Fp8Grain::Row,
+    ];
 }
 
 /// A random `[n_out, n_in]` FP8 weight with scales (1e-4 to 1e-2) over `grain`, and codes other
@@ -142,16 +149,15 @@ fn fp8_weight_bytes(rng: &mut ChaCha8Rng, [n_in, n_out]: [usize; 2], grain: Fp8G
             c => c,
         })
         .collect();
-    let block_cols = n_in.div_ceil(fp8::SCALE_BLOCK);
     let n_scales = match grain {
         Fp8Grain::Matrix => 1,
-        Fp8Grain::Blocks => n_out.div_ceil(fp8::SCALE_BLOCK) * block_cols,
+        Fp8Grain::Blocks(n) => fp8::ScaleBlock::square(n).grid(n_out, n_in).iter().product(),
         Fp8Grain::Row => n_out,
     };
     let scales: Vec<f32> = (0..n_scales).map(|_| rng.random_range(1e-4f32..1e-2)).collect();
     let scale = |row: usize, col: usize| match grain {
         Fp8Grain::Matrix => scales[0],
-        Fp8Grain::Blocks => scales[row / fp8::SCALE_BLOCK * block_cols + col / fp8::SCALE_BLOCK],
+        Fp8Grain::Blocks(n) => scales[fp8::ScaleBlock::square(n).index(row, col, n_in)],
         Fp8Grain::Row => scales[row],
     };
     let mut bytes = vec![0u8; n_in * n_out / fp8::CODES_PER_BLOCK * fp8::BLOCK_BYTES];
@@ -298,8 +304,8 @@ pub fn matmul_every_type_and_token_count<B: Backend>(
             );
         }
     }
-    // FP8 weights whose scales cover the whole matrix, 128 x 128 blocks or a row (a backend may
-    // keep each scale once), in shapes that are not multiples of 128: products, products added
+    // FP8 weights whose scales cover the whole matrix, square blocks or a row (a backend may
+    // keep each scale once), in shapes that are not whole blocks: products, products added
     // to a residual, and gate and up with SwiGLU, for every token count the decode kernels take
     // (a step of 7 runs those of 4, 2 and 1) and a prompt's.
     let fp8_cases = [[160, 130], [2080, 257]]

@@ -104,9 +104,10 @@ fn split_weight(ty: GgmlType, bytes: &[u8], n_in: usize) -> SplitWeight {
 
 /// The granularities FP8 scales are looked for in, coarsest first, as (row shift, chunk shift),
 /// the scale of row r's 32-value chunk c being shared by those of equal (r >> row shift,
-/// c >> chunk shift): the whole matrix, 128 x 128 blocks (block-wise checkpoints), a row
-/// (per-channel ones), 128 values of a row. A shift of 31 spans any matrix the kernels index.
-const FP8_SCALE_GRAINS: [(u32, u32); 4] = [(31, 31), (7, 2), (0, 31), (0, 2)];
+/// c >> chunk shift): the whole matrix, 128 x 128, 64 x 64 and 32 x 32 blocks (block-wise
+/// checkpoints), a row (per-channel ones), 128 values of a row. A shift of 31 spans any matrix
+/// the kernels index.
+const FP8_SCALE_GRAINS: [(u32, u32); 6] = [(31, 31), (7, 2), (6, 1), (5, 0), (0, 31), (0, 2)];
 
 /// The scales of FP8 blocks at the coarsest of `FP8_SCALE_GRAINS` where they agree to the bit,
 /// else one a block: the scale of row r's chunk c is `table[(r >> row_shift) * per_row + (c >>
@@ -419,9 +420,11 @@ mod tests {
         let codes = vec![0x38u8; n_in * n_out];
         // (what a scale covers, the scales, the shifts expected, the table's length)
         type Case = (&'static str, fn(usize, usize) -> f32, (u32, u32), usize);
-        let cases: [Case; 5] = [
+        let cases: [Case; 7] = [
             ("a matrix", |_, _| 0.5, (31, 31), 1),
             ("128 x 128", |r, c| (1 + r / 128 * 2 + c / 128) as f32, (7, 2), 4),
+            ("64 x 64", |r, c| (1 + r / 64 * 3 + c / 64) as f32, (6, 1), 9),
+            ("32 x 32", |r, c| (1 + r / 32 * 5 + c / 32) as f32, (5, 0), 25),
             ("a row", |r, _| r as f32 + 0.25, (0, 31), 130),
             ("128 of a row", |r, c| (r * 2 + c / 128) as f32, (0, 2), 260),
             ("a block", |r, c| (r * 5 + c / 32) as f32, (0, 0), 650),

@@ -2,7 +2,7 @@
 //! as the config's `quantization_config` lays the scales out.
 
 use super::{SafetensorsModel, StEntry};
-use crate::format::fp8::{pack, BLOCK_BYTES, CODES_PER_BLOCK, SCALE_BLOCK};
+use crate::format::fp8::{pack, BLOCK_BYTES, CODES_PER_BLOCK};
 use crate::format::quant::{dequantize, GgmlType};
 use crate::model::quantization::{Fp8Quantization, Fp8Scales};
 use crate::{Error, Result};
@@ -50,14 +50,13 @@ impl SafetensorsModel {
                     raw.name
                 )));
             }
-            // transformers takes a block for the matrix's share of the scale grid, vLLM and
-            // DeepSeek 128 rows or columns with the last one partial: only whole blocks agree.
-            let whole_blocks = n_in.is_multiple_of(SCALE_BLOCK) && n_out.is_multiple_of(SCALE_BLOCK);
-            if quantization.scales == Fp8Scales::Blocks && !whole_blocks {
-                return Err(Error::Model(format!(
-                    "FP8 tensor {}: {n_out} x {n_in} is not whole {SCALE_BLOCK}x{SCALE_BLOCK} blocks",
-                    raw.name
-                )));
+            if let Fp8Scales::Blocks(block) = quantization.scales {
+                if !block.whole(n_out, n_in) {
+                    return Err(Error::Model(format!(
+                        "FP8 tensor {}: {n_out} x {n_in} is not whole {block} blocks",
+                        raw.name
+                    )));
+                }
             }
             let scale_name = quantization.scale_name(&raw.name);
             let entry = self
@@ -65,7 +64,7 @@ impl SafetensorsModel {
                 .remove(&scale_name)
                 .ok_or_else(|| Error::Model(format!("missing tensor {scale_name} (the scales of FP8 {})", raw.name)))?;
             let expected = match quantization.scales {
-                Fp8Scales::Blocks => vec![n_in.div_ceil(SCALE_BLOCK), n_out.div_ceil(SCALE_BLOCK)],
+                Fp8Scales::Blocks(block) => block.grid(n_out, n_in).into_iter().rev().collect(),
                 Fp8Scales::Channel => vec![1, n_out],
                 Fp8Scales::Tensor => vec![1],
             };
@@ -92,14 +91,8 @@ impl SafetensorsModel {
             let len = n_in * n_out / CODES_PER_BLOCK * BLOCK_BYTES;
             let codes = &self.files[raw.file][raw.range.clone()];
             let out = &mut packed[offset..offset + len];
-            let columns = n_in.div_ceil(SCALE_BLOCK);
             match quantization.scales {
-                Fp8Scales::Blocks => pack(
-                    codes,
-                    n_in,
-                    |r, c| scales[r / SCALE_BLOCK * columns + c / SCALE_BLOCK],
-                    out,
-                ),
+                Fp8Scales::Blocks(block) => pack(codes, n_in, |r, c| scales[block.index(r, c, n_in)], out),
                 Fp8Scales::Channel => pack(codes, n_in, |r, _| scales[r], out),
                 Fp8Scales::Tensor => pack(codes, n_in, |_, _| scales[0], out),
             }

@@ -186,7 +186,7 @@ template <> __device__ __forceinline__ void chunk<TY_BF16>(const Weight& w, u64 
 // FP8 (E4M3) weights: a row's codes contiguous, a byte each (`q`), and their scales in a compact
 // table (`s`, written by `Fp8ScaleGrid::kernel_table` in cuda/weights.rs): a 16-byte header of u32s (row
 // shift, chunk shift, scales a row of the table), then f32 scales (NaN for a block with a NaN code). The scale of row r's 32-value
-// chunk c is scale[(r >> row shift) * per row + (c >> chunk shift)]: one per 128 x 128 block,
+// chunk c is scale[(r >> row shift) * per row + (c >> chunk shift)]: one per square block,
 // per row, per matrix or per chunk, whichever the checkpoint's scales have.
 struct Fp8Scales {
     const float* row;  // this row's scales in the table
