@@ -10,6 +10,7 @@ use axiom::backend::{Kernels, KvType};
 use axiom::engine::Session;
 use axiom::model::llama::LoadOptions;
 use axiom::model::ModelFiles;
+use axiom::parallel::Rank;
 use axiom::source::resolve_model;
 use std::io::IsTerminal;
 use std::time::Instant;
@@ -218,7 +219,7 @@ pub fn load_session(args: &ModelArgs, model: OpenModel, options: LoadOptions, ou
             ))
         }
         Chosen::Cpu if args.tensor_parallel > 1 => Loaded::Cpu(Box::new(
-            Session::from_files_sharded(files, cpu_ranks(args)?, options).with_context(context)?,
+            Session::from_files_sharded(files, Rank::in_process(cpu_ranks(args)?)?, options).with_context(context)?,
         )),
         Chosen::Cpu => Loaded::Cpu(Box::new(
             Session::from_files(files, cpu_backend(args)?, options).with_context(context)?,

@@ -20,7 +20,7 @@ use axiom::engine::{SamplerConfig, Session};
 use axiom::format::quant::GgmlType;
 use axiom::model::llama::{GreedyDecode, LoadOptions};
 use axiom::model::LogitRows;
-use axiom::parallel::{Communicator, InProcess, Shard};
+use axiom::parallel::{Communicator, InProcess, Rank, Shard};
 use common::gpu::rel_l2;
 use common::hf_fixture;
 use std::path::Path;
@@ -52,7 +52,7 @@ fn fast() -> CpuBackend {
 fn load(model: &Path, ranks: usize, make: fn() -> CpuBackend) -> axiom::Result<Session<CpuBackend>> {
     match ranks {
         1 => Session::load(model, make(), OPTIONS),
-        n => Session::load_sharded(model, (0..n).map(|_| make()).collect(), OPTIONS),
+        n => Session::load_sharded(model, Rank::in_process((0..n).map(|_| make()).collect())?, OPTIONS),
     }
 }
 
@@ -142,6 +142,14 @@ fn models_that_do_not_split_are_refused_by_name() {
     config.ffn_dim = 96;
     assert_eq!(Shard::new(&config, 1, 3).unwrap().kv_heads, 1..2);
     assert!(load(&hf_fixture("llama"), 0, reference).is_err());
+    // Ranks handed over out of their group's order.
+    let mut ranks = Rank::in_process(vec![reference(), reference()]).unwrap();
+    ranks.reverse();
+    let err = Session::load_sharded(&hf_fixture("llama"), ranks, OPTIONS)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(err.contains("rank 0 of the 2 given is rank 1"), "{err}");
 }
 
 #[test]

@@ -9,6 +9,7 @@ use crate::model::files::Container;
 use crate::model::llama::LoadOptions;
 use crate::model::weights::TensorSource;
 use crate::model::{KvCache, Llama, LogitRows, ModelConfig, ModelFiles, PagePool};
+use crate::parallel::Rank;
 use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
 use std::path::Path;
@@ -93,15 +94,15 @@ impl<B: Backend + 'static> Session<B>
 where
     Llama<B>: Send,
 {
-    /// Loads a model split over as many ranks as `backends` ([`Llama::load_sharded`]).
-    pub fn load_sharded(path: &Path, backends: Vec<B>, options: LoadOptions) -> Result<Session<B>> {
-        Self::from_files_sharded(ModelFiles::open(path)?, backends, options)
+    /// Loads a model split over `ranks` ([`Llama::load_sharded`]).
+    pub fn load_sharded(path: &Path, ranks: Vec<Rank<B>>, options: LoadOptions) -> Result<Session<B>> {
+        Self::from_files_sharded(ModelFiles::open(path)?, ranks, options)
     }
 
-    /// [`Session::from_files`] split over as many ranks as `backends`.
-    pub fn from_files_sharded(files: ModelFiles, backends: Vec<B>, options: LoadOptions) -> Result<Session<B>> {
+    /// [`Session::from_files`] split over `ranks`.
+    pub fn from_files_sharded(files: ModelFiles, ranks: Vec<Rank<B>>, options: LoadOptions) -> Result<Session<B>> {
         Self::open(files, |source, config| {
-            Llama::load_sharded(source, config, backends, options)
+            Llama::load_sharded(source, config, ranks, options)
         })
     }
 }

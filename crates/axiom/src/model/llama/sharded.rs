@@ -8,7 +8,7 @@ use crate::backend::Backend;
 use crate::model::kv_cache::PagePool;
 use crate::model::weights::TensorSource;
 use crate::model::ModelConfig;
-use crate::parallel::{Communicator, InProcess, Shard};
+use crate::parallel::{Communicator, Rank, Shard};
 use crate::{Error, Result};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::thread::JoinHandle;
@@ -97,29 +97,34 @@ impl<B: Backend + 'static> Llama<B>
 where
     Llama<B>: Send,
 {
-    /// Loads the model split over as many ranks as `backends` (rank r on `backends[r]`), as
-    /// [`Shard`] splits it; the ranks meet through an in-process [`InProcess`] group. Returns
-    /// rank 0, which runs the others on threads of their own and which the engine drives as any
-    /// model, with the pool of pages every rank's KV cache has.
+    /// Loads the model split over `ranks` (`ranks[r]` rank r of their group), as [`Shard`]
+    /// splits it. Returns rank 0, which runs the others on threads of their own and which the
+    /// engine drives as any model, with the pool of pages every rank's KV cache has.
     pub fn load_sharded<S: TensorSource + ?Sized>(
         source: &S,
         config: ModelConfig,
-        backends: Vec<B>,
+        ranks: Vec<Rank<B>>,
         options: LoadOptions,
     ) -> Result<(Llama<B>, PagePool)> {
-        let size = backends.len();
-        let shards = (0..size)
-            .map(|rank| Shard::new(&config, rank, size))
-            .collect::<Result<Vec<_>>>()?;
-        let mut ranks = Vec::with_capacity(size);
-        let mut pool = None;
-        for ((backend, shard), comm) in backends.into_iter().zip(&shards).zip(InProcess::group(size)?) {
-            let (model, pages) =
-                Self::load_shard(source, config.clone(), shard, Some(Box::new(comm)), backend, options)?;
-            pool.get_or_insert(pages);
-            ranks.push(model);
+        let size = ranks.len();
+        let mut shards = Vec::with_capacity(size);
+        for (i, rank) in ranks.iter().enumerate() {
+            let (r, group) = (rank.comm.rank(), rank.comm.size());
+            if (r, group) != (i, size) {
+                return Err(Error::InvalidArgument(format!(
+                    "rank {i} of the {size} given is rank {r} of a group of {group}"
+                )));
+            }
+            shards.push(Shard::new(&config, i, size)?);
         }
-        let mut ranks = ranks.into_iter();
+        let mut models = Vec::with_capacity(size);
+        let mut pool = None;
+        for (Rank { backend, comm }, shard) in ranks.into_iter().zip(&shards) {
+            let (model, pages) = Self::load_shard(source, config.clone(), shard, Some(comm), backend, options)?;
+            pool.get_or_insert(pages);
+            models.push(model);
+        }
+        let mut ranks = models.into_iter();
         let (Some(mut first), Some(pool)) = (ranks.next(), pool) else {
             return Err(Error::InvalidArgument("a model split over 0 ranks".into()));
         };
