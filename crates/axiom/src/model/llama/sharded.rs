@@ -74,10 +74,9 @@ impl<B: Backend> Llama<B> {
         for (rank, peer) in group.peers.iter().enumerate() {
             let sent = peer.work.as_ref().is_some_and(|w| w.send(work.clone()).is_ok());
             if !sent {
-                return Err(Error::Backend(format!(
-                    "rank {} of the tensor-parallel group has stopped",
-                    rank + 1
-                )));
+                // Those already sent it would wait for this rank in its first collective.
+                let stopped = format!("rank {} of the tensor-parallel group has stopped", rank + 1);
+                return self.stop_on_error(Err(Error::Backend(stopped)));
             }
         }
         Ok(())
