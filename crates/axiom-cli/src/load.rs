@@ -10,6 +10,7 @@ use axiom::backend::{Kernels, KvType};
 use axiom::engine::Session;
 use axiom::model::llama::LoadOptions;
 use axiom::model::ModelFiles;
+use axiom::parallel::Rank;
 use axiom::source::resolve_model;
 use std::io::IsTerminal;
 use std::time::Instant;
@@ -85,11 +86,23 @@ macro_rules! with_session {
 const MAX_THREADS: usize = 1024;
 
 fn cpu_backend(args: &ModelArgs) -> Result<CpuBackend> {
+    Ok(CpuBackend::new(cpu_threads(args)?).with_kv_type(kv_type(args)))
+}
+
+fn cpu_threads(args: &ModelArgs) -> Result<usize> {
     let threads = args.threads.unwrap_or_else(physical_cores);
     if !(1..=MAX_THREADS).contains(&threads) {
         bail!("--threads must be between 1 and {MAX_THREADS}, got {threads}");
     }
-    Ok(CpuBackend::new(threads).with_kv_type(kv_type(args)))
+    Ok(threads)
+}
+
+/// The CPU backends of `--tensor-parallel` ranks, sharing the threads.
+fn cpu_ranks(args: &ModelArgs) -> Result<Vec<CpuBackend>> {
+    let threads = (cpu_threads(args)? / args.tensor_parallel).max(1);
+    Ok((0..args.tensor_parallel)
+        .map(|_| CpuBackend::new(threads).with_kv_type(kv_type(args)))
+        .collect())
 }
 
 /// The backend a command runs on, `auto` resolved.
@@ -104,7 +117,7 @@ pub enum Chosen {
 /// `auto` is CUDA when a GPU is present, else the CPU. Metal is used only when asked for: it has
 /// been type-checked and its kernels run on the CPU, but not yet run on a Mac (docs/metal.md).
 fn choose_backend(args: &ModelArgs) -> Result<Chosen> {
-    Ok(match args.backend {
+    let chosen = match args.backend {
         BackendKind::Cuda => Chosen::Cuda,
         BackendKind::Auto if axiom::backend::cuda::device::available() => Chosen::Cuda,
         BackendKind::Auto | BackendKind::Cpu => Chosen::Cpu,
@@ -116,7 +129,14 @@ fn choose_backend(args: &ModelArgs) -> Result<Chosen> {
         BackendKind::Metal => Chosen::Metal,
         #[cfg(not(any(target_vendor = "apple", axiom_metal_check)))]
         BackendKind::Metal => bail!("the Metal backend is only built on macOS"),
-    })
+    };
+    match (args.tensor_parallel, chosen) {
+        (0, _) => bail!("--tensor-parallel must be at least 1"),
+        (1, _) | (_, Chosen::Cpu) => Ok(chosen),
+        (_, Chosen::Cuda) => bail!("--tensor-parallel needs NCCL on CUDA: not built yet (--backend cpu runs it)"),
+        #[cfg(any(target_vendor = "apple", axiom_metal_check))]
+        (_, Chosen::Metal) => bail!("--tensor-parallel is not built for Metal (--backend cpu runs it)"),
+    }
 }
 
 pub fn kv_type(args: &ModelArgs) -> KvType {
@@ -198,15 +218,22 @@ pub fn load_session(args: &ModelArgs, model: OpenModel, options: LoadOptions, ou
                 Session::from_files(files, backend, options).with_context(context)?,
             ))
         }
+        Chosen::Cpu if args.tensor_parallel > 1 => Loaded::Cpu(Box::new(
+            Session::from_files_sharded(files, Rank::in_process(cpu_ranks(args)?)?, options).with_context(context)?,
+        )),
         Chosen::Cpu => Loaded::Cpu(Box::new(
             Session::from_files(files, cpu_backend(args)?, options).with_context(context)?,
         )),
     };
     if !out.quiet && std::io::stderr().is_terminal() {
-        let (description, bytes, device, context_length) = with_session!(&loaded, session => {
+        let (description, bytes, mut device, context_length, ranks) = with_session!(&loaded, session => {
             let info = &session.info;
-            (info.description.clone(), info.file_bytes, session.model.backend.device_name(), session.model.config.context_length)
+            let model = &session.model;
+            (info.description.clone(), info.file_bytes, model.backend.device_name(), model.config.context_length, model.ranks())
         });
+        if ranks > 1 {
+            device = format!("{ranks} ranks of {device}");
+        }
         eprintln!(
             "axiom: {description} ({:.1} MiB) on {device}, context {} tokens, loaded in {:.2} s",
             bytes as f64 / (1 << 20) as f64,

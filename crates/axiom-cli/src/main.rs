@@ -81,6 +81,15 @@ struct ModelArgs {
     /// does and ignores it; Metal refuses it.
     #[arg(long)]
     deterministic: bool,
+    /// Split every layer over N ranks (Megatron style: heads, feed-forward columns and the
+    /// vocabulary). On the CPU the ranks are threads of this process, sharing --threads.
+    #[arg(
+        long = "tensor-parallel",
+        visible_alias = "tp",
+        value_name = "N",
+        default_value_t = 1
+    )]
+    tensor_parallel: usize,
 }
 
 /// Sampling and stopping, shared by `run` and `chat`.

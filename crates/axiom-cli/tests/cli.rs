@@ -314,13 +314,39 @@ fn perplexity_cli_reports_the_llama_cpp_method_value() {
 }
 
 #[test]
+fn tensor_parallel_ranks_on_the_cpu_generate_what_one_rank_does() {
+    let model = model();
+    let run = |ranks: &str| -> Value {
+        let args = [
+            "run",
+            "--backend",
+            "cpu",
+            "-m",
+            model.to_str().unwrap(),
+            "--temp",
+            "0",
+            "-n",
+            "12",
+            "--json",
+        ];
+        serde_json::from_str(&ok(&axiom(
+            &[&args[..], &["--tp", ranks, "The capital of France is"]].concat(),
+        )))
+        .unwrap()
+    };
+    let (one, three) = (run("1"), run("3"));
+    assert_eq!(one["text"], three["text"]);
+    assert_eq!(ids(&three["tokens"]).len(), 12);
+}
+
+#[test]
 fn bad_inputs_fail_with_a_message() {
     let dir = std::env::temp_dir().join(format!("axiom-cli-test-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let bogus = dir.join("bogus.gguf");
     std::fs::write(&bogus, b"not a model at all").unwrap();
     let model = model();
-    let cases: [(&[&str], &str); 9] = [
+    let cases: [(&[&str], &str); 12] = [
         (&["info", bogus.to_str().unwrap()], "not a GGUF file"),
         (&["run", "-m", "/nonexistent.gguf", "hi"], "does not exist"),
         // A name that is no file nor packaged model: the error lists what -m takes.
@@ -375,6 +401,26 @@ fn bad_inputs_fail_with_a_message() {
                 "0",
             ],
             "--max-batch-tokens must be at least 1",
+        ),
+        // Refused before the model is read: the backend has no collectives.
+        (
+            &["run", "--backend", "cuda", "--tp", "2", "-m", "/nonexistent.gguf", "hi"],
+            "--tensor-parallel needs NCCL on CUDA",
+        ),
+        (&["run", "--tp", "0", "hi"], "--tensor-parallel must be at least 1"),
+        // SmolLM2's 9 heads split over 3 ranks, not 2.
+        (
+            &[
+                "run",
+                "--backend",
+                "cpu",
+                "--tp",
+                "2",
+                "-m",
+                model.to_str().unwrap(),
+                "hi",
+            ],
+            "the model's 9 attention heads do not divide evenly",
         ),
     ];
     for (args, needle) in cases {

@@ -16,6 +16,7 @@ mod error;
 pub mod format;
 pub mod hub;
 pub mod model;
+pub mod parallel;
 pub mod source;
 pub mod tokenizer;
 pub mod tool_calls;

@@ -9,6 +9,7 @@ use crate::model::files::Container;
 use crate::model::llama::LoadOptions;
 use crate::model::weights::TensorSource;
 use crate::model::{KvCache, Llama, LogitRows, ModelConfig, ModelFiles, PagePool};
+use crate::parallel::Rank;
 use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
 use std::path::Path;
@@ -86,6 +87,26 @@ impl ModelInfo {
     }
 }
 
+/// A model loaded, with the pool of its KV cache's pages.
+type Loaded<B> = Result<(Llama<B>, PagePool)>;
+
+impl<B: Backend + 'static> Session<B>
+where
+    Llama<B>: Send,
+{
+    /// Loads a model split over `ranks` ([`Llama::load_sharded`]).
+    pub fn load_sharded(path: &Path, ranks: Vec<Rank<B>>, options: LoadOptions) -> Result<Session<B>> {
+        Self::from_files_sharded(ModelFiles::open(path)?, ranks, options)
+    }
+
+    /// [`Session::from_files`] split over `ranks`.
+    pub fn from_files_sharded(files: ModelFiles, ranks: Vec<Rank<B>>, options: LoadOptions) -> Result<Session<B>> {
+        Self::open(files, |source, config| {
+            Llama::load_sharded(source, config, ranks, options)
+        })
+    }
+}
+
 impl<B: Backend> Session<B> {
     /// Loads a GGUF file, or a Hugging Face model directory (config.json, safetensors,
     /// tokenizer.json).
@@ -96,30 +117,39 @@ impl<B: Backend> Session<B> {
     /// Loads a model already opened, reading nothing of it again. The files are taken so that
     /// their maps are released once the weights are on the backend.
     pub fn from_files(files: ModelFiles, backend: B, options: LoadOptions) -> Result<Session<B>> {
+        Self::open(files, |source, config| Llama::load(source, config, backend, options))
+    }
+
+    /// Loads a GGUF image already parsed (tests build them in memory).
+    pub fn from_gguf(file: &GgufFile, backend: B, options: LoadOptions) -> Result<Session<B>> {
+        let load = |source: &dyn TensorSource, config| Llama::load(source, config, backend, options);
+        Self::gguf(file, ModelConfig::from_gguf(file)?, load)
+    }
+
+    fn open(files: ModelFiles, load: impl FnOnce(&dyn TensorSource, ModelConfig) -> Loaded<B>) -> Result<Session<B>> {
         let ModelFiles {
             path,
             config,
             container,
         } = files;
         match &container {
-            Container::Gguf(file) => Self::gguf(file, config, backend, options),
-            Container::HfDir(checkpoint) => Self::hf_dir(&path, checkpoint, config, backend, options),
+            Container::Gguf(file) => Self::gguf(file, config, load),
+            Container::HfDir(checkpoint) => Self::hf_dir(&path, checkpoint, config, load),
         }
     }
 
-    /// Loads a GGUF image already parsed (tests build them in memory).
-    pub fn from_gguf(file: &GgufFile, backend: B, options: LoadOptions) -> Result<Session<B>> {
-        Self::gguf(file, ModelConfig::from_gguf(file)?, backend, options)
-    }
-
-    fn gguf(file: &GgufFile, config: ModelConfig, backend: B, options: LoadOptions) -> Result<Session<B>> {
+    fn gguf(
+        file: &GgufFile,
+        config: ModelConfig,
+        load: impl FnOnce(&dyn TensorSource, ModelConfig) -> Loaded<B>,
+    ) -> Result<Session<B>> {
         let tokenizer = Tokenizer::from_gguf(file)?;
         let template = file
             .get("tokenizer.chat_template")
             .and_then(Value::as_str)
             .or_else(|| crate::chat::builtin_template(&config.architecture))
             .map(str::to_owned);
-        let model = Llama::load(file, config, backend, options)?;
+        let model = load(file, config)?;
         let size_label = file.get("general.size_label").and_then(Value::as_str);
         let info = ModelInfo::new(file, &model.0.config, size_label, file.file_size());
         Self::assemble(model, tokenizer, template, info)
@@ -129,8 +159,7 @@ impl<B: Backend> Session<B> {
         dir: &Path,
         checkpoint: &SafetensorsModel,
         config: ModelConfig,
-        backend: B,
-        options: LoadOptions,
+        load: impl FnOnce(&dyn TensorSource, ModelConfig) -> Loaded<B>,
     ) -> Result<Session<B>> {
         let read = |name: &str| {
             std::fs::read_to_string(dir.join(name)).map_err(Error::io(format!("reading {}", dir.join(name).display())))
@@ -150,7 +179,7 @@ impl<B: Backend> Session<B> {
             }
         });
         let info = ModelInfo::new(checkpoint, &config, None, checkpoint.file_size());
-        let model = Llama::load(checkpoint, config, backend, options)?;
+        let model = load(checkpoint, config)?;
         Self::assemble(model, tokenizer, template, info)
     }
 

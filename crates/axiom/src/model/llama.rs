@@ -7,10 +7,13 @@ use crate::backend::{
     AttentionKv, Backend, BlockHandle, ExpertScratch, ExpertSet, FeedForward, FeedForwardScratch, Input, Mixture,
     MixtureScratch, NewRows, NextInput, PagedKv, Projection, Residual, Routes, Routing, SharedExpert, StepLayout,
 };
+use crate::parallel::{Communicator, Shard};
 use crate::{Error, Result};
 
 mod greedy;
+mod sharded;
 pub use greedy::GreedyDecode;
+use sharded::{Group, Work};
 
 /// Which rows of a forward call need logits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -192,6 +195,9 @@ struct Scratch {
     q_normed: BlockHandle,
     k_normed: BlockHandle,
     logits: BlockHandle,
+    /// A sharded model's rows of its own vocabulary's logits, before they are gathered into
+    /// `logits` (empty on one rank).
+    logits_part: BlockHandle,
     /// Constrained rows' allowed tokens, as bits (see `StepSink::allowed`).
     allowed: BlockHandle,
     /// Device argmax of each row of `logits`.
@@ -245,6 +251,11 @@ impl Scratch {
 
 pub struct Llama<B: Backend> {
     pub config: ModelConfig,
+    /// The shape this rank computes: `config` with its share of the heads and feed-forward
+    /// columns (all of them on one rank).
+    local: ModelConfig,
+    /// Its tensor-parallel group, where the model is split across ranks.
+    group: Option<Group<B>>,
     pub backend: B,
     weights: Weights<B::Weight>,
     /// The rope kernels' tables of per-pair frequencies.
@@ -274,9 +285,27 @@ impl<B: Backend> Llama<B> {
     pub fn load<S: TensorSource + ?Sized>(
         source: &S,
         config: ModelConfig,
+        backend: B,
+        options: LoadOptions,
+    ) -> Result<(Llama<B>, PagePool)> {
+        let shard = Shard::whole(&config);
+        Self::load_shard(source, config, &shard, None, backend, options)
+    }
+
+    /// `load` of `shard`'s share of the model, a rank of the group `comm` joins it to.
+    fn load_shard<S: TensorSource + ?Sized>(
+        source: &S,
+        config: ModelConfig,
+        shard: &Shard,
+        comm: Option<Box<dyn Communicator<B>>>,
         mut backend: B,
         options: LoadOptions,
     ) -> Result<(Llama<B>, PagePool)> {
+        let local = shard.config(&config);
+        let head_rows = match shard.is_whole() {
+            true => 0,
+            false => shard.vocab.len(),
+        };
         for (what, tokens) in [("KV cache", options.kv_tokens), ("batch", options.max_batch)] {
             if tokens > MAX_LOAD_TOKENS {
                 return Err(Error::InvalidArgument(format!(
@@ -293,7 +322,7 @@ impl<B: Backend> Llama<B> {
             None => config.context_length.min(n_pages * PAGE_SIZE),
         };
         let table_width = longest.div_ceil(PAGE_SIZE);
-        let page_bytes = PAGE_SIZE * config.attention().kv_width() * backend.kv_type().bytes();
+        let page_bytes = PAGE_SIZE * local.attention().kv_width() * backend.kv_type().bytes();
         let inputs_len = 3 * max_batch + max_seqs * table_width;
         let (largest_weight, max_n_in) = weights::largest(&config);
         let steps = max_batch.max(LOGIT_ROWS_PER_STEP);
@@ -307,8 +336,8 @@ impl<B: Backend> Llama<B> {
                 _ => Vec::new(),
             })
             .collect();
-        let arena = weights::vector_bytes(&config)
-            + scratch_bytes(&config, max_batch)
+        let arena = weights::vector_bytes(&local)
+            + scratch_bytes(&local, max_batch, head_rows)
             + 2 * config.n_layers * (n_pages * page_bytes).next_multiple_of(256)
             + inputs_len * 4
             + backend.weight_bytes(&matrices)
@@ -316,8 +345,8 @@ impl<B: Backend> Llama<B> {
             + 64 * 256;
         backend.reserve(arena)?;
         let longest_sequence = config.context_length.min(n_pages * PAGE_SIZE);
-        let (weights, freqs) = weights::load(source, &config, &mut backend, longest_sequence)?;
-        let scratch = Scratch::new(&mut backend, &config, max_batch)?;
+        let (weights, freqs) = weights::load(source, &config, shard, &mut backend, longest_sequence)?;
+        let scratch = Scratch::new(&mut backend, &local, max_batch, head_rows)?;
         let mut cache = PagedCache {
             k: Vec::with_capacity(config.n_layers),
             v: Vec::with_capacity(config.n_layers),
@@ -339,6 +368,8 @@ impl<B: Backend> Llama<B> {
         let choices = [backend.choice_slot()?, backend.choice_slot()?];
         let model = Llama {
             config,
+            local,
+            group: comm.map(|comm| Group::new(comm, shard.vocab_widths.clone())),
             backend,
             weights,
             freqs,
@@ -372,6 +403,11 @@ impl<B: Backend> Llama<B> {
     /// Most sequences one step runs.
     pub fn max_seqs(&self) -> usize {
         self.max_seqs
+    }
+
+    /// Ranks the model is split over (1 where it is not).
+    pub fn ranks(&self) -> usize {
+        self.group.as_ref().map_or(1, |g| g.comm.size())
     }
 
     /// Runs `tokens` after the ones already in `kv`, appending theirs; `kv` holds the pages for
@@ -482,10 +518,27 @@ impl<B: Backend> Llama<B> {
                 )));
             }
         }
-        self.write_inputs(steps, kind)?;
-        let plan = self
-            .backend
-            .plan_step(self.inputs.layout(n)?, self.config.attention())?;
+        self.pack_inputs(steps);
+        self.share(|model| Work::Step {
+            packed: model.inputs.packed.clone(),
+            n,
+            kind,
+        })?;
+        let ran = self.run_packed(n, kind);
+        self.stop_on_error(ran)?;
+        if kind == StepKind::Host {
+            for s in steps.iter_mut() {
+                s.kv.push_tokens(s.tokens);
+            }
+        }
+        Ok(())
+    }
+
+    /// A step of `n` tokens whose inputs are packed: sends them, runs the layers (and, for a
+    /// greedy step, the choice, which it then marks). Every rank runs it alike.
+    fn run_packed(&mut self, n: usize, kind: StepKind) -> Result<()> {
+        self.send_inputs(kind)?;
+        let plan = self.backend.plan_step(self.inputs.layout(n)?, self.local.attention())?;
         let run = |model: &Self| match kind {
             StepKind::Host => model.layers(n, &plan),
             StepKind::Greedy { slot } => model.layers(n, &plan).and_then(|_| model.choose(0, slot)),
@@ -502,14 +555,17 @@ impl<B: Backend> Llama<B> {
             run(self)?;
         }
         match kind {
-            StepKind::Host => {
-                for s in steps.iter_mut() {
-                    s.kv.push_tokens(s.tokens);
-                }
-            }
-            StepKind::Greedy { slot } => self.chosen(0, slot)?,
+            StepKind::Host => Ok(()),
+            StepKind::Greedy { slot } => self.chosen(0, slot),
         }
-        Ok(())
+    }
+
+    /// `choose(row, slot)`, then `chosen`: on every rank, a greedy choice after a step run
+    /// otherwise.
+    fn choose_after(&mut self, row: usize, slot: usize) -> Result<()> {
+        self.share(|_| Work::Choose { row, slot })?;
+        let chosen = self.choose(row, slot).and_then(|_| self.chosen(row, slot));
+        self.stop_on_error(chosen)
     }
 
     /// The most likely token after row `row` of the last step, left where the next step reads
@@ -538,13 +594,10 @@ impl<B: Backend> Llama<B> {
         self.backend.mark_choice(&self.choices[slot])
     }
 
-    /// Packs the step's ids, positions, sequence rows and block tables and sends them in one copy:
-    /// all but the ids where those are on the device already, and nothing where the rest is too
-    /// (a greedy step that takes no new page).
-    fn write_inputs(&mut self, steps: &[SeqStep], kind: StepKind) -> Result<()> {
+    /// Packs the step's ids, positions, sequence rows and block tables, for `send_inputs`.
+    fn pack_inputs(&mut self, steps: &[SeqStep]) {
         let (batch, width) = (self.max_batch, self.cache.table_width);
-        let inputs = &mut self.inputs;
-        let host = &mut inputs.packed;
+        let host = &mut self.inputs.packed;
         host.clear();
         host.extend(steps.iter().flat_map(|s| s.tokens));
         host.resize(batch, 0);
@@ -565,6 +618,14 @@ impl<B: Backend> Llama<B> {
             host.extend_from_slice(&s.kv.pages);
             host.resize(3 * batch + (i + 1) * width, 0);
         }
+    }
+
+    /// Sends the packed inputs in one copy: all but the ids where those are on the device
+    /// already, and nothing where the rest is too (a greedy step that takes no new page).
+    fn send_inputs(&mut self, kind: StepKind) -> Result<()> {
+        let batch = self.max_batch;
+        let inputs = &mut self.inputs;
+        let host = &inputs.packed;
         let skip = if kind == StepKind::Host { 0 } else { batch };
         if skip > 0 && inputs.sent.get(skip..) == Some(&host[skip..]) {
             return Ok(());
@@ -579,7 +640,7 @@ impl<B: Backend> Llama<B> {
 
     /// The layer loop, written once.
     fn layers(&self, n: usize, plan: &B::StepPlan) -> Result<()> {
-        let c = &self.config;
+        let c = &self.local;
         let shape = c.attention();
         let (b, s) = (&self.backend, &self.scratch);
         let positions = self.inputs.positions();
@@ -632,8 +693,8 @@ impl<B: Backend> Llama<B> {
                 plan,
             };
             let ffn_in = self.normed(s.x, layer.ffn_norm);
-            match layer.post_norms {
-                None => {
+            match (layer.post_norms, &self.group) {
+                (None, None) => {
                     let proj = Projection {
                         wo: &layer.wo,
                         attn: s.attn,
@@ -664,24 +725,27 @@ impl<B: Backend> Llama<B> {
                         }
                     }
                 }
-                // Each block's output is normalized before it joins the stream, so it is
-                // computed apart first.
-                Some([post_attn, post_ffn]) => {
+                // Each block's output is computed apart first: to be normalized before it joins
+                // the stream, or, split across ranks, to be summed over them.
+                (post_norms, _) => {
                     let FeedForwardWeights::Dense { gate, up, down } = &layer.ffn else {
                         return Err(Error::Model(
-                            "mixture-of-experts layers with post-norms are not supported".into(),
+                            "mixture-of-experts layers with post-norms or split across ranks are not supported".into(),
                         ));
                     };
+                    let [post_attn, post_ffn] = post_norms.map_or([None; 2], |norms| norms.map(Some));
                     b.rope_kv_write(new, kv, n, shape)?;
                     b.attention(q, kv, s.attn, n, shape)?;
                     b.matmul(s.attn, &layer.wo, s.proj, n)?;
+                    self.reduce(s.proj, n)?;
                     if let Some(bo) = layer.o_bias {
                         b.add_bias(s.proj, bo, n, c.dim)?;
                     }
-                    self.add_normed(s.proj, post_attn, n)?;
+                    self.join_stream(s.proj, post_attn, n)?;
                     b.gate_up_glu(ffn_in, [gate, up], s.feed_forward().glu(), n, c.activation)?;
                     b.matmul(s.hidden, down, s.proj, n)?;
-                    self.add_normed(s.proj, post_ffn, n)?;
+                    self.reduce(s.proj, n)?;
+                    self.join_stream(s.proj, post_ffn, n)?;
                 }
             }
         }
@@ -717,11 +781,25 @@ impl<B: Backend> Llama<B> {
         }
     }
 
-    /// `x += rms_norm(rows) * weight` over the step's `n` rows.
-    fn add_normed(&self, rows: BlockHandle, weight: BlockHandle, n: usize) -> Result<()> {
-        let (b, s, c) = (&self.backend, &self.scratch, &self.config);
-        b.rms_norm(rows, weight, s.normed, n, c.dim, c.rms_eps)?;
-        b.add(s.x, s.normed, n * c.dim)
+    /// `x += rows` over the step's `n` rows, or `x += rms_norm(rows) * weight` with a norm.
+    fn join_stream(&self, rows: BlockHandle, norm: Option<BlockHandle>, n: usize) -> Result<()> {
+        let (b, s, c) = (&self.backend, &self.scratch, &self.local);
+        match norm {
+            Some(weight) => {
+                b.rms_norm(rows, weight, s.normed, n, c.dim, c.rms_eps)?;
+                b.add(s.x, s.normed, n * c.dim)
+            }
+            None => b.add(s.x, rows, n * c.dim),
+        }
+    }
+
+    /// Sums the step's `n` rows of `rows` (of the model's width) over the ranks, where the
+    /// model is split: each rank's is the product of its share of a matrix's input columns.
+    fn reduce(&self, rows: BlockHandle, n: usize) -> Result<()> {
+        match &self.group {
+            Some(group) => group.comm.all_reduce_sum(&self.backend, rows, n * self.local.dim),
+            None => Ok(()),
+        }
     }
 
     /// Rows of `x` under the RMS norm of `weight`, as a matmul input.
@@ -734,13 +812,21 @@ impl<B: Backend> Llama<B> {
         }
     }
 
-    /// Final norm and LM head of `n` rows of the last step from `first`, into `scratch.logits`.
+    /// Final norm and LM head of `n` rows of the last step from `first`, into `scratch.logits`:
+    /// split across ranks, each rank's rows of the vocabulary, gathered.
     fn lm_head(&self, first: usize, n: usize) -> Result<()> {
-        let dim = self.config.dim;
-        let x = self.scratch.x.slice(first * dim * 4, n * dim * 4);
+        let (b, s, dim) = (&self.backend, &self.scratch, self.config.dim);
+        let x = s.x.slice(first * dim * 4, n * dim * 4);
         let input = self.normed(x, self.weights.output_norm);
-        self.backend
-            .matmul_many(input, &[self.weights.lm_head()], &[self.scratch.logits], n)?;
+        match &self.group {
+            None => b.matmul_many(input, &[self.weights.lm_head()], &[s.logits], n)?,
+            Some(group) => {
+                b.matmul_many(input, &[self.weights.lm_head()], &[s.logits_part], n)?;
+                group
+                    .comm
+                    .all_gather(b, s.logits_part, s.logits, n, &group.vocab_widths)?;
+            }
+        }
         match self.config.final_softcap {
             Some(cap) => self
                 .backend
@@ -750,8 +836,24 @@ impl<B: Backend> Llama<B> {
     }
 
     /// Final norm and LM head for `output_rows` (ascending rows of the last step), each run of
-    /// consecutive rows that want the same a few at a time, into `sink`.
+    /// consecutive rows that want the same a few at a time (`run_len`), into `sink`.
     fn outputs_for(&mut self, sink: &mut impl StepSink) -> Result<()> {
+        self.share(|model| {
+            let rows = &model.output_rows;
+            let mut runs = Vec::new();
+            let mut i = 0;
+            while i < rows.len() {
+                let n = run_len(rows, i);
+                runs.push((rows[i].row, n));
+                i += n;
+            }
+            Work::Heads(runs)
+        })?;
+        let outputs = self.outputs_to(sink);
+        self.stop_on_error(outputs)
+    }
+
+    fn outputs_to(&mut self, sink: &mut impl StepSink) -> Result<()> {
         let vocab = self.config.vocab_size;
         let words = vocab.div_ceil(32);
         let (b, s, rows) = (&self.backend, &self.scratch, &self.output_rows);
@@ -759,13 +861,7 @@ impl<B: Backend> Llama<B> {
         let mut i = 0;
         while i < rows.len() {
             let OutputRow { row: first, want, .. } = rows[i];
-            let mut n = 1;
-            while i + n < rows.len()
-                && n < LOGIT_ROWS_PER_STEP
-                && (rows[i + n].row, rows[i + n].want) == (first + n, want)
-            {
-                n += 1;
-            }
+            let n = run_len(rows, i);
             self.lm_head(first, n)?;
             if want == Want::Logits {
                 b.read_f32(s.logits, &mut self.logits[..n * vocab])?;
@@ -794,6 +890,17 @@ impl<B: Backend> Llama<B> {
         }
         Ok(())
     }
+}
+
+/// How many of `rows` from `i` on one LM-head step takes: consecutive rows that want the same,
+/// at most `LOGIT_ROWS_PER_STEP`.
+fn run_len(rows: &[OutputRow], i: usize) -> usize {
+    let OutputRow { row: first, want, .. } = rows[i];
+    let mut n = 1;
+    while i + n < rows.len() && n < LOGIT_ROWS_PER_STEP && (rows[i + n].row, rows[i + n].want) == (first + n, want) {
+        n += 1;
+    }
+    n
 }
 
 /// Widths (values per token) of the scratch buffers, in `Scratch` field order up to `k_normed`.
@@ -827,7 +934,9 @@ fn mixture_widths(c: &ModelConfig) -> [usize; 10] {
     }
 }
 
-fn scratch_bytes(c: &ModelConfig, max_batch: usize) -> usize {
+/// Arena bytes of the scratch, for a rank whose LM head has `head_rows` rows of the vocabulary
+/// (0 on one rank).
+fn scratch_bytes(c: &ModelConfig, max_batch: usize, head_rows: usize) -> usize {
     let activations: usize = scratch_widths(c)
         .iter()
         .chain(&mixture_widths(c))
@@ -835,11 +944,12 @@ fn scratch_bytes(c: &ModelConfig, max_batch: usize) -> usize {
         .sum();
     let outputs = (LOGIT_ROWS_PER_STEP * (c.vocab_size + 1) * 4).next_multiple_of(64);
     let allowed = (LOGIT_ROWS_PER_STEP * c.vocab_size.div_ceil(32) * 4).next_multiple_of(64);
-    activations + outputs + allowed + 256
+    let part = (LOGIT_ROWS_PER_STEP * head_rows * 4).next_multiple_of(64);
+    activations + outputs + part + allowed + 256
 }
 
 impl Scratch {
-    fn new<B: Backend>(b: &mut B, c: &ModelConfig, max_batch: usize) -> Result<Scratch> {
+    fn new<B: Backend>(b: &mut B, c: &ModelConfig, max_batch: usize, head_rows: usize) -> Result<Scratch> {
         let [x, normed, q, k, v, attn, proj, gate, up, hidden, q_normed, k_normed] = scratch_widths(c);
         let [router_logits, route_ids, route_weights, expert_rows, expert_gate, expert_up, expert_hidden, expert_out, expert_groups, shared_gates] =
             mixture_widths(c);
@@ -868,6 +978,7 @@ impl Scratch {
             expert_groups: alloc(expert_groups)?,
             shared_gates: alloc(shared_gates)?,
             logits: b.alloc(LOGIT_ROWS_PER_STEP * c.vocab_size * 4)?,
+            logits_part: b.alloc(LOGIT_ROWS_PER_STEP * head_rows * 4)?,
             allowed: b.alloc(LOGIT_ROWS_PER_STEP * c.vocab_size.div_ceil(32) * 4)?,
             argmax: b.alloc(LOGIT_ROWS_PER_STEP * 4)?,
         })

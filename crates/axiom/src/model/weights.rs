@@ -8,8 +8,10 @@ use crate::backend::{Backend, BlockHandle, HostTensor};
 use crate::format::gguf::GgufFile;
 use crate::format::quant::{dequantize, GgmlType};
 use crate::format::safetensors::SafetensorsModel;
+use crate::parallel::Shard;
 use crate::{Error, Result};
 use std::collections::HashSet;
+use std::ops::Range;
 
 pub struct LayerWeights<W> {
     pub attn_norm: BlockHandle,
@@ -332,38 +334,87 @@ impl<'a, B: Backend, S: TensorSource + ?Sized> Loader<'a, B, S> {
         self.backend.upload_weight(&tensor)
     }
 
+    /// Rows `keep` of a matrix with `n_out` rows of `n_in`: a rank's share of a matrix split by
+    /// its outputs.
+    fn rows(&mut self, name: &str, n_in: usize, n_out: usize, keep: Range<usize>) -> Result<B::Weight> {
+        let [matrix] = self.split(name, n_in, [n_out], [keep])?;
+        Ok(matrix)
+    }
+
+    /// Columns `keep` of a matrix with `n_out` rows of `n_in`: a rank's share of a matrix split
+    /// by its inputs, copied out of every row, which must part at whole blocks of its type.
+    fn columns(&mut self, name: &str, n_in: usize, n_out: usize, keep: Range<usize>) -> Result<B::Weight> {
+        let t = self.take(name, &[n_in, n_out])?;
+        if keep == (0..n_in) {
+            return self.backend.upload_weight(&t);
+        }
+        let block = t.ty.block_len();
+        if !keep.start.is_multiple_of(block) || !keep.end.is_multiple_of(block) {
+            return Err(Error::Model(format!(
+                "tensor {name} cannot be split across ranks at columns {keep:?}: its type {} stores blocks of {block}",
+                t.ty
+            )));
+        }
+        let (row, from, to) = (
+            t.ty.row_bytes(n_in),
+            t.ty.row_bytes(keep.start),
+            t.ty.row_bytes(keep.end),
+        );
+        let bytes: Vec<u8> = t.bytes.chunks_exact(row).flat_map(|r| &r[from..to]).copied().collect();
+        let dims = [keep.len(), n_out];
+        self.backend.upload_weight(&HostTensor {
+            name: t.name,
+            ty: t.ty,
+            dims: &dims,
+            bytes: &bytes,
+            region: None,
+        })
+    }
+
     /// A vector, converted to f32 and copied into the arena.
     fn vector(&mut self, name: &str, len: usize) -> Result<BlockHandle> {
-        self.vector_plus(name, len, 0.0)
+        self.vector_plus(name, len, 0.0, 0..len)
+    }
+
+    /// Elements `keep` of a vector of `len` (a rank's share of a bias split with its matrix).
+    fn vector_part(&mut self, name: &str, len: usize, keep: Range<usize>) -> Result<BlockHandle> {
+        self.vector_plus(name, len, 0.0, keep)
     }
 
     /// A norm's weights, with the offset the file stores them minus.
     fn norm(&mut self, name: &str, len: usize) -> Result<BlockHandle> {
-        self.vector_plus(name, len, self.norm_offset)
+        self.vector_plus(name, len, self.norm_offset, 0..len)
     }
 
-    fn vector_plus(&mut self, name: &str, len: usize, offset: f32) -> Result<BlockHandle> {
+    fn vector_plus(&mut self, name: &str, len: usize, offset: f32, keep: Range<usize>) -> Result<BlockHandle> {
         let t = self.take(name, &[len])?;
         let mut values = vec![0f32; len];
         dequantize(t.ty, t.bytes, &mut values);
         values.iter_mut().for_each(|v| *v += offset);
-        self.upload(&values)
+        self.upload(&values[keep])
     }
 
     /// Matrices of `parts` rows of `n_in` each, in that order, from the one stored matrix `name`
-    /// that holds them all (Phi-3's fused projections): each part is a run of whole rows.
-    fn split<const N: usize>(&mut self, name: &str, n_in: usize, parts: [usize; N]) -> Result<[B::Weight; N]> {
+    /// that holds them all (Phi-3's fused projections), each cut to its rows `keep` (a rank's
+    /// share): each is a run of whole rows.
+    fn split<const N: usize>(
+        &mut self,
+        name: &str,
+        n_in: usize,
+        parts: [usize; N],
+        keep: [Range<usize>; N],
+    ) -> Result<[B::Weight; N]> {
         let tensor = self.take(name, &[n_in, parts.iter().sum()])?;
         let row_bytes = tensor.bytes.len() / parts.iter().sum::<usize>().max(1);
         let mut first = 0;
         let mut matrices = Vec::with_capacity(N);
-        for rows in parts {
-            let bytes = first * row_bytes..(first + rows) * row_bytes;
+        for (rows, keep) in parts.into_iter().zip(keep) {
+            let bytes = (first + keep.start) * row_bytes..(first + keep.end) * row_bytes;
             let region = tensor
                 .region
                 .clone()
                 .map(|(map, r)| (map, r.start + bytes.start..r.start + bytes.end));
-            let dims = [n_in, rows];
+            let dims = [n_in, keep.len()];
             let part = HostTensor {
                 name: tensor.name,
                 ty: tensor.ty,
@@ -438,12 +489,13 @@ pub struct RopeTables {
     pub local: Option<BlockHandle>,
 }
 
-/// Uploads every weight the config calls for; also the rope frequency tables, for sequences of
-/// up to `longest_sequence` tokens. A tensor in `source` that the config does not call for is an
-/// error naming it.
+/// Uploads every weight the config calls for, of them `shard`'s share; also the rope frequency
+/// tables, for sequences of up to `longest_sequence` tokens. A tensor in `source` that the
+/// config does not call for is an error naming it.
 pub fn load<B: Backend, S: TensorSource + ?Sized>(
     source: &S,
     config: &ModelConfig,
+    shard: &Shard,
     backend: &mut B,
     longest_sequence: usize,
 ) -> Result<(Weights<B::Weight>, RopeTables)> {
@@ -471,10 +523,13 @@ pub fn load<B: Backend, S: TensorSource + ?Sized>(
             }
         }
     }
+    let (q_rows, kv_rows, ffn_cols) = (shard.q_rows(hd), shard.kv_rows(hd), shard.ffn.clone());
     let token_embd = l.matrix("token_embd.weight", dim, vocab)?;
     let output_norm = l.norm("output_norm.weight", dim)?;
+    // A tied head split across ranks is the rank's rows of the embedding, as a matrix of its own.
     let output = match source.tensor("output.weight") {
-        Some(_) => Some(l.matrix("output.weight", dim, vocab)?),
+        Some(_) => Some(l.rows("output.weight", dim, vocab, shard.vocab.clone())?),
+        None if !shard.is_whole() => Some(l.rows("token_embd.weight", dim, vocab, shard.vocab.clone())?),
         None => None,
     };
     let mut layers = Vec::with_capacity(config.n_layers);
@@ -482,9 +537,9 @@ pub fn load<B: Backend, S: TensorSource + ?Sized>(
         let p = |s: &str| format!("blk.{i}.{s}");
         let qkv_bias = match config.qkv_bias {
             true => Some([
-                l.vector(&p("attn_q.bias"), qw)?,
-                l.vector(&p("attn_k.bias"), kvw)?,
-                l.vector(&p("attn_v.bias"), kvw)?,
+                l.vector_part(&p("attn_q.bias"), qw, q_rows.clone())?,
+                l.vector_part(&p("attn_k.bias"), kvw, kv_rows.clone())?,
+                l.vector_part(&p("attn_v.bias"), kvw, kv_rows.clone())?,
             ]),
             false => None,
         };
@@ -509,11 +564,16 @@ pub fn load<B: Backend, S: TensorSource + ?Sized>(
         // Phi-3 stores Q, K and V as one matrix, and gate and up as one (llama.cpp's GGUF names
         // it `ffn_up`); they are split into the separate matrices every backend runs.
         let [wq, wk, wv] = match source.tensor(&p("attn_qkv.weight")) {
-            Some(_) => l.split(&p("attn_qkv.weight"), dim, [qw, kvw, kvw])?,
+            Some(_) => l.split(
+                &p("attn_qkv.weight"),
+                dim,
+                [qw, kvw, kvw],
+                [q_rows.clone(), kv_rows.clone(), kv_rows.clone()],
+            )?,
             None => [
-                l.matrix(&p("attn_q.weight"), dim, qw)?,
-                l.matrix(&p("attn_k.weight"), dim, kvw)?,
-                l.matrix(&p("attn_v.weight"), dim, kvw)?,
+                l.rows(&p("attn_q.weight"), dim, qw, q_rows.clone())?,
+                l.rows(&p("attn_k.weight"), dim, kvw, kv_rows.clone())?,
+                l.rows(&p("attn_v.weight"), dim, kvw, kv_rows.clone())?,
             ],
         };
         let fused_gate_up = match source.tensor(&p("ffn_gate_up.weight")) {
@@ -525,13 +585,13 @@ pub fn load<B: Backend, S: TensorSource + ?Sized>(
             Some(experts) if experts.is_mixture(i) => FeedForwardWeights::Mixture(l.mixture(i, config, experts)?),
             _ => {
                 let [gate, up] = match fused_gate_up {
-                    Some(name) => l.split(&name, dim, [ffn, ffn])?,
+                    Some(name) => l.split(&name, dim, [ffn, ffn], [ffn_cols.clone(), ffn_cols.clone()])?,
                     None => [
-                        l.matrix(&p("ffn_gate.weight"), dim, ffn)?,
-                        l.matrix(&p("ffn_up.weight"), dim, ffn)?,
+                        l.rows(&p("ffn_gate.weight"), dim, ffn, ffn_cols.clone())?,
+                        l.rows(&p("ffn_up.weight"), dim, ffn, ffn_cols.clone())?,
                     ],
                 };
-                let down = l.matrix(&p("ffn_down.weight"), ffn, dim)?;
+                let down = l.columns(&p("ffn_down.weight"), ffn, dim, ffn_cols.clone())?;
                 FeedForwardWeights::Dense { gate, up, down }
             }
         };
@@ -540,7 +600,7 @@ pub fn load<B: Backend, S: TensorSource + ?Sized>(
             wq,
             wk,
             wv,
-            wo: l.matrix(&p("attn_output.weight"), qw, dim)?,
+            wo: l.columns(&p("attn_output.weight"), qw, dim, q_rows.clone())?,
             qkv_bias,
             o_bias,
             qk_norm,

@@ -39,8 +39,7 @@ impl<'a, B: Backend> GreedyDecode<'a, B> {
         model.forward(prompt, kv, LogitRows::None, |_, _| {})?;
         pages.after_step(kv);
         let row = last % model.max_batch;
-        model.choose(row, 0)?;
-        model.chosen(row, 0)?;
+        model.choose_after(row, 0)?;
         Ok(GreedyDecode {
             model,
             pages,

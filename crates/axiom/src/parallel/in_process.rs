@@ -1,0 +1,195 @@
+//! [`InProcess`]: the ranks of a group as threads of one process, meeting at a rendezvous in
+//! host memory (a mutex and a condition variable). Each collective copies a rank's buffer to the
+//! host, the last rank to arrive combines every rank's part in rank order, and each rank copies
+//! the result back, so it runs over any backend's buffers.
+
+use super::Communicator;
+use crate::backend::{BlockHandle, Kernels};
+use crate::{Error, Result};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+
+/// One rank's end of an in-process group.
+pub struct InProcess {
+    rank: usize,
+    meeting: Arc<Meeting>,
+}
+
+/// What a collective does with the parts; every rank must ask for the same.
+#[derive(Debug, Clone, PartialEq)]
+enum Collective {
+    Sum { n: usize },
+    Gather { rows: usize, widths: Vec<usize> },
+}
+
+impl Collective {
+    /// The result of the parts, in rank order.
+    fn combine(&self, parts: &[Vec<f32>]) -> Vec<f32> {
+        match self {
+            Collective::Sum { n } => {
+                let mut sum = vec![0f32; *n];
+                for part in parts {
+                    sum.iter_mut().zip(part).for_each(|(s, p)| *s += p);
+                }
+                sum
+            }
+            Collective::Gather { rows, widths } => {
+                let total: usize = widths.iter().sum();
+                let mut out = vec![0f32; rows * total];
+                let mut first = 0;
+                for (part, &width) in parts.iter().zip(widths) {
+                    for (row, values) in out.chunks_exact_mut(total).zip(part.chunks_exact(width)) {
+                        row[first..first + width].copy_from_slice(values);
+                    }
+                    first += width;
+                }
+                out
+            }
+        }
+    }
+}
+
+struct Meeting {
+    size: usize,
+    state: Mutex<State>,
+    arrived: Condvar,
+}
+
+struct State {
+    /// Collectives completed so far.
+    generation: u64,
+    /// The parts of the collective under way, by rank (empty vectors stand for ranks yet to come).
+    parts: Vec<Vec<f32>>,
+    asked: Vec<Option<Collective>>,
+    waiting: usize,
+    /// The last completed collective's result, read by each rank before any can start the next.
+    result: std::result::Result<Arc<Vec<f32>>, String>,
+    /// Why the group stopped, once it has.
+    stopped: Option<String>,
+}
+
+impl InProcess {
+    /// The `size` ranks of a new group, rank 0 first.
+    pub fn group(size: usize) -> Result<Vec<InProcess>> {
+        if size == 0 {
+            return Err(Error::InvalidArgument("a group of 0 ranks".into()));
+        }
+        let meeting = Arc::new(Meeting {
+            size,
+            state: Mutex::new(State {
+                generation: 0,
+                parts: vec![Vec::new(); size],
+                asked: vec![None; size],
+                waiting: 0,
+                result: Ok(Arc::new(Vec::new())),
+                stopped: None,
+            }),
+            arrived: Condvar::new(),
+        });
+        Ok((0..size)
+            .map(|rank| InProcess {
+                rank,
+                meeting: meeting.clone(),
+            })
+            .collect())
+    }
+
+    fn lock(&self) -> Result<MutexGuard<'_, State>> {
+        self.meeting
+            .state
+            .lock()
+            .map_err(|_| Error::Backend("a rank of the tensor-parallel group panicked".into()))
+    }
+
+    /// Leaves this rank's `part` for `collective` and waits for every rank's: the last to
+    /// arrive combines them, and each takes the result.
+    fn meet(&self, collective: Collective, part: Vec<f32>) -> Result<Arc<Vec<f32>>> {
+        let mut state = self.lock()?;
+        if let Some(reason) = &state.stopped {
+            return Err(stopped(reason));
+        }
+        let generation = state.generation;
+        state.parts[self.rank] = part;
+        state.asked[self.rank] = Some(collective);
+        state.waiting += 1;
+        if state.waiting == self.meeting.size {
+            let asked = std::mem::replace(&mut state.asked, vec![None; self.meeting.size]);
+            let parts = std::mem::replace(&mut state.parts, vec![Vec::new(); self.meeting.size]);
+            state.result = match asked.iter().all(|a| *a == asked[0]) {
+                true => Ok(Arc::new(asked[0].as_ref().map_or_else(Vec::new, |c| c.combine(&parts)))),
+                false => Err(format!(
+                    "the ranks of a tensor-parallel group asked for different collectives: {asked:?}"
+                )),
+            };
+            state.waiting = 0;
+            state.generation += 1;
+            self.meeting.arrived.notify_all();
+        } else {
+            while state.generation == generation && state.stopped.is_none() {
+                state = self
+                    .meeting
+                    .arrived
+                    .wait(state)
+                    .map_err(|_| Error::Backend("a rank of the tensor-parallel group panicked".into()))?;
+            }
+            if state.generation == generation {
+                return Err(stopped(state.stopped.as_deref().unwrap_or_default()));
+            }
+        }
+        match &state.result {
+            Ok(result) => Ok(result.clone()),
+            Err(e) => Err(Error::Backend(e.clone())),
+        }
+    }
+}
+
+fn stopped(reason: &str) -> Error {
+    Error::Backend(format!("the tensor-parallel group stopped: {reason}"))
+}
+
+impl<B: Kernels + ?Sized> Communicator<B> for InProcess {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.meeting.size
+    }
+
+    fn all_reduce_sum(&self, backend: &B, x: BlockHandle, n: usize) -> Result<()> {
+        let mut part = vec![0f32; n];
+        backend.read_f32(x, &mut part)?;
+        let sum = self.meet(Collective::Sum { n }, part)?;
+        backend.write_f32(x, &sum)
+    }
+
+    fn all_gather(
+        &self,
+        backend: &B,
+        part: BlockHandle,
+        out: BlockHandle,
+        rows: usize,
+        widths: &[usize],
+    ) -> Result<()> {
+        let width = widths.get(self.rank).copied().ok_or_else(|| {
+            Error::InvalidArgument(format!("{} widths for a group of {}", widths.len(), self.meeting.size))
+        })?;
+        let mut values = vec![0f32; rows * width];
+        backend.read_f32(part, &mut values)?;
+        let gathered = self.meet(
+            Collective::Gather {
+                rows,
+                widths: widths.to_vec(),
+            },
+            values,
+        )?;
+        backend.write_f32(out, &gathered)
+    }
+
+    fn abort(&self, reason: &str) {
+        // A poisoned lock means a rank panicked holding it; the others fail on it already.
+        if let Ok(mut state) = self.meeting.state.lock() {
+            state.stopped.get_or_insert_with(|| reason.to_string());
+            self.meeting.arrived.notify_all();
+        }
+    }
+}
