@@ -210,13 +210,13 @@ fn fp8_checkpoints_on_cuda_match_transformers() {
     // tensor-core matrix-vector kernels, 3e-3 more than f32 arithmetic in decoding. Under
     // --deterministic both stay on the f32 kernels: 1e-4. On Hopper's FP8 tensor cores (the default there) each product's
     // activations are E4M3, about 2.6% off (fp8_prompt_products_match_the_cpu_reference), in
-    // seven products a layer over two layers whose errors add in quadrature and are diluted by
-    // the residual stream: 5e-2.
+    // seven products a layer over two layers whose errors add in quadrature, about 0.1 where
+    // the tiny models' residual stream does not dilute them: 0.15.
     let dequantized = |kv_type| cuda(kv_type).without_fp8_tensor_cores();
     gpu::fp8_checkpoints_match_transformers(dequantized, 5e-3, 3e-3);
     gpu::fp8_checkpoints_match_transformers(invariant, 1e-4, 0.0);
     if cuda(KvType::F16).fp8_tensor_cores() {
-        gpu::fp8_checkpoints_match_transformers(on(Paths::Fastest), 5e-2, 3e-3);
+        gpu::fp8_checkpoints_match_transformers(on(Paths::Fastest), 0.15, 3e-3);
     }
 }
 
