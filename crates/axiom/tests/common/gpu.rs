@@ -382,18 +382,7 @@ pub fn matmul_every_type_and_token_count<B: Backend>(
             };
             let scratch_gpu = scratch(&mut |n| poisoned(&mut gpu, n));
             let scratch_cpu = scratch(&mut |n| poisoned(&mut cpu, n));
-            let ffn_gpu = FeedForward {
-                gate: &gate.0,
-                up: &up.0,
-                down: &down.0,
-                activation,
-            };
-            let ffn_cpu = FeedForward {
-                gate: &gate.1,
-                up: &up.1,
-                down: &down.1,
-                activation,
-            };
+            let (ffn_gpu, ffn_cpu) = feed_forwards::<B>([&gate, &up, &down], activation);
             // Normalized on the way in, as the model's feed-forward block takes it.
             gpu.feed_forward(normed(xg, ng, sg), ffn_gpu, scratch_gpu, og, n_tokens)
                 .unwrap();
@@ -509,18 +498,7 @@ pub fn fp8_prompt_products<B: Backend>(
             let scratch_gpu = scratch(&mut |len| poisoned(&mut gpu, len), padded);
             let scratch_cpu = scratch(&mut |len| poisoned(&mut cpu, len), n_tokens);
             let activation = Activation::Silu;
-            let ffn_gpu = FeedForward {
-                gate: &gate.0,
-                up: &up.0,
-                down: &down.0,
-                activation,
-            };
-            let ffn_cpu = FeedForward {
-                gate: &gate.1,
-                up: &up.1,
-                down: &down.1,
-                activation,
-            };
+            let (ffn_gpu, ffn_cpu) = feed_forwards::<B>([&gate, &up, &down], activation);
             gpu.feed_forward(normed(xg, ng, sg), ffn_gpu, scratch_gpu, og, n_tokens)
                 .unwrap();
             cpu.feed_forward(normed(xc, nc, sc), ffn_cpu, scratch_cpu, oc, n_tokens)
@@ -901,6 +879,26 @@ fn check_products<B: Backend>(
 
 /// A weight uploaded to a backend and to the CPU reference.
 type WeightPair<B> = (<B as Kernels>::Weight, <CpuBackend as Kernels>::Weight);
+
+/// The feed-forward block of gate, up and down pairs on the backend and on the CPU reference.
+fn feed_forwards<'a, B: Backend>(
+    [gate, up, down]: [&'a WeightPair<B>; 3],
+    activation: Activation,
+) -> (FeedForward<'a, B::Weight>, FeedForward<'a, <CpuBackend as Kernels>::Weight>) {
+    let gpu = FeedForward {
+        gate: &gate.0,
+        up: &up.0,
+        down: &down.0,
+        activation,
+    };
+    let cpu = FeedForward {
+        gate: &gate.1,
+        up: &up.1,
+        down: &down.1,
+        activation,
+    };
+    (gpu, cpu)
+}
 
 fn residual_in(stream: BlockHandle, scratch: BlockHandle) -> Residual {
     Residual { stream, scratch }
