@@ -884,7 +884,10 @@ type WeightPair<B> = (<B as Kernels>::Weight, <CpuBackend as Kernels>::Weight);
 fn feed_forwards<'a, B: Backend>(
     [gate, up, down]: [&'a WeightPair<B>; 3],
     activation: Activation,
-) -> (FeedForward<'a, B::Weight>, FeedForward<'a, <CpuBackend as Kernels>::Weight>) {
+) -> (
+    FeedForward<'a, B::Weight>,
+    FeedForward<'a, <CpuBackend as Kernels>::Weight>,
+) {
     let gpu = FeedForward {
         gate: &gate.0,
         up: &up.0,

@@ -236,7 +236,10 @@ impl CudaBackend {
             let blocks = match (fp8_mma, glu) {
                 (false, _) => blocks,
                 (true, true) => w.n_out.div_ceil(kernels::FP8_MMA_ROWS / 2) as u32,
-                (true, false) => ws.iter().map(|w| w.n_out.div_ceil(kernels::FP8_MMA_ROWS)).sum::<usize>() as u32,
+                (true, false) => ws
+                    .iter()
+                    .map(|w| w.n_out.div_ceil(kernels::FP8_MMA_ROWS))
+                    .sum::<usize>() as u32,
             };
             match input {
                 GemvInput::Int8(Quantized {
