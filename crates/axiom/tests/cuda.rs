@@ -231,7 +231,7 @@ fn fp8_prompt_products_match_the_cpu_reference() {
     // elements' own and does not shrink with n_in: bound 4e-2, and at least 5e-3, which only
     // E4M3 activations reach (through f16 the error is about 3e-4). The feed-forward block is
     // three products, two of them multiplied: three times the bound. Elsewhere, or with
-    // AXIOM_CUDA_FP8_GEMM=dequant, they run through f16: 2e-3.
+    // without AXIOM_CUDA_FP8_GEMM=lt, they run through f16: 2e-3.
     let tensor_cores = cuda(KvType::F16).fp8_tensor_cores();
     let errors = gpu::fp8_prompt_products(
         || cuda(KvType::F16),

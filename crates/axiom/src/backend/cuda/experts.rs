@@ -22,9 +22,6 @@ use crate::{Error, Result};
 /// expert's rows are read once for all of its tokens.
 const PAIRWISE_MAX_TOKENS: usize = GEMV_MAX_TOKENS;
 
-/// Experts the routing kernel takes at most: 16 a lane (ROUTE_PER_LANE in kernels/experts.cu).
-const ROUTE_MAX_EXPERTS: usize = 512;
-
 /// Warps of a `group_pairs_count` and `group_pairs_place` block (GROUP_WARPS in
 /// kernels/experts.cu), each with its counters per expert in shared memory.
 const GROUP_WARPS: usize = 4;
@@ -71,13 +68,6 @@ impl CudaBackend {
         routing: Routing,
     ) -> Result<()> {
         routing.check(&routes)?;
-        // A warp's lanes hold its token's experts and picks (route in kernels/experts.cu).
-        if routing.n_experts > ROUTE_MAX_EXPERTS || routing.k > 32 {
-            return Err(Error::Backend(format!(
-                "route: {} experts, {} a token: the CUDA kernel takes at most {ROUTE_MAX_EXPERTS} and 32",
-                routing.n_experts, routing.k
-            )));
-        }
         if n_tokens == 0 {
             return Ok(()); // a grid is never empty
         }

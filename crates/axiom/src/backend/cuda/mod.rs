@@ -168,7 +168,7 @@ impl CudaBackend {
     }
 
     /// Multiplies prompts' FP8 weights as other quantized ones, dequantized to f16 for cuBLAS,
-    /// rather than on the FP8 tensor cores (as `AXIOM_CUDA_FP8_GEMM=dequant` does); before the
+    /// rather than on the FP8 tensor cores (as without `AXIOM_CUDA_FP8_GEMM=lt`); before the
     /// weights are uploaded.
     pub fn without_fp8_tensor_cores(mut self) -> CudaBackend {
         self.fp8_lt = None;

@@ -12,55 +12,42 @@ __device__ __forceinline__ int warp_min(int v) {
     return v;
 }
 
-// A lane holds the probabilities of experts lane, lane + 32, ... in registers (ROUTE_MAX_EXPERTS
-// at most), so the k picks read no memory; lane j keeps pick j, and the picks are stored at once.
-#define ROUTE_PER_LANE 16
 extern "C" __global__ void route(RouteParams p) {
     begin_after_inputs();
     int lane = threadIdx.x % 32, token = blockIdx.x * 8 + threadIdx.x / 32;
     if (token >= p.n_tokens) return;
     int n = p.n_experts, k = p.k;
     const float* row = p.logits + (u64)token * n;
-    float prob[ROUTE_PER_LANE];
     float top = __int_as_float(0xff800000u);
-#pragma unroll
-    for (int i = 0; i < ROUTE_PER_LANE; i++) {
-        int e = lane + 32 * i;
-        prob[i] = e < n ? row[e] : top;
-        top = fmaxf(top, prob[i]);
-    }
+    for (int e = lane; e < n; e += 32) top = fmaxf(top, row[e]);
     top = warp_max(top);
     float sum = 0.0f;
-#pragma unroll
-    for (int i = 0; i < ROUTE_PER_LANE; i++)
-        if (lane + 32 * i < n) sum += expf(prob[i] - top);
+    for (int e = lane; e < n; e += 32) sum += expf(row[e] - top);
     sum = warp_sum(sum);
-#pragma unroll
-    for (int i = 0; i < ROUTE_PER_LANE; i++) prob[i] = lane + 32 * i < n ? expf(prob[i] - top) / sum : -1.0f;
-    float last_p = __int_as_float(0x7f800000u), mine_p = 0.0f;
-    int last_e = -1, mine_e = 0;
+    u32* ids = p.ids + (u64)token * k;
+    float* weights = p.weights + (u64)token * k;
+    float last_p = __int_as_float(0x7f800000u);
+    int last_e = -1;
     for (int j = 0; j < k; j++) {
         // A lane's best among its experts (ascending, so the lowest index among its equals), then
         // the warp's: the highest probability, the lowest index holding it.
         float best_p = -1.0f;
         int best_e = n;
-#pragma unroll
-        for (int i = 0; i < ROUTE_PER_LANE; i++) {
-            int e = lane + 32 * i;
-            bool after = prob[i] < last_p || (prob[i] == last_p && e > last_e);
-            if (e < n && after && prob[i] > best_p) best_p = prob[i], best_e = e;
+        for (int e = lane; e < n; e += 32) {
+            float prob = expf(row[e] - top) / sum;
+            bool after = prob < last_p || (prob == last_p && e > last_e);
+            if (after && prob > best_p) best_p = prob, best_e = e;
         }
         last_p = warp_max(best_p);
         last_e = warp_min(best_p == last_p ? best_e : n);
-        if (lane == j) mine_p = last_p, mine_e = last_e;
+        if (lane == 0) ids[j] = (u32)last_e, weights[j] = last_p;
     }
-    // Summed in pick order, as the CPU sums them.
-    if (p.renormalize) {
+    // Summed in pick order by one lane, as the CPU sums them.
+    if (p.renormalize && lane == 0) {
         float chosen = 0.0f;
-        for (int j = 0; j < k; j++) chosen += __shfl_sync(0xffffffffu, mine_p, j);
-        mine_p /= chosen;
+        for (int j = 0; j < k; j++) chosen += weights[j];
+        for (int j = 0; j < k; j++) weights[j] /= chosen;
     }
-    if (lane < k) p.ids[(u64)token * k + lane] = (u32)mine_e, p.weights[(u64)token * k + lane] = mine_p;
 }
 
 // The expert products run on the matrix-vector kernels' row dot products (matmul.cu): a warp takes

@@ -760,7 +760,7 @@ __device__ __forceinline__ void fp8_mma_tile(const Matrices& mats, int n_in, con
     const uint2* qb = (const uint2*)(wb.q + (u64)rb * n_in) + t;
     Fp8Scales sa = fp8_scales(wa, ra), sb = fp8_scales(wb, rb);
     int n_chunks = n_in / 32;
-    constexpr int U = 8;  // chunks a warp has in flight
+    constexpr int U = 4;  // chunks a warp has in flight
     uint2 ca[U], cb[U];
     auto load = [&](int c0) {
 #pragma unroll
