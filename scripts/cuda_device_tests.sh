@@ -13,6 +13,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export LD_LIBRARY_PATH="/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+# NCCL for the tensor-parallel tests: pip's nvidia-nccl-cu13 ships libnccl.so.2, which cudarc
+# loads by the name libnccl.so.
+nccl=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(nvidia.nccl.__path__[0], "lib"))' 2>/dev/null || true)
+if [ -n "$nccl" ] && [ -e "$nccl/libnccl.so.2" ]; then
+    mkdir -p target/nccl && ln -sf "$nccl/libnccl.so.2" target/nccl/libnccl.so
+    export LD_LIBRARY_PATH="$PWD/target/nccl:$LD_LIBRARY_PATH"
+fi
 cargo test --release --test cuda -- --ignored --test-threads 1 "$@"
 cargo build --release --quiet -p axiom-cli
 python3 scripts/reproducible.py --axiom target/release/axiom --backend cuda --requests 16 --max-tokens 96 \

@@ -5,15 +5,15 @@
 use crate::{BackendKind, ModelArgs, Output};
 use anyhow::{bail, Context, Result};
 use axiom::backend::cpu::{physical_cores, CpuBackend};
-use axiom::backend::cuda::{CudaBackend, Paths};
+use axiom::backend::cuda::{CudaBackend, Nccl, Paths};
 use axiom::backend::{Kernels, KvType};
 use axiom::engine::Session;
 use axiom::model::llama::LoadOptions;
 use axiom::model::ModelFiles;
-use axiom::parallel::Rank;
+use axiom::parallel::{Rank, Tcp};
 use axiom::source::resolve_model;
 use std::io::IsTerminal;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// A model opened for a command, and the backend it will run on: what the command sizes its
 /// KV cache from, before the load takes it.
@@ -24,8 +24,9 @@ pub struct OpenModel {
 
 /// Resolves the model `args` names (fetching it if need be) and opens it.
 pub fn open_model(args: &ModelArgs) -> Result<OpenModel> {
-    // A bad --backend is named before the model is fetched or read.
+    // A bad --backend or group of processes is named before the model is fetched or read.
     let backend = choose_backend(args)?;
+    process_group(args)?;
     let path = resolve_model(args.model.as_deref())?;
     let files = ModelFiles::open(&path).with_context(|| format!("reading {}", path.display()))?;
     Ok(OpenModel { files, backend })
@@ -105,6 +106,51 @@ fn cpu_ranks(args: &ModelArgs) -> Result<Vec<CpuBackend>> {
         .collect())
 }
 
+fn cuda_backend(args: &ModelArgs, ordinal: usize) -> Result<CudaBackend> {
+    Ok(CudaBackend::new(ordinal)
+        .with_context(|| format!("starting the CUDA backend on GPU {ordinal}"))?
+        .with_kv_type(kv_type(args))
+        .with_paths(paths(args)))
+}
+
+/// This process's place in a group of processes (`--tp-size`).
+struct ProcessGroup<'a> {
+    size: usize,
+    rank: usize,
+    address: &'a str,
+}
+
+/// How long the ranks of a group of processes wait for each other to start.
+const RENDEZVOUS: Duration = Duration::from_secs(300);
+
+/// `--tp-size`, `--tp-rank` and `--tp-addr`, checked: all or none.
+fn process_group(args: &ModelArgs) -> Result<Option<ProcessGroup<'_>>> {
+    let Some(size) = args.tp_size else {
+        if args.tp_rank.is_some() || args.tp_addr.is_some() {
+            bail!("--tp-rank and --tp-addr go with --tp-size");
+        }
+        return Ok(None);
+    };
+    if args.tensor_parallel != 1 {
+        bail!(
+            "--tensor-parallel splits the model over ranks in this process, --tp-size over processes: give one of them"
+        );
+    }
+    if size == 0 {
+        bail!("--tp-size must be at least 1");
+    }
+    let Some(rank) = args.tp_rank else {
+        bail!("--tp-size needs --tp-rank, this process's rank (0 to {})", size - 1);
+    };
+    if rank >= size {
+        bail!("--tp-rank {rank} is not below --tp-size {size}");
+    }
+    let Some(address) = args.tp_addr.as_deref() else {
+        bail!("--tp-size needs --tp-addr HOST:PORT, where rank 0 listens for the others");
+    };
+    Ok(Some(ProcessGroup { size, rank, address }))
+}
+
 /// The backend a command runs on, `auto` resolved.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub enum Chosen {
@@ -132,10 +178,11 @@ fn choose_backend(args: &ModelArgs) -> Result<Chosen> {
     };
     match (args.tensor_parallel, chosen) {
         (0, _) => bail!("--tensor-parallel must be at least 1"),
-        (1, _) | (_, Chosen::Cpu) => Ok(chosen),
-        (_, Chosen::Cuda) => bail!("--tensor-parallel needs NCCL on CUDA: not built yet (--backend cpu runs it)"),
         #[cfg(any(target_vendor = "apple", axiom_metal_check))]
-        (_, Chosen::Metal) => bail!("--tensor-parallel is not built for Metal (--backend cpu runs it)"),
+        (n, Chosen::Metal) if n > 1 || args.tp_size.is_some() => {
+            bail!("--tensor-parallel and --tp-size are not built for Metal (--backend cpu runs them)")
+        }
+        _ => Ok(chosen),
     }
 }
 
@@ -192,6 +239,16 @@ pub fn available_memory() -> Option<usize> {
 /// Loads the opened model on its backend; prints a one-line summary on a terminal unless `--quiet`.
 pub fn load_session(args: &ModelArgs, model: OpenModel, options: LoadOptions, out: Output) -> Result<Loaded> {
     let start = Instant::now();
+    if let Some(group) = process_group(args)? {
+        let loaded = load_rank(args, model, options, &group)?;
+        if group.rank > 0 {
+            follow(loaded)?;
+            // This process has done its part of rank 0's command; rank 0 reports it.
+            std::process::exit(0);
+        }
+        summarize(&loaded, options, out, start);
+        return Ok(loaded);
+    }
     let OpenModel { files, backend } = model;
     // The CPU and Metal (unified memory) hold the weights in host memory; a CUDA device has its own.
     if backend != Chosen::Cuda {
@@ -200,15 +257,18 @@ pub fn load_session(args: &ModelArgs, model: OpenModel, options: LoadOptions, ou
     let path = files.path.clone();
     let context = || format!("loading {}", path.display());
     let loaded = match backend {
-        Chosen::Cuda => {
-            let backend = CudaBackend::new(0)
-                .context("starting the CUDA backend")?
-                .with_kv_type(kv_type(args))
-                .with_paths(paths(args));
+        Chosen::Cuda if args.tensor_parallel > 1 => {
+            // The ranks share the one GPU, each on a thread with its own stream and handles.
+            let backends = (0..args.tensor_parallel)
+                .map(|_| cuda_backend(args, 0))
+                .collect::<Result<Vec<_>>>()?;
             Loaded::Cuda(Box::new(
-                Session::from_files(files, backend, options).with_context(context)?,
+                Session::from_files_sharded(files, Rank::in_process(backends)?, options).with_context(context)?,
             ))
         }
+        Chosen::Cuda => Loaded::Cuda(Box::new(
+            Session::from_files(files, cuda_backend(args, 0)?, options).with_context(context)?,
+        )),
         #[cfg(any(target_vendor = "apple", axiom_metal_check))]
         Chosen::Metal => {
             let backend = axiom::backend::metal::MetalBackend::new()
@@ -225,6 +285,83 @@ pub fn load_session(args: &ModelArgs, model: OpenModel, options: LoadOptions, ou
             Session::from_files(files, cpu_backend(args)?, options).with_context(context)?,
         )),
     };
+    summarize(&loaded, options, out, start);
+    Ok(loaded)
+}
+
+/// This process's rank of a group of processes: it meets the others, takes rank 0's load
+/// options (so that every rank's cache and batches match whatever each was told), and loads its
+/// share. On CUDA the collectives go through NCCL, one GPU a rank: the rank's, modulo the GPUs
+/// this process sees (so `CUDA_VISIBLE_DEVICES` may give each process its own).
+fn load_rank(args: &ModelArgs, model: OpenModel, options: LoadOptions, group: &ProcessGroup) -> Result<Loaded> {
+    let OpenModel { files, backend } = model;
+    let path = files.path.clone();
+    let context = || format!("loading {} as rank {} of {}", path.display(), group.rank, group.size);
+    let tcp = Tcp::join(group.address, group.rank, group.size, RENDEZVOUS)
+        .with_context(|| format!("joining the tensor-parallel group at {}", group.address))?;
+    let options = shared_options(&tcp, options)?;
+    if backend != Chosen::Cuda {
+        check_host_memory(&files, &options, kv_type(args))?;
+    }
+    Ok(match backend {
+        Chosen::Cuda => {
+            let gpus = axiom::backend::cuda::device::count().context("counting the GPUs")?;
+            let backend = cuda_backend(args, group.rank % gpus.max(1))?;
+            let comm = Nccl::join(tcp, &backend).context("starting NCCL")?;
+            let rank = Rank {
+                backend,
+                comm: Box::new(comm),
+            };
+            Loaded::Cuda(Box::new(
+                Session::from_files_rank(files, rank, options).with_context(context)?,
+            ))
+        }
+        Chosen::Cpu => {
+            let rank = Rank {
+                backend: cpu_backend(args)?,
+                comm: Box::new(tcp),
+            };
+            Loaded::Cpu(Box::new(
+                Session::from_files_rank(files, rank, options).with_context(context)?,
+            ))
+        }
+        #[cfg(any(target_vendor = "apple", axiom_metal_check))]
+        Chosen::Metal => bail!("--tp-size is not built for Metal (--backend cpu runs it)"),
+    })
+}
+
+/// Rank 0's load options, handed to every rank.
+fn shared_options(tcp: &Tcp, options: LoadOptions) -> Result<LoadOptions> {
+    if tcp.rank() == 0 {
+        let kv = options.kv_tokens as u64;
+        let words = [
+            options.max_batch as u32,
+            options.max_seqs as u32,
+            kv as u32,
+            (kv >> 32) as u32,
+        ];
+        tcp.send_words(&words)?;
+        return Ok(options);
+    }
+    match tcp.receive_words()?.as_deref() {
+        Some(&[max_batch, max_seqs, low, high]) => Ok(LoadOptions {
+            max_batch: max_batch as usize,
+            max_seqs: max_seqs as usize,
+            kv_tokens: (u64::from(high) << 32 | u64::from(low)) as usize,
+        }),
+        _ => bail!("rank 0 did not send its load options"),
+    }
+}
+
+/// A rank other than 0: runs rank 0's steps until rank 0 is done.
+fn follow(loaded: Loaded) -> Result<()> {
+    with_session!(loaded, session => {
+        session.model.follow().context("following rank 0")
+    })
+}
+
+/// The one-line load summary, on a terminal unless `--quiet`.
+fn summarize(loaded: &Loaded, options: LoadOptions, out: Output, start: Instant) {
     if !out.quiet && std::io::stderr().is_terminal() {
         let (description, bytes, mut device, context_length, ranks) = with_session!(&loaded, session => {
             let info = &session.info;
@@ -241,5 +378,4 @@ pub fn load_session(args: &ModelArgs, model: OpenModel, options: LoadOptions, ou
             start.elapsed().as_secs_f64()
         );
     }
-    Ok(loaded)
 }

@@ -90,6 +90,16 @@ struct ModelArgs {
         default_value_t = 1
     )]
     tensor_parallel: usize,
+    /// Ranks of a tensor-parallel group of processes, one a rank (on CUDA one GPU each, through
+    /// NCCL), with --tp-rank and --tp-addr; every rank runs the same command with the same model.
+    #[arg(long, value_name = "N")]
+    tp_size: Option<usize>,
+    /// This process's rank, from 0. Rank 0 runs the command (prints, serves); the others follow it.
+    #[arg(long, value_name = "R")]
+    tp_rank: Option<usize>,
+    /// Where rank 0 listens for the other ranks.
+    #[arg(long, value_name = "HOST:PORT")]
+    tp_addr: Option<String>,
 }
 
 /// Sampling and stopping, shared by `run` and `chat`.

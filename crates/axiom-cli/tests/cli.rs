@@ -339,6 +339,63 @@ fn tensor_parallel_ranks_on_the_cpu_generate_what_one_rank_does() {
     assert_eq!(ids(&three["tokens"]).len(), 12);
 }
 
+/// A port on the loopback no one listens at now.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+#[test]
+fn tensor_parallel_processes_on_the_cpu_generate_what_one_process_does() {
+    let model = model();
+    let args = |extra: &[&str]| -> Vec<String> {
+        let run = [
+            "run",
+            "--backend",
+            "cpu",
+            "-t",
+            "1",
+            "--temp",
+            "0",
+            "-n",
+            "12",
+            "--json",
+            "-m",
+        ];
+        let prompt = "The capital of France is";
+        let mut args: Vec<String> = run.iter().map(|a| a.to_string()).collect();
+        args.push(model.to_str().unwrap().into());
+        args.extend(extra.iter().map(|a| a.to_string()));
+        args.push(prompt.into());
+        args
+    };
+    let one: Value =
+        serde_json::from_str(&ok(&axiom(&args(&[]).iter().map(String::as_str).collect::<Vec<_>>()))).unwrap();
+    // SmolLM2's 9 heads over 3 processes, the followers started first: they wait for rank 0.
+    let address = format!("127.0.0.1:{}", free_port());
+    let rank = |r: usize| {
+        let group = ["--tp-size", "3", "--tp-rank", &r.to_string(), "--tp-addr", &address].map(String::from);
+        Command::new(env!("CARGO_BIN_EXE_axiom"))
+            .args(args(&group.iter().map(String::as_str).collect::<Vec<_>>()))
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let followers = [rank(2), rank(1)];
+    let first = rank(0).wait_with_output().unwrap();
+    let three: Value = serde_json::from_str(&ok(&first)).unwrap();
+    assert_eq!(ids(&three["tokens"]), ids(&one["tokens"]));
+    assert_eq!(three["text"], one["text"]);
+    for follower in followers {
+        // Only rank 0 prints.
+        assert!(ok(&follower.wait_with_output().unwrap()).is_empty());
+    }
+}
+
 #[test]
 fn bad_inputs_fail_with_a_message() {
     let dir = std::env::temp_dir().join(format!("axiom-cli-test-{}", std::process::id()));
@@ -346,7 +403,7 @@ fn bad_inputs_fail_with_a_message() {
     let bogus = dir.join("bogus.gguf");
     std::fs::write(&bogus, b"not a model at all").unwrap();
     let model = model();
-    let cases: [(&[&str], &str); 12] = [
+    let cases: [(&[&str], &str); 16] = [
         (&["info", bogus.to_str().unwrap()], "not a GGUF file"),
         (&["run", "-m", "/nonexistent.gguf", "hi"], "does not exist"),
         // A name that is no file nor packaged model: the error lists what -m takes.
@@ -402,10 +459,68 @@ fn bad_inputs_fail_with_a_message() {
             ],
             "--max-batch-tokens must be at least 1",
         ),
-        // Refused before the model is read: the backend has no collectives.
+        // Groups of processes that make no sense, refused before the model is read.
         (
-            &["run", "--backend", "cuda", "--tp", "2", "-m", "/nonexistent.gguf", "hi"],
-            "--tensor-parallel needs NCCL on CUDA",
+            &[
+                "run",
+                "--tp",
+                "2",
+                "--tp-size",
+                "2",
+                "--tp-rank",
+                "0",
+                "--tp-addr",
+                "127.0.0.1:1",
+                "-m",
+                "/nonexistent.gguf",
+                "hi",
+            ],
+            "--tp-size over processes: give one of them",
+        ),
+        (
+            &[
+                "run",
+                "--tp-size",
+                "2",
+                "--tp-rank",
+                "2",
+                "--tp-addr",
+                "127.0.0.1:1",
+                "-m",
+                "/nonexistent.gguf",
+                "hi",
+            ],
+            "--tp-rank 2 is not below --tp-size 2",
+        ),
+        (
+            &[
+                "run",
+                "--tp-size",
+                "2",
+                "--tp-rank",
+                "1",
+                "-m",
+                "/nonexistent.gguf",
+                "hi",
+            ],
+            "--tp-size needs --tp-addr HOST:PORT",
+        ),
+        (
+            &[
+                "run",
+                "--tp-size",
+                "2",
+                "--tp-addr",
+                "127.0.0.1:1",
+                "-m",
+                "/nonexistent.gguf",
+                "hi",
+            ],
+            "--tp-size needs --tp-rank",
+        ),
+        (
+            &["run", "--tp-rank", "1", "-m", "/nonexistent.gguf", "hi"],
+            "--tp-rank and --tp-addr go with --tp-size",
         ),
         (&["run", "--tp", "0", "hi"], "--tensor-parallel must be at least 1"),
         // SmolLM2's 9 heads split over 3 ranks, not 2.

@@ -19,10 +19,14 @@
 
 mod common;
 
-use axiom::backend::cuda::{CudaBackend, Paths};
-use axiom::backend::KvType;
+use axiom::backend::cuda::{CudaBackend, Nccl, Paths};
+use axiom::backend::{Kernels, KvType};
+use axiom::engine::Session;
 use axiom::format::quant::GgmlType;
-use common::{gpu, reproducible};
+use axiom::model::ModelFiles;
+use axiom::parallel::{Communicator, Rank, Shard, Tcp};
+use common::{gpu, reproducible, split};
+use std::time::Duration;
 
 fn cuda(kv_type: KvType) -> CudaBackend {
     CudaBackend::new(0).expect("a CUDA GPU").with_kv_type(kv_type)
@@ -313,4 +317,72 @@ fn deterministic_prompt_logits_do_not_depend_on_chunking_or_the_prefix_cache() {
 #[ignore = "needs an NVIDIA GPU and the default model in the cache: see scripts/cuda_device_tests.sh"]
 fn deterministic_seeded_answer_does_not_depend_on_the_step_size_or_the_prefix_cache() {
     reproducible::a_seeded_answer_does_not_depend_on_the_step_size_or_the_prefix_cache(|| invariant(KvType::F16));
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: cargo test --release --test cuda -- --ignored"]
+fn tensor_parallel_shards_on_one_gpu_give_the_logits_of_one_rank() {
+    // Split, the ranks' partial products are summed in another order and the attention's output
+    // projection runs unfused: with an f32 cache within f32 arithmetic's bound, with an f16 one
+    // within the bound the models keep against transformers.
+    for &name in common::HF_FIXTURES {
+        let model = common::hf_fixture(name);
+        let config = ModelFiles::open(&model).unwrap().config;
+        for ranks in [2, 4].into_iter().filter(|&n| Shard::new(&config, 0, n).is_ok()) {
+            for (kv_type, bound) in [(KvType::F32, 1e-4), (KvType::F16, 2e-3)] {
+                let what = format!("{name} on CUDA, {kv_type:?} cache");
+                split::check_split(&model, ranks, &|| cuda(kv_type), bound, &what);
+            }
+        }
+    }
+}
+
+/// A group of one rank through NCCL, met over TCP on the loopback.
+fn nccl_alone(backend: &CudaBackend) -> Nccl {
+    let tcp = Tcp::join("127.0.0.1:0", 0, 1, Duration::from_secs(5)).unwrap();
+    Nccl::join(tcp, backend).expect("NCCL (libnccl.so on LD_LIBRARY_PATH)")
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU and NCCL: see scripts/cuda_device_tests.sh"]
+fn nccl_alone_sums_and_gathers_and_runs_a_model_in_its_graphs() {
+    let mut b = cuda(KvType::F16);
+    let comm = nccl_alone(&b);
+    b.reserve(1 << 16).unwrap();
+    let (n, rows, width) = (1000, 3, 7);
+    let (x, part, out) = (
+        b.alloc(n * 4).unwrap(),
+        b.alloc(rows * width * 4).unwrap(),
+        b.alloc(rows * width * 4).unwrap(),
+    );
+    let values: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
+    b.write_f32(x, &values).unwrap();
+    comm.all_reduce_sum(&b, x, n).unwrap();
+    let mut sum = vec![0f32; n];
+    b.read_f32(x, &mut sum).unwrap();
+    assert_eq!(sum, values);
+    b.write_f32(part, &values[..rows * width]).unwrap();
+    comm.all_gather(&b, part, out, rows, &[width]).unwrap();
+    let mut gathered = vec![0f32; rows * width];
+    b.read_f32(out, &mut gathered).unwrap();
+    assert_eq!(gathered, &values[..rows * width]);
+    drop(comm);
+
+    // A model as the one rank of an NCCL group takes the split model's path, its collectives
+    // recorded in the decode steps' graphs, and gives the logits of the model loaded alone.
+    let model = common::hf_fixture("llama");
+    let whole = split::run(&mut split::load(&model, 1, &|| cuda(KvType::F32)).unwrap());
+    let backend = cuda(KvType::F32);
+    let comm = nccl_alone(&backend);
+    let rank = Rank {
+        backend,
+        comm: Box::new(comm),
+    };
+    let mut s = Session::from_files_rank(ModelFiles::open(&model).unwrap(), rank, split::OPTIONS).unwrap();
+    split::check_alike(
+        split::run(&mut s),
+        &whole,
+        1e-4,
+        "llama as the one rank of an NCCL group",
+    );
 }

@@ -18,26 +18,20 @@ use axiom::convert::convert_hf_dir;
 use axiom::engine::scheduler::{Event, Request, Scheduler, SchedulerConfig};
 use axiom::engine::{SamplerConfig, Session};
 use axiom::format::quant::GgmlType;
-use axiom::model::llama::{GreedyDecode, LoadOptions};
-use axiom::model::LogitRows;
-use axiom::parallel::{Communicator, InProcess, Rank, Shard};
-use common::gpu::rel_l2;
+use axiom::model::llama::LoadOptions;
+use axiom::model::ModelFiles;
+use axiom::parallel::{Communicator, InProcess, Rank, Shard, Tcp};
 use common::hf_fixture;
+use common::split::{self, Outputs, OPTIONS};
 use std::path::Path;
 use std::sync::mpsc::channel;
 use std::sync::Arc;
+use std::time::Duration;
 
 /// Split, the down and output projections add each rank's partial sum where one rank adds the
 /// whole row in one order: the same terms summed in another order, which moves f32 logits by a
 /// few ulps of the largest terms, far below this.
 const BOUND: f64 = 1e-5;
-
-/// Steps of 5 tokens, so a prompt runs in several and its last rows straddle them.
-const OPTIONS: LoadOptions = LoadOptions {
-    max_batch: 5,
-    kv_tokens: 256,
-    max_seqs: 4,
-};
 
 fn reference() -> CpuBackend {
     CpuBackend::reference(1)
@@ -50,47 +44,12 @@ fn fast() -> CpuBackend {
 }
 
 fn load(model: &Path, ranks: usize, make: fn() -> CpuBackend) -> axiom::Result<Session<CpuBackend>> {
-    match ranks {
-        1 => Session::load(model, make(), OPTIONS),
-        n => Session::load_sharded(model, Rank::in_process((0..n).map(|_| make()).collect())?, OPTIONS),
-    }
-}
-
-/// Every position's logits of a prompt, then 12 tokens of greedy decoding.
-fn run(s: &mut Session<CpuBackend>) -> (Vec<Vec<f32>>, Vec<u32>) {
-    let vocab = s.model.config.vocab_size as u32;
-    let prompt: Vec<u32> = (0..13).map(|i| (i * 37 + 5) % vocab).collect();
-    let mut kv = s.model.new_kv_cache(128);
-    let mut logits = Vec::new();
-    s.forward(&prompt, &mut kv, LogitRows::From(0), |_, row| logits.push(row.to_vec()))
-        .unwrap();
-    s.pages.free(&mut kv);
-    let mut kv = s.model.new_kv_cache(128);
-    let mut decode = GreedyDecode::new(&mut s.model, &mut s.pages, &mut kv, &prompt).unwrap();
-    let tokens = (0..12).map(|i| decode.next_token(i < 11).unwrap()).collect();
-    drop(decode);
-    s.pages.free(&mut kv);
-    (logits, tokens)
+    split::load(model, ranks, &make)
 }
 
 /// `model` split over `ranks` against it on one rank.
 fn check_split(model: &Path, name: &str, ranks: usize, make: fn() -> CpuBackend, kernels: &str) {
-    let (want_logits, want_tokens) = run(&mut load(model, 1, make).unwrap());
-    let (logits, tokens) = run(&mut load(model, ranks, make).unwrap());
-    assert_eq!(logits.len(), want_logits.len());
-    let worst = logits
-        .iter()
-        .zip(&want_logits)
-        .map(|(got, want)| rel_l2(got, want))
-        .fold(0.0, f64::max);
-    assert!(
-        worst < BOUND,
-        "{name} over {ranks} ranks, {kernels}: relative L2 error {worst}"
-    );
-    assert_eq!(
-        tokens, want_tokens,
-        "{name} over {ranks} ranks, {kernels}: greedy tokens"
-    );
+    split::check_split(model, ranks, &make, BOUND, &format!("{name}, {kernels}"));
 }
 
 #[test]
@@ -229,16 +188,16 @@ fn values(rank: usize, n: usize) -> Vec<f32> {
         .collect()
 }
 
-#[test]
-fn in_process_collectives_sum_in_rank_order_and_gather_columns() {
+/// Each rank of a group sums its buffer over the ranks and gathers its columns: every rank must
+/// hold the same bits, summed in rank order, and the columns side by side.
+fn check_collectives(ranks: Vec<Box<dyn Communicator<CpuBackend>>>) {
     let (n, widths, rows) = (37, [2usize, 1, 3], 2);
-    let ranks = InProcess::group(3).unwrap();
     let results: Vec<(Vec<f32>, Vec<f32>)> = std::thread::scope(|scope| {
         let threads: Vec<_> = ranks
             .into_iter()
             .map(|comm| {
                 scope.spawn(move || {
-                    let rank = Communicator::<CpuBackend>::rank(&comm);
+                    let rank = comm.rank();
                     let mut b = reference();
                     b.reserve(4096).unwrap();
                     let (x, part, out) = (b.alloc(n * 4).unwrap(), b.alloc(64).unwrap(), b.alloc(64).unwrap());
@@ -264,6 +223,154 @@ fn in_process_collectives_sum_in_rank_order_and_gather_columns() {
         assert_eq!(bits(sum), bits(&want));
         assert_eq!(gathered, &[0., 1., 10., 20., 21., 22., 2., 3., 11., 23., 24., 25.]);
     }
+}
+
+#[test]
+fn in_process_collectives_sum_in_rank_order_and_gather_columns() {
+    let ranks = InProcess::group(3).unwrap();
+    check_collectives(
+        ranks
+            .into_iter()
+            .map(|c| Box::new(c) as Box<dyn Communicator<CpuBackend>>)
+            .collect(),
+    );
+}
+
+/// A port on the loopback no one listens at now.
+fn free_address() -> String {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    format!("127.0.0.1:{}", listener.local_addr().unwrap().port())
+}
+
+/// The `size` ranks of a group over TCP on the loopback, each joined on a thread of its own.
+fn tcp_group(size: usize) -> Vec<Tcp> {
+    let address = free_address();
+    let joins: Vec<_> = (0..size)
+        .rev()
+        .map(|rank| {
+            let address = address.clone();
+            std::thread::spawn(move || Tcp::join(&address, rank, size, Duration::from_secs(30)).unwrap())
+        })
+        .collect();
+    let mut ranks: Vec<Tcp> = joins.into_iter().map(|j| j.join().unwrap()).collect();
+    ranks.reverse();
+    ranks
+}
+
+#[test]
+fn tcp_collectives_sum_in_rank_order_and_gather_columns() {
+    check_collectives(
+        tcp_group(3)
+            .into_iter()
+            .map(|c| Box::new(c) as Box<dyn Communicator<CpuBackend>>)
+            .collect(),
+    );
+}
+
+#[test]
+fn a_tcp_rank_that_stops_frees_the_others_with_its_reason() {
+    // Rank 0 stopping frees a rank waiting in a collective; a rank stopping frees rank 0, which
+    // tells the rest.
+    for stopping in [0, 2] {
+        let mut ranks = tcp_group(3);
+        let stopper = ranks.remove(stopping);
+        let waiting: Vec<_> = ranks
+            .into_iter()
+            .map(|comm| {
+                std::thread::spawn(move || {
+                    let mut b = reference();
+                    b.reserve(256).unwrap();
+                    let x = b.alloc(16).unwrap();
+                    comm.all_reduce_sum(&b, x, 4).err().unwrap().to_string()
+                })
+            })
+            .collect();
+        Communicator::<CpuBackend>::abort(&stopper, "rank 2: out of pages");
+        for err in waiting.into_iter().map(|w| w.join().unwrap()) {
+            assert!(err.contains("rank 2: out of pages"), "{err}");
+        }
+    }
+}
+
+#[test]
+fn tcp_ranks_must_agree_on_the_group() {
+    let address = free_address();
+    let first = {
+        let address = address.clone();
+        std::thread::spawn(move || {
+            Tcp::join(&address, 0, 2, Duration::from_secs(30))
+                .err()
+                .unwrap()
+                .to_string()
+        })
+    };
+    let second = Tcp::join(&address, 1, 3, Duration::from_secs(30))
+        .err()
+        .unwrap()
+        .to_string();
+    let first = first.join().unwrap();
+    assert!(first.contains("give every rank the same --tp-size"), "{first}");
+    assert!(second.contains("give every rank the same --tp-size"), "{second}");
+    let alone = Tcp::join(&free_address(), 0, 2, Duration::from_millis(200))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(alone.contains("for ranks 1 of 2, which did not connect"), "{alone}");
+    let unreachable = Tcp::join(&free_address(), 1, 2, Duration::from_millis(200))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(unreachable.contains("could not reach rank 0"), "{unreachable}");
+}
+
+/// `model` loaded as each rank of a group over TCP, on threads standing for processes: rank 0
+/// runs `run`, the others follow it. Rank r loads with `options(r)`.
+fn over_tcp(model: &Path, size: usize, options: impl Fn(usize) -> LoadOptions) -> axiom::Result<Outputs> {
+    let followers: Vec<_> = tcp_group(size)
+        .into_iter()
+        .enumerate()
+        .map(|(rank, comm)| {
+            let (model, options) = (model.to_path_buf(), options(rank));
+            std::thread::spawn(move || -> axiom::Result<Option<Outputs>> {
+                let rank_of = Rank {
+                    backend: fast(),
+                    comm: Box::new(comm),
+                };
+                let mut session = Session::from_files_rank(ModelFiles::open(&model)?, rank_of, options)?;
+                match rank {
+                    0 => Ok(Some(split::run(&mut session))),
+                    _ => session.model.follow().map(|_| None),
+                }
+            })
+        })
+        .collect();
+    let mut results: Vec<_> = followers.into_iter().map(|t| t.join().unwrap()).collect();
+    for (rank, result) in results.iter().enumerate().skip(1) {
+        if let Err(e) = result {
+            return Err(axiom::Error::Backend(format!("rank {rank}: {e}")));
+        }
+    }
+    results.swap_remove(0).map(|r| r.unwrap())
+}
+
+#[test]
+fn ranks_over_tcp_give_the_logits_of_one_rank_and_refuse_ranks_loaded_otherwise() {
+    let model = hf_fixture("llama");
+    let whole = split::run(&mut load(&model, 1, fast).unwrap());
+    split::check_alike(
+        over_tcp(&model, 2, |_| OPTIONS).unwrap(),
+        &whole,
+        BOUND,
+        "llama over 2 ranks over TCP",
+    );
+    let err = over_tcp(&model, 2, |rank| LoadOptions {
+        max_batch: OPTIONS.max_batch + rank,
+        ..OPTIONS
+    })
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(err.contains("loaded another model or other options"), "{err}");
 }
 
 #[test]

@@ -91,6 +91,11 @@ pub trait Kernels {
     fn read_u32(&self, src: BlockHandle, dst: &mut [u32]) -> Result<()>;
     /// Waits until all submitted work has finished.
     fn synchronize(&self) -> Result<()>;
+    /// Readies the calling thread for this backend's ops, where a backend ties state to threads
+    /// (CUDA makes its context current there): a rank run on a thread of its own calls it first.
+    fn enter_thread(&self) -> Result<()> {
+        Ok(())
+    }
 
     /// Arena bytes the weights take, given each matrix's size (0 where weights live elsewhere,
     /// as on the CPU, which reads them from the memory-mapped file).

@@ -108,6 +108,12 @@ where
 }
 
 impl<B: Backend> Session<B> {
+    /// [`Session::from_files`] as this process's one rank of a group of processes
+    /// ([`Llama::load_rank`]); a rank other than 0 then [`follow`](Llama::follow)s rank 0.
+    pub fn from_files_rank(files: ModelFiles, rank: Rank<B>, options: LoadOptions) -> Result<Session<B>> {
+        Self::open(files, |source, config| Llama::load_rank(source, config, rank, options))
+    }
+
     /// Loads a GGUF file, or a Hugging Face model directory (config.json, safetensors,
     /// tokenizer.json).
     pub fn load(path: &Path, backend: B, options: LoadOptions) -> Result<Session<B>> {

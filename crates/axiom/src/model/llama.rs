@@ -124,7 +124,7 @@ struct PagedCache {
 }
 
 /// Where a step's token ids come from, and what it does after its layers.
-#[derive(Clone, Copy, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum StepKind {
     /// Ids from the host; the caller asks for outputs after.
     Host,
@@ -302,9 +302,10 @@ impl<B: Backend> Llama<B> {
         options: LoadOptions,
     ) -> Result<(Llama<B>, PagePool)> {
         let local = shard.config(&config);
-        let head_rows = match shard.is_whole() {
-            true => 0,
-            false => shard.vocab.len(),
+        // A rank of a group (even of one) gathers its rows of the LM head's logits.
+        let head_rows = match comm {
+            None => 0,
+            Some(_) => shard.vocab.len(),
         };
         for (what, tokens) in [("KV cache", options.kv_tokens), ("batch", options.max_batch)] {
             if tokens > MAX_LOAD_TOKENS {
@@ -543,9 +544,13 @@ impl<B: Backend> Llama<B> {
             StepKind::Host => model.layers(n, &plan),
             StepKind::Greedy { slot } => model.layers(n, &plan).and_then(|_| model.choose(0, slot)),
         };
+        // A collective that meets on the host waits for its copies, which a recording cannot:
+        // such a group (tests, or one GPU's shards) runs its steps op by op rather than in pieces
+        // recorded between its two collectives a layer, since it is not where speed is sought.
+        let recordable = self.group.as_ref().is_none_or(|g| g.comm.recordable());
         if let Some(&(_, graph)) = self.graphs.iter().find(|(k, _)| *k == (n, kind)) {
             self.backend.replay(graph)?;
-        } else if self.backend.begin_capture(n)? {
+        } else if recordable && self.backend.begin_capture(n)? {
             let recorded = run(self);
             let graph = self.backend.end_capture()?;
             recorded?;

@@ -1,51 +1,23 @@
 //! [`InProcess`]: the ranks of a group as threads of one process, meeting at a rendezvous in
 //! host memory (a mutex and a condition variable). Each collective copies a rank's buffer to the
 //! host, the last rank to arrive combines every rank's part in rank order, and each rank copies
-//! the result back, so it runs over any backend's buffers.
+//! the result back, so it runs over any backend's buffers. Rank 0 hands the others their work
+//! over channels.
 
-use super::Communicator;
+use super::communicator::{Collective, Communicator};
 use crate::backend::{BlockHandle, Kernels};
 use crate::{Error, Result};
+use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 /// One rank's end of an in-process group.
 pub struct InProcess {
     rank: usize,
     meeting: Arc<Meeting>,
-}
-
-/// What a collective does with the parts; every rank must ask for the same.
-#[derive(Debug, Clone, PartialEq)]
-enum Collective {
-    Sum { n: usize },
-    Gather { rows: usize, widths: Vec<usize> },
-}
-
-impl Collective {
-    /// The result of the parts, in rank order.
-    fn combine(&self, parts: &[Vec<f32>]) -> Vec<f32> {
-        match self {
-            Collective::Sum { n } => {
-                let mut sum = vec![0f32; *n];
-                for part in parts {
-                    sum.iter_mut().zip(part).for_each(|(s, p)| *s += p);
-                }
-                sum
-            }
-            Collective::Gather { rows, widths } => {
-                let total: usize = widths.iter().sum();
-                let mut out = vec![0f32; rows * total];
-                let mut first = 0;
-                for (part, &width) in parts.iter().zip(widths) {
-                    for (row, values) in out.chunks_exact_mut(total).zip(part.chunks_exact(width)) {
-                        row[first..first + width].copy_from_slice(values);
-                    }
-                    first += width;
-                }
-                out
-            }
-        }
-    }
+    /// On rank 0, where each other rank's work goes (emptied when the group stops).
+    outboxes: Mutex<Vec<Sender<Vec<u32>>>>,
+    /// On the other ranks, where their work comes from.
+    inbox: Option<Receiver<Vec<u32>>>,
 }
 
 struct Meeting {
@@ -85,10 +57,17 @@ impl InProcess {
             }),
             arrived: Condvar::new(),
         });
+        let (outboxes, mut inboxes): (Vec<_>, Vec<_>) = (1..size).map(|_| channel()).unzip();
+        let mut outboxes = Some(outboxes);
         Ok((0..size)
             .map(|rank| InProcess {
                 rank,
                 meeting: meeting.clone(),
+                outboxes: Mutex::new(match rank {
+                    0 => outboxes.take().unwrap_or_default(),
+                    _ => Vec::new(),
+                }),
+                inbox: (rank > 0).then(|| inboxes.remove(0)),
             })
             .collect())
     }
@@ -191,5 +170,37 @@ impl<B: Kernels + ?Sized> Communicator<B> for InProcess {
             state.stopped.get_or_insert_with(|| reason.to_string());
             self.meeting.arrived.notify_all();
         }
+        // The other ranks, waiting for work, see the group closed.
+        if let Ok(mut outboxes) = self.outboxes.lock() {
+            outboxes.clear();
+        }
+    }
+
+    fn recordable(&self) -> bool {
+        false
+    }
+
+    fn send_work(&self, work: &[u32]) -> Result<()> {
+        let outboxes = self
+            .outboxes
+            .lock()
+            .map_err(|_| Error::Backend("a rank of the tensor-parallel group panicked".into()))?;
+        if outboxes.len() + 1 != self.meeting.size {
+            return Err(Error::Backend("the tensor-parallel group has stopped".into()));
+        }
+        for (rank, outbox) in outboxes.iter().enumerate() {
+            outbox
+                .send(work.to_vec())
+                .map_err(|_| Error::Backend(format!("rank {} of the tensor-parallel group has stopped", rank + 1)))?;
+        }
+        Ok(())
+    }
+
+    fn next_work(&self) -> Result<Option<Vec<u32>>> {
+        let inbox = self
+            .inbox
+            .as_ref()
+            .ok_or_else(|| Error::InvalidArgument("rank 0 hands out work; it takes none".into()))?;
+        Ok(inbox.recv().ok())
     }
 }

@@ -1,14 +1,16 @@
 //! Tensor parallelism: a model's layers split across ranks (Megatron style), which meet in the
 //! collectives of a [`Communicator`]. [`shard`] says what each rank holds; [`in_process`] runs
-//! the ranks as threads of one process.
+//! the ranks as threads of one process, [`tcp`] as processes meeting over TCP.
 
 pub mod communicator;
 pub mod in_process;
 pub mod shard;
+pub mod tcp;
 
 pub use communicator::Communicator;
 pub use in_process::InProcess;
 pub use shard::Shard;
+pub use tcp::Tcp;
 
 use crate::backend::Kernels;
 use crate::Result;

@@ -3,6 +3,7 @@
 
 pub mod gpu;
 pub mod reproducible;
+pub mod split;
 
 use axiom::backend::{AttentionKv, AttentionShape, Backend, BlockHandle, PagedKv, Scores, StepLayout};
 use axiom::engine::Session;

@@ -31,6 +31,18 @@ pub fn available() -> bool {
     cudarc::driver::result::init().is_ok() && CudaContext::device_count().is_ok_and(|n| n > 0)
 }
 
+/// GPUs this process sees (after `CUDA_VISIBLE_DEVICES`).
+pub fn count() -> Result<usize> {
+    // SAFETY: only probes for the shared library.
+    if !unsafe { sys::is_culib_present() } {
+        return Err(Error::Backend(
+            "the CUDA driver library (libcuda.so) is not installed".into(),
+        ));
+    }
+    let count = CudaContext::device_count().map_err(driver_error("device count"))?;
+    Ok(count.max(0) as usize)
+}
+
 impl CudaDevice {
     pub fn new(ordinal: usize) -> Result<CudaDevice> {
         // SAFETY: only probes for the shared library.

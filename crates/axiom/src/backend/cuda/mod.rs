@@ -30,6 +30,7 @@ mod kv_write;
 mod launch;
 mod matmul;
 mod memory;
+mod nccl;
 mod norms;
 mod occupancy;
 mod paths;
@@ -52,6 +53,7 @@ use flash_attention::flash_head_dims;
 pub use flash_attention::FlashPlan;
 use kernels::Kernels;
 use memory::ALIGN;
+pub use nccl::Nccl;
 use occupancy::{prefer_shared_memory, quantize_padding, EvenSpread};
 pub use paths::Paths;
 use std::cell::RefCell;
@@ -182,6 +184,12 @@ impl CudaBackend {
     }
 }
 
+// SAFETY: what is not Send in the backend is its handles (cuBLAS, cuBLASLt, graphs), which
+// belong to its CUDA context, not to a thread; they are used through `&self` from one thread at a
+// time (the backend is not Sync), and an op on a thread where the context is not current fails
+// with a CUDA error rather than misbehaving (`enter_thread` makes it current).
+unsafe impl Send for CudaBackend {}
+
 impl Drop for CudaBackend {
     fn drop(&mut self) {
         // SAFETY: created in `new`, used by no one after this.
@@ -263,6 +271,10 @@ impl super::Kernels for CudaBackend {
 
     fn synchronize(&self) -> Result<()> {
         self.stream.synchronize().map_err(driver_error("synchronize"))
+    }
+
+    fn enter_thread(&self) -> Result<()> {
+        self.device.ctx.bind_to_thread().map_err(driver_error("context"))
     }
 
     fn weight_bytes(&self, matrices: &[usize]) -> usize {

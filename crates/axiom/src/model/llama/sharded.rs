@@ -1,7 +1,8 @@
 //! A model split across the ranks of a tensor-parallel group. Every rank is a [`Llama`] of its
 //! share ([`Shard`]) running the same layer loop; they meet in its collectives. Rank 0 is the
-//! model the engine drives: each step it packs, it hands to the other ranks (threads of their
-//! own, in this process) before running it, so every rank runs the same steps in the same order.
+//! model the engine drives: each step it packs, it hands to the other ranks (through the
+//! communicator: threads of this process, or other processes) before running it, so every rank
+//! runs the same steps in the same order.
 
 use super::{Llama, LoadOptions, StepKind};
 use crate::backend::Backend;
@@ -10,11 +11,10 @@ use crate::model::weights::TensorSource;
 use crate::model::ModelConfig;
 use crate::parallel::{Communicator, Rank, Shard};
 use crate::{Error, Result};
-use std::sync::mpsc::{channel, Receiver, Sender};
 use std::thread::JoinHandle;
 
 /// What rank 0 hands the other ranks: each is a call every rank makes alike.
-#[derive(Clone)]
+#[derive(Clone, Debug, PartialEq)]
 pub(super) enum Work {
     /// `run_packed` of a step of `n` tokens whose inputs rank 0 packed.
     Step { packed: Vec<u32>, n: usize, kind: StepKind },
@@ -24,19 +24,61 @@ pub(super) enum Work {
     Choose { row: usize, slot: usize },
 }
 
+impl Work {
+    /// As words, for the communicator to carry: a tag, then the fields.
+    fn encode(&self) -> Vec<u32> {
+        let word = |x: usize| x as u32;
+        match self {
+            Work::Step { packed, n, kind } => {
+                let slot = match kind {
+                    StepKind::Host => u32::MAX,
+                    StepKind::Greedy { slot } => word(*slot),
+                };
+                [&[0, word(*n), slot][..], packed].concat()
+            }
+            Work::Heads(runs) => std::iter::once(1)
+                .chain(runs.iter().flat_map(|&(first, n)| [word(first), word(n)]))
+                .collect(),
+            Work::Choose { row, slot } => vec![2, word(*row), word(*slot)],
+        }
+    }
+
+    fn decode(words: &[u32]) -> Result<Work> {
+        let at = |i: usize| words.get(i).map(|&w| w as usize);
+        let work = match (words.first(), at(1), at(2)) {
+            (Some(0), Some(n), Some(slot)) => Some(Work::Step {
+                packed: words[3..].to_vec(),
+                n,
+                kind: match words[2] {
+                    u32::MAX => StepKind::Host,
+                    _ => StepKind::Greedy { slot },
+                },
+            }),
+            (Some(1), _, _) if words.len() % 2 == 1 => Some(Work::Heads(
+                words[1..]
+                    .chunks_exact(2)
+                    .map(|r| (r[0] as usize, r[1] as usize))
+                    .collect(),
+            )),
+            (Some(2), Some(row), Some(slot)) if words.len() == 3 => Some(Work::Choose { row, slot }),
+            _ => None,
+        };
+        work.ok_or_else(|| {
+            Error::Backend(format!(
+                "rank 0 handed out work this rank cannot read ({} words)",
+                words.len()
+            ))
+        })
+    }
+}
+
 /// A rank's place in its group.
 pub(super) struct Group<B: Backend> {
     pub comm: Box<dyn Communicator<B>>,
     /// Every rank's count of vocabulary rows, which the LM head's logits are gathered in.
     pub vocab_widths: Vec<usize>,
-    /// On rank 0, the other ranks.
-    peers: Vec<Peer>,
-}
-
-/// Another rank's thread, and where to send it work.
-struct Peer {
-    work: Option<Sender<Work>>,
-    thread: Option<JoinHandle<()>>,
+    /// On rank 0, the threads of the other ranks run in this process.
+    threads: Vec<JoinHandle<()>>,
 }
 
 impl<B: Backend> Group<B> {
@@ -44,22 +86,19 @@ impl<B: Backend> Group<B> {
         Group {
             comm,
             vocab_widths,
-            peers: Vec::new(),
+            threads: Vec::new(),
         }
     }
 }
 
 impl<B: Backend> Drop for Group<B> {
-    /// Stops the group (a rank unwinding from a panic frees those waiting on it), then lets the
-    /// other ranks' threads finish.
+    /// Stops the group (a rank unwinding from a panic frees those waiting on it; those waiting
+    /// for work see it closed), then lets the other ranks' threads finish.
     fn drop(&mut self) {
         self.comm.abort(&format!("rank {} stopped", self.comm.rank()));
-        for peer in &mut self.peers {
-            peer.work = None;
-            if let Some(thread) = peer.thread.take() {
-                // A rank that panicked has already stopped the group; nothing is left to do.
-                let _ = thread.join();
-            }
+        for thread in self.threads.drain(..) {
+            // A rank that panicked has already stopped the group; nothing is left to do.
+            let _ = thread.join();
         }
     }
 }
@@ -67,19 +106,12 @@ impl<B: Backend> Drop for Group<B> {
 impl<B: Backend> Llama<B> {
     /// Hands the other ranks `work`, where this is rank 0 of a group.
     pub(super) fn share(&self, work: impl FnOnce(&Self) -> Work) -> Result<()> {
-        let Some(group) = self.group.as_ref().filter(|g| !g.peers.is_empty()) else {
+        let Some(group) = self.group.as_ref().filter(|g| g.comm.rank() == 0 && g.comm.size() > 1) else {
             return Ok(());
         };
-        let work = work(self);
-        for (rank, peer) in group.peers.iter().enumerate() {
-            let sent = peer.work.as_ref().is_some_and(|w| w.send(work.clone()).is_ok());
-            if !sent {
-                // Those already sent it would wait for this rank in its first collective.
-                let stopped = format!("rank {} of the tensor-parallel group has stopped", rank + 1);
-                return self.stop_on_error(Err(Error::Backend(stopped)));
-            }
-        }
-        Ok(())
+        // Those already handed it would wait for a rank that missed it in its first collective.
+        let sent = group.comm.send_work(&work(self).encode());
+        self.stop_on_error(sent)
     }
 
     /// Passes `result` on, stopping the group first if it is an error, so that no rank waits
@@ -90,6 +122,48 @@ impl<B: Backend> Llama<B> {
         }
         result
     }
+
+    /// On a rank other than 0: runs the work rank 0 hands out until rank 0 closes the group, or
+    /// stops the group at its first error and returns it.
+    pub fn follow(mut self) -> Result<()> {
+        let Some(group) = self.group.as_ref().filter(|g| g.comm.rank() > 0) else {
+            return Err(Error::InvalidArgument(
+                "only a rank other than 0 of a tensor-parallel group follows rank 0".into(),
+            ));
+        };
+        let rank = group.comm.rank();
+        while let Some(words) = group_of(&self)?.comm.next_work()? {
+            let done = Work::decode(&words).and_then(|work| self.run_work(work));
+            self.stop_on_error(done)
+                .map_err(|e| Error::Backend(format!("rank {rank} of the tensor-parallel group: {e}")))?;
+        }
+        Ok(())
+    }
+
+    fn run_work(&mut self, work: Work) -> Result<()> {
+        match work {
+            Work::Step { packed, n, kind } => {
+                if packed.len() > self.inputs.block.len / 4 {
+                    return Err(Error::Backend(format!(
+                        "rank 0 packed {} step inputs where this rank holds {}: every rank must load the model alike",
+                        packed.len(),
+                        self.inputs.block.len / 4
+                    )));
+                }
+                self.inputs.packed = packed;
+                self.run_packed(n, kind)
+            }
+            Work::Heads(runs) => runs.into_iter().try_for_each(|(first, n)| self.lm_head(first, n)),
+            Work::Choose { row, slot } => self.choose(row, slot).and_then(|_| self.chosen(row, slot)),
+        }
+    }
+}
+
+fn group_of<B: Backend>(model: &Llama<B>) -> Result<&Group<B>> {
+    model
+        .group
+        .as_ref()
+        .ok_or_else(|| Error::Backend("a rank without its group".into()))
 }
 
 impl<B: Backend + 'static> Llama<B>
@@ -127,39 +201,110 @@ where
         let (Some(mut first), Some(pool)) = (ranks.next(), pool) else {
             return Err(Error::InvalidArgument("a model split over 0 ranks".into()));
         };
-        let mut peers = Vec::with_capacity(size - 1);
+        let mut threads = Vec::with_capacity(size - 1);
         for (i, model) in ranks.enumerate() {
-            let (work, inbox) = channel();
             let thread = std::thread::Builder::new()
                 .name(format!("axiom-rank-{}", i + 1))
-                .spawn(move || serve(model, inbox))
+                .spawn(move || {
+                    // An error has stopped the group, which tells rank 0 why.
+                    let _ = model.backend.enter_thread().and_then(|_| model.follow());
+                })
                 .map_err(Error::io(format!("starting rank {}", i + 1)))?;
-            peers.push(Peer {
-                work: Some(work),
-                thread: Some(thread),
-            });
+            threads.push(thread);
         }
         if let Some(group) = first.group.as_mut() {
-            group.peers = peers;
+            group.threads = threads;
         }
         Ok((first, pool))
     }
 }
 
-/// A rank other than 0: runs the work rank 0 hands it until rank 0 is dropped, or stops the
-/// group at its first error.
-fn serve<B: Backend>(mut model: Llama<B>, inbox: Receiver<Work>) {
-    for work in inbox {
-        let done = match work {
-            Work::Step { packed, n, kind } => {
-                model.inputs.packed = packed;
-                model.run_packed(n, kind)
-            }
-            Work::Heads(runs) => runs.into_iter().try_for_each(|(first, n)| model.lm_head(first, n)),
-            Work::Choose { row, slot } => model.choose(row, slot).and_then(|_| model.chosen(row, slot)),
-        };
-        if model.stop_on_error(done).is_err() {
-            return;
+impl<B: Backend> Llama<B> {
+    /// Loads this process's one rank of a group whose other ranks are other processes (loading
+    /// the same model with the same options): rank 0 is the model the engine drives, any other
+    /// [`follow`](Llama::follow)s it. The ranks compare what they loaded, and a rank that
+    /// differs is refused by name.
+    pub fn load_rank<S: TensorSource + ?Sized>(
+        source: &S,
+        config: ModelConfig,
+        rank: Rank<B>,
+        options: LoadOptions,
+    ) -> Result<(Llama<B>, PagePool)> {
+        let Rank { backend, comm } = rank;
+        let shard = Shard::new(&config, comm.rank(), comm.size())?;
+        let (mut model, pool) = Self::load_shard(source, config, &shard, Some(comm), backend, options)?;
+        let checked = model.check_alike(&pool);
+        model.stop_on_error(checked)?;
+        Ok((model, pool))
+    }
+
+    /// Gathers every rank's model and cache shape and refuses a group whose ranks differ.
+    fn check_alike(&mut self, pool: &PagePool) -> Result<()> {
+        let c = &self.config;
+        let shape = [
+            c.n_layers,
+            c.dim,
+            c.vocab_size,
+            c.n_heads,
+            self.max_batch,
+            self.max_seqs,
+            self.cache.table_width,
+            pool.usage().total,
+        ]
+        .map(|x| x as f32);
+        let group = group_of(self)?;
+        let size = group.comm.size();
+        let s = &self.scratch;
+        // Small enough for the logits' buffers, whose width is the vocabulary's share.
+        let (part, all) = (
+            s.logits_part.slice(0, shape.len() * 4),
+            s.logits.slice(0, shape.len() * 4 * size),
+        );
+        self.backend.write_f32(part, &shape)?;
+        group
+            .comm
+            .all_gather(&self.backend, part, all, 1, &vec![shape.len(); size])?;
+        let mut every = vec![0f32; shape.len() * size];
+        self.backend.read_f32(all, &mut every)?;
+        match every.chunks_exact(shape.len()).position(|theirs| theirs != shape) {
+            None => Ok(()),
+            Some(rank) => Err(Error::InvalidArgument(format!(
+                "rank {rank} of the tensor-parallel group loaded another model or other options \
+                 (layers, width, vocabulary, heads, batch, sequences, table width, pages: {:?} here, {:?} there); \
+                 give every rank the same model and flags",
+                shape,
+                &every[rank * shape.len()..(rank + 1) * shape.len()]
+            ))),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{StepKind, Work};
+
+    #[test]
+    fn work_reads_back_as_written_and_garbage_is_refused() {
+        let works = [
+            Work::Step {
+                packed: vec![7, 0, u32::MAX, 3],
+                n: 2,
+                kind: StepKind::Host,
+            },
+            Work::Step {
+                packed: Vec::new(),
+                n: 1,
+                kind: StepKind::Greedy { slot: 1 },
+            },
+            Work::Heads(vec![(0, 3), (5, 1)]),
+            Work::Heads(Vec::new()),
+            Work::Choose { row: 4, slot: 0 },
+        ];
+        for work in works {
+            assert_eq!(Work::decode(&work.encode()).ok(), Some(work));
+        }
+        for garbage in [&[][..], &[9], &[0, 1], &[1, 2], &[2, 1, 0, 0]] {
+            assert!(Work::decode(garbage).is_err(), "{garbage:?}");
         }
     }
 }
