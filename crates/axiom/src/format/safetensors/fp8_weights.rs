@@ -19,7 +19,7 @@ pub(super) struct RawFp8 {
 impl SafetensorsModel {
     /// Packs each FP8 weight with its scales into `Fp8` blocks, in one map of their own; the
     /// scale tensors are consumed.
-    pub(super) fn pack_fp8(&mut self, fp8: Vec<RawFp8>, quantization: Option<&Fp8Quantization>) -> Result<()> {
+    pub(super) fn pack_fp8(&mut self, mut fp8: Vec<RawFp8>, quantization: Option<&Fp8Quantization>) -> Result<()> {
         let Some(first) = fp8.first() else {
             return match quantization {
                 Some(q) => Err(Error::Model(format!(
@@ -35,8 +35,9 @@ impl SafetensorsModel {
                 first.name
             )));
         };
-        let mut scales = Vec::with_capacity(fp8.len());
-        let mut total = 0usize;
+        // Every weight's shape first, then every weight's scales, each in name order: a file
+        // with several faults is refused for the same one every load.
+        fp8.sort_by(|a, b| a.name.cmp(&b.name));
         for raw in &fp8 {
             let &[n_in, n_out] = raw.dims.as_slice() else {
                 return Err(Error::Model(format!(
@@ -58,6 +59,11 @@ impl SafetensorsModel {
                     )));
                 }
             }
+        }
+        let mut scales = Vec::with_capacity(fp8.len());
+        let mut total = 0usize;
+        for raw in &fp8 {
+            let (n_in, n_out) = (raw.dims[0], raw.dims[1]);
             let scale_name = quantization.scale_name(&raw.name);
             let entry = self
                 .tensors
