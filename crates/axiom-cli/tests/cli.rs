@@ -396,6 +396,79 @@ fn tensor_parallel_processes_on_the_cpu_generate_what_one_process_does() {
     }
 }
 
+/// The JSON body of `POST path` with `body` to the server on `port`, once it answers (within a
+/// minute of starting: it loads the model first). HTTP/1.0, so the reply is not chunked.
+fn post_when_up(port: u16, path: &str, body: &str) -> Value {
+    use std::io::{Read, Write};
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let mut stream = loop {
+        match std::net::TcpStream::connect(("127.0.0.1", port)) {
+            Ok(stream) => break stream,
+            Err(e) if std::time::Instant::now() > deadline => panic!("no server on port {port}: {e}"),
+            Err(_) => std::thread::sleep(std::time::Duration::from_millis(200)),
+        }
+    };
+    let request = format!(
+        "POST {path} HTTP/1.0\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    stream.write_all(request.as_bytes()).unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).unwrap();
+    let (head, body) = response.split_once("\r\n\r\n").unwrap();
+    assert_eq!(head.split(' ').nth(1), Some("200"), "{head}\n{body}");
+    serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {body}"))
+}
+
+#[test]
+fn a_server_split_over_processes_answers_as_one_process_does() {
+    let model = model();
+    let serve = |port: u16, group: &[&str]| {
+        let port = port.to_string();
+        let args = [
+            "serve",
+            "--backend",
+            "cpu",
+            "-t",
+            "1",
+            "--port",
+            &port,
+            "-m",
+            model.to_str().unwrap(),
+        ];
+        Command::new(env!("CARGO_BIN_EXE_axiom"))
+            .args(args.iter().chain(group))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap()
+    };
+    let body = r#"{"model": "m", "prompt": "The capital of France is", "max_tokens": 12, "temperature": 0}"#;
+    let port = free_port();
+    let mut alone = serve(port, &[]);
+    let want = post_when_up(port, "/v1/completions", body);
+    alone.kill().unwrap();
+    alone.wait().unwrap();
+    // SmolLM2's 9 heads over 3 processes; only rank 0 listens for requests.
+    let (port, address) = (free_port(), format!("127.0.0.1:{}", free_port()));
+    let rank = |r: &str| serve(port, &["--tp-size", "3", "--tp-rank", r, "--tp-addr", &address]);
+    let mut followers = [rank("2"), rank("1")];
+    let mut leader = rank("0");
+    let got = post_when_up(port, "/v1/completions", body);
+    assert_eq!(got["choices"][0]["text"], want["choices"][0]["text"]);
+    assert_eq!(got["usage"], want["usage"]);
+    // Rank 0 gone, the others stop rather than wait for it forever.
+    leader.kill().unwrap();
+    leader.wait().unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    for follower in &mut followers {
+        while follower.try_wait().unwrap().is_none() {
+            assert!(std::time::Instant::now() < deadline, "a rank outlived rank 0 by 30 s");
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+    }
+}
+
 #[test]
 fn bad_inputs_fail_with_a_message() {
     let dir = std::env::temp_dir().join(format!("axiom-cli-test-{}", std::process::id()));
