@@ -5,6 +5,7 @@
 
 use crate::backend::{BlockHandle, Kernels};
 use crate::Result;
+use std::ops::Deref;
 
 /// One rank's end of a group of `size()` ranks that run the same steps in lockstep. Every rank
 /// calls the same collectives in the same order; each call returns once every rank has made it.
@@ -56,6 +57,26 @@ impl Collective {
             Collective::Sum { n } => *n,
             Collective::Gather { rows, widths } => rows * widths.iter().sum::<usize>(),
         }
+    }
+
+    /// This collective through host memory, as the communicators that meet there run it:
+    /// `rank`'s part read from `part`, every rank's combined by `meet`, the result written to
+    /// `out`.
+    pub fn on_host<B: Kernels + ?Sized, R>(
+        &self,
+        backend: &B,
+        rank: usize,
+        [part, out]: [BlockHandle; 2],
+        meet: impl FnOnce(&Collective, Vec<f32>) -> Result<R>,
+    ) -> Result<()>
+    where
+        R: Deref,
+        R::Target: AsRef<[f32]>,
+    {
+        let mut values = vec![0f32; self.part_len(rank)];
+        backend.read_f32(part, &mut values)?;
+        let result = meet(self, values)?;
+        backend.write_f32(out, (*result).as_ref())
     }
 
     /// The result of the parts, in rank order.

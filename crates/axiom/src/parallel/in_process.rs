@@ -81,14 +81,14 @@ impl InProcess {
 
     /// Leaves this rank's `part` for `collective` and waits for every rank's: the last to
     /// arrive combines them, and each takes the result.
-    fn meet(&self, collective: Collective, part: Vec<f32>) -> Result<Arc<Vec<f32>>> {
+    fn meet(&self, collective: &Collective, part: Vec<f32>) -> Result<Arc<Vec<f32>>> {
         let mut state = self.lock()?;
         if let Some(reason) = &state.stopped {
             return Err(stopped(reason));
         }
         let generation = state.generation;
         state.parts[self.rank] = part;
-        state.asked[self.rank] = Some(collective);
+        state.asked[self.rank] = Some(collective.clone());
         state.waiting += 1;
         if state.waiting == self.meeting.size {
             let asked = std::mem::replace(&mut state.asked, vec![None; self.meeting.size]);
@@ -135,10 +135,7 @@ impl<B: Kernels + ?Sized> Communicator<B> for InProcess {
     }
 
     fn all_reduce_sum(&self, backend: &B, x: BlockHandle, n: usize) -> Result<()> {
-        let mut part = vec![0f32; n];
-        backend.read_f32(x, &mut part)?;
-        let sum = self.meet(Collective::Sum { n }, part)?;
-        backend.write_f32(x, &sum)
+        Collective::Sum { n }.on_host(backend, self.rank, [x, x], |c, part| self.meet(c, part))
     }
 
     fn all_gather(
@@ -149,19 +146,18 @@ impl<B: Kernels + ?Sized> Communicator<B> for InProcess {
         rows: usize,
         widths: &[usize],
     ) -> Result<()> {
-        let width = widths.get(self.rank).copied().ok_or_else(|| {
-            Error::InvalidArgument(format!("{} widths for a group of {}", widths.len(), self.meeting.size))
-        })?;
-        let mut values = vec![0f32; rows * width];
-        backend.read_f32(part, &mut values)?;
-        let gathered = self.meet(
-            Collective::Gather {
-                rows,
-                widths: widths.to_vec(),
-            },
-            values,
-        )?;
-        backend.write_f32(out, &gathered)
+        if widths.len() != self.meeting.size {
+            return Err(Error::InvalidArgument(format!(
+                "{} widths for a group of {}",
+                widths.len(),
+                self.meeting.size
+            )));
+        }
+        let collective = Collective::Gather {
+            rows,
+            widths: widths.to_vec(),
+        };
+        collective.on_host(backend, self.rank, [part, out], |c, part| self.meet(c, part))
     }
 
     fn abort(&self, reason: &str) {

@@ -343,10 +343,7 @@ impl<B: Kernels + ?Sized> Communicator<B> for Tcp {
     }
 
     fn all_reduce_sum(&self, backend: &B, x: BlockHandle, n: usize) -> Result<()> {
-        let mut part = vec![0f32; n];
-        backend.read_f32(x, &mut part)?;
-        let sum = self.meet(&Collective::Sum { n }, part)?;
-        backend.write_f32(x, &sum)
+        Collective::Sum { n }.on_host(backend, self.rank, [x, x], |c, part| self.meet(c, part))
     }
 
     fn all_gather(
@@ -357,10 +354,6 @@ impl<B: Kernels + ?Sized> Communicator<B> for Tcp {
         rows: usize,
         widths: &[usize],
     ) -> Result<()> {
-        let collective = Collective::Gather {
-            rows,
-            widths: widths.to_vec(),
-        };
         if widths.len() != self.size {
             return Err(Error::InvalidArgument(format!(
                 "{} widths for a group of {}",
@@ -368,10 +361,11 @@ impl<B: Kernels + ?Sized> Communicator<B> for Tcp {
                 self.size
             )));
         }
-        let mut values = vec![0f32; collective.part_len(self.rank)];
-        backend.read_f32(part, &mut values)?;
-        let gathered = self.meet(&collective, values)?;
-        backend.write_f32(out, &gathered)
+        let collective = Collective::Gather {
+            rows,
+            widths: widths.to_vec(),
+        };
+        collective.on_host(backend, self.rank, [part, out], |c, part| self.meet(c, part))
     }
 
     fn abort(&self, reason: &str) {
