@@ -8,8 +8,7 @@
 #
 # From a machine without a GPU, build here and carry the binaries: `cargo test --release --test cuda
 # --no-run` prints the test's path; run it there with `--ignored` from crates/axiom, and the
-# script with `--axiom` naming the carried `axiom`. With AXIOM_CUDA_FP8_GEMM=lt the FP8 tests also
-# check prompts on Hopper's FP8 tensor cores (cuBLASLt), which are off by default until they pass.
+# script with `--axiom` naming the carried `axiom`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export LD_LIBRARY_PATH="/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"

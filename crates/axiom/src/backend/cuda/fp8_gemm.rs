@@ -25,8 +25,7 @@ use std::cell::RefCell;
 use std::collections::HashMap;
 
 /// The environment variable that picks how prompts multiply FP8 weights: `lt` (FP8 tensor cores
-/// where the device and the weight's scales allow) or `dequant` (f16 for cuBLAS, the default until
-/// `fp8_prompt_products_match_the_cpu_reference` has passed on a GPU with `lt`).
+/// where the device and the weight's scales allow, the default) or `dequant` (f16 for cuBLAS).
 pub const FP8_GEMM_VAR: &str = "AXIOM_CUDA_FP8_GEMM";
 
 /// Workspace offered to cuBLASLt: what NVIDIA advises for Hopper, where its split-K kernels use it.
@@ -63,10 +62,10 @@ pub(super) struct Fp8Lt {
 
 impl Fp8Lt {
     /// cuBLASLt's FP8 GEMM for a device of `arch`, where it has the block scales and
-    /// `AXIOM_CUDA_FP8_GEMM` asks for it (`lt`); none otherwise.
+    /// `AXIOM_CUDA_FP8_GEMM` does not ask for the f16 path; none otherwise.
     pub(super) fn new(arch: &str) -> Result<Option<Fp8Lt>> {
         let wanted = match std::env::var(FP8_GEMM_VAR) {
-            Err(_) => false,
+            Err(_) => true,
             Ok(v) if v == "lt" => true,
             Ok(v) if v == "dequant" => false,
             Ok(v) => {
@@ -189,7 +188,7 @@ pub(super) struct Fp8Product {
 
 impl CudaBackend {
     /// Whether prompts may multiply FP8 weights on the FP8 tensor cores: a Hopper GPU with
-    /// cuBLASLt 12.9 or later, `AXIOM_CUDA_FP8_GEMM=lt`, and the default paths. Each
+    /// cuBLASLt 12.9 or later, `AXIOM_CUDA_FP8_GEMM` not `dequant`, and the default paths. Each
     /// weight then needs scales cuBLASLt takes (`CudaWeight::takes_fp8_tensor_cores`).
     pub fn fp8_tensor_cores(&self) -> bool {
         self.fp8_lt.is_some() && self.paths.fp8_tensor_cores()
