@@ -807,6 +807,13 @@ fn fast_expert_ops_match_the_reference() {
 }
 
 #[test]
+fn fast_mixture_blocks_match_the_reference() {
+    for isa in Isa::available() {
+        common::gpu::mixture_blocks(|| CpuBackend::with_kernels(2, CpuKernels::Fast(isa)), 2e-2);
+    }
+}
+
+#[test]
 fn experts_refuse_an_expert_outside_the_set() {
     let mut r = rng();
     let mut case = ExpertCase::new(&mut r, GgmlType::F32, 7);

@@ -214,13 +214,14 @@ fn fp8_checkpoints_on_cuda_match_transformers() {
     // tensor-core matrix-vector kernels, 3e-3 more than f32 arithmetic in decoding. Under
     // --deterministic both stay on the f32 kernels: 1e-4. On Hopper's FP8 tensor cores (the default there) each product's
     // activations are E4M3, about 2.6% off (fp8_prompt_products_match_the_cpu_reference), in
-    // seven products a layer over two layers whose errors add in quadrature, about 0.1 where
-    // the tiny models' residual stream does not dilute them: 0.15.
+    // seven products a layer over two layers whose errors add in quadrature: about 0.1, as the
+    // Qwen3 fixture measures; the Llama one twice that: 0.3. A wrong scale or layout is off by
+    // the whole logits.
     let dequantized = |kv_type| cuda(kv_type).without_fp8_tensor_cores();
     gpu::fp8_checkpoints_match_transformers(dequantized, 5e-3, 3e-3);
     gpu::fp8_checkpoints_match_transformers(invariant, 1e-4, 0.0);
     if cuda(KvType::F16).fp8_tensor_cores() {
-        gpu::fp8_checkpoints_match_transformers(on(Paths::Fastest), 0.15, 3e-3);
+        gpu::fp8_checkpoints_match_transformers(on(Paths::Fastest), 0.3, 3e-3);
     }
 }
 
@@ -235,7 +236,7 @@ fn fp8_prompt_products_match_the_cpu_reference() {
     // elements' own and does not shrink with n_in: bound 4e-2, and at least 5e-3, which only
     // E4M3 activations reach (through f16 the error is about 3e-4). The feed-forward block is
     // three products, two of them multiplied: three times the bound. Elsewhere, or with
-    // without AXIOM_CUDA_FP8_GEMM=lt, they run through f16: 2e-3.
+    // AXIOM_CUDA_FP8_GEMM=dequant, they run through f16: 2e-3.
     let tensor_cores = cuda(KvType::F16).fp8_tensor_cores();
     let errors = gpu::fp8_prompt_products(
         || cuda(KvType::F16),
@@ -272,6 +273,16 @@ fn expert_ops_match_the_cpu_reference() {
     for paths in PATHS {
         let tolerance = if paths == Paths::Fastest { 2e-2 } else { 1e-5 };
         gpu::expert_ops(|| on(paths)(KvType::F16), tolerance);
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: cargo test --release --test cuda -- --ignored"]
+fn mixture_blocks_match_the_cpu_reference() {
+    // As expert_ops; by default a few tokens' router and routing are one launch.
+    for paths in PATHS {
+        let tolerance = if paths == Paths::Fastest { 2e-2 } else { 1e-5 };
+        gpu::mixture_blocks(|| on(paths)(KvType::F16), tolerance);
     }
 }
 
@@ -324,17 +335,28 @@ fn deterministic_seeded_answer_does_not_depend_on_the_step_size_or_the_prefix_ca
 fn tensor_parallel_shards_on_one_gpu_give_the_logits_of_one_rank() {
     // Split, the ranks' partial products are summed in another order and the attention's output
     // projection runs unfused: with an f32 cache within f32 arithmetic's bound, with an f16 one
-    // within the bound the models keep against transformers.
+    // within the bound the models keep against transformers. The o and down shards' rows must
+    // still be whole 32-value groups, as CUDA's dense kernels take them.
+    let mut splits = 0;
     for &name in common::HF_FIXTURES {
         let model = common::hf_fixture(name);
         let config = ModelFiles::open(&model).unwrap().config;
-        for ranks in [2, 4].into_iter().filter(|&n| Shard::new(&config, 0, n).is_ok()) {
+        let rows_fit = |n: usize| {
+            (config.n_heads / n * config.head_dim).is_multiple_of(32) && (config.ffn_dim / n).is_multiple_of(32)
+        };
+        for ranks in [2, 4]
+            .into_iter()
+            .filter(|&n| Shard::new(&config, 0, n).is_ok() && rows_fit(n))
+        {
+            splits += 1;
             for (kv_type, bound) in [(KvType::F32, 1e-4), (KvType::F16, 2e-3)] {
                 let what = format!("{name} on CUDA, {kv_type:?} cache");
                 split::check_split(&model, ranks, &|| cuda(kv_type), bound, &what);
             }
         }
     }
+    // Every fixture has 4 query heads, which split over 2 ranks at least.
+    assert!(splits >= common::HF_FIXTURES.len(), "only {splits} splits ran");
 }
 
 /// A group of one rank through NCCL, met over TCP on the loopback.

@@ -124,20 +124,33 @@ pub fn mixture_in_steps<B: Backend + ?Sized>(
     b.matmul(rows, m.router, s.logits, n_tokens)?;
     b.route(s.logits, s.routes, n_tokens, m.routing)?;
     b.experts(rows, m.experts, s.routes, s.experts, residual, n_tokens)?;
-    if let Some(shared) = m.shared {
-        let ffn = shared.ffn;
-        b.gate_up_glu(
-            rows.into(),
-            [ffn.gate, ffn.up],
-            s.shared.glu(),
-            n_tokens,
-            ffn.activation,
-        )?;
-        b.matmul(s.shared.hidden, ffn.down, s.shared.proj, n_tokens)?;
-        b.matmul(rows, shared.gate, s.shared_gates, n_tokens)?;
-        b.add_gated(residual, s.shared.proj, s.shared_gates, n_tokens, dim)?;
+    match m.shared {
+        Some(shared) => add_shared_expert(b, rows, shared, s, residual, n_tokens),
+        None => Ok(()),
     }
-    Ok(())
+}
+
+/// A mixture block's shared expert over its input `rows`: the feed-forward block, gated by
+/// `sigmoid(rows gate^T)` into `residual` (`add_gated`).
+pub fn add_shared_expert<B: Backend + ?Sized>(
+    b: &B,
+    rows: BlockHandle,
+    shared: SharedExpert<'_, B::Weight>,
+    s: MixtureScratch,
+    residual: BlockHandle,
+    n_tokens: usize,
+) -> Result<()> {
+    let ffn = shared.ffn;
+    b.gate_up_glu(
+        rows.into(),
+        [ffn.gate, ffn.up],
+        s.shared.glu(),
+        n_tokens,
+        ffn.activation,
+    )?;
+    b.matmul(s.shared.hidden, ffn.down, s.shared.proj, n_tokens)?;
+    b.matmul(rows, shared.gate, s.shared_gates, n_tokens)?;
+    b.add_gated(residual, s.shared.proj, s.shared_gates, n_tokens, ffn.down.n_out())
 }
 
 /// `Backend::rope_kv_write` in three steps: `rope` on the queries, on the keys, then `kv_write`.
@@ -282,6 +295,21 @@ pub trait Backend: Kernels {
         n_tokens: usize,
     ) -> Result<()> {
         mixture_in_steps(self, x, m, scratch, residual, n_tokens)
+    }
+    /// Qwen3's norms of each query and key head before the rotation: `rms_norm` of the step's
+    /// query heads `q` (rows of `shape.head_dim`) by `weights[0]` into `out[0]`, and of its key
+    /// heads `k` by `weights[1]` into `out[1]`. The default is the two norms.
+    fn head_norms(
+        &self,
+        [q, k]: [BlockHandle; 2],
+        weights: [BlockHandle; 2],
+        out: [BlockHandle; 2],
+        n_tokens: usize,
+        shape: AttentionShape,
+        eps: f32,
+    ) -> Result<()> {
+        self.rms_norm(q, weights[0], out[0], n_tokens * shape.n_heads, shape.head_dim, eps)?;
+        self.rms_norm(k, weights[1], out[1], n_tokens * shape.n_kv_heads, shape.head_dim, eps)
     }
     /// `rope` on the query and key heads of `new`, then `kv_write` of the rotated keys and the
     /// values: the start of a layer's attention in one op. The default is

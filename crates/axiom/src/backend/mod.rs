@@ -23,7 +23,7 @@ pub mod metal;
 pub use arena::{Arena, ArenaError, BlockHandle};
 pub use experts::{ExpertScratch, ExpertSet, Routes, Routing};
 pub use fused::{
-    attend_and_project_in_steps, feed_forward_in_steps, gate_up_glu_in_steps, mixture_in_steps,
+    add_shared_expert, attend_and_project_in_steps, feed_forward_in_steps, gate_up_glu_in_steps, mixture_in_steps,
     rope_attend_and_project_in_steps, rope_kv_write_in_steps, Backend, FeedForward, FeedForwardScratch, GluRows,
     Mixture, MixtureScratch, NewRows, Projection, Residual, SharedExpert,
 };

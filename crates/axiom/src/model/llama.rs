@@ -671,9 +671,9 @@ impl<B: Backend> Llama<B> {
             }
             // Qwen3 normalizes each head of Q and K (rows of head_dim) before the rotation.
             let (q, k) = match layer.qk_norm {
-                Some([qn, kn]) => {
-                    b.rms_norm(s.q, qn, s.q_normed, n * c.n_heads, c.head_dim, c.rms_eps)?;
-                    b.rms_norm(s.k, kn, s.k_normed, n * c.n_kv_heads, c.head_dim, c.rms_eps)?;
+                Some(weights) => {
+                    let out = [s.q_normed, s.k_normed];
+                    b.head_norms([s.q, s.k], weights, out, n, shape, c.rms_eps)?;
                     (s.q_normed, s.k_normed)
                 }
                 None => (s.q, s.k),

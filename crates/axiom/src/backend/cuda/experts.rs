@@ -9,11 +9,14 @@ use super::launch::blocks_for;
 use super::matmul::{q8_scale_bytes, Quantized, GEMV_MAX_TOKENS, Q4K_ROWS};
 use super::params::{
     AddGatedParams, ExpertDownSumParams, ExpertProductParams, ExpertWeights, ExpertsSumParams, GatherPairsParams,
-    GroupPairsParams, RouteParams,
+    GroupPairsParams, RouteParams, RouterRouteParams,
 };
 use super::weights::CudaWeight;
 use super::{kernels, CudaBackend};
-use crate::backend::{Activation, BlockHandle, ExpertScratch, ExpertSet, Input, Routes, Routing};
+use crate::backend::{
+    add_shared_expert, mixture_in_steps, Activation, Backend, BlockHandle, ExpertScratch, ExpertSet, Input, Mixture,
+    MixtureScratch, Routes, Routing,
+};
 use crate::format::quant::GgmlType;
 use crate::{Error, Result};
 
@@ -21,6 +24,12 @@ use crate::{Error, Result};
 /// chosen experts' rows; longer ones group the pairs by expert first, so that each chosen
 /// expert's rows are read once for all of its tokens.
 const PAIRWISE_MAX_TOKENS: usize = GEMV_MAX_TOKENS;
+
+/// Experts the routing kernel takes at most: 16 a lane (ROUTE_PER_LANE in kernels/experts.cu).
+const ROUTE_MAX_EXPERTS: usize = 512;
+
+/// Router rows a router_route block takes (ROUTER_ROWS in kernels/experts.cu).
+const ROUTER_ROWS: usize = 2;
 
 /// Warps of a `group_pairs_count` and `group_pairs_place` block (GROUP_WARPS in
 /// kernels/experts.cu), each with its counters per expert in shared memory.
@@ -67,24 +76,90 @@ impl CudaBackend {
         n_tokens: usize,
         routing: Routing,
     ) -> Result<()> {
-        routing.check(&routes)?;
+        let params = self.route_params(logits, routes, n_tokens, routing)?;
         if n_tokens == 0 {
             return Ok(()); // a grid is never empty
         }
-        self.launch(
-            "route",
-            (n_tokens.div_ceil(8) as u32, 1, 1),
-            256,
-            &RouteParams {
-                logits: self.ptr(logits),
-                ids: self.ptr(routes.ids),
-                weights: self.ptr(routes.weights),
-                n_tokens: n_tokens as i32,
-                n_experts: routing.n_experts as i32,
-                k: routing.k as i32,
-                renormalize: i32::from(routing.renormalize),
-            },
-        )
+        self.launch("route", (n_tokens.div_ceil(8) as u32, 1, 1), 256, &params)
+    }
+
+    /// The routing kernels' view of a step's routing, checked.
+    fn route_params(
+        &self,
+        logits: BlockHandle,
+        routes: Routes,
+        n_tokens: usize,
+        routing: Routing,
+    ) -> Result<RouteParams> {
+        routing.check(&routes)?;
+        // A warp's lanes hold its token's experts and picks (route_token in kernels/experts.cu).
+        if routing.n_experts > ROUTE_MAX_EXPERTS || routing.k > 32 {
+            return Err(Error::Backend(format!(
+                "route: {} experts, {} a token: the CUDA kernel takes at most {ROUTE_MAX_EXPERTS} and 32",
+                routing.n_experts, routing.k
+            )));
+        }
+        Ok(RouteParams {
+            logits: self.ptr(logits),
+            ids: self.ptr(routes.ids),
+            weights: self.ptr(routes.weights),
+            n_tokens: n_tokens as i32,
+            n_experts: routing.n_experts as i32,
+            k: routing.k as i32,
+            renormalize: i32::from(routing.renormalize),
+        })
+    }
+
+    /// `Backend::mixture`. Steps of up to `PAIRWISE_MAX_TOKENS` tokens with a float router, where
+    /// the paths allow (`Paths::fuses_routing`): the block's input normalized once, into f32 rows
+    /// for the router and, for int8 expert products, quantized in the same pass; the router's
+    /// product and the routing in one launch (router_route). Other steps as `mixture_in_steps`.
+    pub(super) fn run_mixture(
+        &self,
+        x: Input,
+        m: Mixture<'_, CudaWeight>,
+        s: MixtureScratch,
+        residual: BlockHandle,
+        n_tokens: usize,
+    ) -> Result<()> {
+        let router_kernel = match m.router.ty {
+            GgmlType::F32 => "router_route_f32",
+            GgmlType::F16 => "router_route_f16",
+            GgmlType::BF16 => "router_route_bf16",
+            _ => return mixture_in_steps(self, x, m, s, residual, n_tokens),
+        };
+        if n_tokens == 0 || n_tokens > PAIRWISE_MAX_TOKENS || !self.paths.fuses_routing() {
+            return mixture_in_steps(self, x, m, s, residual, n_tokens);
+        }
+        let (dim, router) = (m.router.n_in, m.router);
+        if router.n_out != m.routing.n_experts {
+            return Err(Error::Backend(format!(
+                "mixture: a router of {} rows for {} experts",
+                router.n_out, m.routing.n_experts
+            )));
+        }
+        let (gate, up) = (self.expert_stack(m.experts.gate)?.0, self.expert_stack(m.experts.up)?.0);
+        let (rows, quantized) = if gate.ty == up.ty && self.paths.int8_experts(gate.ty) {
+            let staging = int8_staging(s.experts.rows, n_tokens * dim, gate.ty)?;
+            let (rows, quantized) = self.quantize_keeping_rows(x, staging, n_tokens, gate)?;
+            (rows, Some(quantized))
+        } else {
+            (self.input_rows(x, n_tokens, dim)?, None)
+        };
+        let params = RouterRouteParams {
+            w: self.ptr(router.q),
+            x: self.ptr(rows),
+            done: self.router_done,
+            n_in: dim as i32,
+            route: self.route_params(s.logits, s.routes, n_tokens, m.routing)?,
+        };
+        let blocks = m.routing.n_experts.div_ceil(ROUTER_ROWS) as u32;
+        self.launch(router_kernel, (blocks, 1, 1), 256, &params)?;
+        self.run_experts(rows, quantized, m.experts, s.routes, s.experts, residual, n_tokens)?;
+        match m.shared {
+            Some(shared) => add_shared_expert(self, rows, shared, s, residual, n_tokens),
+            None => Ok(()),
+        }
     }
 
     /// `Kernels::experts`: the gate and up products with the gated activation (one launch where
@@ -95,6 +170,7 @@ impl CudaBackend {
     pub(super) fn run_experts(
         &self,
         x: BlockHandle,
+        quantized: Option<Quantized>,
         set: ExpertSet<'_, CudaWeight>,
         routes: Routes,
         scratch: ExpertScratch,
@@ -176,12 +252,16 @@ impl CudaBackend {
         };
         if gate.0.ty == up.0.ty {
             // Pairwise, on int8 activations where the experts' type allows: the tokens' rows
-            // quantized once into `scratch.rows`, which only grouped steps use.
+            // quantized once into `scratch.rows`, which only grouped steps use (unless the
+            // caller has: `quantized`).
             let rows = match pairs {
-                Pairs::Each { .. } if self.paths.int8_experts(gate.0.ty) => {
-                    let staging = int8_staging(scratch.rows, n_tokens * dim, gate.0.ty)?;
-                    Rows::Int8(self.quantize_activations(Input::Rows(x), staging, n_tokens, gate.0)?)
-                }
+                Pairs::Each { .. } if self.paths.int8_experts(gate.0.ty) => Rows::Int8(match quantized {
+                    Some(quantized) => quantized,
+                    None => {
+                        let staging = int8_staging(scratch.rows, n_tokens * dim, gate.0.ty)?;
+                        self.quantize_activations(Input::Rows(x), staging, n_tokens, gate.0)?
+                    }
+                }),
                 _ => Rows::F32(inputs),
             };
             product(gate, Some(up.1), rows, per_token, scratch.hidden)?;

@@ -204,8 +204,10 @@ pub fn flash_attention_kinds(arch: &str) -> &'static [bool] {
 pub fn kernel_names(arch: &str) -> Vec<String> {
     let mut names: Vec<String> = [
         "rms_norm",
+        "rms_norm_pair",
         "rms_norm_q8",
         "rms_norm_q8_1",
+        "rms_norm_q8_rows",
         "rms_norm_16",
         "rope",
         "kv_write_f16",
@@ -224,6 +226,9 @@ pub fn kernel_names(arch: &str) -> Vec<String> {
         "argmax",
         "quantize_q8",
         "route",
+        "router_route_f32",
+        "router_route_f16",
+        "router_route_bf16",
         "group_pairs_count",
         "group_pairs_scan",
         "group_pairs_place",

@@ -3,7 +3,7 @@
 
 use super::gemm::{gemm_input, GemmOutput, Staged};
 use super::launch::blocks_for;
-use super::norms::norm_q8_kernel;
+use super::norms::{norm_q8_kernel, norm_q8_rows_kernel};
 use super::params::{GemvIntParams, GemvNormedParams, GemvParams, Matrices, QuantizeQ8Params, RmsNormQ8Params};
 use super::weights::CudaWeight;
 use super::{kernels, CudaBackend};
@@ -326,9 +326,36 @@ impl CudaBackend {
     pub(super) fn quantize_activations(
         &self,
         x: Input,
+        staging: (BlockHandle, BlockHandle),
+        n_tokens: usize,
+        w: &CudaWeight,
+    ) -> Result<Quantized> {
+        self.quantize(x, staging, n_tokens, w, false)
+    }
+
+    /// `quantize_activations`, and the f32 rows `x` stands for: where it is `Input::RmsNormed`,
+    /// normalized into its scratch in the same pass.
+    pub(super) fn quantize_keeping_rows(
+        &self,
+        x: Input,
+        staging: (BlockHandle, BlockHandle),
+        n_tokens: usize,
+        w: &CudaWeight,
+    ) -> Result<(BlockHandle, Quantized)> {
+        let rows = match x {
+            Input::Rows(rows) => rows,
+            Input::RmsNormed { scratch, .. } => scratch,
+        };
+        Ok((rows, self.quantize(x, staging, n_tokens, w, true)?))
+    }
+
+    fn quantize(
+        &self,
+        x: Input,
         (xq, xd): (BlockHandle, BlockHandle),
         n_tokens: usize,
         w: &CudaWeight,
+        keep_rows: bool,
     ) -> Result<Quantized> {
         let n_in = w.n_in;
         let n = n_tokens * n_in;
@@ -365,8 +392,17 @@ impl CudaBackend {
                     },
                 )?
             }
-            Input::RmsNormed { x, weight, eps, .. } => {
-                let (kernel, threads) = norm_q8_kernel(n_in)?;
+            Input::RmsNormed {
+                x,
+                weight,
+                eps,
+                scratch,
+            } => {
+                let (kernel, threads) = if keep_rows {
+                    norm_q8_rows_kernel(n_in)?
+                } else {
+                    norm_q8_kernel(n_in)?
+                };
                 self.launch(
                     kernel,
                     (n_tokens as u32, 1, 1),
@@ -376,6 +412,7 @@ impl CudaBackend {
                         w: self.ptr(weight),
                         xq: xq_ptr,
                         xd: xd_ptr,
+                        rows: if keep_rows { self.ptr(scratch) } else { 0 },
                         dim: n_in as i32,
                         eps,
                         interleave,

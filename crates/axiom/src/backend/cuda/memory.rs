@@ -30,25 +30,20 @@ impl CudaBackend {
         let arena_end = bytes.next_multiple_of(ALIGN);
         let argmax_state = ARGMAX_ROWS * 12;
         let partials = self.device.multiprocessors as usize * (ATTENTION_MAX_HEAD_DIM + 2) * 8;
+        let router_done = 16;
+        let zeroed = argmax_state + partials + router_done;
         // SAFETY: plain allocation on our stream.
-        let memory = unsafe { self.stream.alloc::<u8>(arena_end + argmax_state + partials) }
-            .map_err(driver_error("allocation"))?;
+        let memory = unsafe { self.stream.alloc::<u8>(arena_end + zeroed) }.map_err(driver_error("allocation"))?;
         let (ptr, _sync) = cudarc::driver::DevicePtr::device_ptr(&memory, &self.stream);
         self.base = ptr;
         drop(_sync);
         self.memory = Some(memory);
         self.argmax_state = ptr + arena_end as u64;
         self.attention_partials = self.argmax_state + argmax_state as u64;
+        self.router_done = self.attention_partials + partials as u64;
         // SAFETY: within the allocation just made, on its stream.
-        unsafe {
-            cudarc::driver::result::memset_d8_async(
-                self.argmax_state,
-                0,
-                argmax_state + partials,
-                self.stream.cu_stream(),
-            )
-        }
-        .map_err(driver_error("memset"))?;
+        unsafe { cudarc::driver::result::memset_d8_async(self.argmax_state, 0, zeroed, self.stream.cu_stream()) }
+            .map_err(driver_error("memset"))?;
         self.arena = Arena::new(bytes);
         Ok(())
     }

@@ -39,8 +39,8 @@ mod weights;
 
 use super::{
     Activation, Arena, AttentionKv, AttentionShape, Backend, BlockHandle, ExpertScratch, ExpertSet, FeedForward,
-    FeedForwardScratch, GluRows, HostTensor, Input, KvType, NewRows, NextInput, Projection, Residual, Rope, Routes,
-    Routing, StepLayout,
+    FeedForwardScratch, GluRows, HostTensor, Input, KvType, Mixture, MixtureScratch, NewRows, NextInput, Projection,
+    Residual, Rope, Routes, Routing, StepLayout,
 };
 use crate::format::quant::GgmlType;
 use crate::{Error, Result};
@@ -85,6 +85,9 @@ pub struct CudaBackend {
     /// After it, the softmax states that the one-pass attention's splits post to each other (at
     /// most one head a multiprocessor; `partials` in attention.cu), zero between launches.
     attention_partials: sys::CUdeviceptr,
+    /// After them, router_route's count of its blocks done (kernels/experts.cu), zero between
+    /// launches.
+    router_done: sys::CUdeviceptr,
     /// How Q4_K's one-token kernels (products, SwiGLU) spread their blocks; none where a
     /// multiprocessor's shared memory holds only one of their blocks. (Boxed: the backend is moved
     /// about by value.)
@@ -149,6 +152,7 @@ impl CudaBackend {
             graphs: RefCell::new(Vec::new()),
             argmax_state: 0,
             attention_partials: 0,
+            router_done: 0,
             q4k_spread,
             quantize_padding,
             flash_head_dims,
@@ -170,7 +174,7 @@ impl CudaBackend {
     }
 
     /// Multiplies prompts' FP8 weights as other quantized ones, dequantized to f16 for cuBLAS,
-    /// rather than on the FP8 tensor cores (as without `AXIOM_CUDA_FP8_GEMM=lt`); before the
+    /// rather than on the FP8 tensor cores (as `AXIOM_CUDA_FP8_GEMM=dequant` does); before the
     /// weights are uploaded.
     pub fn without_fp8_tensor_cores(mut self) -> CudaBackend {
         self.fp8_lt = None;
@@ -385,7 +389,7 @@ impl super::Kernels for CudaBackend {
         residual: BlockHandle,
         n_tokens: usize,
     ) -> Result<()> {
-        self.run_experts(x, set, routes, scratch, residual, n_tokens)
+        self.run_experts(x, None, set, routes, scratch, residual, n_tokens)
     }
 
     fn add_gated(
@@ -472,6 +476,29 @@ impl Backend for CudaBackend {
         n_tokens: usize,
     ) -> Result<()> {
         self.feed_forward_16bit(x, ffn, scratch, residual, n_tokens)
+    }
+
+    fn head_norms(
+        &self,
+        x: [BlockHandle; 2],
+        weights: [BlockHandle; 2],
+        out: [BlockHandle; 2],
+        n_tokens: usize,
+        shape: AttentionShape,
+        eps: f32,
+    ) -> Result<()> {
+        self.launch_head_norms(x, weights, out, n_tokens, shape, eps)
+    }
+
+    fn mixture(
+        &self,
+        x: Input,
+        m: Mixture<'_, CudaWeight>,
+        scratch: MixtureScratch,
+        residual: BlockHandle,
+        n_tokens: usize,
+    ) -> Result<()> {
+        self.run_mixture(x, m, scratch, residual, n_tokens)
     }
 
     fn rope_kv_write(

@@ -1,9 +1,9 @@
 //! RMS norms (kernels/rms_norm.cu): their launchers, and the block sizes that hold a row in
 //! registers.
 
-use super::params::{RmsNorm16Params, RmsNormParams};
+use super::params::{RmsNorm16Params, RmsNormPairParams, RmsNormParams};
 use super::CudaBackend;
-use crate::backend::BlockHandle;
+use crate::backend::{AttentionShape, BlockHandle};
 use crate::format::quant::GgmlType;
 use crate::{Error, Result};
 
@@ -29,6 +29,13 @@ pub(super) fn norm_q8_kernel(dim: usize) -> Result<(&'static str, u32)> {
     } else {
         ("rms_norm_q8", norm_block(dim, NORM_Q8_LOADS)?)
     })
+}
+
+/// The kernel that normalizes decode rows of `dim` values into both f32 and int8 (a mixture
+/// block's router reads the one, its experts the other), and its threads: a float4 a thread, more
+/// for rows over 4096 values.
+pub(super) fn norm_q8_rows_kernel(dim: usize) -> Result<(&'static str, u32)> {
+    Ok(("rms_norm_q8_rows", norm_block(dim, 1)?))
 }
 
 /// Float4 a thread of rms_norm_q8's blocks: a row of 8192 then takes 1024 threads of 56
@@ -68,6 +75,35 @@ impl CudaBackend {
                 w: self.ptr(weight),
                 out: self.ptr(out),
                 dim: dim as i32,
+                eps,
+            },
+        )
+    }
+
+    /// `Backend::head_norms`: the query heads and the key heads in one launch.
+    pub(super) fn launch_head_norms(
+        &self,
+        x: [BlockHandle; 2],
+        w: [BlockHandle; 2],
+        out: [BlockHandle; 2],
+        n_tokens: usize,
+        shape: AttentionShape,
+        eps: f32,
+    ) -> Result<()> {
+        let (q_rows, k_rows) = (n_tokens * shape.n_heads, n_tokens * shape.n_kv_heads);
+        if q_rows + k_rows == 0 {
+            return Ok(()); // a grid is never empty
+        }
+        self.launch(
+            "rms_norm_pair",
+            ((q_rows + k_rows) as u32, 1, 1),
+            norm_block(shape.head_dim, 1)?,
+            &RmsNormPairParams {
+                x: x.map(|b| self.ptr(b)),
+                w: w.map(|b| self.ptr(b)),
+                out: out.map(|b| self.ptr(b)),
+                split: q_rows as u32,
+                dim: shape.head_dim as i32,
                 eps,
             },
         )

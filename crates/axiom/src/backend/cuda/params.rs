@@ -103,12 +103,24 @@ kernel_params! {
         kind: i32,
     }
 
-    /// rms_norm_q8 and rms_norm_q8_1.
+    /// rms_norm_pair: rows of `x[0]` up to block `split`, of `x[1]` from there.
+    struct RmsNormPairParams for ["rms_norm_pair"] {
+        x: [u64; 2],
+        w: [u64; 2],
+        out: [u64; 2],
+        split: u32,
+        dim: i32,
+        eps: f32,
+    }
+
+    /// rms_norm_q8, rms_norm_q8_1 and rms_norm_q8_rows (which also writes the f32 rows to
+    /// `rows`; the others leave it).
     struct RmsNormQ8Params for ["rms_norm_q8"] {
         x: u64,
         w: u64,
         xq: u64,
         xd: u64,
+        rows: u64,
         dim: i32,
         eps: f32,
         interleave: i32,
@@ -340,6 +352,16 @@ kernel_params! {
         n_experts: i32,
         k: i32,
         renormalize: i32,
+    }
+
+    /// router_route_*: the router's rows (`n_in` each) by the tokens' rows `x`, into
+    /// `route.logits`, then `route`; `done` counts the blocks finished (zero between launches).
+    struct RouterRouteParams for ["router_route_"] {
+        w: u64,
+        x: u64,
+        done: u64,
+        n_in: i32,
+        route: RouteParams,
     }
 
     /// One matrix of every expert of a layer (`upload_experts`): expert e's fields at `e` times

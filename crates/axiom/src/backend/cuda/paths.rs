@@ -62,6 +62,13 @@ impl Paths {
         self == Paths::Fastest
     }
 
+    /// Whether a few tokens' router product and routing may run as one launch (router_route):
+    /// its sums are not the matrix-vector kernels', so invariant steps keep the router on those
+    /// at every step size.
+    pub(super) fn fuses_routing(self) -> bool {
+        self == Paths::Fastest
+    }
+
     /// Whether the expert products of a step whose pairs are grouped by expert may run on the
     /// tensor cores (f16 or bf16 inputs, tiles of slots) for weights of type `ty`: all but f32's
     /// and FP8's (whose codes are not `int_chunk`'s), under Fastest. Invariant steps keep every expert product on the row dot products, whose

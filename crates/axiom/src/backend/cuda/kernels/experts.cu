@@ -12,43 +12,132 @@ __device__ __forceinline__ int warp_min(int v) {
     return v;
 }
 
-extern "C" __global__ void route(RouteParams p) {
-    begin_after_inputs();
-    int lane = threadIdx.x % 32, token = blockIdx.x * 8 + threadIdx.x / 32;
-    if (token >= p.n_tokens) return;
+// A lane holds the probabilities of experts lane, lane + 32, ... in registers (ROUTE_MAX_EXPERTS
+// at most), so the k picks read no memory; lane j keeps pick j, and the picks are stored at once.
+// The logits are read from L2 (__ldcg): router_route's last block reads those other blocks wrote.
+#define ROUTE_PER_LANE 16
+__device__ __forceinline__ void route_token(const RouteParams& p, int token) {
+    int lane = threadIdx.x % 32;
     int n = p.n_experts, k = p.k;
     const float* row = p.logits + (u64)token * n;
+    float prob[ROUTE_PER_LANE];
     float top = __int_as_float(0xff800000u);
-    for (int e = lane; e < n; e += 32) top = fmaxf(top, row[e]);
+#pragma unroll
+    for (int i = 0; i < ROUTE_PER_LANE; i++) {
+        int e = lane + 32 * i;
+        prob[i] = e < n ? __ldcg(row + e) : top;
+        top = fmaxf(top, prob[i]);
+    }
     top = warp_max(top);
     float sum = 0.0f;
-    for (int e = lane; e < n; e += 32) sum += expf(row[e] - top);
+#pragma unroll
+    for (int i = 0; i < ROUTE_PER_LANE; i++)
+        if (lane + 32 * i < n) sum += expf(prob[i] - top);
     sum = warp_sum(sum);
-    u32* ids = p.ids + (u64)token * k;
-    float* weights = p.weights + (u64)token * k;
-    float last_p = __int_as_float(0x7f800000u);
-    int last_e = -1;
+#pragma unroll
+    for (int i = 0; i < ROUTE_PER_LANE; i++) prob[i] = lane + 32 * i < n ? expf(prob[i] - top) / sum : -1.0f;
+    float last_p = __int_as_float(0x7f800000u), mine_p = 0.0f;
+    int last_e = -1, mine_e = 0;
     for (int j = 0; j < k; j++) {
         // A lane's best among its experts (ascending, so the lowest index among its equals), then
         // the warp's: the highest probability, the lowest index holding it.
         float best_p = -1.0f;
         int best_e = n;
-        for (int e = lane; e < n; e += 32) {
-            float prob = expf(row[e] - top) / sum;
-            bool after = prob < last_p || (prob == last_p && e > last_e);
-            if (after && prob > best_p) best_p = prob, best_e = e;
+#pragma unroll
+        for (int i = 0; i < ROUTE_PER_LANE; i++) {
+            int e = lane + 32 * i;
+            bool after = prob[i] < last_p || (prob[i] == last_p && e > last_e);
+            if (e < n && after && prob[i] > best_p) best_p = prob[i], best_e = e;
         }
         last_p = warp_max(best_p);
         last_e = warp_min(best_p == last_p ? best_e : n);
-        if (lane == 0) ids[j] = (u32)last_e, weights[j] = last_p;
+        if (lane == j) mine_p = last_p, mine_e = last_e;
     }
-    // Summed in pick order by one lane, as the CPU sums them.
-    if (p.renormalize && lane == 0) {
+    // Summed in pick order, as the CPU sums them.
+    if (p.renormalize) {
         float chosen = 0.0f;
-        for (int j = 0; j < k; j++) chosen += weights[j];
-        for (int j = 0; j < k; j++) weights[j] /= chosen;
+        for (int j = 0; j < k; j++) chosen += __shfl_sync(0xffffffffu, mine_p, j);
+        mine_p /= chosen;
     }
+    if (lane < k) p.ids[(u64)token * k + lane] = (u32)mine_e, p.weights[(u64)token * k + lane] = mine_p;
 }
+
+extern "C" __global__ void route(RouteParams p) {
+    begin_after_inputs();
+    int token = blockIdx.x * 8 + threadIdx.x / 32;
+    if (token < p.n_tokens) route_token(p, token);
+}
+
+// Small steps' router product and routing in one launch. The router's rows are short for a warp
+// each, so a block takes ROUTER_ROWS of them for every token and all its threads split each row,
+// their sums meeting in shared memory in a fixed order; the router's weights are loaded before the
+// wait (no step writes them). The last block to finish (`done` counts them, and that block puts it
+// back to zero) routes the tokens, a warp each, as `route` does.
+#define ROUTER_ROWS 2
+#define ROUTER_LOADS 2   // 16-byte loads a thread of a row held at once
+#define ROUTER_TOKENS 8  // the most a launch takes (PAIRWISE_MAX_TOKENS in cuda/experts.rs)
+template <int TY> __device__ __forceinline__ void router_route(const RouterRouteParams& p) {
+    __shared__ float sums[8][ROUTER_ROWS][ROUTER_TOKENS];
+    __shared__ bool last;
+    constexpr int PER = 16 / ValueBytes<TY>::value;  // values a load
+    const RouteParams& r = p.route;
+    int n_in = p.n_in, n_loads = n_in / PER, n_tokens = r.n_tokens, first = blockIdx.x * ROUTER_ROWS;
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32, stride = blockDim.x;
+    const uint4* rows = (const uint4*)(p.w + (u64)first * n_in * ValueBytes<TY>::value);
+    auto load = [&](uint4 (&raw)[ROUTER_ROWS][ROUTER_LOADS], int base) {
+#pragma unroll
+        for (int j = 0; j < ROUTER_ROWS; j++)
+#pragma unroll
+            for (int u = 0; u < ROUTER_LOADS; u++) {
+                int i = base + u * stride + threadIdx.x;
+                raw[j][u] = i < n_loads && first + j < r.n_experts ? load_stream(rows + (u64)j * n_loads + i)
+                                                                   : make_uint4(0, 0, 0, 0);
+            }
+    };
+    uint4 raw[ROUTER_ROWS][ROUTER_LOADS];
+    load(raw, 0);
+    begin_after_inputs();
+    float acc[ROUTER_ROWS][ROUTER_TOKENS] = {};
+    Fp8Scales none{};
+    for (int base = 0; base < n_loads; base += stride * ROUTER_LOADS) {
+        if (base > 0) load(raw, base);
+#pragma unroll
+        for (int j = 0; j < ROUTER_ROWS; j++)
+#pragma unroll
+            for (int u = 0; u < ROUTER_LOADS; u++) {
+                int i = base + u * stride + threadIdx.x;
+#pragma unroll
+                for (int t = 0; t < ROUTER_TOKENS; t++)
+                    if (t < n_tokens && i < n_loads)
+                        dot_load<TY, 1>(raw[j][u], p.x + (u64)t * n_in, n_in, i * PER, none, &acc[j][t]);
+            }
+    }
+#pragma unroll
+    for (int j = 0; j < ROUTER_ROWS; j++)
+#pragma unroll
+        for (int t = 0; t < ROUTER_TOKENS; t++) {
+            float v = warp_sum(acc[j][t]);
+            if (lane == 0) sums[warp][j][t] = v;
+        }
+    __syncthreads();
+    int j = threadIdx.x / ROUTER_TOKENS, t = threadIdx.x % ROUTER_TOKENS;
+    if (j < ROUTER_ROWS && t < n_tokens && first + j < r.n_experts) {
+        float logit = 0.0f;
+        for (int w = 0; w < blockDim.x / 32; w++) logit += sums[w][j][t];
+        ((float*)r.logits)[(u64)t * r.n_experts + first + j] = logit;  // what the routing reads
+    }
+    __threadfence();  // this block's logits are visible before it counts itself done
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(p.done, 1) == gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    for (int token = warp; token < n_tokens; token += blockDim.x / 32) route_token(r, token);
+    if (threadIdx.x == 0) *p.done = 0;
+}
+extern "C" __global__ void router_route_f32(RouterRouteParams p) { router_route<TY_F32>(p); }
+extern "C" __global__ void router_route_f16(RouterRouteParams p) { router_route<TY_F16>(p); }
+extern "C" __global__ void router_route_bf16(RouterRouteParams p) { router_route<TY_BF16>(p); }
 
 // The expert products run on the matrix-vector kernels' row dot products (matmul.cu): a warp takes
 // a row of an expert's matrix and leaves its lanes' partial sums for T input rows. `Rows` picks

@@ -25,6 +25,15 @@ struct RmsNormParams {
     float eps;
 };
 
+struct RmsNormPairParams {
+    const float4* x[2];
+    const float4* w[2];
+    float4* out[2];
+    u32 split;
+    int dim;
+    float eps;
+};
+
 struct RmsNorm16Params {
     const float4* x;
     const float4* w;
@@ -40,6 +49,7 @@ struct RmsNormQ8Params {
     const float4* w;
     u32* xq;
     float* xd;
+    float4* rows;
     int dim;
     float eps;
     int interleave;
@@ -291,6 +301,16 @@ struct RouteParams {
     int n_experts;
     int k;
     int renormalize;
+};
+
+// The router's rows (n_experts of n_in, the kernel's type) times x's n_tokens rows, into
+// route.logits, then routed; `done` counts the blocks that have written their logits.
+struct RouterRouteParams {
+    const u8* w;
+    const float* x;
+    u32* done;
+    int n_in;
+    RouteParams route;
 };
 
 // One matrix of every expert: expert e's fields at e times each stride (bytes) from expert 0's.

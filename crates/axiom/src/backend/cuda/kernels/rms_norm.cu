@@ -45,6 +45,17 @@ __device__ __forceinline__ void norm_f32(const float4* __restrict__ x, const flo
 }
 extern "C" __global__ void rms_norm(RmsNormParams p) { norm_f32(p.x, p.w, p.out, p.dim, p.eps); }
 
+// Two sets of rows of one length normalized in one launch (Qwen3's query heads and key heads):
+// blocks from `split` on take the second set.
+extern "C" __global__ void rms_norm_pair(RmsNormPairParams p) {
+    bool second = blockIdx.x >= p.split;
+    u64 base = (u64)(second ? blockIdx.x - p.split : blockIdx.x) * (p.dim / 4);
+    float4* out = (second ? p.out[1] : p.out[0]) + base;
+    held_rms_norm(p.x[second] + base, p.w[second], p.dim, p.eps, 0, [&](int i4, float4 v, bool valid) {
+        if (valid) out[i4] = v;
+    });
+}
+
 // rms_norm written in 16 bits (f16 or bf16, `kind` as in to_16bit), the input of cuBLAS GEMMs: the
 // norm and the conversion in one pass. Only prefill's many rows take it, so a block is as small as
 // holds its row (up to NORM_LOADS float4 a thread: the host sizes it, norm_16_block) and many rows
@@ -64,17 +75,25 @@ extern "C" __global__ void rms_norm_16(RmsNorm16Params p) { norm_16(p.x, p.w, p.
 // matrix-vector product: the norm of its input and the quantization in one pass. dim is a
 // multiple of 32 (of 256 with `interleave`, for Q4_K: q8_slot). With start_next, the product's
 // blocks start meanwhile.
+// With `rows`, the normalized rows are also written there in f32 (a mixture block's router reads
+// them, its experts the quantized ones).
 template <int LOADS>
 __device__ __forceinline__ void norm_q8(const float4* __restrict__ x, const float4* __restrict__ w, u32* __restrict__ xq,
-                                        float* __restrict__ xd, int dim, float eps, int interleave, int start_next) {
+                                        float* __restrict__ xd, float4* __restrict__ rows, int dim, float eps,
+                                        int interleave, int start_next) {
     u64 base = (u64)blockIdx.x * (dim / 4);
     held_rms_norm<LOADS>(x + base, w, dim, eps, start_next, [&](int i4, float4 v, bool valid) {
+        if (rows && valid) rows[base + i4] = v;
         store_q8x4(v, valid, xq, xd, base + i4, base + q8_slot(4 * i4, dim, interleave) / 4, interleave);
     });
 }
 
 extern "C" __global__ void rms_norm_q8(RmsNormQ8Params p) {
-    norm_q8<NORM_LOADS>(p.x, p.w, p.xq, p.xd, p.dim, p.eps, p.interleave, p.start_next);
+    norm_q8<NORM_LOADS>(p.x, p.w, p.xq, p.xd, nullptr, p.dim, p.eps, p.interleave, p.start_next);
+}
+
+extern "C" __global__ void rms_norm_q8_rows(RmsNormQ8Params p) {
+    norm_q8<NORM_LOADS>(p.x, p.w, p.xq, p.xd, p.rows, p.dim, p.eps, p.interleave, p.start_next);
 }
 
 // The same at one float4 a thread (rows up to 4096 values), held to 24 registers: a block of 1024
@@ -83,5 +102,5 @@ extern "C" __global__ void rms_norm_q8(RmsNormQ8Params p) {
 // weight, while that product streams. (Left to itself NVRTC takes 27, which the hardware
 // allocates as 32, and then the block does not fit.)
 extern "C" __global__ void __maxnreg__(24) rms_norm_q8_1(RmsNormQ8Params p) {
-    norm_q8<1>(p.x, p.w, p.xq, p.xd, p.dim, p.eps, p.interleave, p.start_next);
+    norm_q8<1>(p.x, p.w, p.xq, p.xd, nullptr, p.dim, p.eps, p.interleave, p.start_next);
 }
