@@ -1296,7 +1296,11 @@ pub fn expert_ops<B: Backend>(make: impl Fn() -> B, tolerance: f64) {
             }
             let last = logits.len() - n_experts;
             logits[last..].fill(0.5);
-            let (x, residual) = (randn(&mut rng, n_tokens * dim), randn(&mut rng, n_tokens * dim));
+            // Inputs a sixteenth of unit scale: weights of random bytes reach about 20 (K-quants'
+            // scales), and at unit scale act(gate) * up passes f16's range, in which grouped
+            // steps' tensor-core products take their inputs as prefill's GEMMs do.
+            let x: Vec<f32> = randn(&mut rng, n_tokens * dim).iter().map(|v| v / 16.0).collect();
+            let residual = randn(&mut rng, n_tokens * dim);
             let (rows, gates) = (randn(&mut rng, n_tokens * dim), randn(&mut rng, n_tokens));
 
             fn run<K: Backend>(
@@ -1386,7 +1390,9 @@ pub fn mixture_blocks<B: Backend>(make: impl Fn() -> B, tolerance: f64) {
         gpu.prepare(16, dim.max(width)).unwrap();
         for n_tokens in [1, 3, 8, 9] {
             let case = format!("router {router_ty}, experts {gate_ty} and {down_ty}, {n_tokens} tokens");
-            let (x, norm) = (randn(&mut rng, n_tokens * dim), randn(&mut rng, dim));
+            // The norm's weights a sixteenth of unit scale, for f16's range as in expert_ops.
+            let x = randn(&mut rng, n_tokens * dim);
+            let norm: Vec<f32> = randn(&mut rng, dim).iter().map(|v| v / 16.0).collect();
             let residual = randn(&mut rng, n_tokens * dim);
             fn run<K: Backend>(
                 b: &mut K,
