@@ -17,7 +17,7 @@ use super::memory::ALIGN;
 use super::params::QuantizeFp8Params;
 use super::weights::{CudaWeight, LtScales};
 use super::{kernels, CudaBackend};
-use crate::backend::BlockHandle;
+use crate::backend::{Activation, BlockHandle};
 use crate::format::quant::GgmlType;
 use crate::{Error, Result};
 use cudarc::cublaslt::{result as lt, sys as lt_sys};
@@ -276,6 +276,38 @@ impl CudaBackend {
             .map_err(lt_error("has no FP8 GEMM"))
     }
 
+    /// The hidden rows of a feed-forward block, `act(gate) * up` of its 16-bit (`kind`) gate
+    /// and up products, quantized for `product` (the down projection's) as they are made.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn quantize_fp8_glu(
+        &self,
+        [gate, up]: [BlockHandle; 2],
+        kind: GgmlType,
+        act: Activation,
+        product: &Fp8Product,
+        n_tokens: usize,
+        n_in: usize,
+    ) -> Result<()> {
+        let params = QuantizeFp8Params {
+            x: self.ptr(gate),
+            up: self.ptr(up),
+            codes: self.ptr(product.codes),
+            scales: self.ptr(product.scales),
+            n_tokens: n_tokens as i32,
+            cols: product.cols as i32,
+            n_in: n_in as i32,
+            kind: kind.id() as i32,
+            act: act.code() as i32,
+        };
+        self.launch_quantize_fp8("quantize_fp8_glu", &params)
+    }
+
+    /// A quantization kernel of kernels/fp8_gemm.cu: a half-warp a token's 128 values.
+    fn launch_quantize_fp8(&self, kernel: &str, params: &QuantizeFp8Params) -> Result<()> {
+        let warps = (params.cols as usize * (params.n_in as usize / 128)).div_ceil(2);
+        self.launch(kernel, (blocks_for(warps * 32, 256).min(65535), 1, 1), 256, params)
+    }
+
     /// `out = x w^T` (stored, added or stored in f16, as `output` says) on the FP8 tensor cores,
     /// as `product` (`fp8_product`) planned it. The tokens are quantized unless `staged` says
     /// the staging already holds them (weights that share an input, as gate and up do); they are
@@ -307,24 +339,21 @@ impl CudaBackend {
         } = product;
         if !staged.fp8 {
             let (source, kind) = match staged.sixteen {
-                Some(ty) => (self.ptr(self.cublas_staging()?.1), ty.id()),
-                None => (self.ptr(x), GgmlType::F32.id()),
+                Some(ty) => (self.ptr(self.cublas_staging()?.1), ty),
+                None => (self.ptr(x), GgmlType::F32),
             };
-            let warps = cols * (w.n_in / 128);
-            self.launch(
-                "quantize_fp8",
-                (blocks_for(warps * 32, 256).min(65535), 1, 1),
-                256,
-                &QuantizeFp8Params {
-                    x: source,
-                    codes: self.ptr(codes),
-                    scales: self.ptr(scales),
-                    n_tokens: n_tokens as i32,
-                    cols: cols as i32,
-                    n_in: w.n_in as i32,
-                    kind: kind as i32,
-                },
-            )?;
+            let params = QuantizeFp8Params {
+                x: source,
+                up: 0,
+                codes: self.ptr(codes),
+                scales: self.ptr(scales),
+                n_tokens: n_tokens as i32,
+                cols: cols as i32,
+                n_in: w.n_in as i32,
+                kind: kind.id() as i32,
+                act: 0,
+            };
+            self.launch_quantize_fp8("quantize_fp8", &params)?;
             staged.fp8 = true;
         }
         let (alpha, beta) = (1.0f32, if output == GemmOutput::Add { 1.0f32 } else { 0.0 });

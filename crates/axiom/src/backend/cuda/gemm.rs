@@ -207,6 +207,24 @@ impl CudaBackend {
         let rows = self.stage_16bit(x, n_tokens, ffn.gate.n_in, input, &mut staged)?;
         self.gemm(rows, ffn.gate, scratch.gate, n_tokens, GemmOutput::Store16, &mut staged)?;
         self.gemm(rows, ffn.up, scratch.up, n_tokens, GemmOutput::Store16, &mut staged)?;
+        if let Some(product) = self.fp8_product(ffn.down, n_tokens, residual, GemmOutput::Add)? {
+            // On the FP8 tensor cores the hidden rows go straight to E4M3.
+            let (glu, act) = ([scratch.gate, scratch.up], ffn.activation);
+            self.quantize_fp8_glu(glu, input, act, &product, n_tokens, ffn.down.n_in)?;
+            let mut staged = Staged {
+                sixteen: None,
+                fp8: true,
+            };
+            return self.gemm_fp8(
+                scratch.hidden,
+                ffn.down,
+                residual,
+                n_tokens,
+                GemmOutput::Add,
+                &mut staged,
+                product,
+            );
+        }
         let (_, x_stage) = self.cublas_staging()?;
         let n = n_tokens * ffn.gate.n_out;
         if n * 2 > x_stage.len {

@@ -326,14 +326,16 @@ kernel_params! {
 
     /// quantize_fp8: `n_tokens` rows of `n_in` (f32 for `kind` 0, else 16-bit of that type) to
     /// E4M3 `codes` and `scales` in cuBLASLt's layout for `cols` tokens (fp8_gemm.rs).
-    struct QuantizeFp8Params for ["quantize_fp8"] {
+    struct QuantizeFp8Params for ["quantize_fp8", "quantize_fp8_glu"] {
         x: u64,
+        up: u64,
         codes: u64,
         scales: u64,
         n_tokens: i32,
         cols: i32,
         n_in: i32,
         kind: i32,
+        act: i32,
     }
 
     struct ConvertF32Params for ["convert_f32"] {

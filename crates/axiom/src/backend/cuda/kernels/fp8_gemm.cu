@@ -14,32 +14,59 @@ __device__ __forceinline__ u32 e4m3x2(float lo, float hi) {
     return codes;
 }
 
-// A warp a (token, 128 values), four values a lane.
-extern "C" __global__ void quantize_fp8(QuantizeFp8Params p) {
+// Eight values a lane, so a half-warp takes a (token, 128 values) and every load is 16 bytes;
+// the warps stride over the pairs of groups.
+template <typename Load> __device__ __forceinline__ void quantize_fp8_groups(const QuantizeFp8Params& p, Load load) {
     const int groups = p.n_in / 128, lane = threadIdx.x % 32;
-    const u64 warps = (u64)p.cols * groups;
+    const u64 units = (u64)p.cols * groups, warps = (u64)gridDim.x * blockDim.x / 32;
     begin_after_inputs();
-    for (u64 w = (blockIdx.x * (u64)blockDim.x + threadIdx.x) / 32; w < warps; w += (u64)gridDim.x * blockDim.x / 32) {
-        const u64 t = w / groups;
-        const int g = (int)(w % groups);
-        const u64 at = t * p.n_in + g * 128 + lane * 4;
-        float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        if (t < (u64)p.n_tokens) {
-            if (p.kind == TY_F32) {
-                float4 x = *((const float4*)p.x + at / 4);
-                v[0] = x.x, v[1] = x.y, v[2] = x.z, v[3] = x.w;
-            } else {
-                uint2 x = *((const uint2*)p.x + at / 4);
-                const u16* h = (const u16*)&x;
-                for (int j = 0; j < 4; j++) v[j] = from_16bit(h[j], p.kind);
-            }
-        }
-        float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
-        for (int o = 16; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, o));
+    for (u64 w = (blockIdx.x * (u64)blockDim.x + threadIdx.x) / 32; 2 * w < units; w += warps) {
+        const u64 unit = 2 * w + lane / 16, t = unit / groups;
+        const int g = (int)(unit % groups);
+        const u64 at = t * p.n_in + g * 128 + lane % 16 * 8;
+        float v[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+        if (unit < units && t < (u64)p.n_tokens) load(at, v);
+        float amax = 0.0f;
+        for (int j = 0; j < 8; j++) amax = fmaxf(amax, fabsf(v[j]));
+        for (int o = 8; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, o));
         // An all-zero group keeps zero codes and a zero scale.
         const float inv = amax > 0.0f ? 448.0f / amax : 0.0f;
-        p.codes[at / 4] = e4m3x2(v[0] * inv, v[1] * inv) | e4m3x2(v[2] * inv, v[3] * inv) << 16;
-        if (lane == 0) p.scales[(u64)g * p.cols + t] = amax / 448.0f;
+        u32 c[2];
+        for (int j = 0; j < 2; j++)
+            c[j] = e4m3x2(v[4 * j] * inv, v[4 * j + 1] * inv) | e4m3x2(v[4 * j + 2] * inv, v[4 * j + 3] * inv) << 16;
+        if (unit < units) {
+            *(uint2*)(p.codes + at / 4) = make_uint2(c[0], c[1]);
+            if (lane % 16 == 0) p.scales[(u64)g * p.cols + t] = amax / 448.0f;
+        }
     }
+}
+
+// Eight 16-bit values (`kind`) from 16 bytes.
+__device__ __forceinline__ void widen_16bit(uint4 raw, int kind, float* v) {
+    const u16* h = (const u16*)&raw;
+    for (int j = 0; j < 8; j++) v[j] = from_16bit(h[j], kind);
+}
+
+extern "C" __global__ void quantize_fp8(QuantizeFp8Params p) {
+    quantize_fp8_groups(p, [&](u64 at, float* v) {
+        if (p.kind == TY_F32) {
+            const float4* x = (const float4*)p.x + at / 4;
+            float4 a = x[0], b = x[1];
+            v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+        } else {
+            widen_16bit(*((const uint4*)p.x + at / 8), p.kind, v);
+        }
+    });
+}
+
+// The feed-forward block's hidden rows, act(gate) * up of its 16-bit gate and up products (x and
+// up), quantized as they are made: no 16-bit rows written and read again.
+extern "C" __global__ void quantize_fp8_glu(QuantizeFp8Params p) {
+    quantize_fp8_groups(p, [&](u64 at, float* v) {
+        float g[8], u[8];
+        widen_16bit(*((const uint4*)p.x + at / 8), p.kind, g);
+        widen_16bit(*((const uint4*)p.up + at / 8), p.kind, u);
+        for (int j = 0; j < 8; j++) v[j] = glu_of(g[j], u[j], p.act);
+    });
 }
 #endif

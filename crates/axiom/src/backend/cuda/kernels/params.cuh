@@ -124,12 +124,14 @@ struct QuantizeQ8Params {
 // `scales` for `cols` tokens.
 struct QuantizeFp8Params {
     const void* x;
+    const void* up;  // quantize_fp8_glu: up's rows (x holds gate's)
     u32* codes;
     float* scales;
     int n_tokens;
     int cols;
     int n_in;
     int kind;
+    int act;  // quantize_fp8_glu: the activation (glu_of)
 };
 
 // dequant_f16_*: a Weight's fields, and its rows out in f16.
