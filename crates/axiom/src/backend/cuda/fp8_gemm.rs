@@ -176,6 +176,15 @@ impl LtOp {
     }
 }
 
+/// A step's activations quantized for the FP8 tensor cores: E4M3 codes and their scales, the step
+/// padded to `cols` tokens.
+#[derive(Clone, Copy)]
+pub(super) struct Fp8Activations {
+    pub(super) codes: BlockHandle,
+    pub(super) scales: BlockHandle,
+    pub(super) cols: usize,
+}
+
 /// A product that runs on the FP8 tensor cores: its descriptors, cuBLASLt's kernel for them, and
 /// where the quantized tokens go (in the weights' cuBLAS staging, free on this path).
 pub(super) struct Fp8Product {
@@ -209,22 +218,18 @@ impl CudaBackend {
         let (Some(lt), Some((w_scales, scales))) = (self.fp8_lt.as_ref(), w.lt_scales) else {
             return Ok(None);
         };
-        let cols = n_tokens.next_multiple_of(4);
         let out_bytes = if output == GemmOutput::Store16 { 2 } else { 4 };
-        let Some(((w_stage, _), workspace)) = self.staging.zip(lt.workspace) else {
+        let (Some(slots), Some(workspace)) = (self.fp8_activations(w, n_tokens), lt.workspace) else {
             return Ok(None);
         };
-        let codes_len = cols * w.n_in;
-        let scales_at = codes_len.next_multiple_of(ALIGN);
-        let scales_len = codes_len / 32;
-        if !self.paths.fp8_tensor_cores()
-            || !w.n_out.is_multiple_of(16)
-            || cols * w.n_out * out_bytes > out.len
-            || scales_at + scales_len > w_stage.len
-        {
+        let Fp8Activations {
+            codes,
+            scales: x_scales,
+            cols,
+        } = slots;
+        if !w.n_out.is_multiple_of(16) || cols * w.n_out * out_bytes > out.len {
             return Ok(None);
         }
-        let (codes, x_scales) = (w_stage.slice(0, codes_len), w_stage.slice(scales_at, scales_len));
         let shape = LtShape {
             n_out: w.n_out,
             n_in: w.n_in,
@@ -252,6 +257,26 @@ impl CudaBackend {
             codes,
             scales: x_scales,
         }))
+    }
+
+    /// Where `n_tokens` rows of `w`'s input go quantized for the FP8 tensor cores, if `w` may
+    /// take them: codes, then scales, at the start of the weights' cuBLAS staging (free on this
+    /// path). The same for every weight of one row length, so products of one input share them.
+    pub(super) fn fp8_activations(&self, w: &CudaWeight, n_tokens: usize) -> Option<Fp8Activations> {
+        let (w_stage, _) = self.staging?;
+        let cols = n_tokens.next_multiple_of(4);
+        let codes_len = cols * w.n_in;
+        let scales_at = codes_len.next_multiple_of(ALIGN);
+        let scales_len = codes_len / 32;
+        let takes = self.fp8_lt.is_some()
+            && self.paths.fp8_tensor_cores()
+            && w.lt_scales.is_some()
+            && scales_at + scales_len <= w_stage.len;
+        takes.then(|| Fp8Activations {
+            codes: w_stage.slice(0, codes_len),
+            scales: w_stage.slice(scales_at, scales_len),
+            cols,
+        })
     }
 
     /// cuBLASLt's first choice of kernel for `op`; an error if it has none (or refuses the

@@ -7,7 +7,7 @@ use super::matmul::MatmulPlan;
 use super::params::{ConvertF32Params, DequantParams, Glu16Params};
 use super::weights::CudaWeight;
 use super::CudaBackend;
-use crate::backend::{feed_forward_in_steps, BlockHandle, FeedForward, FeedForwardScratch, Input};
+use crate::backend::{feed_forward_in_steps, Activation, BlockHandle, FeedForward, FeedForwardScratch, Input};
 use crate::format::quant::GgmlType;
 use crate::{Error, Result};
 use cudarc::cublas::{result as cublas, sys as cublas_sys};
@@ -161,12 +161,13 @@ impl CudaBackend {
 
     /// The rows `gemm` takes for `x`. An `Input::RmsNormed` is normalized straight into the 16-bit
     /// staging as `ty`, and `staged` then says so: the handle returned is its scratch, standing in
-    /// for f32 rows that `gemm` finds staged and does not read.
+    /// for f32 rows that `gemm` finds staged and does not read. Where `first`, the first weight
+    /// to read them, may take the FP8 tensor cores, they are also quantized for it.
     pub(super) fn stage_16bit(
         &self,
         x: Input,
         n_tokens: usize,
-        dim: usize,
+        first: &CudaWeight,
         ty: GgmlType,
         staged: &mut Staged,
     ) -> Result<BlockHandle> {
@@ -178,8 +179,12 @@ impl CudaBackend {
                 eps,
                 scratch,
             } => {
-                self.rms_norm_16bit(x, weight, eps, n_tokens, dim, ty)?;
-                *staged = Staged::sixteen(ty);
+                let fp8 = self.fp8_activations(first, n_tokens);
+                self.rms_norm_16bit(x, weight, eps, n_tokens, first.n_in, ty, fp8)?;
+                *staged = Staged {
+                    sixteen: Some(ty),
+                    fp8: fp8.is_some(),
+                };
                 Ok(scratch)
             }
         }
@@ -204,29 +209,44 @@ impl CudaBackend {
             return feed_forward_in_steps(self, x, ffn, scratch, residual, n_tokens);
         }
         let mut staged = Staged::default();
-        let rows = self.stage_16bit(x, n_tokens, ffn.gate.n_in, input, &mut staged)?;
+        let rows = self.stage_16bit(x, n_tokens, ffn.gate, input, &mut staged)?;
         self.gemm(rows, ffn.gate, scratch.gate, n_tokens, GemmOutput::Store16, &mut staged)?;
         self.gemm(rows, ffn.up, scratch.up, n_tokens, GemmOutput::Store16, &mut staged)?;
-        if let Some(product) = self.fp8_product(ffn.down, n_tokens, residual, GemmOutput::Add)? {
+        // The down projection reads the staged rows; `scratch.hidden` stands in for their f32 form.
+        let mut staged = match self.fp8_product(ffn.down, n_tokens, residual, GemmOutput::Add)? {
             // On the FP8 tensor cores the hidden rows go straight to E4M3.
-            let (glu, act) = ([scratch.gate, scratch.up], ffn.activation);
-            self.quantize_fp8_glu(glu, input, act, &product, n_tokens, ffn.down.n_in)?;
-            let mut staged = Staged {
-                sixteen: None,
-                fp8: true,
-            };
-            return self.gemm_fp8(
-                scratch.hidden,
-                ffn.down,
-                residual,
-                n_tokens,
-                GemmOutput::Add,
-                &mut staged,
-                product,
-            );
-        }
+            Some(product) => {
+                let (glu, act) = ([scratch.gate, scratch.up], ffn.activation);
+                self.quantize_fp8_glu(glu, input, act, &product, n_tokens, ffn.down.n_in)?;
+                Staged {
+                    sixteen: None,
+                    fp8: true,
+                }
+            }
+            None => {
+                self.glu_16bit(
+                    [scratch.gate, scratch.up],
+                    input,
+                    ffn.activation,
+                    n_tokens * ffn.gate.n_out,
+                )?;
+                Staged::sixteen(input)
+            }
+        };
+        self.gemm(
+            scratch.hidden,
+            ffn.down,
+            residual,
+            n_tokens,
+            GemmOutput::Add,
+            &mut staged,
+        )
+    }
+
+    /// `act(gate) * up` of the 16-bit (`kind`) gate and up products, `n` values, into the 16-bit
+    /// staging as the down projection's cuBLAS GEMM reads them.
+    fn glu_16bit(&self, [gate, up]: [BlockHandle; 2], kind: GgmlType, act: Activation, n: usize) -> Result<()> {
         let (_, x_stage) = self.cublas_staging()?;
-        let n = n_tokens * ffn.gate.n_out;
         if n * 2 > x_stage.len {
             return Err(Error::Backend(format!(
                 "{n} hidden values exceed the cuBLAS staging of {} bytes",
@@ -238,23 +258,13 @@ impl CudaBackend {
             (blocks_for(n.div_ceil(8), 256).min(4096), 1, 1),
             256,
             &Glu16Params {
-                gate: self.ptr(scratch.gate),
-                up: self.ptr(scratch.up),
+                gate: self.ptr(gate),
+                up: self.ptr(up),
                 out: self.ptr(x_stage),
                 n: n as u64,
-                kind: input.id() as i32,
-                act: ffn.activation.code() as i32,
+                kind: kind.id() as i32,
+                act: act.code() as i32,
             },
-        )?;
-        // The down projection reads the staged rows; `scratch.hidden` stands in for their f32 form.
-        let mut staged = Staged::sixteen(input);
-        self.gemm(
-            scratch.hidden,
-            ffn.down,
-            residual,
-            n_tokens,
-            GemmOutput::Add,
-            &mut staged,
         )
     }
 }

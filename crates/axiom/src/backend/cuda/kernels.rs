@@ -276,7 +276,7 @@ pub fn kernel_names(arch: &str) -> Vec<String> {
     names.extend(every_type.iter().map(|ty| expert_down_sum_kernel(false, ty)));
     names.extend(integer.iter().map(|ty| expert_down_sum_kernel(true, ty)));
     if has_fp8_gemm(arch) {
-        names.extend(["quantize_fp8", "quantize_fp8_glu"].map(String::from));
+        names.extend(["quantize_fp8", "quantize_fp8_glu", "rms_norm_16_fp8"].map(String::from));
     }
     for head_dim in [64, 128] {
         for &warpgroups in flash_attention_kinds(arch) {

@@ -89,7 +89,7 @@ impl CudaBackend {
                 .all(|w| plan(w) == MatmulPlan::Gemm && gemm_input(w.ty) == input);
         let rows = match x {
             Input::RmsNormed { .. } if only_16bit_gemms => {
-                Some(self.stage_16bit(x, n_tokens, ws[0].n_in, input, &mut staged)?)
+                Some(self.stage_16bit(x, n_tokens, ws[0], input, &mut staged)?)
             }
             _ if ws.iter().any(|w| !plan(w).normalizes_input()) => Some(self.input_rows(x, n_tokens, ws[0].n_in)?),
             _ => None,

@@ -1,7 +1,8 @@
 //! RMS norms (kernels/rms_norm.cu): their launchers, and the block sizes that hold a row in
 //! registers.
 
-use super::params::{RmsNorm16Params, RmsNormPairParams, RmsNormParams};
+use super::fp8_gemm::Fp8Activations;
+use super::params::{RmsNorm16Params, RmsNormFp8Params, RmsNormPairParams, RmsNormParams};
 use super::CudaBackend;
 use crate::backend::{AttentionShape, BlockHandle};
 use crate::format::quant::GgmlType;
@@ -111,7 +112,7 @@ impl CudaBackend {
 
     /// RMS-normalizes `n_tokens` rows of `dim` into the cuBLAS activation staging, as `ty` (f16 or
     /// bf16). `dim` is a weight's row length, so a multiple of 32, as the kernel's float4 reads
-    /// need.
+    /// need. With `fp8`, quantized there for the FP8 tensor cores in the same pass.
     pub(super) fn rms_norm_16bit(
         &self,
         x: BlockHandle,
@@ -120,6 +121,7 @@ impl CudaBackend {
         n_tokens: usize,
         dim: usize,
         ty: GgmlType,
+        fp8: Option<Fp8Activations>,
     ) -> Result<()> {
         let (_, x_stage) = self.cublas_staging()?;
         if n_tokens * dim * 2 > x_stage.len {
@@ -128,19 +130,31 @@ impl CudaBackend {
                 x_stage.len
             )));
         }
-        self.launch(
-            "rms_norm_16",
-            (n_tokens as u32, 1, 1),
-            norm_block(dim, NORM_LOADS)?,
-            &RmsNorm16Params {
+        let block = norm_block(dim, NORM_LOADS)?;
+        let Some(fp8) = fp8 else {
+            let params = RmsNorm16Params {
                 x: self.ptr(x),
                 w: self.ptr(weight),
                 out: self.ptr(x_stage),
                 dim: dim as i32,
                 eps,
                 kind: ty.id() as i32,
-            },
-        )
+            };
+            return self.launch("rms_norm_16", (n_tokens as u32, 1, 1), block, &params);
+        };
+        let params = RmsNormFp8Params {
+            x: self.ptr(x),
+            w: self.ptr(weight),
+            out: self.ptr(x_stage),
+            codes: self.ptr(fp8.codes),
+            scales: self.ptr(fp8.scales),
+            dim: dim as i32,
+            eps,
+            kind: ty.id() as i32,
+            n_tokens: n_tokens as i32,
+            cols: fp8.cols as i32,
+        };
+        self.launch("rms_norm_16_fp8", (fp8.cols as u32, 1, 1), block, &params)
     }
 }
 

@@ -103,6 +103,19 @@ kernel_params! {
         kind: i32,
     }
 
+    struct RmsNormFp8Params for ["rms_norm_16_fp8"] {
+        x: u64,
+        w: u64,
+        out: u64,
+        codes: u64,
+        scales: u64,
+        dim: i32,
+        eps: f32,
+        kind: i32,
+        n_tokens: i32,
+        cols: i32,
+    }
+
     /// rms_norm_pair: rows of `x[0]` up to block `split`, of `x[1]` from there.
     struct RmsNormPairParams for ["rms_norm_pair"] {
         x: [u64; 2],

@@ -69,4 +69,28 @@ extern "C" __global__ void quantize_fp8_glu(QuantizeFp8Params p) {
         for (int j = 0; j < 8; j++) v[j] = glu_of(g[j], u[j], p.act);
     });
 }
+// rms_norm_16 that also writes the row quantized as quantize_fp8 does, for the FP8 product that
+// reads it first: a warp's 32 float4 are one 128-value group (the host takes rows of whole groups
+// in blocks of whole warps). Blocks from n_tokens to cols write the padding's zero codes.
+extern "C" __global__ void rms_norm_16_fp8(RmsNormFp8Params p) {
+    const u64 t = blockIdx.x, base = t * (p.dim / 4);
+    if (t >= (u64)p.n_tokens) {
+        begin_after_inputs();
+        for (int i4 = threadIdx.x; i4 < p.dim / 4; i4 += blockDim.x) {
+            p.codes[base + i4] = 0;
+            if (i4 % 32 == 0) p.scales[(u64)(i4 / 32) * p.cols + t] = 0.0f;
+        }
+        return;
+    }
+    const int lane = threadIdx.x % 32;
+    held_rms_norm(p.x + base, p.w, p.dim, p.eps, 0, [&](int i4, float4 v, bool valid) {
+        float amax = warp_max(fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+        const float inv = amax > 0.0f ? 448.0f / amax : 0.0f;
+        if (!valid) return;
+        p.out[base + i4] = make_uint2((u32)to_16bit(v.x, p.kind) | ((u32)to_16bit(v.y, p.kind) << 16),
+                                      (u32)to_16bit(v.z, p.kind) | ((u32)to_16bit(v.w, p.kind) << 16));
+        p.codes[base + i4] = e4m3x2(v.x * inv, v.y * inv) | e4m3x2(v.z * inv, v.w * inv) << 16;
+        if (lane == 0) p.scales[(u64)(i4 / 32) * p.cols + t] = amax / 448.0f;
+    });
+}
 #endif

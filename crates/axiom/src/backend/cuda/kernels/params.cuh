@@ -43,6 +43,21 @@ struct RmsNorm16Params {
     int kind;
 };
 
+// rms_norm_16_fp8: rms_norm_16's fields, and the rows quantized for an FP8 product (as
+// QuantizeFp8Params's codes and scales, the step padded to cols tokens).
+struct RmsNormFp8Params {
+    const float4* x;
+    const float4* w;
+    uint2* out;
+    u32* codes;
+    float* scales;
+    int dim;
+    float eps;
+    int kind;
+    int n_tokens;
+    int cols;
+};
+
 // rms_norm_q8 and rms_norm_q8_1.
 struct RmsNormQ8Params {
     const float4* x;
