@@ -1254,6 +1254,8 @@ pub fn expert_ops<B: Backend>(make: impl Fn() -> B, tolerance: f64) {
         (GgmlType::F16, GgmlType::F16, GgmlType::BF16, 96, 40, 6, 2),
         (GgmlType::Q4K, GgmlType::Q4K, GgmlType::Q4K, 256, 512, 12, 9),
         (GgmlType::Fp8, GgmlType::Fp8, GgmlType::Fp8, 160, 96, 6, 2),
+        // As many experts as Qwen3-30B-A3B has: more than a warp's lanes.
+        (GgmlType::Q8_0, GgmlType::Q8_0, GgmlType::Q8_0, 64, 32, 128, 8),
     ] {
         let routing = Routing {
             n_experts,
