@@ -25,7 +25,7 @@ use crate::{Error, Result};
 /// expert's rows are read once for all of its tokens.
 const PAIRWISE_MAX_TOKENS: usize = GEMV_MAX_TOKENS;
 
-/// Experts the routing kernel takes at most: 16 a lane (ROUTE_PER_LANE in kernels/experts.cu).
+/// Experts the routing kernel takes at most: 16 a lane (route_token in kernels/experts.cu).
 const ROUTE_MAX_EXPERTS: usize = 512;
 
 /// Router rows a router_route block takes (ROUTER_ROWS in kernels/experts.cu).

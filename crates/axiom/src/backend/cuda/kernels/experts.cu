@@ -7,23 +7,21 @@
 // probabilities divided by their sum with `renormalize`. One warp a token, eight a block. Pick j is
 // the best expert ranked after pick j - 1 (probability descending, then index ascending), so
 // nothing needs marking as taken.
-__device__ __forceinline__ int warp_min(int v) {
-    for (int o = 16; o > 0; o >>= 1) v = min(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
-}
-
-// A lane holds the probabilities of experts lane, lane + 32, ... in registers (ROUTE_MAX_EXPERTS
-// at most), so the k picks read no memory; lane j keeps pick j, and the picks are stored at once.
-// The logits are read from L2 (__ldcg): router_route's last block reads those other blocks wrote.
-#define ROUTE_PER_LANE 16
-__device__ __forceinline__ void route_token(const RouteParams& p, int token) {
-    int lane = threadIdx.x % 32;
-    int n = p.n_experts, k = p.k;
+//
+// A lane holds the probabilities of experts lane, lane + 32, ... (PER of them) in registers, each
+// as a key that orders them as the picks do: its probability's bits above its index's complement
+// (probabilities are never negative, so their bits order as they do), so each pick is one warp
+// maximum over the keys below the last pick's. Every lane adds each pick's probability as it is
+// made, so the sum for `renormalize` is taken in pick order as on the CPU; lane j keeps pick j,
+// and the picks are stored at once. The logits are read from L2 (__ldcg): router_route's last
+// block reads those other blocks wrote.
+template <int PER> __device__ __forceinline__ void route_token_in(const RouteParams& p, int token) {
+    int lane = threadIdx.x % 32, n = p.n_experts, k = p.k;
     const float* row = p.logits + (u64)token * n;
-    float prob[ROUTE_PER_LANE];
+    float prob[PER];
     float top = __int_as_float(0xff800000u);
 #pragma unroll
-    for (int i = 0; i < ROUTE_PER_LANE; i++) {
+    for (int i = 0; i < PER; i++) {
         int e = lane + 32 * i;
         prob[i] = e < n ? __ldcg(row + e) : top;
         top = fmaxf(top, prob[i]);
@@ -31,35 +29,49 @@ __device__ __forceinline__ void route_token(const RouteParams& p, int token) {
     top = warp_max(top);
     float sum = 0.0f;
 #pragma unroll
-    for (int i = 0; i < ROUTE_PER_LANE; i++)
-        if (lane + 32 * i < n) sum += expf(prob[i] - top);
+    for (int i = 0; i < PER; i++) {
+        prob[i] = lane + 32 * i < n ? expf(prob[i] - top) : 0.0f;
+        sum += prob[i];
+    }
     sum = warp_sum(sum);
+    u64 key[PER];
 #pragma unroll
-    for (int i = 0; i < ROUTE_PER_LANE; i++) prob[i] = lane + 32 * i < n ? expf(prob[i] - top) / sum : -1.0f;
-    float last_p = __int_as_float(0x7f800000u), mine_p = 0.0f;
-    int last_e = -1, mine_e = 0;
+    for (int i = 0; i < PER; i++) {
+        u32 e = lane + 32 * i;
+        // Past the experts, key 0: below every expert's (its index's complement is not 0).
+        key[i] = e < (u32)n ? (u64)__float_as_uint(prob[i] / sum) << 32 | ~e : 0;
+    }
+    u64 last = ~0ull, mine = 0;
+    float chosen = 0.0f;
     for (int j = 0; j < k; j++) {
-        // A lane's best among its experts (ascending, so the lowest index among its equals), then
-        // the warp's: the highest probability, the lowest index holding it.
-        float best_p = -1.0f;
-        int best_e = n;
+        u64 best = 0;
 #pragma unroll
-        for (int i = 0; i < ROUTE_PER_LANE; i++) {
-            int e = lane + 32 * i;
-            bool after = prob[i] < last_p || (prob[i] == last_p && e > last_e);
-            if (e < n && after && prob[i] > best_p) best_p = prob[i], best_e = e;
+        for (int i = 0; i < PER; i++)
+            if (key[i] < last && key[i] > best) best = key[i];
+        for (int o = 16; o > 0; o >>= 1) {
+            u64 other = __shfl_xor_sync(0xffffffffu, best, o);
+            best = other > best ? other : best;
         }
-        last_p = warp_max(best_p);
-        last_e = warp_min(best_p == last_p ? best_e : n);
-        if (lane == j) mine_p = last_p, mine_e = last_e;
+        last = best;
+        chosen += __uint_as_float((u32)(best >> 32));
+        if (lane == j) mine = best;
     }
-    // Summed in pick order, as the CPU sums them.
-    if (p.renormalize) {
-        float chosen = 0.0f;
-        for (int j = 0; j < k; j++) chosen += __shfl_sync(0xffffffffu, mine_p, j);
-        mine_p /= chosen;
+    if (lane < k) {
+        float weight = __uint_as_float((u32)(mine >> 32));
+        p.ids[(u64)token * k + lane] = ~(u32)mine;
+        p.weights[(u64)token * k + lane] = p.renormalize ? weight / chosen : weight;
     }
-    if (lane < k) p.ids[(u64)token * k + lane] = (u32)mine_e, p.weights[(u64)token * k + lane] = mine_p;
+}
+
+// route_token_in with as many values a lane as the experts need (ROUTE_MAX_EXPERTS at most): a
+// lane's scan of its keys is most of a pick's work.
+__device__ __forceinline__ void route_token(const RouteParams& p, int token) {
+    int per = (p.n_experts + 31) / 32;
+    if (per <= 1) route_token_in<1>(p, token);
+    else if (per <= 2) route_token_in<2>(p, token);
+    else if (per <= 4) route_token_in<4>(p, token);
+    else if (per <= 8) route_token_in<8>(p, token);
+    else route_token_in<16>(p, token);
 }
 
 extern "C" __global__ void route(RouteParams p) {
