@@ -303,7 +303,6 @@ impl CudaBackend {
 
     /// The hidden rows of a feed-forward block, `act(gate) * up` of its 16-bit (`kind`) gate
     /// and up products, quantized for `product` (the down projection's) as they are made.
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn quantize_fp8_glu(
         &self,
         [gate, up]: [BlockHandle; 2],

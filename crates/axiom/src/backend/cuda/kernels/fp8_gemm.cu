@@ -69,6 +69,7 @@ extern "C" __global__ void quantize_fp8_glu(QuantizeFp8Params p) {
         for (int j = 0; j < 8; j++) v[j] = glu_of(g[j], u[j], p.act);
     });
 }
+
 // rms_norm_16 that also writes the row quantized as quantize_fp8 does, for the FP8 product that
 // reads it first: a warp's 32 float4 are one 128-value group (the host takes rows of whole groups
 // in blocks of whole warps). Blocks from n_tokens to cols write the padding's zero codes.
