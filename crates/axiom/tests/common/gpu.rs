@@ -1368,7 +1368,8 @@ pub fn expert_ops<B: Backend>(make: impl Fn() -> B, tolerance: f64) {
 
 /// Whole mixture blocks (`Backend::mixture`) against the CPU reference, their input under an RMS
 /// norm as the layer loop gives it: float routers (f32, bf16) over 6 experts of which each token
-/// runs 2 and over 12 of which each runs 9, experts in Q8_0, Q4_K's mix and f16, steps of 1 to 9
+/// runs 2, over 12 of which each runs 9 and over 128 of which each runs 8, experts in Q8_0, Q4_K's
+/// mix and f16, steps of 1 to 9
 /// tokens (a backend may fuse the router into the routing for a few tokens). The same routes,
 /// and the residual within `tolerance`.
 pub fn mixture_blocks<B: Backend>(make: impl Fn() -> B, tolerance: f64) {
@@ -1377,6 +1378,7 @@ pub fn mixture_blocks<B: Backend>(make: impl Fn() -> B, tolerance: f64) {
         (GgmlType::F32, [GgmlType::Q8_0, GgmlType::Q8_0], 96, 64, 6, 2),
         (GgmlType::BF16, [GgmlType::Q4K, GgmlType::Q6K], 256, 256, 12, 9),
         (GgmlType::F32, [GgmlType::F16, GgmlType::F16], 160, 96, 12, 9),
+        (GgmlType::F32, [GgmlType::Q8_0, GgmlType::Q8_0], 64, 32, 128, 8),
     ] {
         let routing = Routing {
             n_experts,
