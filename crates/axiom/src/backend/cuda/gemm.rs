@@ -213,34 +213,25 @@ impl CudaBackend {
         self.gemm(rows, ffn.gate, scratch.gate, n_tokens, GemmOutput::Store16, &mut staged)?;
         self.gemm(rows, ffn.up, scratch.up, n_tokens, GemmOutput::Store16, &mut staged)?;
         // The down projection reads the staged rows; `scratch.hidden` stands in for their f32 form.
-        let mut staged = match self.fp8_product(ffn.down, n_tokens, residual, GemmOutput::Add)? {
-            // On the FP8 tensor cores the hidden rows go straight to E4M3.
+        // Its FP8 plan, if any, is made once: the gated activation writes what it reads.
+        let product = self.fp8_product(ffn.down, n_tokens, residual, GemmOutput::Add)?;
+        let (hidden, down, add) = (scratch.hidden, ffn.down, GemmOutput::Add);
+        match product {
             Some(product) => {
                 let (glu, act) = ([scratch.gate, scratch.up], ffn.activation);
-                self.quantize_fp8_glu(glu, input, act, &product, n_tokens, ffn.down.n_in)?;
-                Staged {
+                self.quantize_fp8_glu(glu, input, act, &product, n_tokens, down.n_in)?;
+                let mut staged = Staged {
                     sixteen: None,
                     fp8: true,
-                }
+                };
+                self.gemm_fp8(hidden, down, residual, n_tokens, add, &mut staged, product)
             }
             None => {
-                self.glu_16bit(
-                    [scratch.gate, scratch.up],
-                    input,
-                    ffn.activation,
-                    n_tokens * ffn.gate.n_out,
-                )?;
-                Staged::sixteen(input)
+                let glu = [scratch.gate, scratch.up];
+                self.glu_16bit(glu, input, ffn.activation, n_tokens * ffn.gate.n_out)?;
+                self.gemm(hidden, down, residual, n_tokens, add, &mut Staged::sixteen(input))
             }
-        };
-        self.gemm(
-            scratch.hidden,
-            ffn.down,
-            residual,
-            n_tokens,
-            GemmOutput::Add,
-            &mut staged,
-        )
+        }
     }
 
     /// `act(gate) * up` of the 16-bit (`kind`) gate and up products, `n` values, into the 16-bit

@@ -14,6 +14,11 @@ __device__ __forceinline__ u32 e4m3x2(float lo, float hi) {
     return codes;
 }
 
+// Four floats, each times `inv`, to four E4M3 codes, the first in the low byte.
+__device__ __forceinline__ u32 e4m3x4(float a, float b, float c, float d, float inv) {
+    return e4m3x2(a * inv, b * inv) | e4m3x2(c * inv, d * inv) << 16;
+}
+
 // Eight values a lane, so a half-warp takes a (token, 128 values) and every load is 16 bytes;
 // the warps stride over the pairs of groups.
 template <typename Load> __device__ __forceinline__ void quantize_fp8_groups(const QuantizeFp8Params& p, Load load) {
@@ -31,11 +36,9 @@ template <typename Load> __device__ __forceinline__ void quantize_fp8_groups(con
         for (int o = 8; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, o));
         // An all-zero group keeps zero codes and a zero scale.
         const float inv = amax > 0.0f ? 448.0f / amax : 0.0f;
-        u32 c[2];
-        for (int j = 0; j < 2; j++)
-            c[j] = e4m3x2(v[4 * j] * inv, v[4 * j + 1] * inv) | e4m3x2(v[4 * j + 2] * inv, v[4 * j + 3] * inv) << 16;
         if (unit < units) {
-            *(uint2*)(p.codes + at / 4) = make_uint2(c[0], c[1]);
+            *(uint2*)(p.codes + at / 4) =
+                make_uint2(e4m3x4(v[0], v[1], v[2], v[3], inv), e4m3x4(v[4], v[5], v[6], v[7], inv));
             if (lane % 16 == 0) p.scales[(u64)g * p.cols + t] = amax / 448.0f;
         }
     }
@@ -88,9 +91,8 @@ extern "C" __global__ void rms_norm_16_fp8(RmsNormFp8Params p) {
         float amax = warp_max(fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
         const float inv = amax > 0.0f ? 448.0f / amax : 0.0f;
         if (!valid) return;
-        p.out[base + i4] = make_uint2((u32)to_16bit(v.x, p.kind) | ((u32)to_16bit(v.y, p.kind) << 16),
-                                      (u32)to_16bit(v.z, p.kind) | ((u32)to_16bit(v.w, p.kind) << 16));
-        p.codes[base + i4] = e4m3x2(v.x * inv, v.y * inv) | e4m3x2(v.z * inv, v.w * inv) << 16;
+        p.out[base + i4] = pack_16bit4(v, p.kind);
+        p.codes[base + i4] = e4m3x4(v.x, v.y, v.z, v.w, inv);
         if (lane == 0) p.scales[(u64)(i4 / 32) * p.cols + t] = amax / 448.0f;
     });
 }
