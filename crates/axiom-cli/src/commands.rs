@@ -147,6 +147,10 @@ pub struct BenchArgs {
     /// Print one JSON object per test instead of the table.
     #[arg(long)]
     json: bool,
+    /// Collect the device profiler's records during each test's last repetition only (CUDA:
+    /// `ncu --profile-from-start off axiom bench --profile ...` sees those kernels alone).
+    #[arg(long)]
+    profile: bool,
 }
 
 /// A progress bar on stderr; indicatif draws nothing when stderr is not a terminal.
@@ -372,7 +376,7 @@ pub fn bench(args: BenchArgs, out: Output) -> Result<()> {
         let bar = progress(runs.len() as u64, "bench", out);
         for (test, width, depth) in runs {
             bar.set_message(format!("bench {}", test.name()));
-            let r = run_test(&mut session.model, &mut session.pages, test, depth, width, args.repetitions)?;
+            let r = run_test(&mut session.model, &mut session.pages, test, depth, width, args.repetitions, args.profile)?;
             bar.inc(1);
             // One sequence's tokens each read the weights once; steps of several share them (and a
             // mixture's read more experts), so theirs go unreported.

@@ -476,7 +476,7 @@ fn bad_inputs_fail_with_a_message() {
     let bogus = dir.join("bogus.gguf");
     std::fs::write(&bogus, b"not a model at all").unwrap();
     let model = model();
-    let cases: [(&[&str], &str); 16] = [
+    let cases: [(&[&str], &str); 17] = [
         (&["info", bogus.to_str().unwrap()], "not a GGUF file"),
         (&["run", "-m", "/nonexistent.gguf", "hi"], "does not exist"),
         // A name that is no file nor packaged model: the error lists what -m takes.
@@ -596,6 +596,24 @@ fn bad_inputs_fail_with_a_message() {
             "--tp-rank and --tp-addr go with --tp-size",
         ),
         (&["run", "--tp", "0", "hi"], "--tensor-parallel must be at least 1"),
+        // The profiler's bracket is CUDA's: another backend says so rather than run unprofiled.
+        (
+            &[
+                "bench",
+                "--backend",
+                "cpu",
+                "-m",
+                model.to_str().unwrap(),
+                "-p",
+                "4",
+                "-n",
+                "0",
+                "-r",
+                "1",
+                "--profile",
+            ],
+            "has no profiler to start (--profile is for CUDA)",
+        ),
         // SmolLM2's 9 heads split over 3 ranks, not 2.
         (
             &[

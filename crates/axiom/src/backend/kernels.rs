@@ -96,6 +96,14 @@ pub trait Kernels {
     fn enter_thread(&self) -> Result<()> {
         Ok(())
     }
+    /// Starts or stops the device profiler's collection (`axiom bench --profile`), so that a
+    /// profiler started with collection off records only what runs in between.
+    fn profile(&self, _on: bool) -> Result<()> {
+        Err(crate::Error::InvalidArgument(format!(
+            "the {} backend has no profiler to start (--profile is for CUDA)",
+            self.device_name()
+        )))
+    }
 
     /// Arena bytes the weights take, given each matrix's size (0 where weights live elsewhere,
     /// as on the CPU, which reads them from the memory-mapped file).

@@ -52,7 +52,8 @@ pub struct BenchResult {
 }
 
 /// Runs `test` `repetitions` times after a warm-up, each after `depth` tokens of context; a
-/// generation test decodes `parallel` sequences together.
+/// generation test decodes `parallel` sequences together. With `profile`, the device profiler
+/// collects during the last repetition only (`Kernels::profile`).
 pub fn run_test<B: Backend>(
     model: &mut Llama<B>,
     pages: &mut PagePool,
@@ -60,6 +61,7 @@ pub fn run_test<B: Backend>(
     depth: usize,
     parallel: usize,
     repetitions: usize,
+    profile: bool,
 ) -> Result<BenchResult> {
     let n = test.tokens();
     if n == 0 {
@@ -90,6 +92,10 @@ pub fn run_test<B: Backend>(
         for kv in &mut kvs {
             pages.truncate(kv, depth);
         }
+        let profiled = profile && rep == repetitions;
+        if profiled {
+            model.backend.profile(true)?;
+        }
         model.backend.synchronize()?;
         let start = Instant::now();
         match test {
@@ -109,6 +115,9 @@ pub fn run_test<B: Backend>(
         }
         model.backend.synchronize()?;
         let seconds = start.elapsed().as_secs_f64();
+        if profiled {
+            model.backend.profile(false)?;
+        }
         if rep > 0 {
             samples.push((n * parallel) as f64 / seconds);
         }

@@ -281,6 +281,18 @@ impl super::Kernels for CudaBackend {
         self.device.ctx.bind_to_thread().map_err(driver_error("context"))
     }
 
+    fn profile(&self, on: bool) -> Result<()> {
+        self.synchronize()?;
+        // SAFETY: both calls take no arguments and act on the context current on this thread.
+        let status = unsafe {
+            match on {
+                true => cudarc::driver::sys::cuProfilerStart(),
+                false => cudarc::driver::sys::cuProfilerStop(),
+            }
+        };
+        status.result().map_err(driver_error("profiler"))
+    }
+
     fn weight_bytes(&self, matrices: &[usize]) -> usize {
         weights::arena_bytes(matrices)
     }
