@@ -110,9 +110,13 @@ def random_bytes(dims, ty, gen):
     scale = (torch.rand(n // elems, device="cuda", generator=gen) * 0.002 + 0.0005).half().view(torch.uint8).view(-1, 2)
     if ty == "q8_0":
         blocks[:, 0:2] = scale
-    elif ty == "q4_k":  # d and dmin
+    elif ty == "q4_k":  # d and dmin, then every sub-block's scale 8 and min 60 (its 6-bit packing)
         blocks[:, 0:2] = scale
         blocks[:, 2:4] = scale
+        # A value is then d * (8q - 60) for q in 0..15: centred on 0, as trained weights are. Random
+        # scale bytes gave weights of mean ~0.3, whose products grew layer by layer past f16's range
+        # (prompt steps then filled with NaN, and a mixture's routing with it).
+        blocks[:, 4:8], blocks[:, 8:12], blocks[:, 12:16] = 8, 252, 200
     else:  # q6_k: signed 8-bit scales times d, so d is a sixteenth of the others'
         blocks[:, 208:210] = (scale.view(torch.float16) / 16).view(torch.uint8).view(-1, 2)
     return blocks.cpu().numpy().tobytes()

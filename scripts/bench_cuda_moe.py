@@ -53,7 +53,8 @@ def random_bytes(dims, ty, gen):
     """As the dense script's, with router rows drawn at random so that routing varies by token."""
     if ty == "f32" and len(dims) == 2:
         n = int(np.prod(dims))
-        return torch.randn(n, device="cuda", generator=gen).cpu().numpy().tobytes()
+        # Scaled as trained routers are, so that a token's logits spread over a few units.
+        return (torch.randn(n, device="cuda", generator=gen) * 0.02).cpu().numpy().tobytes()
     return dense.random_bytes(dims, ty, gen)
 
 
