@@ -357,6 +357,11 @@ pub fn bench(args: BenchArgs, out: Output) -> Result<()> {
     };
     let loaded = load_session(&args.model, model, options, out)?;
     with_session!(loaded, session => {
+        if args.profile {
+            // Stopping a profiler that has not started changes nothing, and a backend without
+            // one refuses here, before any test runs.
+            session.model.backend.profile(false)?;
+        }
         let threads = session.model.backend.threads();
         let info = session.info.clone();
         let backend = session.model.backend.device_name();
