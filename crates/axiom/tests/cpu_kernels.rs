@@ -531,6 +531,24 @@ fn fast_attention_scores_match_the_reference() {
 }
 
 #[test]
+fn fast_rope_attention_then_output_projection_matches_the_reference() {
+    // The GPU suite's fused steps (RoPE, the cache write, attention, the output projection added
+    // to the residual), many sequences decoding together among them. The fast kernels multiply
+    // Q4_K rows on int8 activations (about 0.4% a product) and sum f16 cache rows in their own
+    // order.
+    for isa in Isa::available() {
+        common::gpu::rope_attention_then_output_projection(
+            |kv_type| CpuBackend::with_kernels(2, CpuKernels::Fast(isa)).with_kv_type(kv_type),
+            |ty, kv_type, _, _| match (ty, kv_type) {
+                (Some(GgmlType::Q4K), _) => 2e-2,
+                (_, KvType::F16) => 1e-4,
+                (_, KvType::F32) => 1e-5,
+            },
+        );
+    }
+}
+
+#[test]
 fn rope_frequency_scaling_follows_transformers() {
     let rope = |scaling| Rope {
         layout: RopeLayout::Halves,

@@ -734,16 +734,30 @@ fn paged_attention_error<B: Backend>(
 /// and 128 in a step that prefills all of the first sequence (tiles of queries and keys, where a
 /// backend has them) next to queries of the second and one mid-way; Gemma 3 270M's 4 heads of
 /// 256 over one KV head in the same step; decode steps alone over those contexts; and a single
-/// decode. Pages of 16, and of 4 for the narrowest windows. `tolerance(kv_type, head_dim,
-/// n_tokens)` is the relative error allowed.
+/// decode. Then many sequences decoding in one step (`many_decodes`), with groups of 3 and of 20
+/// query heads a KV head. Pages of 16, and of 4 for the narrowest windows. `tolerance(kv_type,
+/// head_dim, n_tokens)` is the relative error allowed.
 pub fn attention_scores<B: Backend>(make: impl Fn(KvType) -> B, tolerance: impl Fn(KvType, usize, usize) -> f64) {
     let mut rng = ChaCha8Rng::seed_from_u64(7);
-    let lens = [300, 20];
+    let lens = vec![300, 20];
     let prefill: Vec<(u32, u32)> = (0..300).map(|p| (0, p)).chain([(1, 19), (1, 0), (0, 75)]).collect();
     let decodes = vec![(0, 299), (1, 19), (0, 150), (1, 0)];
     let single = vec![(0, 299)];
-    let shapes = [(9, 3, 64), (9, 3, 128), (4, 1, 256)];
-    for (n_heads, n_kv_heads, head_dim) in shapes {
+    let (many_lens, many) = many_decodes();
+    let steps = [
+        (&lens, &prefill),
+        (&lens, &decodes),
+        (&lens, &single),
+        (&many_lens, &many),
+    ];
+    // (heads, KV heads, head_dim, the steps it runs): 20 heads a KV head only decoding together.
+    let shapes = [
+        (9, 3, 64, &steps[..]),
+        (9, 3, 128, &steps[..]),
+        (4, 1, 256, &steps[..]),
+        (40, 2, 128, &steps[3..]),
+    ];
+    for (n_heads, n_kv_heads, head_dim, steps) in shapes {
         let shape = AttentionShape {
             n_heads,
             n_kv_heads,
@@ -751,12 +765,12 @@ pub fn attention_scores<B: Backend>(make: impl Fn(KvType) -> B, tolerance: impl 
         };
         for rule in score_rules(head_dim) {
             let page_size = if rule.window.is_some_and(|w| w < 16) { 4 } else { 16 };
-            for (kv_type, queries) in [KvType::F16, KvType::F32]
+            for (kv_type, (lens, queries)) in [KvType::F16, KvType::F32]
                 .into_iter()
-                .flat_map(|kv| [&prefill, &decodes, &single].map(|q| (kv, q)))
+                .flat_map(|kv| steps.iter().map(move |&step| (kv, step)))
             {
-                let case = PagedCase::new(&mut rng, page_size, &lens).scored(rule);
-                let err = paged_attention_error(&make, kv_type, (&case, &lens), queries, shape, &mut rng);
+                let case = PagedCase::new(&mut rng, page_size, lens).scored(rule);
+                let err = paged_attention_error(&make, kv_type, (&case, lens), queries, shape, &mut rng);
                 assert!(
                     err < tolerance(kv_type, head_dim, queries.len()),
                     "{kv_type:?} attention, {shape:?}, {} tokens, {rule:?}: relative error {err}",
@@ -765,6 +779,17 @@ pub fn attention_scores<B: Backend>(make: impl Fn(KvType) -> B, tolerance: impl 
             }
         }
     }
+}
+
+/// A step of 40 sequences decoding together, as a server's batch does: contexts of 1 to 298
+/// positions, each sequence's last position queried, and two sequences queried mid-way too (so
+/// that no two of a sequence's tokens are consecutive): every query tile is one token. The
+/// sequences' lengths, then the queries.
+fn many_decodes() -> (Vec<usize>, Vec<(u32, u32)>) {
+    let lens: Vec<usize> = (0..40).map(|s| s * 53 % 298 + 1).collect();
+    let mut queries: Vec<(u32, u32)> = (0..40).map(|s| (s as u32, lens[s] as u32 - 1)).collect();
+    queries.extend([(1, 26), (2, 53)]);
+    (lens, queries)
 }
 
 /// `attend_and_project` (attention, then its product with the output projection added to a
@@ -960,13 +985,18 @@ pub fn rope_attention_then_output_projection<B: Backend>(
         (12, 4, 48, 32, GgmlType::F32, 1.27, None),
     ];
     // (sequence, position) of each new token; each sequence holds the rows before its first.
+    // Steps over two sequences of 302 and 6 rows, and one of 40 sequences decoding together.
     let prefill: Vec<(u32, u32)> = (261..301).map(|p| (0, p)).chain([(1, 5)]).collect();
-    let steps: [&[(u32, u32)]; 5] = [
-        &[(0, 20)],
-        &[(0, 300)],
-        &[(1, 5)],
-        &[(0, 300), (0, 301), (1, 5)],
-        &prefill,
+    let two: &[usize] = &[302, 6];
+    let (many_lens, many) = many_decodes();
+    type Step<'a> = (&'a [usize], &'a [(u32, u32)]);
+    let steps: [Step; 6] = [
+        (two, &[(0, 20)]),
+        (two, &[(0, 300)]),
+        (two, &[(1, 5)]),
+        (two, &[(0, 300), (0, 301), (1, 5)]),
+        (two, &prefill),
+        (&many_lens, &many[..many_lens.len()]),
     ];
     for (n_heads, n_kv_heads, head_dim, dims, ty, scale, scores) in cases {
         let shape = AttentionShape {
@@ -974,7 +1004,7 @@ pub fn rope_attention_then_output_projection<B: Backend>(
             n_kv_heads,
             head_dim,
         };
-        for (kv_type, layout, queries) in [KvType::F16, KvType::F32]
+        for (kv_type, layout, (lens, queries)) in [KvType::F16, KvType::F32]
             .into_iter()
             .flat_map(|kv| [RopeLayout::Adjacent, RopeLayout::Halves].map(|l| (kv, l)))
             .flat_map(|(kv, l)| steps.map(|q| (kv, l, q)))
@@ -988,7 +1018,7 @@ pub fn rope_attention_then_output_projection<B: Backend>(
             };
             let case = PagedCase {
                 scores,
-                ..PagedCase::new(&mut rng, 16, &[302, 6])
+                ..PagedCase::new(&mut rng, 16, lens)
             };
             // The rows a sequence holds: as many as its first new token's position.
             let held = |s: u32| {
@@ -1000,7 +1030,8 @@ pub fn rope_attention_then_output_projection<B: Backend>(
                     .unwrap_or(0)
             };
             let kv_w = shape.kv_width();
-            let [k, v] = cached_kv(&mut rng, &[held(0), held(1)], kv_w, kv_type);
+            let held: Vec<usize> = (0..lens.len() as u32).map(held).collect();
+            let [k, v] = cached_kv(&mut rng, &held, kv_w, kv_type);
             let n = queries.len();
             let mut new: Vec<Vec<f32>> = [shape.q_width(), kv_w, kv_w, shape.q_width()]
                 .iter()
