@@ -723,7 +723,8 @@ fn paged_attention_error<B: Backend>(
     let [k, v] = cached_kv(rng, lens, shape.kv_width(), kv_type);
     let q = randn(rng, queries.len() * shape.q_width());
     let (mut gpu, mut cpu) = pair(|| make(kv_type));
-    gpu.prepare(queries.len(), 64).unwrap();
+    // The larger step: the queries', or the one that writes the cache.
+    gpu.prepare(queries.len().max(lens.iter().sum()), 64).unwrap();
     let got = case.attention(&mut gpu, &k, &v, queries, &q, shape).unwrap();
     let want = case.attention(&mut cpu, &k, &v, queries, &q, shape).unwrap();
     rel_l2(&got, &want)
@@ -1284,6 +1285,8 @@ pub fn expert_ops<B: Backend>(make: impl Fn() -> B, tolerance: f64) {
         (GgmlType::Q6K, GgmlType::Q6K, GgmlType::Q4K, 256, 256, 6, 2),
         (GgmlType::F16, GgmlType::F16, GgmlType::BF16, 96, 40, 6, 2),
         (GgmlType::Q4K, GgmlType::Q4K, GgmlType::Q4K, 256, 512, 12, 9),
+        // Q4_K down rows longer than a stage of CUDA's two-row warps (32 groups of 64 values).
+        (GgmlType::Q8_0, GgmlType::Q8_0, GgmlType::Q4K, 96, 2304, 6, 2),
         (GgmlType::Fp8, GgmlType::Fp8, GgmlType::Fp8, 160, 96, 6, 2),
         // As many experts as Qwen3-30B-A3B has: more than a warp's lanes.
         (GgmlType::Q8_0, GgmlType::Q8_0, GgmlType::Q8_0, 64, 32, 128, 8),
