@@ -1,6 +1,9 @@
 //! The expert products of grouped steps on the tensor cores (kernels/expert_gemm.cu): one launch
 //! for every expert of the set, over the slots that `group_pairs` left grouped on the device.
 
+use super::device::CudaDevice;
+use super::kernels::{self, Kernels};
+use super::occupancy::allow_dynamic_shared;
 use super::params::ExpertProductParams;
 use super::CudaBackend;
 use crate::{Error, Result};
@@ -8,8 +11,39 @@ use crate::{Error, Result};
 /// Slots a block takes (EG_SLOTS in kernels/expert_gemm.cu).
 const SLOTS: usize = 64;
 
-/// Weight rows a block takes (EG_ROWS): with GLU, half of them gate's and half up's.
-const ROWS: usize = 64;
+/// Weight rows a block takes (Tile::ROWS) for weights of kernel suffix `suffix`: 64 for 16-bit
+/// floats, 128 for quantized types. With GLU, half of them gate's and half up's.
+fn rows(suffix: &str) -> usize {
+    match suffix {
+        "f16" | "bf16" => 64,
+        _ => 128,
+    }
+}
+
+/// A block's shared memory: its tiles of slots and of `rows` weight rows, 128 16-bit values deep
+/// (EG_DEPTH), each row padded by 16 bytes.
+fn shared_bytes(rows: usize) -> u32 {
+    ((SLOTS + rows) * (128 + 8) * 2) as u32
+}
+
+/// Lets every grouped expert kernel ask for its tiles' shared memory, more than a block has
+/// without asking.
+pub(super) fn allow_expert_gemm_shared(device: &CudaDevice, kernels: &Kernels) -> Result<()> {
+    for name in kernels::kernel_names(device.arch)
+        .iter()
+        .filter(|n| n.starts_with("expert_gemm"))
+    {
+        let suffix = name.trim_start_matches("expert_gemm_").trim_start_matches("glu_");
+        let needed = shared_bytes(rows(suffix));
+        let most = allow_dynamic_shared(device, kernels.get(name)?)?;
+        if most < needed {
+            return Err(Error::Backend(format!(
+                "{name} needs {needed} bytes of shared memory a block; the device allows {most}"
+            )));
+        }
+    }
+    Ok(())
+}
 
 impl CudaBackend {
     /// Launches the grouped product `params` describes on weights with kernel suffix `suffix`
@@ -29,12 +63,14 @@ impl CudaBackend {
             .ok()
             .filter(|&y| y <= 65535)
             .ok_or_else(|| Error::Backend(format!("experts: {slot_tiles} tiles of grouped pairs")))?;
-        let rows = if glu { ROWS / 2 } else { ROWS };
-        let row_tiles = (params.n_out as usize).div_ceil(rows) as u32;
-        self.launch(
-            &super::kernels::expert_gemm_kernel(glu, suffix),
+        let rows = rows(suffix);
+        let outputs = if glu { rows / 2 } else { rows };
+        let row_tiles = (params.n_out as usize).div_ceil(outputs) as u32;
+        self.launch_shared(
+            &kernels::expert_gemm_kernel(glu, suffix),
             (row_tiles, slot_tiles, 1),
             256,
+            shared_bytes(rows),
             params,
         )
     }

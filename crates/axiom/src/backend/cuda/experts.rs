@@ -47,11 +47,13 @@ enum Pairs {
     Grouped { offsets: BlockHandle },
 }
 
-/// The input rows of expert products: f32, or quantized for the integer kernels.
+/// The input rows of expert products: f32, quantized for the integer kernels, or in the 16 bits
+/// (f16 or bf16) that grouped products take on the tensor cores.
 #[derive(Clone, Copy)]
 enum Rows {
     F32(BlockHandle),
     Int8(Quantized),
+    Sixteen(BlockHandle, GgmlType),
 }
 
 /// `buffer` as int8 staging for `n` activations of experts of `ty` (`quantize_activations`):
@@ -189,7 +191,7 @@ impl CudaBackend {
             self.expert_stack(set.down)?,
         );
         let (pairs, inputs, per_token, sum_slots) = if n_tokens <= PAIRWISE_MAX_TOKENS {
-            (Pairs::Each { ids: routes.ids }, x, k, None)
+            (Pairs::Each { ids: routes.ids }, Rows::F32(x), k, None)
         } else {
             let groups = ExpertScratch::groups_len(n_experts, n_pairs);
             if scratch.groups.len < groups * 4 {
@@ -231,6 +233,10 @@ impl CudaBackend {
                 &params,
             )?;
             self.launch_shared("group_pairs_place", (blocks, 1, 1), threads, counters as u32, &params)?;
+            // In 16 bits where gate and up both take them so on the tensor cores.
+            let sixteen = self
+                .gemm_rows(gate.0.ty)
+                .filter(|&ty| Some(ty) == self.gemm_rows(up.0.ty));
             self.launch(
                 "gather_pairs",
                 (blocks_for(n_pairs * dim / 4, 256).min(4096), 1, 1),
@@ -243,12 +249,23 @@ impl CudaBackend {
                     n_experts: n_experts as i32,
                     k: k as i32,
                     dim: dim as i32,
+                    row_type: sixteen.unwrap_or(GgmlType::F32).id() as i32,
                 },
             )?;
-            (Pairs::Grouped { offsets }, scratch.rows, 1, Some(slots))
+            let rows = match sixteen {
+                Some(ty) => Rows::Sixteen(scratch.rows, ty),
+                None => Rows::F32(scratch.rows),
+            };
+            (Pairs::Grouped { offsets }, rows, 1, Some(slots))
         };
         let product = |w: (&CudaWeight, ExpertWeights), up: Option<ExpertWeights>, x, per_token, out| {
             self.expert_products(pairs, w, up, set.activation, (x, per_token), out, n_pairs, n_experts)
+        };
+        // The hidden rows: in 16 bits where the gate and up products and the down products all
+        // run on the tensor cores, so that the down products read half the bytes.
+        let hidden = match (inputs, self.gemm_rows(down.0.ty)) {
+            (Rows::Sixteen(..), Some(ty)) if gate.0.ty == up.0.ty => Rows::Sixteen(scratch.hidden, ty),
+            _ => Rows::F32(scratch.hidden),
         };
         if gate.0.ty == up.0.ty {
             // Pairwise, on int8 activations where the experts' type allows: the tokens' rows
@@ -262,12 +279,12 @@ impl CudaBackend {
                         self.quantize_activations(Input::Rows(x), staging, n_tokens, gate.0)?
                     }
                 }),
-                _ => Rows::F32(inputs),
+                _ => inputs,
             };
-            product(gate, Some(up.1), rows, per_token, scratch.hidden)?;
+            product(gate, Some(up.1), rows, per_token, hidden)?;
         } else {
-            product(gate, None, Rows::F32(inputs), per_token, scratch.gate)?;
-            product(up, None, Rows::F32(inputs), per_token, scratch.up)?;
+            product(gate, None, inputs, per_token, Rows::F32(scratch.gate))?;
+            product(up, None, inputs, per_token, Rows::F32(scratch.up))?;
             self.launch_glu(
                 scratch.gate,
                 scratch.up,
@@ -287,7 +304,7 @@ impl CudaBackend {
             };
             return self.down_sum(down, ids, routes.weights, hidden, residual, n_tokens, k, n_experts);
         }
-        product(down, None, Rows::F32(scratch.hidden), 1, scratch.out)?;
+        product(down, None, hidden, 1, Rows::F32(scratch.out))?;
         let n = n_tokens * dim;
         self.launch(
             "experts_sum",
@@ -311,7 +328,7 @@ impl CudaBackend {
     /// to `residual` in one launch (expert_down_sum in kernels/experts.cu): a block's eight warps
     /// take one pick each, so the rows a block covers are as many as eight warps' worth over the
     /// `k` picks (all k picks in one round up to eight), a warp's rows two for Q4_K on int8
-    /// activations, else one.
+    /// activations (four for narrow experts), else one.
     #[allow(clippy::too_many_arguments)]
     fn down_sum(
         &self,
@@ -329,9 +346,14 @@ impl CudaBackend {
         let (int8, x, xq, xd) = match hidden {
             Rows::F32(x) => (false, self.ptr(x), 0, 0),
             Rows::Int8(q) => (true, 0, self.ptr(q.xq), self.ptr(q.xd)),
+            Rows::Sixteen(..) => return Err(Error::Backend("experts: 16-bit rows are for grouped products".into())),
         };
-        let rows_per_warp = if int8 && w.ty == GgmlType::Q4K { Q4K_ROWS } else { 1 };
-        let name = kernels::expert_down_sum_kernel(int8, suffix);
+        let q4k = int8 && w.ty == GgmlType::Q4K;
+        let (name, rows_per_warp) = match (q4k, w.n_in <= kernels::Q4K_NARROW_IN) {
+            (true, true) => (kernels::EXPERT_DOWN_SUM_NARROW_Q4K.to_string(), 4),
+            (true, false) => (kernels::expert_down_sum_kernel(int8, suffix), Q4K_ROWS),
+            (false, _) => (kernels::expert_down_sum_kernel(int8, suffix), 1),
+        };
         let params = ExpertDownSumParams {
             w: stack,
             ids: self.ptr(ids),
@@ -356,7 +378,8 @@ impl CudaBackend {
 
     /// One launch of expert products: matrix `w` (with `up`, act(gate) * up) of each pair's expert
     /// by its input row (row `pair / per_token` of `x` per pair, or the pair's slot grouped) into
-    /// its row of `out`. Int8 rows are for pairs' gate and up products only.
+    /// its row of `out`. Int8 rows are for pairs' gate and up products only; 16-bit rows for
+    /// grouped products on the tensor cores, which alone write 16-bit rows (with `up`).
     #[allow(clippy::too_many_arguments)]
     fn expert_products(
         &self,
@@ -365,15 +388,40 @@ impl CudaBackend {
         up: Option<ExpertWeights>,
         act: Activation,
         (x, per_token): (Rows, usize),
-        out: BlockHandle,
+        out: Rows,
         n_pairs: usize,
         n_experts: usize,
     ) -> Result<()> {
         let suffix = Self::type_suffix(w.ty)?;
+        let grouped = matches!(pairs, Pairs::Grouped { .. });
         let (ids, offsets, grid_y) = match pairs {
             Pairs::Each { ids } => (self.ptr(ids), 0, n_pairs),
             Pairs::Grouped { offsets } => (0, self.ptr(offsets), n_experts),
         };
+        let (out, out_type) = match out {
+            Rows::F32(out) => (out, GgmlType::F32),
+            Rows::Sixteen(out, ty) if up.is_some() => (out, ty),
+            _ => {
+                return Err(Error::Backend(
+                    "experts: products write f32 rows, or 16-bit ones with GLU".into(),
+                ))
+            }
+        };
+        let on_tensor_cores = match x {
+            Rows::Sixteen(_, ty) if grouped && self.gemm_rows(w.ty) == Some(ty) => true,
+            Rows::Sixteen(_, ty) => {
+                return Err(Error::Backend(format!(
+                    "experts: {ty:?} rows for products of {:?} weights",
+                    w.ty
+                )))
+            }
+            _ => false,
+        };
+        if out_type != GgmlType::F32 && !on_tensor_cores {
+            return Err(Error::Backend(
+                "experts: 16-bit rows out only on the tensor cores".into(),
+            ));
+        }
         let (name, x, xq, xd) = match (pairs, x, up) {
             (Pairs::Each { .. }, Rows::Int8(q), Some(_)) => (
                 kernels::expert_int_glu_kernel(suffix),
@@ -386,12 +434,9 @@ impl CudaBackend {
                     "experts: int8 rows are for pairs' gate and up products".into(),
                 ))
             }
-            (_, Rows::F32(x), _) => (
-                kernels::expert_kernel(matches!(pairs, Pairs::Grouped { .. }), up.is_some(), suffix),
-                self.ptr(x),
-                0,
-                0,
-            ),
+            (_, Rows::F32(x) | Rows::Sixteen(x, _), _) => {
+                (kernels::expert_kernel(grouped, up.is_some(), suffix), self.ptr(x), 0, 0)
+            }
         };
         let params = ExpertProductParams {
             w: stack,
@@ -407,8 +452,9 @@ impl CudaBackend {
             n_experts: n_experts as i32,
             rows_per_token: per_token as i32,
             act: act.code() as i32,
+            out_type: out_type.id() as i32,
         };
-        if matches!(pairs, Pairs::Grouped { .. }) && self.paths.expert_gemm(w.ty) {
+        if on_tensor_cores {
             return self.launch_expert_gemm(&params, suffix, up.is_some(), n_pairs);
         }
         let grid_y = u32::try_from(grid_y)
@@ -416,6 +462,16 @@ impl CudaBackend {
             .filter(|&y| y <= 65535)
             .ok_or_else(|| Error::Backend(format!("experts: a grid of {grid_y} pairs or experts")))?;
         self.launch(&name, (w.n_out.div_ceil(8) as u32, grid_y, 1), 256, &params)
+    }
+
+    /// The 16-bit type in which grouped products of `ty` weights take their rows on the tensor
+    /// cores (expert_gemm.cu), where the paths put them there: bf16 for bf16 weights, else f16.
+    fn gemm_rows(&self, ty: GgmlType) -> Option<GgmlType> {
+        self.paths.expert_gemm(ty).then_some(if ty == GgmlType::BF16 {
+            GgmlType::BF16
+        } else {
+            GgmlType::F16
+        })
     }
 
     /// The first of `matrices` and the kernels' view of them all: expert 0's fields and each

@@ -1,5 +1,6 @@
 //! Flash attention on tensor cores (kernels/flash_attention.cu on mma.sync, flash_attention_wg.cu
-//! on Hopper's warpgroup MMAs): how a step is cut into blocks and query tiles, and the launcher.
+//! on Hopper's warpgroup MMAs, flash_decode.cu for steps of one token a tile): how a step is cut
+//! into blocks and query tiles, and the launcher.
 
 use super::device::CudaDevice;
 use super::kernels::{self, Kernels};
@@ -24,6 +25,18 @@ const FLASH_WG_KEYS: usize = 64;
 
 /// Query rows of a group of a flash-attention block: a warpgroup's, or a 16 each of four warps.
 const FLASH_GROUP_ROWS: usize = 64;
+
+/// Keys per step of flash_decode.cu (FD_KEYS: 16 for each of its FD_WARPS warps), its threads,
+/// and the query heads of one KV head that a block takes (one MMA group's rows).
+const DECODE_KEYS: usize = 64;
+const DECODE_THREADS: u32 = 128;
+const DECODE_HEADS: usize = 16;
+
+/// A flash_decode block's dynamic shared memory: two buffers of keys and two of values, then its
+/// 16 query rows, in f16, each row of `head_dim` padded by 16 bytes.
+fn decode_shared(head_dim: usize) -> u32 {
+    ((4 * DECODE_KEYS + DECODE_HEADS) * (head_dim + 8) * 2) as u32
+}
 
 /// The most rotated pairs of a head flash attention takes (heads of at most 128).
 pub(super) const FLASH_MAX_PAIRS: usize = 64;
@@ -90,7 +103,8 @@ impl FlashBlocks {
 }
 
 /// Splits a step's tokens into runs of one sequence at consecutive positions, at most `tile`
-/// long: `(first token, count)` pairs, flattened, for flash_attention.cu.
+/// long: `(first token, count)` pairs, flattened, those of several tokens (for
+/// flash_attention.cu) before those of one (for flash_decode.cu), each in token order.
 fn query_tiles(positions: &[u32], token_seqs: &[u32], tile: usize) -> Vec<u32> {
     let mut tiles: Vec<u32> = Vec::new();
     for t in 0..positions.len() {
@@ -103,16 +117,21 @@ fn query_tiles(positions: &[u32], token_seqs: &[u32], tile: usize) -> Vec<u32> {
             _ => tiles.extend([t as u32, 1]),
         }
     }
-    tiles
+    let (mut several, one): (Vec<[u32; 2]>, Vec<[u32; 2]>) =
+        tiles.chunks(2).map(|t| [t[0], t[1]]).partition(|t| t[1] > 1);
+    several.extend(one);
+    several.concat()
 }
 
 /// A flash-attention step's plan (`Kernels::plan_step`): its blocks, and the query tiles it
-/// made, already written to the tiles block.
+/// made, already written to the tiles block: `n_tiles` of several tokens for flash_attention.cu,
+/// then `n_single` of one token (sequences decoding) for flash_decode.cu.
 #[derive(Clone, Copy)]
 pub struct FlashPlan {
     blocks: FlashBlocks,
     n_tokens: usize,
     n_tiles: u32,
+    n_single: u32,
 }
 
 /// The head sizes flash attention takes on this device (64 and 128 where a block may have their
@@ -131,6 +150,8 @@ pub(super) fn flash_head_dims(device: &CudaDevice, kernels: &Kernels) -> Result<
                 fits &= blocks.shared() <= allow_dynamic_shared(device, kernels.get(&blocks.kernel())?)?;
             }
         }
+        let decode = kernels.get(&kernels::flash_decode_kernel(head_dim))?;
+        fits &= decode_shared(head_dim) <= allow_dynamic_shared(device, decode)?;
         if fits {
             dims.push(head_dim);
         }
@@ -192,15 +213,20 @@ impl CudaBackend {
             None => FlashBlocks::for_step(shape, n_tokens, self.device.multiprocessors, self.flash_warpgroups),
         };
         let tiles = query_tiles(layout.positions, layout.token_seqs, blocks.tile());
-        let n_tiles = u32::try_from(tiles.len() / 2)
-            .ok()
-            .filter(|&n| n <= MAX_GRID_Y)
-            .ok_or_else(|| Error::Backend(format!("{n_tokens} tokens make too many attention tiles")))?;
+        let single = tiles.chunks(2).filter(|t| t[1] == 1).count();
+        let grid = |n: usize| {
+            u32::try_from(n)
+                .ok()
+                .filter(|&n| n <= MAX_GRID_Y)
+                .ok_or_else(|| Error::Backend(format!("{n_tokens} tokens make too many attention tiles")))
+        };
+        let (n_tiles, n_single) = (grid(tiles.len() / 2 - single)?, grid(single)?);
         self.write_u32(tiles_block, &tiles)?;
         Ok(Some(FlashPlan {
             blocks,
             n_tokens,
             n_tiles,
+            n_single,
         }))
     }
 
@@ -228,7 +254,7 @@ impl CudaBackend {
         let tiles_block = self
             .flash_tiles
             .ok_or_else(|| Error::Backend("no flash-attention tiles reserved".into()))?;
-        let FlashPlan { blocks, n_tiles, .. } = plan
+        let plan = plan
             .filter(|p| p.n_tokens == n_tokens && p.blocks.head_dim == shape.head_dim)
             .ok_or_else(|| {
                 Error::Backend(format!(
@@ -253,34 +279,58 @@ impl CudaBackend {
             }
             None => (0, 0),
         };
-        // Heads first, then tiles: the kernel takes the tiles from the last (see
-        // flash_attention.cu).
-        self.launch_shared(
-            &blocks.kernel(),
-            (shape.n_heads as u32, n_tiles, 1),
-            blocks.threads(),
-            blocks.shared(),
-            &FlashAttentionParams {
-                q: self.ptr(q),
-                k_cache: self.ptr(k_cache),
-                v_cache: self.ptr(v_cache),
-                positions: self.ptr(positions),
-                tables: self.ptr(pages.block_tables),
-                table_width: pages.table_width as i32,
-                token_seqs: self.ptr(pages.token_seqs),
-                page_size,
-                tiles: self.ptr(tiles_block),
-                turns,
-                pairing,
-                out,
-                out_type: out_type.id() as i32,
-                n_heads: shape.n_heads as i32,
-                n_kv_heads: shape.n_kv_heads as i32,
-                scale: scores.scale,
-                softcap: scores.softcap,
-                window: scores.window,
-            },
-        )
+        let params = FlashAttentionParams {
+            q: self.ptr(q),
+            k_cache: self.ptr(k_cache),
+            v_cache: self.ptr(v_cache),
+            positions: self.ptr(positions),
+            tables: self.ptr(pages.block_tables),
+            table_width: pages.table_width as i32,
+            token_seqs: self.ptr(pages.token_seqs),
+            page_size,
+            tiles: self.ptr(tiles_block),
+            turns,
+            pairing,
+            out,
+            out_type: out_type.id() as i32,
+            n_heads: shape.n_heads as i32,
+            n_kv_heads: shape.n_kv_heads as i32,
+            scale: scores.scale,
+            softcap: scores.softcap,
+            window: scores.window,
+        };
+        let blocks = plan.blocks;
+        if plan.n_tiles > 0 {
+            // Heads first, then tiles: the kernel takes the tiles from the last (see
+            // flash_attention.cu).
+            self.launch_shared(
+                &blocks.kernel(),
+                (shape.n_heads as u32, plan.n_tiles, 1),
+                blocks.threads(),
+                blocks.shared(),
+                &params,
+            )?;
+        }
+        if plan.n_single > 0 {
+            // KV heads, then the one-token tiles after the others, then the query heads of a KV
+            // head 16 at a time.
+            let heads_per_kv = shape.n_heads / shape.n_kv_heads;
+            self.launch_shared(
+                &kernels::flash_decode_kernel(shape.head_dim),
+                (
+                    shape.n_kv_heads as u32,
+                    plan.n_single,
+                    heads_per_kv.div_ceil(DECODE_HEADS) as u32,
+                ),
+                DECODE_THREADS,
+                decode_shared(shape.head_dim),
+                &FlashAttentionParams {
+                    tiles: params.tiles + 8 * plan.n_tiles as u64,
+                    ..params
+                },
+            )?;
+        }
+        Ok(())
     }
 }
 
@@ -296,9 +346,10 @@ mod tests {
         let mut seqs = vec![0u32; 140];
         positions.extend([40, 0, 1]);
         seqs.extend([1, 2, 2]);
+        // The one-token tile (sequence 1's decode) goes after the others.
         assert_eq!(
             query_tiles(&positions, &seqs, 128),
-            vec![0, 128, 128, 12, 140, 1, 141, 2]
+            vec![0, 128, 128, 12, 141, 2, 140, 1]
         );
         assert_eq!(query_tiles(&positions, &seqs, 64)[..6], [0, 64, 64, 64, 128, 12]);
         assert!(query_tiles(&[], &[], 64).is_empty());

@@ -27,6 +27,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("attention.cu", include_str!("kernels/attention.cu")),
     ("flash_attention.cu", include_str!("kernels/flash_attention.cu")),
     ("flash_attention_wg.cu", include_str!("kernels/flash_attention_wg.cu")),
+    ("flash_decode.cu", include_str!("kernels/flash_decode.cu")),
     ("elementwise.cu", include_str!("kernels/elementwise.cu")),
     ("argmax.cu", include_str!("kernels/argmax.cu")),
     ("experts.cu", include_str!("kernels/experts.cu")),
@@ -138,6 +139,14 @@ pub fn expert_down_sum_kernel(int8: bool, ty: &str) -> String {
     format!("expert_down_sum{int8}_{ty}")
 }
 
+/// Q4_K's fused down products and sum on int8 activations for experts of narrow rows (at most
+/// `Q4K_NARROW_IN` values), four rows a warp.
+pub const EXPERT_DOWN_SUM_NARROW_Q4K: &str = "expert_down_sum_int_narrow_q4_k";
+
+/// The widest expert rows `EXPERT_DOWN_SUM_NARROW_Q4K` takes (as Q4K_NARROW_IN in
+/// kernels/experts.cu): one stage of its four rows.
+pub const Q4K_NARROW_IN: usize = 1024;
+
 /// Whether weights of type `ty` have matrix-vector kernels on int8 activations: the GGUF block
 /// types'. FP8 codes have no integer form that keeps them exact, and a byte a weight streams at the
 /// memory's limit on f32 activations.
@@ -177,6 +186,12 @@ pub fn flash_attention_kernel(head_dim: usize, groups: usize, warpgroups: bool) 
         "flash_attention"
     };
     format!("{kind}_{head_dim}_{groups}")
+}
+
+/// The flash-attention kernel for steps of one-token query tiles, heads of `head_dim`
+/// (flash_decode.cu).
+pub fn flash_decode_kernel(head_dim: usize) -> String {
+    format!("flash_decode_{head_dim}")
 }
 
 /// Whether the kernels compiled for `arch` include those on Hopper's warpgroup MMAs.
@@ -275,6 +290,7 @@ pub fn kernel_names(arch: &str) -> Vec<String> {
     names.extend(integer.iter().map(|ty| expert_int_glu_kernel(ty)));
     names.extend(every_type.iter().map(|ty| expert_down_sum_kernel(false, ty)));
     names.extend(integer.iter().map(|ty| expert_down_sum_kernel(true, ty)));
+    names.push(EXPERT_DOWN_SUM_NARROW_Q4K.to_string());
     if has_fp8_gemm(arch) {
         names.extend(["quantize_fp8", "quantize_fp8_glu", "rms_norm_16_fp8"].map(String::from));
     }
@@ -282,6 +298,7 @@ pub fn kernel_names(arch: &str) -> Vec<String> {
         for &warpgroups in flash_attention_kinds(arch) {
             names.extend([1, 2].map(|groups| flash_attention_kernel(head_dim, groups, warpgroups)));
         }
+        names.push(flash_decode_kernel(head_dim));
     }
     names
 }

@@ -60,7 +60,11 @@ impl CudaBackend {
         let page_size = page_size_arg(&kv.pages)?;
         let (dims, halves, scale) = rope_args(new.rope)?;
         let heads = shape.n_heads + shape.n_kv_heads;
+        // A flash step's blocks take all of a token's key heads, or one each where the step's
+        // tokens alone would leave multiprocessors idle (each block turns its own angles).
+        let few_tokens = n_tokens < 2 * self.device.multiprocessors as usize;
         let (first_head, group) = match turns {
+            Some(_) if few_tokens => (shape.n_heads, 1),
             Some(_) => (shape.n_heads, shape.n_kv_heads),
             None if n_tokens >= FLASH_MIN_TOKENS => (0, heads),
             None => (0, ROPE_HEADS),

@@ -127,6 +127,7 @@ impl CudaBackend {
         let quantize_padding = quantize_padding(&device, kernels.get("quantize_q8")?)?;
         let flash_warpgroups = kernels::has_warpgroup_mma(device.arch);
         let flash_head_dims = flash_head_dims(&device, &kernels)?;
+        expert_gemm::allow_expert_gemm_shared(&device, &kernels)?;
         // SAFETY: only probes for the shared library.
         if !unsafe { cublas_sys::is_culib_present() } {
             return Err(Error::Backend("cuBLAS (libcublas.so) is not installed".into()));

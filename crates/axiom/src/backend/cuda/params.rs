@@ -280,7 +280,7 @@ kernel_params! {
 
     /// Flash attention on either kind of MMA: `turns` is 0 unless it rotates the queries; the
     /// scores' fields as for `AttentionParams`.
-    struct FlashAttentionParams for ["flash_attention"] {
+    struct FlashAttentionParams for ["flash_attention", "flash_decode"] {
         q: u64,
         k_cache: u64,
         v_cache: u64,
@@ -394,7 +394,8 @@ kernel_params! {
     /// its output row. Pairwise, the pairs' experts are `ids` and pair i reads row
     /// `i / rows_per_token` of `x`; grouped, expert e's slots are `offsets[e]..offsets[e + 1]`
     /// of `x` and `out`. The int8 kernels (`expert_rows_int_glu`) read each token's row quantized, in
-    /// `xq` and `xd`, instead of `x`.
+    /// `xq` and `xd`, instead of `x`; the tensor cores' (`expert_gemm_`) read 16-bit rows and
+    /// write `out` in f32 or the 16 bits of `out_type` (a `GgmlType` id).
     struct ExpertProductParams for ["expert_rows_", "expert_groups_", "expert_gemm_"] {
         w: ExpertWeights,
         up: ExpertWeights,
@@ -409,6 +410,7 @@ kernel_params! {
         n_experts: i32,
         rows_per_token: i32,
         act: i32,
+        out_type: i32,
     }
 
     /// The down products of small steps fused with their weighted sum: pair i's expert `ids[i]`
@@ -442,7 +444,8 @@ kernel_params! {
         n_experts: i32,
     }
 
-    /// gather_pairs: `rows[s]` = row `pairs[s] / k` of `x` (`dim` values) for the grouped slots.
+    /// gather_pairs: `rows[s]` = row `pairs[s] / k` of `x` (`dim` values) for the grouped slots,
+    /// in f32 or the 16 bits of `row_type` (a `GgmlType` id).
     struct GatherPairsParams for ["gather_pairs"] {
         x: u64,
         rows: u64,
@@ -451,6 +454,7 @@ kernel_params! {
         n_experts: i32,
         k: i32,
         dim: i32,
+        row_type: i32,
     }
 
     /// experts_sum: each token's `k` expert rows of `out` (pair i's at row `slots[i]`, or i where

@@ -145,6 +145,11 @@ __device__ __forceinline__ void store_q8x4(float4 v, bool valid, u32* xq, float*
 // f32 to f16 (kind TY_F16) or bf16 (TY_BF16), the 16-bit inputs of cuBLAS.
 __device__ __forceinline__ u16 to_16bit(float v, int kind) { return kind == TY_BF16 ? f32_to_bf16(v) : f32_to_f16(v); }
 __device__ __forceinline__ float from_16bit(u16 v, int kind) { return kind == TY_BF16 ? bf16_to_f32(v) : f16_to_f32(v); }
+// Four values in 16 bits, as to_16bit makes each.
+__device__ __forceinline__ uint2 pack_16bit4(float4 v, int kind) {
+    return make_uint2((u32)to_16bit(v.x, kind) | ((u32)to_16bit(v.y, kind) << 16),
+                      (u32)to_16bit(v.z, kind) | ((u32)to_16bit(v.w, kind) << 16));
+}
 
 // The paged KV cache: a sequence's position p lives in row table[p / page_size] * page_size +
 // p % page_size of each layer's cache, where table is its row of the block tables. The page size

@@ -1,44 +1,47 @@
 // Expert products of steps long enough to group their pairs by expert (cuda/expert_gemm.rs), on the
 // tensor cores: one launch computes every expert's product over its slots (group_pairs). A block
 // takes a tile of EG_SLOTS consecutive slots of one expert (blockIdx.y; the tiles are found from the
-// offsets on the device, so the host never learns the groups' sizes) and EG_ROWS rows of the
+// offsets on the device, so the host never learns the groups' sizes) and Tile::ROWS rows of the
 // expert's matrix (blockIdx.x, so that the blocks run one after another share the slots' rows in
-// L2). Its 8 warps each own 16 slots by 32 weight rows. The input rows (f32) and the weights
-// (dequantized by dequant.cuh's chunks, or 16-bit floats as stored) go through shared memory as f16
-// (bf16 for bf16 weights) EG_DEPTH inputs at a time; the next tile's loads are issued before the
-// MMAs of this one. m16n8k16 MMAs, f32 accumulation, fragments by ldmatrix. With GLU the block's
-// rows are EG_ROWS / 2 rows of gate and the same rows of up, interleaved by eights, so that a lane
-// holds a gate sum and its up sum and writes act(gate) * up. Rows out are f32, one per slot.
+// L2). Its 8 warps each own 16 slots by a half of those rows. Every block reads its slots' input
+// rows whole, so the more weight rows a block takes and the narrower the rows, the fewer bytes a
+// step's inputs move through L2 (the most of a grouped product's traffic): quantized weights take
+// 128 rows, 16-bit ones 64 (their staged loads would spill at 128), and the input rows come in the
+// 16 bits the MMAs take, f16 (bf16 for bf16 weights), written so by gather_pairs or by the gate and
+// up product's epilogue. They and the weights (dequantized by dequant.cuh's chunks, or 16-bit floats
+// as stored) go through shared memory EG_DEPTH inputs at a time; the next tile's loads are issued
+// before the MMAs of this one. m16n8k16 MMAs, f32 accumulation, fragments by ldmatrix. With GLU the
+// block's rows are Tile::ROWS / 2 rows of gate and the same rows of up, interleaved by eights, so
+// that a lane holds a gate sum and its up sum and writes act(gate) * up. Rows out are one per slot,
+// f32 or (out_type) 16-bit for a down product on these kernels. The tiles take more shared memory
+// than a block has statically: the launch asks for (EG_SLOTS + Tile::ROWS) * EG_STRIDE 16-bit values.
 #define EG_SLOTS 64
-#define EG_ROWS 64
 #define EG_DEPTH 128
 // Rows of the tiles in shared memory, padded by 16 bytes so that ldmatrix's eight rows fall in
 // distinct banks.
 #define EG_STRIDE (EG_DEPTH + 8)
 
-// 16-bit values (f16, or bf16 with BF16) from f32.
-template <bool BF16> __device__ __forceinline__ u32 pack_16(float lo, float hi) {
-    return BF16 ? (u32)f32_to_bf16(lo) | ((u32)f32_to_bf16(hi) << 16) : pack_f16(lo, hi);
-}
-
-// Weights of a quantized type, a chunk (32 values) a thread per depth tile: EG_ROWS rows of
-// EG_DEPTH / 32 chunks each. Every type's chunks 4j..4j+3 hold exactly the row's values
-// 128j..128j+127 (dequant.cuh), so a tile decodes whole chunks into place.
+// Weights of a quantized type, CHUNKS chunks (32 values) a thread per depth tile: ROWS rows of
+// EG_DEPTH / 32 chunks each, chunk i of a thread in row threadIdx.x / 4 + 64 i. Every type's
+// chunks 4j..4j+3 hold exactly the row's values 128j..128j+127 (dequant.cuh), so a tile decodes
+// whole chunks into place.
 template <int TY> struct QuantTile {
     static constexpr bool BF16 = false;
-    IntChunk k;
+    static constexpr int ROWS = 128, CHUNKS = ROWS * (EG_DEPTH / 32) / 256;
+    IntChunk k[CHUNKS];
 
-    __device__ __forceinline__ void load(const Weight& w, int row, bool valid, int tile) {
+    __device__ __forceinline__ void load(int i, const Weight& w, int row, bool valid, int tile) {
         int c = tile * (EG_DEPTH / 32) + threadIdx.x % (EG_DEPTH / 32);
         if (valid && 32 * c < w.n_in) {
-            k = int_chunk<TY>(w, row, c);
+            k[i] = int_chunk<TY>(w, row, c);
         } else {
             // Zeros, at positions that the tile's other chunks leave to this one.
-            k = IntChunk{{}, {0.0f, 0.0f}, {0.0f, 0.0f}, {32 * c, 32 * c + 16}};
+            k[i] = IntChunk{{}, {0.0f, 0.0f}, {0.0f, 0.0f}, {32 * c, 32 * c + 16}};
         }
     }
 
-    __device__ __forceinline__ void store(u16* tile_row, int tile) const {
+    __device__ __forceinline__ void store(int i, u16* tile_row, int tile) const {
+        const IntChunk& k = this->k[i];
         for (int r = 0; r < 2; r++) {
             u32 packed[8];
             for (int j = 0; j < 8; j++) {
@@ -53,12 +56,12 @@ template <int TY> struct QuantTile {
         }
     }
 };
-static_assert(EG_ROWS * (EG_DEPTH / 32) == 256, "a chunk a thread");
+static_assert(QuantTile<TY_Q4_K>::CHUNKS * 256 == QuantTile<TY_Q4_K>::ROWS * (EG_DEPTH / 32), "whole chunks a thread");
 
 // Weights stored as 16-bit floats: copied as they are, 8 values at a time, 4 pieces a thread.
 template <int TY> struct FloatTile {
     static constexpr bool BF16 = TY == TY_BF16;
-    static constexpr int PIECES = EG_DEPTH / 8, PER_THREAD = EG_ROWS * PIECES / 256;
+    static constexpr int ROWS = 64, PIECES = EG_DEPTH / 8, PER_THREAD = ROWS * PIECES / 256;
     uint4 v[PER_THREAD];
 };
 
@@ -97,8 +100,8 @@ __device__ __forceinline__ void find_tile(const u32* offsets, int n_experts, u32
 
 template <typename Tile, int TY, bool GLU> __device__ void expert_gemm(const ExpertProductParams& p) {
     constexpr bool BF16 = Tile::BF16;
-    __shared__ __align__(16) u16 xs[EG_SLOTS * EG_STRIDE];
-    __shared__ __align__(16) u16 ws[EG_ROWS * EG_STRIDE];
+    extern __shared__ __align__(16) u16 eg_tiles[];
+    u16 *xs = eg_tiles, *ws = eg_tiles + EG_SLOTS * EG_STRIDE;
     __shared__ int tile_expert;
     __shared__ u32 tile_first;
     begin_after_inputs();
@@ -108,24 +111,26 @@ template <typename Tile, int TY, bool GLU> __device__ void expert_gemm(const Exp
     if (e < 0) return;
     u32 first = tile_first;
     int n_slots = min((u32)EG_SLOTS, p.offsets[e + 1] - first), n_in = p.n_in;
-    int out_first = blockIdx.x * (GLU ? EG_ROWS / 2 : EG_ROWS);
+    constexpr int ROWS = Tile::ROWS, WARP_ROWS = ROWS / 2;
+    int out_first = blockIdx.x * (GLU ? ROWS / 2 : ROWS);
     Weight gate = expert_weight(p.w, e, n_in), up = GLU ? expert_weight(p.up, e, n_in) : gate;
 
-    // Input rows: EG_SLOTS rows of EG_DEPTH / 4 float4s, 8 a thread.
-    constexpr int X_PIECES = EG_DEPTH / 4, X_PER_THREAD = EG_SLOTS * X_PIECES / 256;
-    float4 xr[X_PER_THREAD];
+    // Input rows, 16-bit already (gather_pairs, or the GLU's epilogue below): EG_SLOTS rows of
+    // EG_DEPTH / 8 pieces of 8 values, 4 a thread.
+    constexpr int X_PIECES = EG_DEPTH / 8, X_PER_THREAD = EG_SLOTS * X_PIECES / 256;
+    const u16* x = (const u16*)p.x;
+    uint4 xr[X_PER_THREAD];
     auto load_x = [&](int tile) {
         for (int i = 0; i < X_PER_THREAD; i++) {
-            int at = threadIdx.x + 256 * i, slot = at / X_PIECES, col = tile * EG_DEPTH + 4 * (at % X_PIECES);
-            xr[i] = slot < n_slots && col < n_in ? *(const float4*)(p.x + (u64)(first + slot) * n_in + col)
-                                                 : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            int at = threadIdx.x + 256 * i, slot = at / X_PIECES, col = tile * EG_DEPTH + 8 * (at % X_PIECES);
+            xr[i] = slot < n_slots && col < n_in ? *(const uint4*)(x + (u64)(first + slot) * n_in + col)
+                                                 : make_uint4(0, 0, 0, 0);
         }
     };
     auto store_x = [&]() {
         for (int i = 0; i < X_PER_THREAD; i++) {
-            int at = threadIdx.x + 256 * i, slot = at / X_PIECES, col = 4 * (at % X_PIECES);
-            *(uint2*)(xs + slot * EG_STRIDE + col) = make_uint2(pack_16<BF16>(xr[i].x, xr[i].y),
-                                                                pack_16<BF16>(xr[i].z, xr[i].w));
+            int at = threadIdx.x + 256 * i;
+            *(uint4*)(xs + (at / X_PIECES) * EG_STRIDE + 8 * (at % X_PIECES)) = xr[i];
         }
     };
     // The weight row behind tile row r (past the matrix where at least n_out), and its matrix.
@@ -146,9 +151,11 @@ template <typename Tile, int TY, bool GLU> __device__ void expert_gemm(const Exp
                                                     : make_uint4(0, 0, 0, 0);
             }
         } else {
-            Weight w;
-            int o = weight_row(threadIdx.x / (EG_DEPTH / 32), &w);
-            wr.load(w, o, o < p.n_out, tile);
+            for (int i = 0; i < Tile::CHUNKS; i++) {
+                Weight w;
+                int o = weight_row(threadIdx.x / (EG_DEPTH / 32) + 64 * i, &w);
+                wr.load(i, w, o, o < p.n_out, tile);
+            }
         }
     };
     auto store_w = [&](int tile) {
@@ -158,17 +165,17 @@ template <typename Tile, int TY, bool GLU> __device__ void expert_gemm(const Exp
                 *(uint4*)(ws + r * EG_STRIDE + 8 * (at % Tile::PIECES)) = wr.v[i];
             }
         } else {
-            wr.store(ws + (threadIdx.x / (EG_DEPTH / 32)) * EG_STRIDE, tile);
+            for (int i = 0; i < Tile::CHUNKS; i++) wr.store(i, ws + (threadIdx.x / (EG_DEPTH / 32) + 64 * i) * EG_STRIDE, tile);
         }
     };
 
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    int warp_slot = 16 * (warp % 4), warp_row = 32 * (warp / 4);
+    int warp_slot = 16 * (warp % 4), warp_row = WARP_ROWS * (warp / 4);
     // ldmatrix rows: A's x4 gives slots 0-7 and 8-15 at depths 0-7, then both at 8-15; B's gives
     // weight rows 0-7 at depths 0-7 and 8-15, then rows 8-15 at both.
     u32 x_at = shared_address(xs + (warp_slot + lane % 16) * EG_STRIDE + 8 * (lane / 16));
     u32 w_at = shared_address(ws + (warp_row + 8 * (lane / 16) + lane % 8) * EG_STRIDE + 8 * (lane / 8 % 2));
-    float acc[4][4] = {};
+    float acc[WARP_ROWS / 8][4] = {};
     int tiles = (n_in + EG_DEPTH - 1) / EG_DEPTH;
     load_x(0);
     load_w(0);
@@ -181,10 +188,17 @@ template <typename Tile, int TY, bool GLU> __device__ void expert_gemm(const Exp
             load_w(tile + 1);
         }
         for (int d = 0; d < EG_DEPTH; d += 16) {
-            u32 a[4], b[2][4];
+            u32 a[4];
             load_tiles<false>(a, x_at + 2 * d);
-            for (int h = 0; h < 2; h++) load_tiles<false>(b[h], w_at + 2 * (16 * h * EG_STRIDE + d));
-            for (int j = 0; j < 4; j++) mma_16<BF16>(acc[j], a, b[j / 2][2 * (j % 2)], b[j / 2][2 * (j % 2) + 1]);
+            // A fragment of 16 weight rows at a time, used at once (registers for all the warp's
+            // rows would cost the second block a multiprocessor).
+#pragma unroll
+            for (int h = 0; h < WARP_ROWS / 16; h++) {
+                u32 b[4];
+                load_tiles<false>(b, w_at + 2 * (16 * h * EG_STRIDE + d));
+                mma_16<BF16>(acc[2 * h], a, b[0], b[1]);
+                mma_16<BF16>(acc[2 * h + 1], a, b[2], b[3]);
+            }
         }
         __syncthreads();
     }
@@ -195,14 +209,19 @@ template <typename Tile, int TY, bool GLU> __device__ void expert_gemm(const Exp
     for (int half = 0; half < 2; half++) {
         int slot = warp_slot + g + 8 * half;
         if (slot >= n_slots) continue;
-        float* out = p.out + (u64)(first + slot) * p.n_out;
-        for (int j = 0; j < 4; j++) {
+        u64 row = (u64)(first + slot) * p.n_out;
+        for (int j = 0; j < WARP_ROWS / 8; j++) {
             if (GLU && j % 2) continue;
             bool is_up;
             for (int v = 0; v < 2; v++) {
                 int o = out_first + tile_output<GLU>(warp_row + 8 * j + 2 * c + v, &is_up);
-                float x = acc[j][2 * half + v];
-                if (o < p.n_out) out[o] = GLU ? glu_of(x, acc[j + 1][2 * half + v], p.act) : x;
+                float y = acc[j][2 * half + v];
+                if constexpr (GLU) y = glu_of(y, acc[j + 1][2 * half + v], p.act);
+                if (o >= p.n_out) continue;
+                if (p.out_type == TY_F32)
+                    p.out[row + o] = y;
+                else
+                    ((u16*)p.out)[row + o] = to_16bit(y, p.out_type);
             }
         }
     }

@@ -333,7 +333,9 @@ EXPERT_PRODUCTS(q4_k, QuantRows<TY_Q4_K>)
 EXPERT_PRODUCTS(q6_k, QuantRows<TY_Q6_K>)
 
 // expert_down_sum on the hidden rows quantized to int8 (pair i's at row i of xq and xd), a warp
-// taking RowsPerWarp rows of its pick's expert (Q4_K: two).
+// taking RowsPerWarp rows of its pick's expert (Q4_K: two). Held to three blocks a multiprocessor
+// (80 registers): a step's one token has only k x n_out rows, and more blocks resident take them
+// in fewer rounds of memory latency.
 template <int TY>
 __device__ __forceinline__ void expert_down_sum_int(const ExpertDownSumParams& p) {
     expert_down_sum<RowsPerWarp<TY, 1>::value>(p, [&](const Weight& w, int row, int n_rows, u64 pair, float* part) {
@@ -342,9 +344,25 @@ __device__ __forceinline__ void expert_down_sum_int(const ExpertDownSumParams& p
     });
 }
 
+// Q4_K's down products of narrow experts (rows of at most Q4K_NARROW_IN values, one stage of 16
+// groups): a warp takes four rows, so that twice the bytes are in flight a warp and half the
+// blocks are launched; with two rows, 20 of 32 lanes idle on rows of 768 values.
+#define Q4K_NARROW_IN 1024
+__device__ __forceinline__ void expert_down_sum_narrow_q4_k(const ExpertDownSumParams& p) {
+    expert_down_sum<4>(p, [&](const Weight& w, int row, int n_rows, u64 pair, float* part) {
+        kquant_rows<TY_Q4_K, 1, 4, false>(w, w, row, n_rows, p.xq + pair * p.n_in,
+                                          int_scales<TY_Q4_K>(p.xd, pair, p.n_in), part, [] {}, false);
+    });
+}
+extern "C" __global__ void __launch_bounds__(256, 3) expert_down_sum_int_narrow_q4_k(ExpertDownSumParams p) {
+    expert_down_sum_narrow_q4_k(p);
+}
+
 #define EXPERT_PRODUCTS_INT(NAME, TY)                                                                                 \
     extern "C" __global__ void expert_rows_int_glu_##NAME(ExpertProductParams p) { expert_rows_int_glu<TY>(p); }     \
-    extern "C" __global__ void expert_down_sum_int_##NAME(ExpertDownSumParams p) { expert_down_sum_int<TY>(p); }
+    extern "C" __global__ void __launch_bounds__(256, 3) expert_down_sum_int_##NAME(ExpertDownSumParams p) {         \
+        expert_down_sum_int<TY>(p);                                                                                    \
+    }
 EXPERT_PRODUCTS_INT(q8_0, TY_Q8_0)
 EXPERT_PRODUCTS_INT(q4_0, TY_Q4_0)
 EXPERT_PRODUCTS_INT(q4_1, TY_Q4_1)
@@ -438,13 +456,18 @@ extern "C" __global__ void group_pairs_place(GroupPairsParams p) {
     walk_chunk<true>(p, chunk, next);
 }
 
-// Each placed slot's input row, its pair's token's row of x: four values a thread.
+// Each placed slot's input row, its pair's token's row of x: four values a thread, as they are
+// (row_type TY_F32) or in the 16 bits (TY_F16, TY_BF16) that the tensor cores' products take.
 extern "C" __global__ void gather_pairs(GatherPairsParams p) {
     begin_after_inputs();
     u64 per_row = p.dim / 4, placed = p.offsets[p.n_experts];
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < placed * per_row; i += (u64)gridDim.x * blockDim.x) {
         u64 slot = i / per_row;
-        p.rows[i] = p.x[p.pairs[slot] / p.k * per_row + i % per_row];
+        float4 v = p.x[p.pairs[slot] / p.k * per_row + i % per_row];
+        if (p.row_type == TY_F32)
+            ((float4*)p.rows)[i] = v;
+        else
+            ((uint2*)p.rows)[i] = pack_16bit4(v, p.row_type);
     }
 }
 

@@ -76,16 +76,29 @@ __device__ __forceinline__ u32 query_pair(const float* row, const float2* angles
     return pack_f16(v.x * scale, v.y * scale);
 }
 
+// Where a block's query rows come from: row r of a tile of consecutive tokens of one head h is
+// token first + r's query of that head.
+struct TileQueries {
+    u32 first;
+    int n_heads, h;
+    // Row r's row of q (a token's head), and its token (whose angles rotate it).
+    __device__ __forceinline__ u64 operator()(int r, u64* token) const {
+        *token = first + r;
+        return *token * n_heads + h;
+    }
+};
+
 // A lane's query rows (rows g and g + 8 of each of its warp's GROUPS groups of 16) go to shared
 // memory as f16, scaled, rotated where `turns` is given: dimensions d, d + 1 and d + 8, d + 9 of
-// each 16, d = 2c, each pair to `at(row, d)`. A row past the tile (row_pos -1) reads the tile's
-// first and is zeroed, so that the loads need no branch. (The loops over a lane's rows are
-// unrolled here and in the kernels, so that rows, row_pos and the outputs are indexed by constants:
-// a run-time index would put them in local memory.)
-template <int D, int GROUPS, typename At>
-__device__ __forceinline__ void load_queries(const float* q, const float2* turns, int pairing, u32 first,
+// each 16, d = 2c, each pair to `at(row, d)`; `query_of` (as TileQueries) says where each row's
+// query is. A row past the tile (row_pos -1) reads the tile's first and is zeroed, so that the
+// loads need no branch. (The loops over a lane's rows are unrolled here and in the kernels, so that
+// rows, row_pos and the outputs are indexed by constants: a run-time index would put them in local
+// memory.)
+template <int D, int GROUPS, typename QueryOf, typename At>
+__device__ __forceinline__ void load_queries(const float* q, const float2* turns, int pairing,
                                              const int (&rows)[GROUPS][2], const int (&row_pos)[GROUPS][2],
-                                             int n_heads, int h, int c, float score_scale, At at) {
+                                             QueryOf query_of, int c, float score_scale, At at) {
     const float scale = score_scale * FA_LOG2E;
     auto load = [&](auto rotation) {
         constexpr int R = decltype(rotation)::value;
@@ -94,8 +107,8 @@ __device__ __forceinline__ void load_queries(const float* q, const float2* turns
 #pragma unroll
             for (int r = 0; r < 2; r++) {
                 bool valid = row_pos[gr][r] >= 0;
-                u64 token = first + (valid ? rows[gr][r] : 0);
-                const float* row = q + (token * n_heads + h) * D;
+                u64 token;
+                const float* row = q + query_of(valid ? rows[gr][r] : 0, &token) * D;
                 const float2* angles = R == FA_NOT_ROTATED ? nullptr : turns + token * (D / 2);
 #pragma unroll
                 for (int d = 2 * c; d < D; d += 8) {
@@ -185,18 +198,19 @@ __device__ __forceinline__ void online_softmax(float (&s)[GROUPS][KEYS / 8][4], 
     }
 }
 
-// A lane's output rows, divided by their sums, as f32 or as the 16-bit `out_type`.
-template <int GROUPS, int D>
+// A lane's output rows, divided by their sums, as f32 or as the 16-bit `out_type`, each where
+// `query_of` says its query came from.
+template <int GROUPS, int D, typename QueryOf>
 __device__ __forceinline__ void store_rows(const float (&o)[GROUPS][D / 8][4], const float (&l)[GROUPS][2],
                                            const int (&rows)[GROUPS][2], const int (&row_pos)[GROUPS][2],
-                                           u32 first, int n_heads, int h, int c, void* out, int out_type) {
+                                           QueryOf query_of, int c, void* out, int out_type) {
 #pragma unroll
     for (int gr = 0; gr < GROUPS; gr++) {
         float total[2] = {row_sum(l[gr][0]), row_sum(l[gr][1])};  // every lane shuffles, before any leaves
 #pragma unroll
         for (int r = 0; r < 2; r++) {
             if (row_pos[gr][r] < 0) continue;
-            u64 at = ((u64)(first + rows[gr][r]) * n_heads + h) * D + 2 * c;
+            u64 token, at = query_of(rows[gr][r], &token) * D + 2 * c;
             float inv = 1.0f / total[r];
             if (out_type == TY_F32) {
                 for (int n = 0; n < D / 8; n++)
@@ -341,7 +355,8 @@ __device__ void flash_attention(FLASH_ATTENTION_PARAMS) {
     // its rows are past the tile).
     const int warp_last = warp_first < (int)count ? (int)pos0 + min(warp_first + ROWS, (int)count) - 1 : -1;
     const float cap = softcap * FA_LOG2E;  // S is in log2 units
-    load_queries<D>(q, turns, pairing, first, rows, row_pos, n_heads, t.h, c, scale,
+    const TileQueries queries{first, n_heads, t.h};
+    load_queries<D>(q, turns, pairing, rows, row_pos, queries, c, scale,
                     [&](int row, int d) { return (u32*)(fa_shared + 4 * BUFFER + row * ROW) + d / 2; });
     // (The loop's first barrier makes them visible to the warp's ldmatrix.)
 
@@ -415,7 +430,7 @@ __device__ void flash_attention(FLASH_ATTENTION_PARAMS) {
             }
         });
 
-    store_rows<GROUPS, D>(o, l, rows, row_pos, first, n_heads, t.h, c, out, out_type);
+    store_rows<GROUPS, D>(o, l, rows, row_pos, queries, c, out, out_type);
 }
 
 // Three blocks a multiprocessor of one group a warp, two of two (a thread then holds 64 output

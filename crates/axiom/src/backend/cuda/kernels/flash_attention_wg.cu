@@ -109,7 +109,8 @@ __device__ void flash_attention_wg(FLASH_ATTENTION_PARAMS) {
     const int group_last =
         group_first < (int)count ? (int)pos0 + min(group_first + 64, (int)count) - 1 : -1;
     const float cap = softcap * FA_LOG2E;  // S is in log2 units
-    load_queries<D>(q, turns, pairing, t.first, rows, row_pos, n_heads, t.h, c, scale, [&](int row, int d) {
+    const TileQueries queries{t.first, n_heads, t.h};
+    load_queries<D>(q, turns, pairing, rows, row_pos, queries, c, scale, [&](int row, int d) {
         return (u32*)(q_generic + d / 64 * Q_PANEL + swizzled(row, d % 64 / 8) + d % 8 * 2);
     });
 
@@ -154,7 +155,7 @@ __device__ void flash_attention_wg(FLASH_ATTENTION_PARAMS) {
             fence_registers(o[0]);
         });
 
-    store_rows<1, D>(o, l, rows, row_pos, t.first, n_heads, t.h, c, out, out_type);
+    store_rows<1, D>(o, l, rows, row_pos, queries, c, out, out_type);
 }
 
 // Two blocks a multiprocessor (128 registers a thread for blocks of two warpgroups).

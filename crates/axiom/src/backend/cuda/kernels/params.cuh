@@ -354,6 +354,7 @@ struct ExpertProductParams {
     int n_experts;
     int rows_per_token;
     int act;
+    int out_type;
 };
 
 struct ExpertDownSumParams {
@@ -383,12 +384,13 @@ struct GroupPairsParams {
 
 struct GatherPairsParams {
     const float4* x;
-    float4* rows;
+    void* rows;
     const u32* pairs;
     const u32* offsets;
     int n_experts;
     int k;
     int dim;
+    int row_type;
 };
 
 struct ExpertsSumParams {

@@ -60,10 +60,6 @@ extern "C" __global__ void rms_norm_pair(RmsNormPairParams p) {
 // norm and the conversion in one pass. Only prefill's many rows take it, so a block is as small as
 // holds its row (up to NORM_LOADS float4 a thread: the host sizes it, norm_16_block) and many rows
 // are in flight.
-__device__ __forceinline__ uint2 pack_16bit4(float4 v, int kind) {
-    return make_uint2((u32)to_16bit(v.x, kind) | ((u32)to_16bit(v.y, kind) << 16),
-                      (u32)to_16bit(v.z, kind) | ((u32)to_16bit(v.w, kind) << 16));
-}
 __device__ __forceinline__ void norm_16(const float4* __restrict__ x, const float4* __restrict__ w,
                                         uint2* __restrict__ out, int dim, float eps, int kind) {
     u64 base = (u64)blockIdx.x * (dim / 4);
