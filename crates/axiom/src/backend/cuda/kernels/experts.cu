@@ -346,7 +346,8 @@ __device__ __forceinline__ void expert_down_sum_int(const ExpertDownSumParams& p
 
 // Q4_K's down products of narrow experts (rows of at most Q4K_NARROW_IN values, one stage of 16
 // groups): a warp takes four rows, so that twice the bytes are in flight a warp and half the
-// blocks are launched; with two rows, 20 of 32 lanes idle on rows of 768 values.
+// blocks are launched, where two rows of 768 values left a token's few rounds of blocks each
+// waiting on little memory.
 #define Q4K_NARROW_IN 1024
 __device__ __forceinline__ void expert_down_sum_narrow_q4_k(const ExpertDownSumParams& p) {
     expert_down_sum<4>(p, [&](const Weight& w, int row, int n_rows, u64 pair, float* part) {
