@@ -6,6 +6,7 @@ use super::kernels::{self, Kernels};
 use super::occupancy::allow_dynamic_shared;
 use super::params::ExpertProductParams;
 use super::CudaBackend;
+use crate::backend::GPU_WEIGHT_TYPES;
 use crate::{Error, Result};
 
 /// Slots a block takes (EG_SLOTS in kernels/expert_gemm.cu).
@@ -29,13 +30,11 @@ fn shared_bytes(rows: usize) -> u32 {
 /// Lets every grouped expert kernel ask for its tiles' shared memory, more than a block has
 /// without asking.
 pub(super) fn allow_expert_gemm_shared(device: &CudaDevice, kernels: &Kernels) -> Result<()> {
-    for name in kernels::kernel_names(device.arch)
-        .iter()
-        .filter(|n| n.starts_with("expert_gemm"))
-    {
-        let suffix = name.trim_start_matches("expert_gemm_").trim_start_matches("glu_");
+    let gemm_types = GPU_WEIGHT_TYPES.iter().filter(|(ty, _)| kernels::has_expert_gemm(*ty));
+    for (glu, (_, suffix)) in gemm_types.flat_map(|t| [(false, t), (true, t)]) {
+        let name = kernels::expert_gemm_kernel(glu, suffix);
         let needed = shared_bytes(rows(suffix));
-        let most = allow_dynamic_shared(device, kernels.get(name)?)?;
+        let most = allow_dynamic_shared(device, kernels.get(&name)?)?;
         if most < needed {
             return Err(Error::Backend(format!(
                 "{name} needs {needed} bytes of shared memory a block; the device allows {most}"

@@ -139,6 +139,13 @@ pub fn expert_down_sum_kernel(int8: bool, ty: &str) -> String {
     format!("expert_down_sum{int8}_{ty}")
 }
 
+/// Whether weights of type `ty` have grouped expert kernels on the tensor cores
+/// (kernels/expert_gemm.cu): every type but f32, which the tensor cores do not take, and FP8,
+/// whose codes are not `int_chunk`'s.
+pub fn has_expert_gemm(ty: GgmlType) -> bool {
+    !matches!(ty, GgmlType::F32 | GgmlType::Fp8)
+}
+
 /// Q4_K's fused down products and sum on int8 activations for experts of narrow rows (at most
 /// `Q4K_NARROW_IN` values), four rows a warp.
 pub const EXPERT_DOWN_SUM_NARROW_Q4K: &str = "expert_down_sum_int_narrow_q4_k";
@@ -263,9 +270,7 @@ pub fn kernel_names(arch: &str) -> Vec<String> {
             .collect()
     };
     let (quantized, integer) = (suffixes(|ty| ty.block_len() > 1), suffixes(has_int8_kernels));
-    // Every type but f32 (which the tensor cores do not take) and FP8 (whose chunks are not
-    // `int_chunk`'s).
-    let sixteen_bit = suffixes(|ty| !matches!(ty, GgmlType::F32 | GgmlType::Fp8));
+    let gemm_types = suffixes(has_expert_gemm);
     names.extend(every_type.iter().map(|ty| format!("embed_{ty}")));
     for glu in [false, true] {
         names.extend(every_type.iter().map(|ty| gemv_normed_kernel(glu, ty)));
@@ -285,7 +290,7 @@ pub fn kernel_names(arch: &str) -> Vec<String> {
         names.extend(every_type.iter().map(|ty| expert_kernel(grouped, glu, ty)));
     }
     for glu in [false, true] {
-        names.extend(sixteen_bit.iter().map(|ty| expert_gemm_kernel(glu, ty)));
+        names.extend(gemm_types.iter().map(|ty| expert_gemm_kernel(glu, ty)));
     }
     names.extend(integer.iter().map(|ty| expert_int_glu_kernel(ty)));
     names.extend(every_type.iter().map(|ty| expert_down_sum_kernel(false, ty)));

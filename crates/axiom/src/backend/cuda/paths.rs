@@ -70,11 +70,11 @@ impl Paths {
     }
 
     /// Whether the expert products of a step whose pairs are grouped by expert may run on the
-    /// tensor cores (f16 or bf16 inputs, tiles of slots) for weights of type `ty`: all but f32's
-    /// and FP8's (whose codes are not `int_chunk`'s), under Fastest. Invariant steps keep every expert product on the row dot products, whose
-    /// sums do not depend on how many pairs share an expert.
+    /// tensor cores (f16 or bf16 inputs, tiles of slots) for weights of type `ty`: those with such
+    /// kernels (`kernels::has_expert_gemm`), under Fastest. Invariant steps keep every expert
+    /// product on the row dot products, whose sums do not depend on how many pairs share an expert.
     pub(super) fn expert_gemm(self, ty: GgmlType) -> bool {
-        self == Paths::Fastest && !matches!(ty, GgmlType::F32 | GgmlType::Fp8)
+        self == Paths::Fastest && kernels::has_expert_gemm(ty)
     }
 
     /// Whether FP8 weights' products may run on the tensor cores: a few tokens' on mma.sync, their
