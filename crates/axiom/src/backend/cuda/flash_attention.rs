@@ -104,8 +104,9 @@ impl FlashBlocks {
 
 /// Splits a step's tokens into runs of one sequence at consecutive positions, at most `tile`
 /// long: `(first token, count)` pairs, flattened, those of several tokens (for
-/// flash_attention.cu) before those of one (for flash_decode.cu), each in token order.
-fn query_tiles(positions: &[u32], token_seqs: &[u32], tile: usize) -> Vec<u32> {
+/// flash_attention.cu) before those of one (for flash_decode.cu), each in token order; and how
+/// many are of one.
+fn query_tiles(positions: &[u32], token_seqs: &[u32], tile: usize) -> (Vec<u32>, usize) {
     let mut tiles: Vec<u32> = Vec::new();
     for t in 0..positions.len() {
         let extends = t > 0
@@ -119,8 +120,9 @@ fn query_tiles(positions: &[u32], token_seqs: &[u32], tile: usize) -> Vec<u32> {
     }
     let (mut several, one): (Vec<[u32; 2]>, Vec<[u32; 2]>) =
         tiles.chunks(2).map(|t| [t[0], t[1]]).partition(|t| t[1] > 1);
+    let n_single = one.len();
     several.extend(one);
-    several.concat()
+    (several.concat(), n_single)
 }
 
 /// A flash-attention step's plan (`Kernels::plan_step`): its blocks, and the query tiles it
@@ -212,8 +214,7 @@ impl CudaBackend {
             },
             None => FlashBlocks::for_step(shape, n_tokens, self.device.multiprocessors, self.flash_warpgroups),
         };
-        let tiles = query_tiles(layout.positions, layout.token_seqs, blocks.tile());
-        let single = tiles.chunks(2).filter(|t| t[1] == 1).count();
+        let (tiles, single) = query_tiles(layout.positions, layout.token_seqs, blocks.tile());
         let grid = |n: usize| {
             u32::try_from(n)
                 .ok()
@@ -349,10 +350,10 @@ mod tests {
         // The one-token tile (sequence 1's decode) goes after the others.
         assert_eq!(
             query_tiles(&positions, &seqs, 128),
-            vec![0, 128, 128, 12, 141, 2, 140, 1]
+            (vec![0, 128, 128, 12, 141, 2, 140, 1], 1)
         );
-        assert_eq!(query_tiles(&positions, &seqs, 64)[..6], [0, 64, 64, 64, 128, 12]);
-        assert!(query_tiles(&[], &[], 64).is_empty());
+        assert_eq!(query_tiles(&positions, &seqs, 64).0[..6], [0, 64, 64, 64, 128, 12]);
+        assert_eq!(query_tiles(&[], &[], 64), (vec![], 0));
     }
 
     #[test]
