@@ -3,16 +3,22 @@
 hidden 2048, 128 experts of FFN 768, 8 a token, 32 query heads of 128 over 4 KV heads, vocab
 151936), beside the device's copy bandwidth and, with --llama-bench, llama.cpp on the same files.
 
-Writes GGUF files (`qwen3moe`, stacked expert tensors as llama.cpp writes them) in bf16, Q8_0 and
-Q4_K (routers and norms in f32), runs `axiom bench --backend cuda` on each, and reports decode
+Writes GGUF files (`qwen3moe`, stacked expert tensors as llama.cpp writes them) in bf16, Q8_0,
+Q4_K, or `q4_k_m`: llama-quantize's Q4_K_M mix for this architecture (Q6_K for the output head and
+for attn_v and the down experts of half the layers, Q4_K elsewhere; routers and norms in f32),
+runs `axiom bench --backend cuda` on each, and reports decode
 against the roofline of the bytes a token reads: the dense matrices, 8 of 128 experts' and one row
 of the embedding table. Needs torch on a CUDA machine (the weights are drawn there) and the disk
-for each file in turn (bf16: 61 GB, Q8_0: 32 GB, Q4_K: 17 GB).
+for each file in turn (bf16: 61 GB, Q8_0: 32 GB, Q4_K: 17 GB, Q4_K_M: 18.6 GB).
 
-    python3 scripts/bench_cuda_moe.py --axiom target/release/axiom [--types q8_0,q4_k] [--dir /root]
-        [--llama-bench llama-bench] [--prompt 512,2048] [--keep] [--layers 48]
+    python3 scripts/bench_cuda_moe.py --axiom target/release/axiom [--types q8_0,q4_k,q4_k_m] [--dir /root]
+        [--llama-bench llama-bench] [--llama-quantize llama-quantize] [--prompt 512,2048] [--keep]
+        [--layers 48]
 
 --layers takes fewer layers (a smaller file, the same per-layer shapes) for quick A/B runs.
+With --llama-quantize, `q4_k_m` is written by llama.cpp's llama-quantize from a Q8_0 file of the
+same weights (its own choice of types; the file's size must match the mix above within 1%, as the
+roofline counts its bytes by that mix).
 """
 import argparse
 import json
@@ -31,21 +37,35 @@ EXPERTS, USED, EXPERT_FFN, VOCAB = 128, 8, 768, 151936
 ARCH = "qwen3moe"
 
 
+def tensor_type(ty, name, layer):
+    """The type of tensor `name` (of layer `layer`, or None) in a file of `ty`. For `q4_k_m`,
+    llama-quantize's Q4_K_M rule for this architecture (128 experts, so none of its 8-expert
+    exceptions): Q6_K for the output head and for attn_v and ffn_down_exps of the layers
+    `more_bits` picks (24 of 48), Q4_K elsewhere."""
+    if ty not in dense.MIXES:
+        return ty
+    more = name in ("attn_v.weight", "ffn_down_exps.weight") and dense.more_bits(layer, LAYERS)
+    return "q6_k" if name == "output.weight" or more else "q4_k"
+
+
 def tensors(ty):
     """(name, dims in GGUF order, type name) of every tensor."""
     q, kv = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
-    out = [("token_embd.weight", (HIDDEN, VOCAB), ty), ("output_norm.weight", (HIDDEN,), "f32"),
-           ("output.weight", (HIDDEN, VOCAB), ty)]
+    out = [("token_embd.weight", (HIDDEN, VOCAB), tensor_type(ty, "token_embd.weight", None)),
+           ("output_norm.weight", (HIDDEN,), "f32"),
+           ("output.weight", (HIDDEN, VOCAB), tensor_type(ty, "output.weight", None))]
     for i in range(LAYERS):
         p = f"blk.{i}."
         out += [(p + "attn_norm.weight", (HIDDEN,), "f32"), (p + "ffn_norm.weight", (HIDDEN,), "f32"),
-                (p + "attn_q_norm.weight", (HEAD_DIM,), "f32"), (p + "attn_k_norm.weight", (HEAD_DIM,), "f32"),
-                (p + "attn_q.weight", (HIDDEN, q), ty), (p + "attn_k.weight", (HIDDEN, kv), ty),
-                (p + "attn_v.weight", (HIDDEN, kv), ty), (p + "attn_output.weight", (q, HIDDEN), ty),
-                (p + "ffn_gate_inp.weight", (HIDDEN, EXPERTS), "f32"),
-                (p + "ffn_gate_exps.weight", (HIDDEN, EXPERT_FFN, EXPERTS), ty),
-                (p + "ffn_up_exps.weight", (HIDDEN, EXPERT_FFN, EXPERTS), ty),
-                (p + "ffn_down_exps.weight", (EXPERT_FFN, HIDDEN, EXPERTS), ty)]
+                (p + "attn_q_norm.weight", (HEAD_DIM,), "f32"), (p + "attn_k_norm.weight", (HEAD_DIM,), "f32")]
+        for name, dims in [("attn_q.weight", (HIDDEN, q)), ("attn_k.weight", (HIDDEN, kv)),
+                           ("attn_v.weight", (HIDDEN, kv)), ("attn_output.weight", (q, HIDDEN)),
+                           ("ffn_gate_inp.weight", (HIDDEN, EXPERTS)),
+                           ("ffn_gate_exps.weight", (HIDDEN, EXPERT_FFN, EXPERTS)),
+                           ("ffn_up_exps.weight", (HIDDEN, EXPERT_FFN, EXPERTS)),
+                           ("ffn_down_exps.weight", (EXPERT_FFN, HIDDEN, EXPERTS))]:
+            router = name == "ffn_gate_inp.weight"
+            out.append((p + name, dims, "f32" if router else tensor_type(ty, name, i)))
     return out
 
 
@@ -74,6 +94,11 @@ def write_gguf(path, ty):
             kv_strings("tokenizer.ggml.tokens", dense.vocabulary(VOCAB)), kv_strings("tokenizer.ggml.merges", []),
             kv_u32("tokenizer.ggml.eos_token_id", 0)]
     dense.write_file(path, meta, tensors(ty), lambda dims, t: random_bytes(dims, t, gen))
+    return reads(ty)
+
+
+def reads(ty):
+    """The bytes of weights a decoded token reads in a file of `ty`."""
     read = 0
     for name, dims, t in tensors(ty):
         if name == "token_embd.weight":
@@ -98,6 +123,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--axiom", required=True)
     ap.add_argument("--llama-bench", help="llama.cpp's llama-bench (a CUDA build), run on the same files")
+    ap.add_argument("--llama-quantize", help="llama.cpp's llama-quantize, to write q4_k_m from a Q8_0 file")
     ap.add_argument("--types", default="bf16,q8_0,q4_k")
     ap.add_argument("--dir", default="/tmp")
     ap.add_argument("--prompt", default="512,2048")
@@ -111,7 +137,17 @@ def main():
     for ty in args.types.split(","):
         path = os.path.join(args.dir, f"qwen3moe-{ty}.gguf")
         t = time.time()
-        read = write_gguf(path, ty)
+        if ty in dense.MIXES and args.llama_quantize:
+            source = os.path.join(args.dir, "qwen3moe-q8_0-source.gguf")
+            write_gguf(source, "q8_0")
+            subprocess.run([args.llama_quantize, "--allow-requantize", source, path, "Q4_K_M"], check=True,
+                           stdout=subprocess.DEVNULL)
+            os.remove(source)
+            read, expected = reads(ty), sum(dense.nbytes(d, t) for _, d, t in tensors(ty))
+            if abs(os.path.getsize(path) / expected - 1) > 0.01:
+                raise SystemExit(f"llama-quantize wrote {os.path.getsize(path)} bytes, the {ty} mix is {expected}")
+        else:
+            read = write_gguf(path, ty)
         print(f"{ty}: wrote {os.path.getsize(path) / 1e9:.2f} GB in {time.time() - t:.0f} s; "
               f"{read / 1e9:.2f} GB read a token", flush=True)
         roofline = bandwidth / read
