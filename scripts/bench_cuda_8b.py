@@ -16,6 +16,10 @@ the CUDA backend.
 
     python3 scripts/bench_cuda_8b.py --axiom target/release/axiom
         [--types bf16,q8_0,q4_k,q6_k,q4_k_m,fp8] [--hf] [--dir /tmp] [--ubatch 512]
+        [--llama-quantize llama-quantize]
+
+With --llama-quantize, `q4_k_m` is written by llama.cpp's llama-quantize from a Q8_0 file of the
+same weights (its own choice of types, which must come to the mix's size within 1%).
 """
 import argparse
 import json
@@ -143,7 +147,26 @@ def write_gguf(path, ty):
             kv_string("tokenizer.ggml.pre", "default"), kv_strings("tokenizer.ggml.tokens", vocabulary()),
             kv_strings("tokenizer.ggml.merges", []), kv_u32("tokenizer.ggml.eos_token_id", 0)]
     write_file(path, meta, tensors(ty), lambda dims, t: random_bytes(dims, t, gen))
+    return reads(ty)
+
+
+def reads(ty):
+    """The bytes of the matrices a token reads in a file of `ty` (all but the embedding)."""
     return sum(nbytes(d, t) for n, d, t in tensors(ty) if len(d) == 2 and n != "token_embd.weight")
+
+
+def quantize_with(llama_quantize, path, write_source, mix, tensor_list):
+    """Writes `path` in llama.cpp's `mix` (q4_k_m) by `llama_quantize` from the Q8_0 file that
+    `write_source(source)` writes beside it, and refuses the result unless its size is that of
+    `tensor_list` (the mix as these scripts lay it out) within 1%: the rooflines count its bytes so."""
+    source = path + ".q8_0-source"
+    write_source(source)
+    subprocess.run([llama_quantize, "--allow-requantize", source, path, mix.upper()], check=True,
+                   stdout=subprocess.DEVNULL)
+    os.remove(source)
+    expected = sum(nbytes(d, t) for _, d, t in tensor_list)
+    if abs(os.path.getsize(path) / expected - 1) > 0.01:
+        raise SystemExit(f"llama-quantize wrote {os.path.getsize(path)} bytes, the {mix} mix is {expected}")
 
 
 def write_file(path, meta, tensor_list, draw):
@@ -277,6 +300,7 @@ def main():
     ap.add_argument("--hf", action="store_true")
     ap.add_argument("--prompt", default="512,2048")
     ap.add_argument("--ubatch", default="512", help="most prompt tokens in one axiom step (llama-bench's -ub)")
+    ap.add_argument("--llama-quantize", help="llama.cpp's llama-quantize, to write q4_k_m from a Q8_0 file")
     args = ap.parse_args()
     bandwidth = copy_bandwidth()
     print(f"device-to-device copy: {bandwidth / 1e12:.2f} TB/s (read + write)", flush=True)
@@ -292,7 +316,11 @@ def main():
             file_bytes = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
         else:
             path = os.path.join(args.dir, f"llama3-8b-random-{ty}.gguf")
-            weight_bytes = write_gguf(path, ty)
+            if ty in MIXES and args.llama_quantize:
+                quantize_with(args.llama_quantize, path, lambda source: write_gguf(source, "q8_0"), ty, tensors(ty))
+                weight_bytes = reads(ty)
+            else:
+                weight_bytes = write_gguf(path, ty)
             file_bytes = os.path.getsize(path)
         print(f"{ty}: wrote {file_bytes / 1e9:.2f} GB in {time.time() - t:.0f} s", flush=True)
         out = subprocess.run([args.axiom, "bench", "--backend", "cuda", "-m", path, "-p", args.prompt, "-n", "128", "-r", "3",

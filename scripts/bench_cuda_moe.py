@@ -138,14 +138,8 @@ def main():
         path = os.path.join(args.dir, f"qwen3moe-{ty}.gguf")
         t = time.time()
         if ty in dense.MIXES and args.llama_quantize:
-            source = os.path.join(args.dir, "qwen3moe-q8_0-source.gguf")
-            write_gguf(source, "q8_0")
-            subprocess.run([args.llama_quantize, "--allow-requantize", source, path, "Q4_K_M"], check=True,
-                           stdout=subprocess.DEVNULL)
-            os.remove(source)
-            read, expected = reads(ty), sum(dense.nbytes(d, t) for _, d, t in tensors(ty))
-            if abs(os.path.getsize(path) / expected - 1) > 0.01:
-                raise SystemExit(f"llama-quantize wrote {os.path.getsize(path)} bytes, the {ty} mix is {expected}")
+            dense.quantize_with(args.llama_quantize, path, lambda source: write_gguf(source, "q8_0"), ty, tensors(ty))
+            read = reads(ty)
         else:
             read = write_gguf(path, ty)
         print(f"{ty}: wrote {os.path.getsize(path) / 1e9:.2f} GB in {time.time() - t:.0f} s; "
