@@ -43,13 +43,15 @@ def more_bits(i, n):
     return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
 
 
-def tensor_type(ty, name, layer):
-    """The type of tensor `name` (of layer `layer`, or None) in a file of `ty`."""
-    if ty != "q4_k_m":
+def tensor_type(ty, name, layer, n_layers):
+    """The type of tensor `name` (of layer `layer` of `n_layers`, or None) in a file of `ty`. For
+    `q4_k_m`, llama-quantize's rule for models of more than 8 experts or none (both scripts'):
+    Q6_K for the output head and for attn_v and the down projections (ffn_down, ffn_down_exps) of
+    the layers `more_bits` picks, Q4_K elsewhere."""
+    if ty not in MIXES:
         return ty
-    if name == "output.weight" or (name in ("attn_v.weight", "ffn_down.weight") and more_bits(layer, LAYERS)):
-        return "q6_k"
-    return "q4_k"
+    more = (name == "attn_v.weight" or name.startswith("ffn_down")) and more_bits(layer, n_layers)
+    return "q6_k" if name == "output.weight" or more else "q4_k"
 
 
 def kv_string(key, value):
@@ -79,9 +81,9 @@ def kv_strings(key, values):
 
 def tensors(ty):
     """(name, dims in GGUF order, type name) of every tensor."""
-    out = [("token_embd.weight", (HIDDEN, VOCAB), tensor_type(ty, "token_embd.weight", None)),
+    out = [("token_embd.weight", (HIDDEN, VOCAB), tensor_type(ty, "token_embd.weight", None, LAYERS)),
            ("output_norm.weight", (HIDDEN,), "f32"),
-           ("output.weight", (HIDDEN, VOCAB), tensor_type(ty, "output.weight", None))]
+           ("output.weight", (HIDDEN, VOCAB), tensor_type(ty, "output.weight", None, LAYERS))]
     for i in range(LAYERS):
         p = f"blk.{i}."
         out += [(p + "attn_norm.weight", (HIDDEN,), "f32"), (p + "ffn_norm.weight", (HIDDEN,), "f32")]
@@ -89,7 +91,7 @@ def tensors(ty):
                            ("attn_v.weight", (HIDDEN, 1024)), ("attn_output.weight", (HIDDEN, HIDDEN)),
                            ("ffn_gate.weight", (HIDDEN, FFN)), ("ffn_up.weight", (HIDDEN, FFN)),
                            ("ffn_down.weight", (FFN, HIDDEN))]:
-            out.append((p + name, dims, tensor_type(ty, name, i)))
+            out.append((p + name, dims, tensor_type(ty, name, i, LAYERS)))
     return out
 
 

@@ -37,23 +37,12 @@ EXPERTS, USED, EXPERT_FFN, VOCAB = 128, 8, 768, 151936
 ARCH = "qwen3moe"
 
 
-def tensor_type(ty, name, layer):
-    """The type of tensor `name` (of layer `layer`, or None) in a file of `ty`. For `q4_k_m`,
-    llama-quantize's Q4_K_M rule for this architecture (128 experts, so none of its 8-expert
-    exceptions): Q6_K for the output head and for attn_v and ffn_down_exps of the layers
-    `more_bits` picks (24 of 48), Q4_K elsewhere."""
-    if ty not in dense.MIXES:
-        return ty
-    more = name in ("attn_v.weight", "ffn_down_exps.weight") and dense.more_bits(layer, LAYERS)
-    return "q6_k" if name == "output.weight" or more else "q4_k"
-
-
 def tensors(ty):
     """(name, dims in GGUF order, type name) of every tensor."""
     q, kv = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
-    out = [("token_embd.weight", (HIDDEN, VOCAB), tensor_type(ty, "token_embd.weight", None)),
+    out = [("token_embd.weight", (HIDDEN, VOCAB), dense.tensor_type(ty, "token_embd.weight", None, LAYERS)),
            ("output_norm.weight", (HIDDEN,), "f32"),
-           ("output.weight", (HIDDEN, VOCAB), tensor_type(ty, "output.weight", None))]
+           ("output.weight", (HIDDEN, VOCAB), dense.tensor_type(ty, "output.weight", None, LAYERS))]
     for i in range(LAYERS):
         p = f"blk.{i}."
         out += [(p + "attn_norm.weight", (HIDDEN,), "f32"), (p + "ffn_norm.weight", (HIDDEN,), "f32"),
@@ -65,7 +54,7 @@ def tensors(ty):
                            ("ffn_up_exps.weight", (HIDDEN, EXPERT_FFN, EXPERTS)),
                            ("ffn_down_exps.weight", (EXPERT_FFN, HIDDEN, EXPERTS))]:
             router = name == "ffn_gate_inp.weight"
-            out.append((p + name, dims, "f32" if router else tensor_type(ty, name, i)))
+            out.append((p + name, dims, "f32" if router else dense.tensor_type(ty, name, i, LAYERS)))
     return out
 
 
